@@ -1,0 +1,29 @@
+"""ssa_flash: fused attention kernels for Scaled Signed Averaging (SSA) and adaptive-temperature
+softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    >>> import ssa_flash
+    >>> out = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=1.0, n=1.5)
+
+``ssa_flash.reference`` holds the same functions written naively: the specification in code.
+"""
+from . import reference
+from .ops import (
+    BackendUnavailableError,
+    adaptive_temperature_attention,
+    attention_entropy,
+    available_backends,
+    softmax_attention,
+    ssa_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ssa_attention",
+    "softmax_attention",
+    "adaptive_temperature_attention",
+    "attention_entropy",
+    "available_backends",
+    "BackendUnavailableError",
+    "reference",
+]

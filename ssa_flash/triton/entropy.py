@@ -1,0 +1,78 @@
+"""Statistics pass: per-row entropy and log-sum-exp of ``softmax(l)``, streamed over keys (QK^T
+only, no V), for the adaptive temperature and for ``attention_entropy``.
+
+Per row it keeps the running max ``m``, ``lam = sum exp(l - m)`` and the centred
+``kc = sum exp(l - m) * (l - m)``; then ``H = log(lam) - kc / lam`` and ``lse = m + log(lam)``.
+This equals the paper's ``H = m + log(Lam) - K / Lam`` with ``K = sum exp(l - m) l``, without the
+cancellation between ``m`` and ``K / Lam`` when logits are large. In base-2 units when ``m``
+grows to ``m'``, with ``a = 2^(m - m')``: ``lam' = a lam``, ``kc' = a (kc + lam (m - m'))``.
+"""
+import triton
+import triton.language as tl
+
+from .common import LN2, combine_scale, logit_tile, safe_row_max
+
+
+@triton.jit
+def row_entropy_kernel(
+    Q, K, ENT, LSE, B_SSA, N_SSA, MASK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    H, Lq, Lk, D, GROUP, num_m_blocks, scale_hi, scale_lo,
+    SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = (pid // num_m_blocks).to(tl.int64)
+    off_b = bh // H
+    off_h = bh % H
+    off_kv = off_h // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    k_base = K + off_b * stride_kb + off_kv * stride_kh
+    mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+
+    scale = combine_scale(scale_hi, scale_lo, ACC)
+    b = 0.0
+    n = 0.0
+    if SSA:
+        b = tl.load(B_SSA + off_h).to(ACC)
+        n = tl.load(N_SSA + off_h).to(ACC)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+    lam = tl.zeros((BLOCK_M,), dtype=ACC)
+    kc = tl.zeros((BLOCK_M,), dtype=ACC)
+    hi = Lk
+    if CAUSAL:
+        hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
+        z, phi2, l2 = logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
+                                 mask_base, stride_mask_m, stride_mask_n,
+                                 SSA, CAUSAL, MASK_KIND, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(l2, 1))
+        m_safe = safe_row_max(m_new)
+        shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)  # lam is 0 while m_i is -inf
+        alpha = tl.exp2(shift)
+        centred = tl.where(l2 == float("-inf"), 0.0, l2 - m_safe[:, None])
+        p = tl.exp2(centred)
+        p = tl.where(l2 == float("-inf"), 0.0, p)
+        kc = alpha * (kc + lam * shift) + tl.sum(p * centred, 1)
+        lam = lam * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    empty = lam == 0.0
+    safe_lam = tl.where(empty, 1.0, lam)
+    ent = tl.where(empty, 0.0, (tl.log2(safe_lam) - kc / safe_lam) * LN2)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(safe_lam)) * LN2)
+    tl.store(ENT + bh * Lq + offs_m, ent, mask=row_ok)
+    tl.store(LSE + bh * Lq + offs_m, lse, mask=row_ok)

@@ -1,0 +1,239 @@
+"""Host side of the Triton kernels: block sizes, strides, grids, launches.
+
+Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
+``v (B, Hkv, Lk, Dv)`` with any strides; ``mask`` is None or a boolean / floating tensor already
+expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
+``(Hq,)`` tensors in the accumulation dtype. Per-row statistics are contiguous ``(B, Hq, Lq)``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from .common import MASK_ADD, MASK_BOOL, MASK_NONE
+from .entropy import row_entropy_kernel
+from .forward import attention_fwd_kernel
+
+_MAX_GRID = 2**31 - 1
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the kernels compute, apart from the tensors."""
+
+    scale: float
+    causal: bool
+    group: int  # query heads per key/value head (GQA); 1 without GQA
+    ssa: bool
+    adaptive: bool
+
+
+class TemperatureState(NamedTuple):
+    """Per-row tensors ``(B, Hq, Lq)`` of the adaptive temperature, kept for the backward."""
+
+    beta: torch.Tensor  # the temperature applied to the row
+    lse_l: torch.Tensor  # log-sum-exp of the temperature-free row l
+    entropy: torch.Tensor  # H = entropy of softmax(l)
+    dbeta_dh: torch.Tensor  # d beta / d H where the temperature is active, else 0
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    m: int
+    n: int
+    warps: int
+    stages: int
+
+
+def _acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _head_block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _block_candidates(device: torch.device, head_block: int, dtype: torch.dtype, kernel: str):
+    """Block sizes to try, largest first. Under the interpreter small blocks make the tests cross
+    block boundaries at small lengths. On a GPU the first candidate that fits the shared memory and
+    registers is used (see ``_launch``)."""
+    if interpreting() or device.type != "cuda":
+        return [_Blocks(16, 16, 4, 1)]
+    wide = dtype in (torch.float32, torch.float64)
+    if kernel == "fwd":
+        if head_block <= 64:
+            cands = [_Blocks(128, 64, 4, 3), _Blocks(64, 64, 4, 2)]
+        elif head_block <= 128:
+            cands = [_Blocks(128, 64, 8, 3), _Blocks(64, 64, 4, 2)]
+        else:
+            cands = [_Blocks(64, 32, 4, 2)]
+    else:
+        if head_block <= 64:
+            cands = [_Blocks(64, 64, 4, 2)]
+        elif head_block <= 128:
+            cands = [_Blocks(64, 64, 8, 2), _Blocks(32, 64, 4, 2)]
+        else:
+            cands = [_Blocks(32, 32, 4, 1)]
+    if wide:
+        cands = [_Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
+    return cands + [_Blocks(32, 32, 4, 1), _Blocks(16, 16, 4, 1)]
+
+
+_chosen_blocks: dict = {}
+
+
+def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
+    """Launch ``kernel`` with the first block candidate that compiles within the GPU's resources."""
+    key = (name, device, head_block, dtype, tuple(sorted(consts.items())))
+    cands = _block_candidates(device, head_block, dtype, name)
+    if key in _chosen_blocks:
+        cands = [_chosen_blocks[key]]
+    last_err = None
+    for blk in cands:
+        grid = grid_fn(blk)
+        if grid[0] > _MAX_GRID:
+            raise ValueError(f"ssa_flash: problem too large for one launch ({grid[0]} programs)")
+        extra = {} if interpreting() else {"num_warps": blk.warps, "num_stages": blk.stages}
+        try:
+            kernel[grid](*args(blk), **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+        except triton.runtime.errors.OutOfResources as err:  # too much shared memory / registers
+            last_err = err
+            continue
+        _chosen_blocks[key] = blk
+        return blk
+    raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
+
+
+def _split_scale(scale: float):
+    """Python floats reach kernels as float32: pass the scale as float32 head + remainder."""
+    hi = float(np.float32(scale))
+    return hi, float(np.float32(scale - hi))
+
+
+def _mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
+    if mask is None:
+        return like, MASK_NONE, (0, 0, 0, 0)
+    kind = MASK_BOOL if mask.dtype == torch.bool else MASK_ADD
+    return mask, kind, tuple(mask.stride())
+
+
+def _common_consts(q, spec: AttentionSpec, mask_kind):
+    return dict(
+        SSA=spec.ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
+        BLOCK_D=_head_block(q.shape[-1]), ACC=_acc_dtype(q.dtype), DOT_PRECISION="ieee",
+    )
+
+
+def _stat_tensor(q):
+    B, H, Lq, _ = q.shape
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty((B, H, Lq), device=q.device, dtype=dtype)
+
+
+def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+    """Entropy and log-sum-exp of ``softmax(l)`` per row, each ``(B, Hq, Lq)``, O(L) memory."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    ent, lse_l = _stat_tensor(q), _stat_tensor(q)
+    mask_t, mask_kind, ms = _mask_args(mask, q)
+    ssa_b = b if spec.ssa else q
+    ssa_n = n if spec.ssa else q
+    consts = _common_consts(q, spec, mask_kind)
+
+    def args(blk):
+        return (q, k, ent, lse_l, ssa_b, ssa_n, mask_t, *q.stride(), *k.stride(), *ms,
+                H, Lq, Lk, D, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale))
+
+    _launch(row_entropy_kernel, "stats", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), args, consts,
+            q.device, consts["BLOCK_D"], q.dtype)
+    return ent, lse_l
+
+
+def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+    """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``."""
+    B, H, Lq, D = q.shape
+    Lk, DV = k.shape[2], v.shape[3]
+    o = torch.empty((B, H, Lq, DV), device=q.device, dtype=q.dtype)
+    lse = _stat_tensor(q)
+    mask_t, mask_kind, ms = _mask_args(mask, q)
+    consts = _common_consts(q, spec, mask_kind)
+    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+
+    def args(blk):
+        return (q, k, v, o, lse, beta if spec.adaptive else q, b if spec.ssa else q,
+                n if spec.ssa else q, mask_t,
+                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *ms,
+                H, Lq, Lk, D, DV, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale))
+
+    _launch(attention_fwd_kernel, "fwd", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), args, consts,
+            q.device, max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype)
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+             spec: AttentionSpec):
+    """Gradients ``(dq, dk, dv, db, dn)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax.
+
+    ``dlse`` (or None) is the gradient reaching the returned LSE: since ``d lse_i / d S'_ij = P'_ij``
+    it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``).
+    """
+    B, H, Lq, D = q.shape
+    HKV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    delta = _stat_tensor(q)
+    acc_torch = delta.dtype
+    mask_t, mask_kind, ms = _mask_args(mask, q)
+    consts = _common_consts(q, spec, mask_kind)
+    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+    head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
+    if spec.adaptive:
+        beta, lse_l, ent, dbeta_dh = temp
+        g = _stat_tensor(q)
+    else:
+        beta = lse_l = ent = dbeta_dh = g = q
+    ssa_b = b if spec.ssa else q
+    ssa_n = n if spec.ssa else q
+    scale_args = _split_scale(spec.scale)
+    parts = {}
+
+    def dq_args(blk):
+        num_m = triton.cdiv(Lq, blk.m)
+        if spec.ssa:
+            parts["db"] = torch.empty((B * H * num_m,), device=q.device, dtype=acc_torch)
+            parts["dn"] = torch.empty((B * H * num_m,), device=q.device, dtype=acc_torch)
+        db_part = parts.get("db", q)
+        dn_part = parts.get("dn", q)
+        return (q, k, v, o, do, lse, dlse if dlse is not None else q, dq, delta, beta, lse_l, ent, dbeta_dh, g,
+                ssa_b, ssa_n, db_part, dn_part, mask_t,
+                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *ms,
+                H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
+
+    _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
+            dict(consts, HAS_DLSE=dlse is not None), q.device, head_block, q.dtype)
+
+    def dkdv_args(blk):
+        return (q, k, v, do, lse, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ms,
+                H, HKV, Lq, Lk, D, DV, spec.group, triton.cdiv(Lk, blk.n), *scale_args)
+
+    _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(Lk, blk.n) * B * HKV,),
+            dkdv_args, consts, q.device, head_block, q.dtype)
+    db = dn = None
+    if spec.ssa:
+        db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
+        dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
+    return dq, dk, dv, db, dn
