@@ -1,0 +1,64 @@
+"""Shared helpers for the tests: devices, dtypes, input builders and FlashAttention's error rule."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# The interpreter's tl.dot is exact for float64/32/16 but not bfloat16 (see DEVELOPERS guide).
+KERNEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.float64]
+LOW_PRECISION = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETER), reason="needs CUDA or TRITON_INTERPRET=1")
+
+MODES = ["softmax", "ssa", "adaptive", "ssa_adaptive"]
+
+
+def make_qkv(B=1, Hq=2, Hkv=None, Lq=19, Lk=None, D=16, Dv=None, dtype=torch.float32,
+             device=DEVICE, requires_grad=True, q_scale=1.0, seed=0):
+    Hkv = Hq if Hkv is None else Hkv
+    Lk = Lq if Lk is None else Lk
+    Dv = D if Dv is None else Dv
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=torch.float64) * q_scale
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=torch.float64)
+    return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def head_params(H, dtype=torch.float32, device=DEVICE, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    b = (0.5 + torch.rand(H, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype)
+    n = (1.0 + 1.5 * torch.rand(H, generator=g, dtype=torch.float64)).to(device=device, dtype=dtype)
+    return b.requires_grad_(), n.requires_grad_()
+
+
+def call(module, mode, q, k, v, b=None, n=None, **kw):
+    """Runs one of the four variants through ``module`` (ssa_flash or ssa_flash.reference)."""
+    if mode == "softmax":
+        return module.softmax_attention(q, k, v, **kw)
+    if mode == "adaptive":
+        return module.adaptive_temperature_attention(q, k, v, **kw)
+    return module.ssa_attention(q, k, v, b=b, n=n, adaptive_temperature=(mode == "ssa_adaptive"), **kw)
+
+
+def detached_copy(t, dtype=None):
+    if t is None or not isinstance(t, torch.Tensor):
+        return t
+    out = t.detach().to(dtype or t.dtype)
+    return out.requires_grad_(t.requires_grad)
+
+
+def fa_tolerance_check(name, ours, naive, gold, floor):
+    """FlashAttention's rule: |ours - gold| <= 2 * |naive - gold| + floor (max norms), where
+    ``naive`` is the materialised reference in the same precision as ``ours``."""
+    ours_err = (ours.double() - gold.double()).abs().nan_to_num(posinf=1e30).max().item()
+    naive_err = (naive.double() - gold.double()).abs().nan_to_num(posinf=1e30).max().item()
+    assert ours_err <= 2 * naive_err + floor, f"{name}: error {ours_err:.3g} > 2 * naive {naive_err:.3g} + {floor:g}"
+
+
+FLOORS = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
