@@ -139,7 +139,10 @@ def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
             raise ValueError(f"{name} must be a number or a tensor of shape () or ({heads},) (one per query head), got {tuple(x.shape)}")
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but query is on {like.device}")
-        if x.device.type == "cpu" and not x.requires_grad and bool((x <= 0).any() | ~torch.isfinite(x).all()):
+        # Reads the values, so only where that costs no device sync (CPU) and not while
+        # torch.compile traces (a data-dependent branch would break the graph).
+        if (x.device.type == "cpu" and not x.requires_grad and not torch.compiler.is_compiling()
+                and bool((x <= 0).any() | ~torch.isfinite(x).all())):
             raise ValueError(f"{name} must be finite and > 0 for every head")
         return x.to(acc).expand(heads).contiguous()
     value = _check_number(name, x, positive=True)
