@@ -1,0 +1,167 @@
+"""The benchmark harness cannot rot: its CPU smoke mode runs end to end (Triton interpreter), and
+the pieces (FLOP count, ratio table, time budget, out-of-memory rows) are checked on their own."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ssa_flash.bench import impls, report, runner, timing  # noqa: E402
+
+TOP_FIELDS = {"device", "date", "torch", "triton", "cuda", "matmul_tflops", "gpu_tests", "rows"}
+ROW_FIELDS = {"op", "impl", "pass", "dtype", "batch", "heads", "seqlen", "headdim", "causal", "ms",
+              "tflops", "peak_mem_bytes"}
+DESIGN_IMPLS = {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
+                "sdpa.math", "flex", "reference"}
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_INTERPRET"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke mode is the CPU path, even on a GPU machine
+    return env
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    tests_json = out / "gpu_tests.json"
+    tests_json.write_text(json.dumps({"passed": 3, "failed": 0, "skipped": 1}))
+    proc = subprocess.run([sys.executable, "-m", "ssa_flash.bench", "--smoke", "--out", str(out),
+                           "--gpu-tests-json", str(tests_json)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    return proc, out
+
+
+def test_smoke_runs_and_writes_results(smoke):
+    proc, out = smoke
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.glob("*.json") if p.name != "gpu_tests.json")
+    assert len(files) == 1 and re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu\.json", files[0]), files
+    results = json.loads((out / files[0]).read_text())
+    assert TOP_FIELDS <= set(results)
+    assert results["gpu_tests"] == {"passed": 3, "failed": 0, "skipped": 1}
+    assert results["matmul_tflops"] > 0
+    assert "[" in proc.stderr and "ms" in proc.stderr  # progress lines
+    assert "Ratios for ssa_flash.triton" in proc.stdout
+
+
+def test_smoke_rows_schema_and_values(smoke):
+    proc, out = smoke
+    path = next(p for p in out.glob("*-cpu.json"))
+    rows = json.loads(path.read_text())["rows"]
+    assert rows
+    for r in rows:
+        assert ROW_FIELDS <= set(r), r
+        assert r["op"] in impls.OPS and r["impl"] in DESIGN_IMPLS and r["pass"] in impls.PASSES
+        assert r["dtype"] == "float32" and isinstance(r["causal"], bool)
+        assert all(isinstance(r[k], int) and r[k] > 0 for k in ("batch", "heads", "seqlen", "headdim"))
+        if r["ms"] is None:
+            assert r.get("note"), r
+            continue
+        assert math.isfinite(r["ms"]) and r["ms"] > 0
+        assert math.isfinite(r["tflops"]) and r["tflops"] > 0
+        fl = timing.attention_flops(r["batch"], r["heads"], r["seqlen"], r["seqlen"], r["headdim"],
+                                    r["causal"], r["pass"])
+        assert r["tflops"] == pytest.approx(fl / (r["ms"] * 1e-3) / 1e12, rel=1e-3)
+    measured = {(r["op"], r["impl"], r["pass"]) for r in rows if r["ms"] is not None}
+    for op in impls.OPS:
+        for p in impls.PASSES:
+            assert (op, "ssa_flash.triton", p) in measured, (op, p)  # the interpreter path ran
+            assert (op, "reference", p) in measured, (op, p)
+    assert ("softmax", "sdpa.math", "fwd") in measured
+    mem = [r for r in rows if r.get("sweep") == "memory"]
+    assert {r["seqlen"] for r in mem} == {16, 32} and all(r["pass"] == "fwd_bwd" for r in mem)
+
+
+def test_smoke_plots(smoke):
+    proc, out = smoke
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plots skipped" in proc.stdout
+        return
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert any("tflops-fwd_bwd" in n for n in pngs) and any("memory" in n for n in pngs), pngs
+    for p in out.glob("*.png"):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_from_json_rerenders(smoke, tmp_path):
+    _, out = smoke
+    path = next(p for p in out.glob("*-cpu.json"))
+    proc = subprocess.run([sys.executable, "-m", "ssa_flash.bench", "--from-json", str(path), "--markdown",
+                           "--no-plots"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| dtype | D | causal |" in proc.stdout
+
+
+def test_flops_follow_design():
+    assert timing.attention_flops(2, 3, 5, 7, 11, False, "fwd") == 4 * 2 * 3 * 5 * 7 * 11
+    assert timing.attention_flops(2, 3, 5, 7, 11, True, "fwd") == 2 * 2 * 3 * 5 * 7 * 11
+    assert timing.attention_flops(1, 1, 8, 8, 8, False, "bwd") == 2.5 * 4 * 8 ** 3
+    assert timing.attention_flops(1, 1, 8, 8, 8, True, "fwd_bwd") == 3.5 * 2 * 8 ** 3
+    assert timing.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    assert timing.tflops(1e12, None) is None
+
+
+def _row(op, impl, pass_, ms, L=1024):
+    return {"op": op, "impl": impl, "pass": pass_, "dtype": "bfloat16", "batch": 16, "heads": 16,
+            "seqlen": L, "headdim": 64, "causal": False, "ms": ms, "tflops": None, "sweep": "speed"}
+
+
+def test_ratio_table_values_and_marks():
+    rows = [_row("ssa", "ssa_flash.triton", "fwd", 2.0), _row("softmax", "sdpa.flash", "fwd", 1.0),
+            _row("ssa", "ssa_flash.triton", "fwd_bwd", 4.0), _row("softmax", "sdpa.flash", "fwd_bwd", 4.0),
+            _row("softmax", "ssa_flash.triton", "fwd", 1.0), _row("adaptive", "ssa_flash.triton", "fwd", 1.5),
+            _row("ssa", "flex", "fwd", None)]
+    tables = report.ratio_tables({"rows": rows, "device": "X", "matmul_tflops": 100.0})
+    (title, headers, body, notes), = tables
+    line = dict(zip(headers, body[0]))
+    assert line["SSA fwd vs sdpa.flash (>=1)"] == "0.50!"  # half the speed: misses the target
+    assert line["SSA f+b vs sdpa.flash (>=0.9)"] == "1.00"
+    assert line["adaptive/softmax fwd (<=1.6)"] == "1.50"
+    assert line["SSA fwd vs flex (>=1.5)"] == "-"  # flex has no time
+    text = report.render_text(tables)
+    assert "0.50!" in text
+
+
+def test_time_budget_and_oom_rows_are_recorded(monkeypatch):
+    cfg = runner.Config(device="cpu", dtype=torch.float32, seqlens=(8,), headdims=(8,), batch_tokens=8,
+                        heads=1, causal=(False,), ops=("softmax",), impls=("reference",),
+                        memory_seqlens=(), matmul_size=16, quiet=True, time_budget_s=0.0)
+    res = runner.Runner(cfg).run()
+    assert res["rows"] and all(r["ms"] is None and "time budget" in r["note"] for r in res["rows"])
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+
+    monkeypatch.setattr(runner, "build_call", oom)
+    cfg.time_budget_s = None
+    res = runner.Runner(cfg).run()
+    assert len(res["rows"]) == 3
+    assert all(r["ms"] is None and r["note"] == "out of memory" for r in res["rows"])
+
+
+def test_reference_rows_measure_on_cpu():
+    cfg = runner.Config(device="cpu", dtype=torch.float32, seqlens=(8,), headdims=(8,), batch_tokens=8,
+                        heads=1, causal=(True,), ops=("ssa",), impls=("reference", "ssa_flash.cuda"),
+                        memory_seqlens=(), matmul_size=16, quiet=True, cpu_reps=1)
+    res = runner.Runner(cfg).run()
+    ref = [r for r in res["rows"] if r["impl"] == "reference"]
+    assert len(ref) == 3 and all(r["ms"] > 0 and r["tflops"] > 0 for r in ref)
+    cuda = [r for r in res["rows"] if r["impl"] == "ssa_flash.cuda"]
+    assert len(cuda) == 3 and all(r["ms"] is None and r["note"] for r in cuda)
+
+
+def test_result_basename():
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu", runner.result_basename(torch.device("cpu")))
+    assert runner.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
