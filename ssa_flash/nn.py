@@ -4,10 +4,12 @@
 calls :func:`ssa_flash.ssa_attention` with them. The paper's constraints (``b > 0``, ``n >= 1``)
 hold by construction through a smooth parametrisation of unconstrained tensors::
 
-    b = softplus(b_raw)            in (0, inf)
-    n = 1 + softplus(n_raw)        in (1, inf)
+    b = B_MIN + softplus(b_raw)    in (B_MIN, inf),  B_MIN = 1e-6
+    n = 1 + softplus(n_raw)        in [1, inf)
 
-so an optimiser can update ``b_raw`` and ``n_raw`` freely. ``.b`` and ``.n`` are the constrained
+so an optimiser can update ``b_raw`` and ``n_raw`` freely. (``B_MIN`` keeps ``b > 0`` when
+``softplus`` underflows to 0 in float32, for ``b_raw`` below about -104; ``n`` reaches 1 only in
+that underflow.) ``.b`` and ``.n`` are the constrained
 values (differentiable functions of the raw tensors).
 """
 from __future__ import annotations
@@ -21,7 +23,9 @@ from torch import Tensor, nn
 
 from .ops import ssa_attention
 
-__all__ = ["SSAttention"]
+__all__ = ["SSAttention", "B_MIN"]
+
+B_MIN = 1e-6  # b = B_MIN + softplus(b_raw) > 0 even where softplus underflows
 
 InitValue = Union[float, Sequence[float], Tensor]
 
@@ -53,7 +57,7 @@ def _init_values(name: str, value: InitValue, heads: int, low: float) -> Tensor:
 
 
 class SSAttention(nn.Module):
-    """Scaled Signed Averaging attention with learnable per-head ``b > 0`` and ``n > 1``.
+    """Scaled Signed Averaging attention with learnable per-head ``b > 0`` and ``n >= 1``.
 
     A drop-in for a ``torch.nn.functional.scaled_dot_product_attention`` call inside a model::
 
@@ -63,7 +67,7 @@ class SSAttention(nn.Module):
 
     Args:
         num_heads: the number of query heads ``Hq``; one ``b`` and one ``n`` per head.
-        b_init: initial ``b`` (paper: 1.0), a number or one value per head; must be > 0.
+        b_init: initial ``b`` (paper: 1.0), a number or one value per head; must be > ``B_MIN`` (1e-6).
         n_init: initial ``n`` (paper: 1.5), a number or one value per head; must be > 1 (the
             parametrisation ``n = 1 + softplus(n_raw)`` reaches 1 only in the limit).
         learnable: if False, ``b_raw`` and ``n_raw`` are buffers (saved in the state dict, not
@@ -76,7 +80,7 @@ class SSAttention(nn.Module):
 
     Attributes:
         b_raw, n_raw: the unconstrained ``(num_heads,)`` tensors (parameters or buffers).
-        b, n: the constrained ``(num_heads,)`` values, ``softplus(b_raw)`` and ``1 + softplus(n_raw)``.
+        b, n: the constrained ``(num_heads,)`` values, ``B_MIN + softplus(b_raw)`` and ``1 + softplus(n_raw)``.
     """
 
     def __init__(self, num_heads: int, b_init: InitValue = 1.0, n_init: InitValue = 1.5,
@@ -98,9 +102,9 @@ class SSAttention(nn.Module):
         self.learnable = learnable
         self.adaptive_temperature = adaptive_temperature
         self.backend = backend
-        b0 = _init_values("b_init", b_init, num_heads, 0.0)
+        b0 = _init_values("b_init", b_init, num_heads, B_MIN)
         n0 = _init_values("n_init", n_init, num_heads, 1.0)
-        b_raw = _inverse_softplus(b0).to(device=device, dtype=dtype)
+        b_raw = _inverse_softplus(b0 - B_MIN).to(device=device, dtype=dtype)
         n_raw = _inverse_softplus(n0 - 1.0).to(device=device, dtype=dtype)
         if learnable:
             self.b_raw = nn.Parameter(b_raw)
@@ -111,20 +115,20 @@ class SSAttention(nn.Module):
 
     @property
     def b(self) -> Tensor:
-        """``softplus(b_raw)``: per-head ``b > 0``, shape ``(num_heads,)``."""
-        return F.softplus(self.b_raw)
+        """``B_MIN + softplus(b_raw)``: per-head ``b > 0``, shape ``(num_heads,)``."""
+        return B_MIN + F.softplus(self.b_raw)
 
     @property
     def n(self) -> Tensor:
-        """``1 + softplus(n_raw)``: per-head ``n > 1``, shape ``(num_heads,)``."""
+        """``1 + softplus(n_raw)``: per-head ``n >= 1``, shape ``(num_heads,)``."""
         return 1.0 + F.softplus(self.n_raw)
 
     @torch.no_grad()
     def reset_parameters(self, b_init: InitValue = 1.0, n_init: InitValue = 1.5) -> None:
         """Sets ``b`` and ``n`` to new values (numbers or one per head)."""
-        b0 = _init_values("b_init", b_init, self.num_heads, 0.0)
+        b0 = _init_values("b_init", b_init, self.num_heads, B_MIN)
         n0 = _init_values("n_init", n_init, self.num_heads, 1.0)
-        self.b_raw.copy_(_inverse_softplus(b0).to(self.b_raw.device))
+        self.b_raw.copy_(_inverse_softplus(b0 - B_MIN).to(self.b_raw.device))
         self.n_raw.copy_(_inverse_softplus(n0 - 1.0).to(self.n_raw.device))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,

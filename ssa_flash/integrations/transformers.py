@@ -53,7 +53,7 @@ try:  # transformers >= 4.53 builds masks per attention implementation
 except ImportError:  # pragma: no cover - older transformers build the masks in the model
     AttentionMaskInterface = sdpa_mask = None
 
-from ..nn import SSAttention
+from ..nn import B_MIN, SSAttention
 
 __all__ = ["enable_ssa", "ssa_attention_forward", "register", "ATTN_IMPLEMENTATION", "CONFIG_KEY"]
 
@@ -140,7 +140,7 @@ def _module_device(module: nn.Module):
 
 
 def _check_settings(b_init, n_init, learnable) -> dict:
-    for name, x, low in (("b_init", b_init, 0.0), ("n_init", n_init, 1.0)):
+    for name, x, low in (("b_init", b_init, B_MIN), ("n_init", n_init, 1.0)):
         if isinstance(x, bool) or not isinstance(x, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(x).__name__}")
         if not float(x) > low or float(x) == float("inf"):
