@@ -168,9 +168,7 @@ def ssa_score_mod(b: torch.Tensor, n: torch.Tensor):
     """FlexAttention ``score_mod`` for SSA: ``phi(z) = n_h sgn(z) log1p(b_h |z|)`` on the scaled
     score, with ``b``, ``n`` per-head tensors captured (gradients flow to them)."""
     def score_mod(score, batch, head, q_idx, kv_idx):
-        bh = b[head]
-        nh = n[head]
-        return nh * torch.where(score >= 0, torch.log1p(bh * score), -torch.log1p(-bh * score))
+        return n[head] * torch.sign(score) * torch.log1p(b[head] * torch.abs(score))
 
     return score_mod
 

@@ -1,0 +1,302 @@
+"""``python -m ssa_flash``: check the kernels against the reference here, then time them.
+
+1. Self-check: each variant (softmax, SSA, adaptive, SSA+adaptive), forward and backward (q, k, v,
+   and b, n for SSA), on small inputs with masks, causality, ``Lq != Lk`` and GQA, on every kernel
+   backend present. FlashAttention's rule: the error against a float64 reference must be at most
+   twice the error of the naive reference run in the same dtype, plus a small floor.
+   On CUDA: float16, bfloat16, float32. Without a GPU: the Triton kernels through Triton's CPU
+   interpreter (``TRITON_INTERPRET=1``, set here before Triton is imported) in float32 and float64.
+2. A small timing table reusing ``ssa_flash.bench`` (CUDA: our kernels vs SDPA's flash backend,
+   median ms; CPU: tiny sizes through the interpreter, which measures the interpreter, not kernels).
+
+Exit status 0 when every check passes, 1 otherwise. ``--help`` for options.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+VARIANTS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
+FLOORS = {"float64": 1e-9, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    hq: int
+    hkv: int
+    lq: int
+    lk: int
+    d: int
+    causal: bool = False
+    mask: Optional[str] = None  # None, "bool" (with one fully masked row) or "float" (with -inf)
+
+
+CASES = (
+    Case("plain", 1, 2, 2, 33, 33, 32),
+    Case("causal Lq<Lk", 2, 2, 2, 17, 29, 24, causal=True),
+    Case("GQA+bool mask", 1, 4, 2, 18, 18, 16, mask="bool"),
+    Case("causal+float mask", 1, 2, 2, 20, 20, 16, causal=True, mask="float"),
+)
+
+
+def _setup_device(force_cpu: bool):
+    """Chooses the device; without a GPU switches on Triton's interpreter before Triton is imported."""
+    import torch
+
+    if torch.cuda.is_available() and not force_cpu:
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if "triton" in sys.modules:
+            print("warning: triton was imported before TRITON_INTERPRET=1 could be set; "
+                  "the Triton kernels may not run on the CPU", file=sys.stderr)
+        os.environ["TRITON_INTERPRET"] = "1"
+    torch.set_num_threads(1)  # tiny CPU ops: waiting OpenMP threads cost more than they give
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------ self-check
+
+
+def make_case_inputs(case: Case, device, seed: int = 0) -> Dict[str, object]:
+    """float64 inputs on ``device``: q, k, v, dout, b, n, and the mask (or None)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    t = {
+        "q": torch.randn(case.batch, case.hq, case.lq, case.d, generator=g, dtype=f64),
+        "k": torch.randn(case.batch, case.hkv, case.lk, case.d, generator=g, dtype=f64),
+        "v": torch.randn(case.batch, case.hkv, case.lk, case.d, generator=g, dtype=f64),
+        "dout": torch.randn(case.batch, case.hq, case.lq, case.d, generator=g, dtype=f64),
+        "b": 0.5 + torch.rand(case.hq, generator=g, dtype=f64),
+        "n": 1.0 + 1.5 * torch.rand(case.hq, generator=g, dtype=f64),
+        "mask": None,
+    }
+    if case.mask == "bool":
+        m = torch.rand(case.batch, 1, case.lq, case.lk, generator=g) > 0.3
+        m[..., 3, :] = False  # a row that can attend to nothing: output 0, gradients 0
+        t["mask"] = m
+    elif case.mask == "float":
+        m = torch.randn(case.batch, case.hq, case.lq, case.lk, generator=g, dtype=f64)
+        m[torch.rand(m.shape, generator=g) < 0.2] = float("-inf")
+        t["mask"] = m
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+
+
+def call_variant(variant: str, backend: str, q, k, v, b, n, mask, case: Case):
+    """One of the four variants through the public API with ``backend``."""
+    import ssa_flash
+
+    kw = dict(attn_mask=mask, is_causal=case.causal, enable_gqa=case.hq != case.hkv, backend=backend)
+    if variant == "softmax":
+        return ssa_flash.softmax_attention(q, k, v, **kw)
+    if variant == "adaptive":
+        return ssa_flash.adaptive_temperature_attention(q, k, v, **kw)
+    return ssa_flash.ssa_attention(q, k, v, b=b, n=n, adaptive_temperature=variant == "ssa_adaptive", **kw)
+
+
+def _run(fn: Callable, variant: str, inputs: Dict[str, object], dtype, case: Case):
+    """Output and gradients of ``fn(q, k, v, b, n, mask)`` with inputs cast to ``dtype``."""
+    import torch
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (inputs[x].detach().to(dtype).requires_grad_() for x in "qkv")
+    ssa = variant in ("ssa", "ssa_adaptive")
+    b = inputs["b"].detach().to(acc).requires_grad_() if ssa else None
+    n = inputs["n"].detach().to(acc).requires_grad_() if ssa else None
+    mask = inputs["mask"]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    out = fn(q, k, v, b, n, mask)
+    wrt = [q, k, v] + ([b, n] if ssa else [])
+    grads = torch.autograd.grad(out, wrt, inputs["dout"].to(out.dtype))
+    names = ["dq", "dk", "dv", "db", "dn"][: len(wrt)]
+    res = {"out": out.detach()}
+    res.update({nm: gr.detach() for nm, gr in zip(names, grads)})
+    return res
+
+
+@dataclass
+class CheckResult:
+    backend: str
+    dtype: str
+    variant: str
+    case: str
+    ok: bool
+    worst: str  # "tensor: err / tol"
+    detail: str = ""
+
+
+def check(variant: str, case: Case, dtype, device, backend: str,
+          fn: Optional[Callable] = None, seed: int = 0) -> CheckResult:
+    """One self-check. ``fn(q, k, v, b, n, mask)`` overrides the backend call (the tests use it to
+    show that a wrong implementation is caught)."""
+    import torch
+
+    dname = str(dtype).replace("torch.", "")
+    inputs = make_case_inputs(case, device, seed)
+    if fn is None:
+        def fn(q, k, v, b, n, mask):
+            return call_variant(variant, backend, q, k, v, b, n, mask, case)
+
+    def ref(q, k, v, b, n, mask):
+        return call_variant(variant, "reference", q, k, v, b, n, mask, case)
+
+    try:
+        gold = _run(ref, variant, inputs, torch.float64, case)
+        naive = _run(ref, variant, inputs, dtype, case)
+        ours = _run(fn, variant, inputs, dtype, case)
+    except Exception as err:
+        msg = " ".join(str(err).split())[:200]
+        return CheckResult(backend, dname, variant, case.name, False, "error", f"{type(err).__name__}: {msg}")
+    ok, worst_ratio, worst = True, -1.0, ""
+    for name, g in gold.items():
+        g = g.double()
+        err = (ours[name].double() - g).abs().max().item()
+        nerr = (naive[name].double() - g).abs().max().item()
+        tol = 2.0 * nerr + FLOORS[dname] * max(1.0, g.abs().max().item())
+        ratio = err / tol if err == err else float("inf")  # NaN fails
+        if not ratio <= 1.0:
+            ok = False
+        if ratio > worst_ratio:
+            worst_ratio, worst = ratio, f"{name}: {err:.2e} / {tol:.2e}"
+    return CheckResult(backend, dname, variant, case.name, ok, worst)
+
+
+def self_check(device, backends: List[str], dtypes, stream=sys.stdout) -> List[CheckResult]:
+    results = []
+    header = f"{'backend':8s} {'dtype':9s} {'variant':13s} {'case':19s} {'worst: error / tolerance':34s} result"
+    print(header, file=stream)
+    print("-" * len(header), file=stream)
+    for backend in backends:
+        for dtype in dtypes:
+            for case in CASES:
+                for variant in VARIANTS:
+                    r = check(variant, case, dtype, device, backend)
+                    results.append(r)
+                    print(f"{r.backend:8s} {r.dtype:9s} {r.variant:13s} {r.case:19s} {r.worst:34s} "
+                          f"{'ok' if r.ok else 'FAIL'}{'  ' + r.detail if r.detail else ''}",
+                          file=stream, flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def timing_table(device, backends: List[str], stream=sys.stdout) -> None:
+    """Median ms of forward and forward+backward, ours vs SDPA's flash backend (softmax)."""
+    import torch
+
+    from .bench import impls, timing
+
+    if device.type == "cuda":
+        shapes = [impls.Shape(4, 16, 2048, 128, causal, torch.bfloat16) for causal in (False, True)]
+        kw = dict(warmup_ms=25, rep_ms=100)
+        note = f"CUDA ({torch.cuda.get_device_name(device)}), median of CUDA-event timings after warm-up"
+    else:
+        shapes = [impls.Shape(1, 2, 32, 32, False, torch.float32)]
+        kw = dict(cpu_reps=1, cpu_warmup=1)
+        note = ("CPU through the Triton interpreter: tiny sizes; these times measure the interpreter "
+                "and say nothing about GPU speed")
+    print(f"\nTiming: {note}", file=stream)
+    ours = [f"ssa_flash.{b}" for b in backends]
+    rows = [(op, impl) for impl in ours for op in impls.OPS] + [("softmax", "sdpa.flash")]
+    header = (f"{'shape':36s} {'op':13s} {'impl':17s} {'fwd ms':>10s} {'fwd+bwd ms':>11s} "
+              f"{'SDPA/ours fwd':>13s} {'SDPA/ours f+b':>13s}")
+    print(header, file=stream)
+    print("-" * len(header), file=stream)
+    for shape in shapes:
+        inputs = impls.make_inputs(shape, device, "ssa")
+        times = {}
+        for op, impl in [rows[-1]] + rows[:-1]:  # SDPA first: the baseline of the ratio columns
+            res = {}
+            for p in ("fwd", "fwd_bwd"):
+                try:
+                    call = impls.build_call(op, impl, shape, inputs, device)
+                    with call.context():
+                        fn, cleanup = impls.pass_fn(call, p, inputs.dout)
+                        res[p] = timing.time_ms(fn, device, **kw)
+                        cleanup()
+                except Exception as err:
+                    res[p] = None
+                    res["note"] = "out of memory" if timing.is_oom(err) else f"{type(err).__name__}: {str(err)[:60]}"
+                timing.free_memory(device)
+            times[(op, impl)] = res
+        base = times[("softmax", "sdpa.flash")]
+        for op, impl in rows:
+            res = times[(op, impl)]
+
+            def f(x):
+                return f"{x:10.3f}" if x is not None else f"{'-':>10s}"
+
+            def ratio(p):
+                if res.get(p) and base.get(p):
+                    return f"{base[p] / res[p]:13.3g}"
+                return f"{'-':>13s}"
+
+            print(f"{shape.describe():36s} {op:13s} {impl:17s} {f(res.get('fwd'))} {f(res.get('fwd_bwd')):>11s} "
+                  f"{ratio('fwd')} {ratio('fwd_bwd')}{'  ' + res['note'] if res.get('note') else ''}",
+                  file=stream, flush=True)
+    print("SDPA/ours: SDPA's flash backend doing softmax, divided by ours (above 1: ours is faster). "
+          "Full benchmark: python -m ssa_flash.bench", file=stream)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ssa_flash", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="check on the CPU through the Triton interpreter even with a GPU")
+    p.add_argument("--no-timing", action="store_true", help="skip the timing table")
+    args = p.parse_args(argv)
+
+    t0 = time.monotonic()
+    device = _setup_device(args.cpu)
+    import torch
+
+    import ssa_flash
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "not installed"
+    backends = [b for b in ssa_flash.available_backends(device) if b != "reference"]
+    if device.type == "cuda":
+        dtypes = [torch.float16, torch.bfloat16, torch.float32]
+        where = f"CUDA: {torch.cuda.get_device_name(device)}"
+    else:
+        dtypes = [torch.float32, torch.float64]
+        where = "CPU, Triton interpreter (no GPU: small sizes)"
+    print(f"ssa_flash {ssa_flash.__version__} self-check on {where}")
+    print(f"torch {torch.__version__}, triton {triton_version}, CUDA {torch.version.cuda}; "
+          f"kernel backends here: {', '.join(backends) or 'none'}")
+    if not backends:
+        print("FAILED: no kernel backend can run here (install triton; on the CPU it runs through "
+              "TRITON_INTERPRET=1), so nothing was checked")
+        return 1
+    print("rule: max|ours - float64 reference| <= 2 * max|naive reference in the same dtype - float64 "
+          "reference| + floor * max(1, max|float64 reference|), for out, dq, dk, dv (db, dn for SSA); "
+          f"floors {', '.join(f'{k} {v:g}' for k, v in FLOORS.items() if k in [str(d).replace('torch.', '') for d in dtypes])}\n")
+    results = self_check(device, backends, dtypes)
+    failed = [r for r in results if not r.ok]
+    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed "
+          f"({time.monotonic() - t0:.1f} s)" + ("" if not failed else f"; {len(failed)} FAILED"))
+    if not args.no_timing:
+        try:
+            timing_table(device, backends)
+        except Exception as err:  # timing is informative; the exit status reflects the checks
+            print(f"timing table failed: {type(err).__name__}: {err}")
+    print(f"\n{'FAILED' if failed else 'OK'} ({time.monotonic() - t0:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
