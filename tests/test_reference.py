@@ -1,0 +1,78 @@
+"""The reference (the spec) against independent formulations: SDPA for softmax, the paper's power
+form for SSA, a literal translation of the adaptive-temperature paper's Fig. 4."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssa_flash import reference
+
+D64 = torch.float64
+
+
+def _qkv(B=2, H=2, Lq=9, Lk=11, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, L, D, generator=g, dtype=D64) for L in (Lq, Lk, Lk))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_reference_is_sdpa(causal):
+    q, k, v = _qkv()
+    mask = torch.randn(9, 11, dtype=D64)
+    torch.testing.assert_close(reference.softmax_attention(q, k, v, mask, is_causal=causal),
+                               F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal))
+
+
+def test_ssa_reference_power_form():
+    q, k, v = _qkv()
+    b, n = torch.tensor([0.5, 2.0], dtype=D64), torch.tensor([1.5, 3.0], dtype=D64)
+    z = q @ k.transpose(-1, -2) / math.sqrt(8)
+    w = (1 + b.view(1, 2, 1, 1) * z.abs()) ** (torch.sign(z) * n.view(1, 2, 1, 1))
+    torch.testing.assert_close(reference.ssa_attention(q, k, v, b=b, n=n), (w / w.sum(-1, keepdim=True)) @ v)
+
+
+def test_phi_derivative_is_continuous_at_zero():
+    z = torch.zeros(3, dtype=D64, requires_grad=True)
+    reference.ssa_logits(z, torch.tensor(0.7, dtype=D64), torch.tensor(2.0, dtype=D64)).sum().backward()
+    torch.testing.assert_close(z.grad, torch.full((3,), 1.4, dtype=D64))
+
+
+def _paper_adaptive_softmax(logits, poly=(-0.037, 0.481, -2.3, 4.917, -1.791)):
+    """Fig. 4 of "Softmax is not Enough", line by line, with the exact entropy (no 1e-9)."""
+    original_probs = torch.softmax(logits, -1)
+    entropy = torch.sum(-original_probs * torch.log(original_probs), -1, keepdim=True)
+    poly_fit = sum(c * entropy ** (len(poly) - 1 - i) for i, c in enumerate(poly))
+    beta = torch.where(entropy > 0.5, torch.maximum(poly_fit, torch.ones_like(poly_fit)), 1.0)
+    return torch.softmax(logits * beta, -1)
+
+
+def test_adaptive_reference_is_the_papers_function():
+    q, k, v = _qkv(Lq=12, Lk=12)
+    q = q * torch.linspace(0.1, 6, 12, dtype=D64).view(1, 1, 12, 1)  # both sides of the threshold
+    q.requires_grad_()
+    z = q @ k.transpose(-1, -2) / math.sqrt(8)
+    expected = _paper_adaptive_softmax(z) @ v
+    got = reference.adaptive_temperature_attention(q, k, v)
+    torch.testing.assert_close(got, expected)
+    g1 = torch.autograd.grad(got.sum(), q)[0]
+    g2 = torch.autograd.grad(expected.sum(), q)[0]
+    torch.testing.assert_close(g1, g2)
+
+
+def test_entropy_reference():
+    q, k, _ = _qkv()
+    p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1)
+    torch.testing.assert_close(reference.attention_entropy(q, k), -(p * p.log()).sum(-1))
+
+
+def test_empty_rows_are_zero_in_reference():
+    q, k, v = _qkv()
+    q.requires_grad_()
+    mask = torch.ones(9, 11, dtype=torch.bool)
+    mask[3] = False
+    for fn in (reference.softmax_attention, reference.ssa_attention, reference.adaptive_temperature_attention):
+        out, lse = fn(q, k, v, mask, return_lse=True)
+        assert (out[:, :, 3] == 0).all() and torch.isinf(lse[:, :, 3]).all()
+        (g,) = torch.autograd.grad(out.sum(), q)
+        assert torch.isfinite(g).all() and (g[:, :, 3] == 0).all()
