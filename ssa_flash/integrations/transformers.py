@@ -153,10 +153,18 @@ def _check_settings(b_init, n_init, learnable) -> dict:
 def _ssa_init_weights(self, module):
     """Instance override of ``_init_weights``: transformers calls it for parameters it could not
     load (an SSA config over a checkpoint without SSA tensors); SSA parameters get their initial
-    values, everything else the model's own initialisation."""
+    values, everything else the model's own initialisation. Tensors that transformers marked as
+    loaded (``_is_hf_initialized``) keep their values."""
     if isinstance(module, SSAttention):
+        tensors = (module.b_raw, module.n_raw)
+        loaded = [(t, t.detach().clone()) for t in tensors if getattr(t, "_is_hf_initialized", False)]
+        if len(loaded) == len(tensors):
+            return
         settings = getattr(self.config, CONFIG_KEY, None) or {}
         module.reset_parameters(settings.get("b_init", 1.0), settings.get("n_init", 1.5))
+        with torch.no_grad():
+            for t, value in loaded:
+                t.copy_(value)
     else:
         type(self)._init_weights(self, module)
 

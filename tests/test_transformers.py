@@ -1,0 +1,221 @@
+"""ssa_flash.integrations.transformers: tiny GPT-2 and Llama models built from configs (no downloads)."""
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import ssa_flash.integrations.transformers as ssa_hf  # noqa: E402
+from ssa_flash import reference  # noqa: E402
+from ssa_flash.nn import SSAttention  # noqa: E402
+
+from attn_testing import DEVICE, needs_kernels  # noqa: E402
+
+pytestmark = needs_kernels
+
+VOCAB = 32
+
+
+def gpt2_config(**kw):
+    base = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, n_positions=32, attn_pdrop=0.0,
+                resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Config(**{**base, **kw})
+
+
+def llama_config(**kw):
+    base = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
+                eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaConfig(**{**base, **kw})
+
+
+def ssa_modules(model):
+    return [m for m in model.modules() if isinstance(m, SSAttention)]
+
+
+def tokens(batch, length, seed=0):
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@contextlib.contextmanager
+def reference_attention(calls):
+    """Routes "ssa" to the naive reference (same per-module b, n), counting the calls."""
+
+    def fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+        calls.append(module)
+        causal = attention_mask is None and query.shape[2] > 1
+        out = reference.ssa_attention(query, key, value, attention_mask, is_causal=causal, scale=scaling,
+                                      enable_gqa=True, b=module.ssa.b, n=module.ssa.n)
+        return out.transpose(1, 2).contiguous(), None
+
+    ssa_hf.AttentionInterface.register(ssa_hf.ATTN_IMPLEMENTATION, fn)
+    try:
+        yield
+    finally:
+        ssa_hf.register()
+
+
+def randomise_ssa(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for m in ssa_modules(model):
+        h = m.num_heads
+        m.reset_parameters(b_init=(0.3 + 2 * torch.rand(h, generator=g)).tolist(),
+                           n_init=(1.1 + 2 * torch.rand(h, generator=g)).tolist())
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_gpt2_from_config_trains_with_ssa():
+    torch.manual_seed(0)
+    model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1)).to(DEVICE))
+    assert model.config._attn_implementation == "ssa"
+    mods = ssa_modules(model)
+    assert len(mods) == 1 and mods[0].num_heads == 2
+    initial = [(m.b.detach().clone(), m.n.detach().clone()) for m in mods]
+    x = tokens(1, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    losses = []
+    for step in range(24):
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            for m in mods:
+                for p in (m.b_raw, m.n_raw):
+                    assert p.grad is not None and torch.isfinite(p.grad).all() and (p.grad != 0).all()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    for m, (b0, n0) in zip(mods, initial):
+        assert not torch.allclose(m.b, b0) and not torch.allclose(m.n, n0)
+        assert (m.b > 0).all() and (m.n >= 1).all()
+
+
+def test_gpt2_attention_is_ssa_with_module_parameters():
+    torch.manual_seed(0)
+    model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config()).to(DEVICE).eval())
+    randomise_ssa(model)
+    x = tokens(2, 12)
+    with torch.no_grad():
+        ours = model(x).logits
+        calls = []
+        with reference_attention(calls):
+            ref = model(x).logits
+        assert len(calls) == 2  # one per layer: the "ssa" dispatch is what the model used
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        model.set_attn_implementation("sdpa")
+        softmax = model(x).logits
+    assert (softmax - ours).abs().max() > 1e-3  # SSA really changes the model
+
+
+def test_llama_gqa_padding_generation():
+    torch.manual_seed(0)
+    model = ssa_hf.enable_ssa(transformers.LlamaForCausalLM(llama_config()).to(DEVICE).eval(),
+                              b_init=0.7, n_init=2.0)
+    mods = ssa_modules(model)
+    assert len(mods) == 2 and all(m.num_heads == 4 for m in mods)  # per query head (GQA 4:2)
+    torch.testing.assert_close(mods[0].b, torch.full((4,), 0.7, device=DEVICE))
+    randomise_ssa(model, seed=1)
+    x = tokens(2, 10)
+    attn_mask = torch.ones_like(x)
+    attn_mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        ours = model(x, attention_mask=attn_mask).logits
+        calls = []
+        with reference_attention(calls):
+            ref = model(x, attention_mask=attn_mask).logits
+            gen_ref = model.generate(x[:1, :5], max_new_tokens=4, do_sample=False)
+        gen = model.generate(x[:1, :5], max_new_tokens=4, do_sample=False)
+    assert len(calls) >= 2
+    keep = attn_mask.bool()
+    torch.testing.assert_close(ours[keep], ref[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen, gen_ref)  # KV-cache decoding (one query row) through the kernels
+    model.train()
+    loss = model(x, attention_mask=attn_mask, labels=x).loss
+    loss.backward()
+    for m in mods:
+        assert torch.isfinite(m.b_raw.grad).all() and (m.b_raw.grad != 0).all()
+        assert torch.isfinite(m.n_raw.grad).all() and (m.n_raw.grad != 0).all()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_state_dict_round_trip(arch, tmp_path):
+    torch.manual_seed(0)
+    cls, config = ((transformers.GPT2LMHeadModel, gpt2_config()) if arch == "gpt2"
+                   else (transformers.LlamaForCausalLM, llama_config()))
+    model = ssa_hf.enable_ssa(cls(config).to(DEVICE).eval(), b_init=0.8, n_init=1.7)
+    randomise_ssa(model, seed=2)
+    keys = [k for k in model.state_dict() if k.endswith(("ssa.b_raw", "ssa.n_raw"))]
+    assert len(keys) == 4
+    x = tokens(1, 8)
+    with torch.no_grad():
+        expected = model(x).logits
+
+    # plain state dict into a fresh SSA model
+    fresh = ssa_hf.enable_ssa(cls(config).to(DEVICE).eval())
+    fresh.load_state_dict(model.state_dict())
+    # save_pretrained / from_pretrained: the config carries the SSA settings, the weights b, n
+    model.save_pretrained(tmp_path)
+    loaded = cls.from_pretrained(tmp_path).to(DEVICE).eval()
+    assert loaded.config._attn_implementation == "ssa"
+    assert loaded.config.ssa_attention == {"b_init": 0.8, "n_init": 1.7, "learnable": True}
+    for other in (fresh, loaded):
+        for a, b in zip(ssa_modules(model), ssa_modules(other)):
+            torch.testing.assert_close(a.b, b.b.to(a.b.device), atol=0, rtol=0)
+            torch.testing.assert_close(a.n, b.n.to(a.n.device), atol=0, rtol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(other(x).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_ssa_config_over_softmax_checkpoint_initialises_parameters(tmp_path):
+    transformers.GPT2LMHeadModel(gpt2_config(n_layer=1)).save_pretrained(tmp_path)
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert not ssa_modules(plain) and plain.config._attn_implementation != "ssa"  # untouched
+    config = transformers.GPT2Config.from_pretrained(tmp_path)
+    config.ssa_attention = {"b_init": 0.6, "n_init": 1.8, "learnable": True}
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, config=config)
+    (m,) = ssa_modules(model)
+    torch.testing.assert_close(m.b, torch.full((2,), 0.6))
+    torch.testing.assert_close(m.n, torch.full((2,), 1.8))
+
+
+def test_enable_ssa_on_pretrained_warns_and_is_idempotent(tmp_path):
+    transformers.GPT2LMHeadModel(gpt2_config(n_layer=1)).save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="not SSA weights"):
+        ssa_hf.enable_ssa(model)
+    params = [m.b_raw for m in ssa_modules(model)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ssa_hf.enable_ssa(model, b_init=3.0) is model
+    assert [m.b_raw for m in ssa_modules(model)] == params
+
+
+def test_errors():
+    with pytest.raises(TypeError):
+        ssa_hf.enable_ssa(torch.nn.Linear(2, 2))
+    model = transformers.GPT2LMHeadModel(gpt2_config(n_layer=1))
+    with pytest.raises(ValueError, match="b_init"):
+        ssa_hf.enable_ssa(model, b_init=0.0)
+    with pytest.raises(ValueError, match="n_init"):
+        ssa_hf.enable_ssa(model, n_init=1.0)
+    # "ssa" selected without enable_ssa: no parameters to use
+    bare = transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_implementation="ssa")).eval()
+    with pytest.raises(RuntimeError, match="enable_ssa"):
+        bare(tokens(1, 4))
+
+
+def test_attention_dropout_is_refused_in_training():
+    with pytest.warns(UserWarning, match="dropout"):
+        model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_pdrop=0.1)))
+    x = tokens(1, 4)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    with pytest.raises(NotImplementedError, match="attn_pdrop"):
+        model(x)
