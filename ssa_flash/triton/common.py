@@ -64,7 +64,9 @@ def logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
         admissible = admissible & (offs_n[None, :] <= offs_m[:, None])
     l2 = phi2
     if MASK_KIND != 0:
-        mask_ptrs = mask_ptr + offs_m[:, None] * stride_mask_m + offs_n[None, :] * stride_mask_n
+        # int64: a materialised (Lq, Lk) mask passes 2^31 elements at Lq = Lk = 46341
+        mask_ptrs = (mask_ptr + offs_m[:, None].to(tl.int64) * stride_mask_m
+                     + offs_n[None, :].to(tl.int64) * stride_mask_n)
         if MASK_KIND == 1:
             keep = tl.load(mask_ptrs, mask=admissible, other=0)
             admissible = admissible & (keep != 0)

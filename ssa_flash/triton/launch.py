@@ -116,6 +116,16 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
     raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
 
 
+def _check_offsets(*tensors):
+    """Kernels index (batch, head) slices with int64 and positions inside one slice with int32."""
+    for t in tensors:
+        span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
+        if span >= 2**31:
+            raise ValueError(f"ssa_flash: one (batch, head) slice of a tensor of shape {tuple(t.shape)} "
+                             f"and strides {t.stride()} spans {span} elements; the Triton kernels "
+                             "support up to 2^31 per slice (make the tensor contiguous)")
+
+
 def _split_scale(scale: float):
     """Python floats reach kernels as float32: pass the scale as float32 head + remainder."""
     hi = float(np.float32(scale))
@@ -125,8 +135,9 @@ def _split_scale(scale: float):
 def _mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
     if mask is None:
         return like, MASK_NONE, (0, 0, 0, 0)
-    kind = MASK_BOOL if mask.dtype == torch.bool else MASK_ADD
-    return mask, kind, tuple(mask.stride())
+    if mask.dtype == torch.bool:  # bytes: kernels read 0 / non-zero, not i1 pointers
+        return mask.view(torch.uint8), MASK_BOOL, tuple(mask.stride())
+    return mask, MASK_ADD, tuple(mask.stride())
 
 
 def _common_consts(q, spec: AttentionSpec, mask_kind):
@@ -146,6 +157,7 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     """Entropy and log-sum-exp of ``softmax(l)`` per row, each ``(B, Hq, Lq)``, O(L) memory."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
+    _check_offsets(q, k)
     ent, lse_l = _stat_tensor(q), _stat_tensor(q)
     mask_t, mask_kind, ms = _mask_args(mask, q)
     ssa_b = b if spec.ssa else q
@@ -165,6 +177,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``."""
     B, H, Lq, D = q.shape
     Lk, DV = k.shape[2], v.shape[3]
+    _check_offsets(q, k, v)
     o = torch.empty((B, H, Lq, DV), device=q.device, dtype=q.dtype)
     lse = _stat_tensor(q)
     mask_t, mask_kind, ms = _mask_args(mask, q)
@@ -191,6 +204,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     """
     B, H, Lq, D = q.shape
     HKV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
+    _check_offsets(do, o)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
