@@ -1,5 +1,109 @@
-"""Build script. The pure-Python package always installs; the CUDA extension (csrc/) is added by the
-CUDA backend when a CUDA toolkit and a CUDA-enabled torch are present (see docs/cuda.md)."""
-from setuptools import setup
+"""Build script. The pure-Python package always installs; the CUDA extension ``ssa_flash._C``
+(csrc/) is added when a CUDA toolkit and a CUDA-enabled torch are importable at build time
+(see docs/cuda.md).
 
-setup()
+Environment:
+
+* ``SSA_FLASH_BUILD_CUDA=1`` builds the extension or fails saying why; ``=0`` never builds it;
+  unset: build it when possible, else install the pure-Python package (the CUDA backend then
+  JIT-compiles the extension on first use, see ``ssa_flash/cuda.py``).
+* ``TORCH_CUDA_ARCH_LIST`` (default ``7.5;8.0;8.6;8.9;9.0``) and ``MAX_JOBS`` are honoured, as by
+  every torch extension build (ninja is used when installed).
+
+torch is needed at build time, so a CUDA build must not run in an isolated build environment:
+``pip install --no-build-isolation .`` (an isolated build sees no torch and installs the
+pure-Python package, or fails under ``SSA_FLASH_BUILD_CUDA=1``).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "csrc")
+DEFAULT_ARCHS = "7.5;8.0;8.6;8.9;9.0"
+
+
+def csrc_files(patterns=("*.h", "*.cuh", "*.cu", "*.cpp")):
+    out = []
+    for pattern in patterns:
+        out.extend(sorted(glob.glob(os.path.join(CSRC, pattern))))
+    return out
+
+
+class BuildPyWithSources(build_py):
+    """Also ships csrc/ inside the package (``ssa_flash/_csrc``) so that an installed pure-Python
+    package can JIT-build the extension later."""
+
+    def run(self):
+        super().run()
+        if self.dry_run:
+            return
+        dest = os.path.join(self.build_lib, "ssa_flash", "_csrc")
+        os.makedirs(dest, exist_ok=True)
+        for path in csrc_files():
+            shutil.copy2(path, dest)
+
+
+def cuda_build_decision():
+    """(build: bool, reason: str). Raises under SSA_FLASH_BUILD_CUDA=1 when it cannot build."""
+    flag = os.environ.get("SSA_FLASH_BUILD_CUDA", "").strip()
+    if flag not in ("", "0", "1"):
+        raise RuntimeError(f"SSA_FLASH_BUILD_CUDA must be 0 or 1, got {flag!r}")
+    if flag == "0":
+        return False, "SSA_FLASH_BUILD_CUDA=0"
+    why = None
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception as err:  # no torch in the build environment (isolated build?)
+        why = (f"torch is not importable at build time ({err}); use pip install --no-build-isolation "
+               "with a CUDA-enabled torch installed")
+    else:
+        if torch.version.cuda is None:
+            why = f"torch {torch.__version__} is a CPU-only build"
+        elif CUDA_HOME is None:
+            why = "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
+        elif not csrc_files(("*.cu",)):
+            why = "csrc/ is missing from the source tree"
+    if why is None:
+        return True, ""
+    if flag == "1":
+        raise RuntimeError(f"SSA_FLASH_BUILD_CUDA=1 but the CUDA extension cannot be built: {why}")
+    return False, why
+
+
+def cuda_extension_kwargs():
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    sources = [os.path.relpath(p, HERE) for p in csrc_files(("*.cu", "*.cpp"))]
+    ext = CUDAExtension(
+        name="ssa_flash._C",
+        sources=sources,
+        include_dirs=[CSRC],
+        extra_compile_args={
+            # torch's BuildExtension adds the C++ standard its headers need (C++17 or newer)
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+                     "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                     "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"],
+        },
+    )
+    return {"ext_modules": [ext], "cmdclass": {"build_py": BuildPyWithSources,
+                                               "build_ext": BuildExtension.with_options(use_ninja=True)}}
+
+
+build_cuda, reason = cuda_build_decision()
+kwargs = {"cmdclass": {"build_py": BuildPyWithSources}}
+if build_cuda:
+    kwargs = cuda_extension_kwargs()
+elif reason and os.environ.get("SSA_FLASH_BUILD_CUDA", "") != "0":
+    print(f"ssa_flash: installing without the CUDA extension ({reason}); backend='cuda' will "
+          "JIT-compile it on first use where a toolkit is present")
+
+setup(**kwargs)

@@ -1,0 +1,506 @@
+// Backward kernels (DESIGN.md 1.2 and 1.3), two launches, no atomics; the same split as
+// ssa_flash/triton/backward.py:
+//
+// 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
+//    rowsum(dO * O) - dlse, dQ, the adaptive-temperature row gradient g, and per-block partial
+//    sums of db, dn (reduced in a fixed order on the host side: deterministic).
+// 2. attn_bwd_dkdv_kernel, grid (ceil(Lk / BN), Hkv, B), one CTA per key block of a key/value
+//    head: dK, dV, looping over the query heads of its GQA group and their query blocks.
+//
+// Per tile, with S' = beta * l and P' = softmax(S') the output weights (base-2 units inside):
+//     dS'  = P' * (dO V^T - delta)
+//     dl   = beta * dS' - g * P * (log P + H)          (g = 0, beta = 1 without ADAPTIVE)
+//     dz   = dl * phi'(z),  phi'(z) = n b / (1 + b|z|) (dz = dl for softmax)
+//     dQ   = scale dz K,  dK = scale dz^T Q,  dV = P'^T dO
+//     db   = sum dl n z / (1 + b|z|),  dn = sum dl sgn(z) log1p(b|z|)
+// g_i = dbeta_i * dbeta/dH_i needs dbeta_i = sum_j dS'_ij l_ij over the whole row before any dl:
+// with ADAPTIVE the dQ kernel makes a first pass over the keys (S and dP only) for dbeta, then
+// the main pass with g known. (The Triton kernel instead keeps a second dQ accumulator; in CUDA
+// registers are the scarce resource, so the extra pass is the cheaper choice.)
+#pragma once
+
+#include "params.h"
+#include "tile.h"
+#include "traits.h"
+#include "utils.h"
+
+namespace ssa_flash {
+
+// Statistics of one query row, as the gradient of a score needs them.
+struct RowStats {
+  float lse2;    // LSE of S' in base 2, 0 for empty rows
+  float delta;
+  float beta;    // adaptive only
+  float lse_l2;  // LSE of l in base 2, 0 for empty rows (adaptive only)
+  float ent;     // entropy of softmax(l) (adaptive only)
+  float g;       // dbeta * dbeta/dH (adaptive only, main pass)
+};
+
+SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
+
+// Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
+// respect to z, before the scale), accumulating the SSA partials db / n and dn * n / ln 2.
+template <bool kSSA, bool kAdaptive>
+SSA_DEVICE float score_grad(const LogitCtx& ctx, float s, float dp, int row, int col,
+                            const RowStats& r, float& p_out, float& db, float& dn) {
+  float z, phi2;
+  const float l2 = logit2<kSSA>(ctx, s, row, col, z, phi2);
+  const float s2 = kAdaptive ? l2 * r.beta : l2;
+  const float pp = ex2(s2 - r.lse2);
+  p_out = pp;
+  float dl = pp * (dp - r.delta);
+  if (kAdaptive) {
+    const bool adm = l2 != neg_inf();
+    const float lp2 = adm ? l2 - r.lse_l2 : 0.0f;
+    const float ent_term = adm ? ex2(lp2) * (lp2 * kLn2 + r.ent) : 0.0f;
+    dl = dl * r.beta - r.g * ent_term;
+  }
+  if (kSSA) {
+    // db, dn are accumulated without their per-head factors n and ln2 / n (applied once at the end)
+    const float inv_u = __fdividef(1.0f, 1.0f + ctx.b * fabsf(z));
+    db += dl * z * inv_u;
+    dn += dl * phi2;
+    dl *= ctx.n * ctx.b * inv_u;
+  }
+  return dl;
+}
+
+// dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible.
+template <bool kSSA>
+SSA_DEVICE float dbeta_term(const LogitCtx& ctx, float s, float dp, int row, int col,
+                            const RowStats& r) {
+  float z, phi2;
+  const float l2 = logit2<kSSA>(ctx, s, row, col, z, phi2);
+  if (l2 == neg_inf()) return 0.0f;
+  const float pp = ex2(l2 * r.beta - r.lse2);
+  return pp * (dp - r.delta) * l2 * kLn2;
+}
+
+// ------------------------------------------------------------------------------------------
+// dQ kernel. Pipeline per key block j (K double-buffered, V single):
+//   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
+//   dQ += dS K_j
+template <typename Tr, bool kSSA, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdParams p) {
+  using T = typename Tr::Elem;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kD = Tr::kHeadDim;
+  constexpr int kS = Tr::kStride;
+  constexpr int kNThreads = Tr::kNThreads;
+  constexpr int kNWarps = Tr::kNWarps;
+  constexpr int kNT = kBlockN / 8;
+  constexpr int kDT = kD / 8;
+
+#if defined(__CUDA_ARCH__)
+  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+    __trap();
+  } else {
+#endif
+  extern __shared__ uint4 smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kBlockM * kS;
+  T* sK = sdO + kBlockM * kS;  // two buffers
+  T* sV = sK + 2 * kBlockN * kS;
+  __shared__ float s_red[2][kNWarps];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y;
+  const int bb = blockIdx.z;
+  const int hk = h / p.group;
+  const int m0 = m_block * kBlockM;
+
+  const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
+  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
+  const T* o = static_cast<const T*>(p.o) + bb * p.o_sb + h * p.o_sh;
+  const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + h * p.do_sh;
+  const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
+  const int r_lo = m0 + warp * 16 + (lane >> 2);
+  const int r_hi = r_lo + 8;
+  const bool ok_lo = r_lo < p.len_q, ok_hi = r_hi < p.len_q;
+
+  load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, m0, p.len_q, p.dim_v, tid);
+  cp_async_commit();
+
+  // Row statistics of this thread's two rows.
+  RowStats st_lo{}, st_hi{};
+  st_lo.beta = st_hi.beta = 1.0f;
+  st_lo.lse2 = ok_lo ? lse_to_base2(p.lse[stat0 + r_lo]) : 0.0f;
+  st_hi.lse2 = ok_hi ? lse_to_base2(p.lse[stat0 + r_hi]) : 0.0f;
+  float dbdh_lo = 0.0f, dbdh_hi = 0.0f;
+  if (kAdaptive) {
+    if (ok_lo) {
+      st_lo.beta = p.beta[stat0 + r_lo];
+      st_lo.lse_l2 = lse_to_base2(p.lse_l[stat0 + r_lo]);
+      st_lo.ent = p.entropy[stat0 + r_lo];
+      dbdh_lo = p.dbeta_dh[stat0 + r_lo];
+    }
+    if (ok_hi) {
+      st_hi.beta = p.beta[stat0 + r_hi];
+      st_hi.lse_l2 = lse_to_base2(p.lse_l[stat0 + r_hi]);
+      st_hi.ent = p.entropy[stat0 + r_hi];
+      dbdh_hi = p.dbeta_dh[stat0 + r_hi];
+    }
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // delta = rowsum(dO * O) - dlse: the quad of a row splits its columns in chunks of 8.
+  {
+    const int lr = warp * 16 + (lane >> 2);
+    float d_lo = 0.0f, d_hi = 0.0f;
+    for (int c = (lane & 3) * 8; c < p.dim_v; c += 32) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = half ? r_hi : r_lo;
+        if (row >= p.len_q) continue;
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + row * p.o_sm + c);
+        const uint4 dv = *reinterpret_cast<const uint4*>(sdO + (lr + 8 * half) * kS + c);
+        const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w};
+        const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float2 a = unpack2<T>(ow[w]);
+          const float2 b = unpack2<T>(dw[w]);
+          acc += a.x * b.x + a.y * b.y;
+        }
+        if (half) d_hi += acc;
+        else d_lo += acc;
+      }
+    }
+    d_lo = quad_sum(d_lo);
+    d_hi = quad_sum(d_hi);
+    if (p.dlse != nullptr) {
+      if (ok_lo) d_lo -= p.dlse[stat0 + r_lo];
+      if (ok_hi) d_hi -= p.dlse[stat0 + r_hi];
+    }
+    st_lo.delta = d_lo;
+    st_hi.delta = d_hi;
+    if ((lane & 3) == 0) {
+      if (ok_lo) p.delta[stat0 + r_lo] = d_lo;
+      if (ok_hi) p.delta[stat0 + r_hi] = d_hi;
+    }
+  }
+
+  const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
+  const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  const T* sQw = sQ + warp * 16 * kS;
+  const T* sdOw = sdO + warp * 16 * kS;
+
+  float dq_acc[kDT][4];
+  zero(dq_acc);
+  float db_part = 0.0f, dn_part = 0.0f;
+
+  // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn
+  for (int pass = kAdaptive ? 0 : 1; pass < 2; ++pass) {
+    float dbeta_lo = 0.0f, dbeta_hi = 0.0f;
+    load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+    load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
+    cp_async_commit();
+
+    for (int j = 0; j < num_n; ++j) {
+      const int n0 = j * kBlockN;
+      const bool has_next = j + 1 < num_n;
+      const T* sKj = sK + (j & 1) * kBlockN * kS;
+      if (has_next) {
+        load_tile<kBlockN, kD, kS, kNThreads>(sK + ((j + 1) & 1) * kBlockN * kS, k, p.k_sm,
+                                              n0 + kBlockN, p.len_k, p.dim, tid);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // K_j, V_j visible to every warp
+
+      float s[kNT][4], dp[kNT][4];
+      zero(s);
+      zero(dp);
+      gemm_nt<T, kBlockN, kD, kS, kS>(s, sQw, sKj, lane);
+      gemm_nt<T, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
+
+      if (kAdaptive && pass == 0) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n0 + nt * 8 + (lane & 3) * 2 + (i & 1);
+            if (i < 2) dbeta_lo += dbeta_term<kSSA>(ctx, s[nt][i], dp[nt][i], r_lo, col, st_lo);
+            else dbeta_hi += dbeta_term<kSSA>(ctx, s[nt][i], dp[nt][i], r_hi, col, st_hi);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = n0 + nt * 8 + (lane & 3) * 2 + (i & 1);
+            float pp;
+            s[nt][i] = score_grad<kSSA, kAdaptive>(ctx, s[nt][i], dp[nt][i], i < 2 ? r_lo : r_hi,
+                                                   col, i < 2 ? st_lo : st_hi, pp, db_part, dn_part);
+          }
+        }
+      }
+
+      __syncthreads();  // every warp is done with V_j
+      if (has_next) {
+        load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0 + kBlockN, p.len_k, p.dim_v, tid);
+        cp_async_commit();
+      }
+      if (!kAdaptive || pass == 1) {
+        uint32_t da[kBlockN / 16][4];
+        acc_to_frag<T, kBlockN>(da, s);
+        gemm_rn<T, kD, kBlockN, kS>(dq_acc, da, sKj, lane);
+      }
+      __syncthreads();  // every warp is done with K_j
+    }
+
+    if (kAdaptive && pass == 0) {
+      st_lo.g = quad_sum(dbeta_lo) * dbdh_lo;
+      st_hi.g = quad_sum(dbeta_hi) * dbdh_hi;
+      if ((lane & 3) == 0) {
+        if (ok_lo) p.g[stat0 + r_lo] = st_lo.g;
+        if (ok_hi) p.g[stat0 + r_hi] = st_hi.g;
+      }
+    }
+  }
+
+  // dQ
+  T* dq = static_cast<T*>(p.dq) + bb * p.dq_sb + h * p.dq_sh;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = dt * 8 + (lane & 3) * 2;
+    if (col < p.dim) {
+      if (ok_lo)
+        *reinterpret_cast<uint32_t*>(dq + r_lo * p.dq_sm + col) =
+            pack2<T>(dq_acc[dt][0] * p.scale, dq_acc[dt][1] * p.scale);
+      if (ok_hi)
+        *reinterpret_cast<uint32_t*>(dq + r_hi * p.dq_sm + col) =
+            pack2<T>(dq_acc[dt][2] * p.scale, dq_acc[dt][3] * p.scale);
+    }
+  }
+
+  // db, dn partials of this block: warp sums, then warps in order (deterministic).
+  if (kSSA) {
+    db_part = warp_sum(db_part);
+    dn_part = warp_sum(dn_part);
+    if (lane == 0) {
+      s_red[0][warp] = db_part;
+      s_red[1][warp] = dn_part;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float db = 0.0f, dn = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kNWarps; ++w) {
+        db += s_red[0][w];
+        dn += s_red[1][w];
+      }
+      const int64_t idx = (static_cast<int64_t>(bb) * p.heads + h) * gridDim.x + m_block;
+      p.db_part[idx] = db * ctx.n;
+      p.dn_part[idx] = dn * (kLn2 / ctx.n);
+    }
+  }
+#if defined(__CUDA_ARCH__)
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// dK/dV kernel. Each warp owns 16 keys; scores are computed transposed (S^T = K Q^T, keys x
+// queries) so that P^T and dS^T are A operands straight from registers. Query-row statistics
+// are staged in shared memory per query tile. Steps t run over (group head, query block);
+// pipeline per step (Q double-buffered, dO single):
+//   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T | dV += P^T dO_t | issue dO_{t+1} |
+//   dK += dS^T Q_t
+template <typename Tr, bool kSSA, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdParams p) {
+  using T = typename Tr::Elem;
+  constexpr int kBlockM = Tr::kBlockM;  // queries per step
+  constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
+  constexpr int kD = Tr::kHeadDim;
+  constexpr int kS = Tr::kStride;
+  constexpr int kNThreads = Tr::kNThreads;
+  constexpr int kMT = kBlockM / 8;
+  constexpr int kDT = kD / 8;
+  constexpr int kNStat = dkdv_stat_count(kAdaptive);
+  enum { kLse = 0, kDelta = 1, kBeta = 2, kLseL = 3, kEnt = 4, kG = 5 };
+
+#if defined(__CUDA_ARCH__)
+  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+    __trap();
+  } else {
+#endif
+  extern __shared__ uint4 smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * kS;
+  T* sQ = sV + kBlockN * kS;  // two buffers
+  T* sdO = sQ + 2 * kBlockM * kS;
+  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kNStat][kBlockM]
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int bb = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+
+  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
+
+  // Under causal, query blocks before this key block never see it.
+  const int m_first = p.causal ? (n0 / kBlockM) * kBlockM : 0;
+  const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
+  const int num_t = tiles_per_head * p.group;
+
+  // Issues the loads of step t: Q (cp.async, caller commits), optionally dO, and the row stats
+  // (plain loads into shared memory, visible after the next barrier).
+  auto step_head = [&](int t) { return hk * p.group + t / tiles_per_head; };
+  auto step_m0 = [&](int t) { return m_first + (t % tiles_per_head) * kBlockM; };
+  auto load_q = [&](int t, int buf) {
+    const int hh = step_head(t);
+    const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + hh * p.q_sh;
+    load_tile<kBlockM, kD, kS, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, step_m0(t), p.len_q,
+                                          p.dim, tid);
+  };
+  auto load_do = [&](int t) {
+    const int hh = step_head(t);
+    const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + hh * p.do_sh;
+    load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, step_m0(t), p.len_q, p.dim_v, tid);
+  };
+  auto load_stats = [&](int t, int buf) {
+    const int hh = step_head(t);
+    const int mm = step_m0(t);
+    const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + hh) * p.len_q;
+    float* dst = sStat + buf * kNStat * kBlockM;
+    for (int i = tid; i < kBlockM; i += kNThreads) {
+      const int row = mm + i;
+      const bool ok = row < p.len_q;
+      dst[kLse * kBlockM + i] = ok ? lse_to_base2(p.lse[stat0 + row]) : 0.0f;
+      dst[kDelta * kBlockM + i] = ok ? p.delta[stat0 + row] : 0.0f;
+      if (kAdaptive) {
+        dst[kBeta * kBlockM + i] = ok ? p.beta[stat0 + row] : 1.0f;
+        dst[kLseL * kBlockM + i] = ok ? lse_to_base2(p.lse_l[stat0 + row]) : 0.0f;
+        dst[kEnt * kBlockM + i] = ok ? p.entropy[stat0 + row] : 0.0f;
+        dst[kG * kBlockM + i] = ok ? p.g[stat0 + row] : 0.0f;
+      }
+    }
+  };
+
+  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+  if (num_t > 0) {
+    load_q(0, 0);
+    load_do(0);
+    load_stats(0, 0);
+  }
+  cp_async_commit();
+
+  float dk_acc[kDT][4], dv_acc[kDT][4];
+  zero(dk_acc);
+  zero(dv_acc);
+  const T* sKw = sK + warp * 16 * kS;
+  const T* sVw = sV + warp * 16 * kS;
+  const int c_lo = n0 + warp * 16 + (lane >> 2);  // this thread's two key rows
+  const int c_hi = c_lo + 8;
+
+  for (int t = 0; t < num_t; ++t) {
+    const int buf = t & 1;
+    const bool has_next = t + 1 < num_t;
+    if (has_next) {
+      load_q(t + 1, buf ^ 1);
+      cp_async_commit();
+      load_stats(t + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
+
+    const int hh = step_head(t);
+    const int mm = step_m0(t);
+    const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
+    const T* sQt = sQ + buf * kBlockM * kS;
+    const float* stat = sStat + buf * kNStat * kBlockM;
+
+    float s[kMT][4], dp[kMT][4];
+    zero(s);
+    zero(dp);
+    gemm_nt<T, kBlockM, kD, kS, kS>(s, sKw, sQt, lane);   // S^T = K Q^T
+    gemm_nt<T, kBlockM, kD, kS, kS>(dp, sVw, sdO, lane);  // dP^T = V dO^T
+
+    float db_unused = 0.0f, dn_unused = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int lq = mt * 8 + (lane & 3) * 2 + (i & 1);  // query within the step
+        RowStats r;
+        r.lse2 = stat[kLse * kBlockM + lq];
+        r.delta = stat[kDelta * kBlockM + lq];
+        if (kAdaptive) {
+          r.beta = stat[kBeta * kBlockM + lq];
+          r.lse_l2 = stat[kLseL * kBlockM + lq];
+          r.ent = stat[kEnt * kBlockM + lq];
+          r.g = stat[kG * kBlockM + lq];
+        } else {
+          r.beta = 1.0f;
+          r.lse_l2 = r.ent = r.g = 0.0f;
+        }
+        float pp;
+        dp[mt][i] = score_grad<kSSA, kAdaptive>(ctx, s[mt][i], dp[mt][i], mm + lq,
+                                                i < 2 ? c_lo : c_hi, r, pp, db_unused, dn_unused);
+        s[mt][i] = pp;
+      }
+    }
+
+    uint32_t pa[kBlockM / 16][4];
+    acc_to_frag<T, kBlockM>(pa, s);
+    gemm_rn<T, kD, kBlockM, kS>(dv_acc, pa, sdO, lane);  // dV += P^T dO
+
+    __syncthreads();  // every warp is done with dO_t
+    if (has_next) {
+      load_do(t + 1);
+      cp_async_commit();
+    }
+    uint32_t da[kBlockM / 16][4];
+    acc_to_frag<T, kBlockM>(da, dp);
+    gemm_rn<T, kD, kBlockM, kS>(dk_acc, da, sQt, lane);  // dK += dS^T Q
+    __syncthreads();  // every warp is done with Q_t and stats_t
+  }
+  cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
+
+  T* dk = static_cast<T*>(p.dk) + bb * p.dk_sb + hk * p.dk_sh;
+  T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = dt * 8 + (lane & 3) * 2;
+    if (col < p.dim) {
+      if (c_lo < p.len_k)
+        *reinterpret_cast<uint32_t*>(dk + c_lo * p.dk_sm + col) =
+            pack2<T>(dk_acc[dt][0] * p.scale, dk_acc[dt][1] * p.scale);
+      if (c_hi < p.len_k)
+        *reinterpret_cast<uint32_t*>(dk + c_hi * p.dk_sm + col) =
+            pack2<T>(dk_acc[dt][2] * p.scale, dk_acc[dt][3] * p.scale);
+    }
+    if (col < p.dim_v) {
+      if (c_lo < p.len_k)
+        *reinterpret_cast<uint32_t*>(dv + c_lo * p.dv_sm + col) = pack2<T>(dv_acc[dt][0], dv_acc[dt][1]);
+      if (c_hi < p.len_k)
+        *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[dt][2], dv_acc[dt][3]);
+    }
+  }
+#if defined(__CUDA_ARCH__)
+  }
+#endif
+}
+
+}  // namespace ssa_flash

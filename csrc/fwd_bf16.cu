@@ -1,0 +1,14 @@
+// Forward and statistics kernels, bfloat16 (sm_80+).
+#include "launch_impl.h"
+
+namespace ssa_flash {
+
+std::string run_fwd_bf16(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+  return detail::run_fwd<__nv_bfloat16>(p, ssa, adaptive, stream);
+}
+
+std::string run_stats_bf16(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  return detail::run_stats<__nv_bfloat16>(p, ssa, stream);
+}
+
+}  // namespace ssa_flash

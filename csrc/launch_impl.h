@@ -1,0 +1,163 @@
+// Kernel launches, templated on the element type; instantiated by fwd_{fp16,bf16}.cu and
+// bwd_{fp16,bf16}.cu. No torch here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "bwd_kernel.h"
+#include "fwd_kernel.h"
+#include "launch.h"
+#include "params.h"
+#include "traits.h"
+
+namespace ssa_flash {
+namespace detail {
+
+inline std::string cuda_error(const char* what, cudaError_t err) {
+  return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+}
+
+// Checks the device can run element type T and `smem` bytes of dynamic shared memory, raises the
+// kernel's shared-memory limit when above the 48 KiB default, launches.
+template <typename T, typename Params>
+std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, int threads,
+                   int smem, cudaStream_t stream, const Params& p) {
+  int dev = 0, major = 0, minor = 0, max_optin = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return cuda_error("querying the device", err);
+  const int arch = major * 100 + minor * 10;
+  if (arch < ElemInfo<T>::kMinArch) {
+    return std::string(ElemInfo<T>::kIsBF16 ? "bfloat16" : "float16") + " kernels need sm_" +
+           std::to_string(ElemInfo<T>::kMinArch / 10) + " or newer, this device is sm_" +
+           std::to_string(major) + std::to_string(minor);
+  }
+  if (grid.y > 65535 || grid.z > 65535) {
+    return std::string(name) + ": heads and batch must each be at most 65535";
+  }
+  if (smem > max_optin) {
+    return std::string(name) + ": the tile needs " + std::to_string(smem) +
+           " bytes of shared memory per block, this device allows " + std::to_string(max_optin) +
+           " (see docs/cuda.md, tile sizes)";
+  }
+  if (smem > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cuda_error(name, err);
+  }
+  kernel<<<grid, threads, smem, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_error(name, err);
+  return std::string();
+}
+
+template <typename T, int D>
+std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+  using Tr = FwdTraits<D, T>;
+  const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
+  const int smem = fwd_smem_bytes(D, sizeof(T));
+  auto kernel = ssa ? (adaptive ? attn_fwd_kernel<Tr, true, true> : attn_fwd_kernel<Tr, true, false>)
+                    : (adaptive ? attn_fwd_kernel<Tr, false, true> : attn_fwd_kernel<Tr, false, false>);
+  return launch<T>(kernel, "attn_fwd_kernel", grid, Tr::kNThreads, smem, stream, p);
+}
+
+template <typename T, int D>
+std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  using Tr = FwdTraits<D, T>;
+  const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
+  const int smem = stats_smem_bytes(D, sizeof(T));
+  auto kernel = ssa ? attn_stats_kernel<Tr, true> : attn_stats_kernel<Tr, false>;
+  return launch<T>(kernel, "attn_stats_kernel", grid, Tr::kNThreads, smem, stream, p);
+}
+
+template <typename T, int D>
+std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+  {
+    using Tr = DqTraits<D, T>;
+    const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
+    const int smem = dq_smem_bytes(D, sizeof(T));
+    auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true> : attn_bwd_dq_kernel<Tr, true, false>)
+                      : (adaptive ? attn_bwd_dq_kernel<Tr, false, true> : attn_bwd_dq_kernel<Tr, false, false>);
+    std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
+    if (!err.empty()) return err;
+  }
+  using Tr = DkdvTraits<D, T>;
+  const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
+  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive);
+  auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
+                    : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
+  return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
+}
+
+inline std::string bad_head_dim(int dim, int dim_v) {
+  return "head dims up to 256 are supported by the CUDA kernels, got " + std::to_string(dim) +
+         " and " + std::to_string(dim_v);
+}
+
+// SSA_FLASH_HEAD_DIMS can restrict the compiled head dims (a build-time knob for quick
+// experiments); by default all five are compiled.
+#ifndef SSA_FLASH_HEAD_DIM_32
+#define SSA_FLASH_HEAD_DIM_32 1
+#endif
+#ifndef SSA_FLASH_HEAD_DIM_64
+#define SSA_FLASH_HEAD_DIM_64 1
+#endif
+#ifndef SSA_FLASH_HEAD_DIM_96
+#define SSA_FLASH_HEAD_DIM_96 1
+#endif
+#ifndef SSA_FLASH_HEAD_DIM_128
+#define SSA_FLASH_HEAD_DIM_128 1
+#endif
+#ifndef SSA_FLASH_HEAD_DIM_256
+#define SSA_FLASH_HEAD_DIM_256 1
+#endif
+
+#define SSA_FLASH_HEAD_DIM_SWITCH(DIM, DIM_V, CALL)                                  \
+  switch (padded_head_dim((DIM) > (DIM_V) ? (DIM) : (DIM_V))) {                      \
+    case 32:                                                                          \
+      if constexpr (SSA_FLASH_HEAD_DIM_32) return CALL(32);                                     \
+      break;                                                                          \
+    case 64:                                                                          \
+      if constexpr (SSA_FLASH_HEAD_DIM_64) return CALL(64);                                     \
+      break;                                                                          \
+    case 96:                                                                          \
+      if constexpr (SSA_FLASH_HEAD_DIM_96) return CALL(96);                                     \
+      break;                                                                          \
+    case 128:                                                                         \
+      if constexpr (SSA_FLASH_HEAD_DIM_128) return CALL(128);                                   \
+      break;                                                                          \
+    case 256:                                                                         \
+      if constexpr (SSA_FLASH_HEAD_DIM_256) return CALL(256);                                   \
+      break;                                                                          \
+    default:                                                                          \
+      break;                                                                          \
+  }                                                                                   \
+  return bad_head_dim(DIM, DIM_V);
+
+template <typename T>
+std::string run_fwd(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+#define SSA_FLASH_CALL(D) fwd_hdim<T, D>(p, ssa, adaptive, stream)
+  SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim_v, SSA_FLASH_CALL)
+#undef SSA_FLASH_CALL
+}
+
+template <typename T>
+std::string run_stats(const FwdParams& p, bool ssa, cudaStream_t stream) {
+#define SSA_FLASH_CALL(D) stats_hdim<T, D>(p, ssa, stream)
+  SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim, SSA_FLASH_CALL)
+#undef SSA_FLASH_CALL
+}
+
+template <typename T>
+std::string run_bwd(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+#define SSA_FLASH_CALL(D) bwd_hdim<T, D>(p, ssa, adaptive, stream)
+  SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim_v, SSA_FLASH_CALL)
+#undef SSA_FLASH_CALL
+}
+
+}  // namespace detail
+}  // namespace ssa_flash

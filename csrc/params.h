@@ -1,0 +1,78 @@
+// Kernel parameters: plain structs of pointers, sizes and strides (in elements). No torch here.
+//
+// Conventions (enforced by the binding, csrc/api.cpp):
+//  * q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) and do: any batch/head/row strides that
+//    are multiples of 8 elements, unit stride along the head dim, 16-byte aligned base pointers;
+//    D and Dv multiples of 8 and at most the kernel's padded head dim (32, 64, 96, 128 or 256).
+//  * Outputs (o, dq, dk, dv) and the per-row statistics are written by the kernels with the
+//    strides given; statistics (lse, delta, beta, ...) are contiguous (B, H, Lq) float32.
+//  * mask: kind 0 none, 1 boolean (uint8, nonzero = attend), 2 additive float32; any strides
+//    (zero strides for broadcast dims), already expanded to (B, H, Lq, Lk).
+#pragma once
+
+#include <cstdint>
+
+namespace ssa_flash {
+
+enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskAdd = 2 };
+
+struct AttnShape {
+  int batch, heads, heads_kv, group;  // group = heads / heads_kv (GQA)
+  int len_q, len_k;
+  int dim, dim_v;                     // actual head dims (multiples of 8)
+  float scale;                        // softmax scale applied to q.k
+  bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
+  int mask_kind;
+  const void* mask;                   // uint8 or float32, see mask_kind
+  int64_t mask_sb, mask_sh, mask_sm, mask_sn;
+  const float* ssa_b;                 // (H,) or nullptr (softmax logits)
+  const float* ssa_n;
+};
+
+struct FwdParams : AttnShape {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  int64_t q_sb, q_sh, q_sm;
+  int64_t k_sb, k_sh, k_sm;
+  int64_t v_sb, v_sh, v_sm;
+  int64_t o_sb, o_sh, o_sm;
+  float* lse;         // (B, H, Lq): natural-log LSE of the (temperature-scaled) logit row
+  const float* beta;  // (B, H, Lq) adaptive temperature, or nullptr
+  // statistics pass only (run_stats): entropy and LSE of softmax(l)
+  float* entropy;
+};
+
+struct BwdParams : AttnShape {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t q_sb, q_sh, q_sm;
+  int64_t k_sb, k_sh, k_sm;
+  int64_t v_sb, v_sh, v_sm;
+  int64_t o_sb, o_sh, o_sm;
+  int64_t do_sb, do_sh, do_sm;
+  int64_t dq_sb, dq_sh, dq_sm;
+  int64_t dk_sb, dk_sh, dk_sm;
+  int64_t dv_sb, dv_sh, dv_sm;
+  const float* lse;       // (B, H, Lq) from the forward
+  const float* dlse;      // (B, H, Lq) gradient reaching lse, or nullptr
+  float* delta;           // (B, H, Lq) workspace: rowsum(dO * O) - dlse
+  // adaptive temperature (nullptr otherwise)
+  const float* beta;      // (B, H, Lq)
+  const float* lse_l;     // LSE of the temperature-free row
+  const float* entropy;   // H of softmax(l)
+  const float* dbeta_dh;  // d beta / d H
+  float* g;               // (B, H, Lq) workspace: dbeta * dbeta_dh
+  // SSA: per (batch, head, query block) partial sums of db, dn, (B, H, num_m_blocks)
+  float* db_part;
+  float* dn_part;
+};
+
+}  // namespace ssa_flash

@@ -1,0 +1,73 @@
+// Tile sizes per kernel and head dim. Plain constexpr: included by the kernels and by the host
+// binding (which sizes the db/dn partial-sum buffers with dq_block_m).
+//
+// Every kernel gives each warp a 16-row strip of the tile it owns (query rows in the forward,
+// statistics and dQ kernels; key rows in the dK/dV kernel). Shared-memory rows are padded by 8
+// elements (16 bytes), which makes the 8 row addresses of each ldmatrix fall in distinct banks.
+//
+// Shared memory (16-bit elements, padded rows of P = D + 8):
+//   forward      Q + K + V            (BM + 2 BN) P        K, V single-buffered, loads overlapped
+//   statistics   Q + 2 K              (BM + 2 BN) P        K double-buffered
+//   dQ           Q + dO + 2 K + V     (2 BM + 3 BN) P      K double-buffered
+//   dK/dV        K + V + 2 Q + dO     (2 BN + 3 BM) P      Q double-buffered (+ row statistics)
+#pragma once
+
+namespace ssa_flash {
+
+// The head dims kernels are compiled for; others run zero-padded to the next one.
+constexpr int padded_head_dim(int d) {
+  return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 256 ? 256 : -1;
+}
+
+// forward and statistics pass: BM query rows (4 warps), BN keys per step
+constexpr int fwd_block_m(int) { return 64; }
+constexpr int fwd_block_n(int d) { return d <= 128 ? 64 : 32; }
+constexpr int fwd_warps(int) { return 4; }
+
+// dQ kernel (also delta, the adaptive-temperature g and the db/dn partials)
+constexpr int dq_block_m(int d) { return d <= 128 ? 64 : 32; }
+constexpr int dq_block_n(int d) { return d <= 64 ? 64 : 32; }
+constexpr int dq_warps(int d) { return dq_block_m(d) / 16; }
+
+// dK/dV kernel: BN keys (16 per warp), BM queries per step
+constexpr int dkdv_block_n(int d) { return d <= 128 ? 64 : 32; }
+constexpr int dkdv_block_m(int d) { return d <= 64 ? 64 : 32; }
+constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16; }
+
+constexpr int smem_row(int d) { return d + 8; }
+
+constexpr int fwd_smem_bytes(int d, int elem_bytes) {
+  return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes;
+}
+constexpr int stats_smem_bytes(int d, int elem_bytes) { return fwd_smem_bytes(d, elem_bytes); }
+constexpr int dq_smem_bytes(int d, int elem_bytes) {
+  return (2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes;
+}
+// per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
+constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
+constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive) {
+  return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
+         2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4;
+}
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_>
+struct KernelTraits {
+  using Elem = Elem_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = 32 * kNWarps_;
+  static constexpr int kStride = smem_row(kHeadDim_);  // shared-memory row stride, elements
+  static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
+  static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "tiles are made of 16x16 mma blocks");
+};
+
+template <int D, typename T>
+using FwdTraits = KernelTraits<D, fwd_block_m(D), fwd_block_n(D), fwd_warps(D), T>;
+template <int D, typename T>
+using DqTraits = KernelTraits<D, dq_block_m(D), dq_block_n(D), dq_warps(D), T>;
+template <int D, typename T>
+using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T>;
+
+}  // namespace ssa_flash

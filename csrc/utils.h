@@ -1,0 +1,218 @@
+// Warp-level building blocks: cp.async, ldmatrix, mma.sync (m16n8k16, f32 accumulate), fast
+// exp2/log2, and the fragment layouts they imply. No torch here.
+//
+// Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
+// lane = threadIdx.x % 32, g = lane / 4 (group), t = lane % 4 (thread in group):
+//   A (16x16, row-major), 4 x b32 (two 16-bit elements each, lower column in the low half):
+//       a0: (g,   2t..2t+1)   a1: (g+8, 2t..2t+1)   a2: (g, 2t+8..2t+9)   a3: (g+8, 2t+8..2t+9)
+//   B (16x8, k x n), 2 x b32: b0: (k = 2t..2t+1, n = g)   b1: (k = 2t+8..2t+9, n = g)
+//   C/D (16x8, f32): c0, c1: (g, 2t..2t+1)   c2, c3: (g+8, 2t..2t+1)
+// So the accumulators of two adjacent n8 tiles of a 16-row strip, rounded to 16 bits, are exactly
+// the A fragment of a 16x16 block: the softmax P (and dS) never leave registers (FlashAttention-2).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+#error "ssa_flash CUDA kernels need sm_75 or newer (ldmatrix, mma.sync); see docs/cuda.md"
+#endif
+
+#define SSA_DEVICE __device__ __forceinline__
+
+namespace ssa_flash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ------------------------------------------------------------------------------------------
+// Element types
+
+template <typename T>
+struct ElemInfo;
+
+template <>
+struct ElemInfo<__half> {
+  static constexpr bool kIsBF16 = false;
+  static constexpr int kMinArch = 750;
+};
+
+template <>
+struct ElemInfo<__nv_bfloat16> {
+  static constexpr bool kIsBF16 = true;
+  static constexpr int kMinArch = 800;
+};
+
+// Two floats rounded to the 16-bit type, packed into one b32 register (first in the low half).
+template <typename T>
+SSA_DEVICE uint32_t pack2(float lo, float hi);
+
+template <>
+SSA_DEVICE uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <>
+SSA_DEVICE uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <typename T>
+SSA_DEVICE float2 unpack2(uint32_t v);
+
+template <>
+SSA_DEVICE float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+
+template <>
+SSA_DEVICE float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+
+// ------------------------------------------------------------------------------------------
+// Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
+
+SSA_DEVICE float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+SSA_DEVICE float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// log2(1 + x) for x >= 0, accurate also where 1 + x rounds to 1: log2(u) * x / (u - 1) with
+// u = fl(1 + x) cancels the rounding error of u (Goldberg). Same as the Triton kernels' log2_1p.
+SSA_DEVICE float log2_1p(float x) {
+  float u = 1.0f + x;
+  float d = u - 1.0f;
+  return d == 0.0f ? x * kLog2e : lg2(u) * __fdividef(x, d);
+}
+
+SSA_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
+
+// A running row max with -inf (nothing admissible yet) replaced by 0, so that ex2(l - m) is 0
+// instead of NaN for -inf logits.
+SSA_DEVICE float safe_max(float m) { return m == neg_inf() ? 0.0f : m; }
+
+// Reductions over the 4 threads of a quad (they hold the same accumulator rows).
+SSA_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+SSA_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  return x;
+}
+
+SSA_DEVICE float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// ------------------------------------------------------------------------------------------
+// Asynchronous global -> shared copies (sm_80+; plain 16-byte loads and stores on sm_75).
+
+SSA_DEVICE uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Copies 16 bytes, or writes 16 zero bytes when !pred (gmem must still be a valid address).
+SSA_DEVICE void cp_async_16(void* smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int src_bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+               "r"(src_bytes));
+#else
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (pred) v = __ldg(reinterpret_cast<const uint4*>(gmem));
+  *reinterpret_cast<uint4*>(smem) = v;
+#endif
+}
+
+SSA_DEVICE void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+SSA_DEVICE void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// ldmatrix: four 8x8 16-bit matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+
+SSA_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(addr)));
+}
+
+SSA_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(addr)));
+}
+
+// ------------------------------------------------------------------------------------------
+// mma.sync m16n8k16, f32 accumulators, in place: d += a * b.
+
+template <typename T>
+SSA_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+SSA_DEVICE void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  // sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products, (a0, a1) x b0 for
+  // k = 0..7 and (a2, a3) x b1 for k = 8..15 (the k8 A fragment is {(g, 2t..), (g+8, 2t..)}).
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b0));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
+}
+
+template <>
+SSA_DEVICE void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  // bf16 tensor cores need sm_80; the host never launches bf16 kernels on older devices.
+  __trap();
+#endif
+}
+
+}  // namespace ssa_flash

@@ -1,0 +1,292 @@
+"""The CUDA C++ backend (csrc/, ssa_flash/cuda.py) on a GPU: against the float64 reference with
+FlashAttention's error rule (error <= 2x the same-dtype naive error + a floor), against the
+Triton backend, over the feature matrix of DESIGN.md 1.4 and the four variants; determinism;
+clear errors for inputs it does not run; compute-sanitizer memcheck and racecheck on a small run.
+
+Skipped without a CUDA device. On a GPU without the extension (no prebuilt ssa_flash._C and no
+toolkit to JIT-build it) the tests skip with the reason, except test_extension_loads, which fails
+when ``ssa_flash.cuda.is_available()`` claims the extension can be built but it cannot.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ssa_flash
+from ssa_flash import cuda as cuda_backend
+from ssa_flash import reference
+from attn_testing import (FLOORS, MODES, call, detached_copy, fa_tolerance_check, head_params,
+                          make_qkv)
+
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+
+
+def _bf16_ok():
+    return CUDA and torch.cuda.get_device_capability()[0] >= 8
+
+
+DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not _bf16_ok(), reason="bf16 needs sm_80"))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if not cuda_backend.is_available():
+        pytest.skip(f"CUDA backend unavailable: {cuda_backend.unavailable_reason('cuda')}")
+    return cuda_backend.load_extension()  # builds (once) if not prebuilt; fails loudly if it cannot
+
+
+def test_extension_loads():
+    if not cuda_backend.is_available():
+        pytest.skip(cuda_backend.unavailable_reason("cuda"))
+    ext = cuda_backend.load_extension()
+    assert hasattr(ext, "fwd") and hasattr(ext, "bwd") and hasattr(ext, "stats")
+    assert "cuda" in ssa_flash.available_backends("cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def run(backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
+    """Forward + backward; returns (out, lse, grads of the inputs that require grad)."""
+    if backend == "reference":
+        out, lse = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
+    else:
+        out, lse = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend=backend, **kw)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
+    names = [nm for nm, t in zip("qkvbn", (q, k, v, b, n)) if t is not None and t.requires_grad]
+    inputs = [t for t in (q, k, v, b, n) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return out, lse, dict(zip(names, grads))
+
+
+def _gold_kw(kw):
+    return {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
+            for key, val in kw.items()}
+
+
+def check(mode, q, k, v, b=None, n=None, with_dlse=False, against_triton=True, **kw):
+    """CUDA backend (in q's dtype) vs the naive reference in the same dtype and in float64, and
+    vs the Triton backend."""
+    dtype = q.dtype
+    g = torch.Generator().manual_seed(123)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=g).to(q.device)
+    dlse = torch.randn(*q.shape[:-1], generator=g).to(q.device) if with_dlse else None
+    if mode in ("ssa", "ssa_adaptive") and b is None:
+        b, n = head_params(q.shape[-3], device=q.device)
+    ours = run("cuda", mode, q, k, v, b, n, dout, dlse, **kw)
+    naive = run("reference", mode, q, k, v, b, n, dout, dlse, **kw)
+    cast = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    gold = run("reference", mode, cast(q), cast(k), cast(v), cast(b), cast(n), dout, dlse, **_gold_kw(kw))
+    assert ours[0].dtype == dtype and ours[0].shape == naive[0].shape
+    assert ours[1].dtype == torch.float32 and ours[1].shape == q.shape[:-1]
+    floor = FLOORS[dtype]
+    fa_tolerance_check("out", ours[0], naive[0], gold[0], floor)
+    finite = torch.isfinite(gold[1])
+    assert torch.equal(torch.isfinite(ours[1]), finite), "lse: -inf exactly on the rows with no admissible key"
+    fa_tolerance_check("lse", ours[1][finite], naive[1][finite], gold[1][finite], floor)
+    for name, grad in ours[2].items():
+        assert grad is not None and torch.isfinite(grad).all(), f"d{name} not finite"
+        assert grad.shape == naive[2][name].shape
+        gfloor = floor * (math.sqrt(q.shape[-2] * k.shape[-2]) if name in "bn" else 4)
+        fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
+    if against_triton and "triton" in ssa_flash.available_backends(q.device):
+        tri = run("triton", mode, q, k, v, b, n, dout, dlse, **kw)
+        # both are held to the same rule against the gold; here, that they agree within it
+        fa_tolerance_check("out vs triton", ours[0], naive[0], tri[0], 2 * floor)
+        for name, grad in ours[2].items():
+            gfloor = 2 * floor * (math.sqrt(q.shape[-2] * k.shape[-2]) if name in "bn" else 4)
+            fa_tolerance_check(f"d{name} vs triton", grad, naive[2][name], tri[2][name], gfloor)
+    return ours
+
+
+# --------------------------------------------------------------------------------------------
+# The feature matrix
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_basic(mode, dtype, causal):
+    q, k, v = make_qkv(B=2, Hq=3, Lq=133, D=64, dtype=dtype)
+    check(mode, q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256, 16, 59, 111, 200])
+def test_head_dims(mode, dtype, D):
+    q, k, v = make_qkv(B=1, Hq=2, Lq=97, Lk=75, D=D, dtype=dtype)
+    check(mode, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_value_head_dim_differs(mode, dtype):
+    q, k, v = make_qkv(B=1, Hq=2, Lq=70, Lk=90, D=64, Dv=40, dtype=dtype)
+    check(mode, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("Lq,Lk", [(1, 1), (1, 200), (200, 1), (65, 64), (64, 65), (300, 129), (129, 300)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths(mode, Lq, Lk, causal):
+    q, k, v = make_qkv(B=1, Hq=2, Lq=Lq, Lk=Lk, D=64, dtype=torch.float16)
+    check(mode, q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("group", [2, 4])
+def test_gqa(mode, dtype, group):
+    q, k, v = make_qkv(B=2, Hq=2 * group, Hkv=2, Lq=77, Lk=130, D=64, dtype=dtype)
+    check(mode, q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["bool", "bool_broadcast", "float", "float16_broadcast", "neg_inf_rows"])
+def test_masks(mode, kind):
+    B, H, Lq, Lk = 2, 2, 90, 110
+    q, k, v = make_qkv(B=B, Hq=H, Lq=Lq, Lk=Lk, D=64, dtype=torch.float16)
+    g = torch.Generator().manual_seed(5)
+    if kind == "bool":
+        mask = torch.rand(B, H, Lq, Lk, generator=g) > 0.3
+    elif kind == "bool_broadcast":
+        mask = torch.rand(1, 1, Lq, Lk, generator=g) > 0.5
+    elif kind == "float":
+        mask = torch.randn(B, H, Lq, Lk, generator=g)
+    elif kind == "float16_broadcast":
+        mask = torch.randn(B, 1, 1, Lk, generator=g).half()
+    else:  # rows with no admissible key: output 0, zero gradients, lse -inf
+        mask = torch.zeros(B, H, Lq, Lk)
+        mask[:, :, ::7] = float("-inf")
+        mask[:, :, 3, 5:] = float("-inf")
+    check(mode, q, k, v, attn_mask=mask.to(q.device), is_causal=(kind == "bool"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_rows_bool(mode):
+    q, k, v = make_qkv(B=1, Hq=2, Lq=50, Lk=60, D=32, dtype=torch.float16)
+    mask = torch.ones(1, 2, 50, 60, dtype=torch.bool)
+    mask[:, :, 10:20] = False
+    out = check(mode, q, k, v, attn_mask=mask.to(q.device))
+    assert torch.all(out[0][:, :, 10:20] == 0)
+    assert torch.all(out[2]["q"][:, :, 10:20] == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_contiguous(mode):
+    """A transpose of (B, L, H, D), as produced by most model code, and an odd-strided slice."""
+    B, L, H, D = 2, 81, 3, 64
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(B, L, H, D + 8, generator=g).half().cuda() for _ in range(3)]
+    q, k, v = (x[..., :D].transpose(1, 2).requires_grad_() for x in base)  # leaves: strided views
+    check(mode, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lse_gradient(mode):
+    q, k, v = make_qkv(B=1, Hq=2, Lq=70, D=64, dtype=torch.float16)
+    check(mode, q, k, v, with_dlse=True, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive"])
+def test_scalar_and_large_ssa_params(mode):
+    q, k, v = make_qkv(B=1, Hq=2, Lq=64, D=64, dtype=torch.float16, q_scale=4.0)
+    b = torch.tensor([0.1, 5.0], device=q.device, requires_grad=True)
+    n = torch.tensor([1.0, 4.0], device=q.device, requires_grad=True)
+    check(mode, q, k, v, b=b, n=n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ssa", [False, True])
+def test_entropy(dtype, ssa):
+    q, k, _ = make_qkv(B=2, Hq=4, Hkv=2, Lq=150, Lk=170, D=64, dtype=dtype, requires_grad=False)
+    b, n = (t.detach() for t in head_params(4, device=q.device)) if ssa else (None, None)
+    mask = (torch.rand(1, 1, 150, 170) > 0.2).to(q.device)
+    ours = ssa_flash.attention_entropy(q, k, mask, is_causal=True, enable_gqa=True, b=b, n=n, backend="cuda")
+    gold = reference.attention_entropy(q.double(), k.double(), mask, True, None, True,
+                                       b=None if b is None else b.double(), n=None if n is None else n.double())
+    naive = reference.attention_entropy(q, k, mask, True, None, True, b=b, n=n)
+    assert ours.dtype == torch.float32 and ours.shape == (2, 4, 150)
+    fa_tolerance_check("entropy", ours, naive, gold, FLOORS[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+# Determinism, errors, auto
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_deterministic(mode):
+    q, k, v = make_qkv(B=2, Hq=4, Lq=300, D=64, dtype=torch.float16)
+    b, n = head_params(4, device=q.device) if "ssa" in mode else (None, None)
+    dout = torch.randn(2, 4, 300, 64, device=q.device, dtype=torch.float16)
+    first = run("cuda", mode, q, k, v, b, n, dout, is_causal=True, deterministic=True)
+    second = run("cuda", mode, q, k, v, b, n, dout, is_causal=True, deterministic=True)
+    assert torch.equal(first[0], second[0])
+    for name in first[2]:
+        assert torch.equal(first[2][name], second[2][name]), f"d{name} differs between runs"
+
+
+def test_unsupported_inputs_raise_clearly():
+    q, k, v = make_qkv(B=1, Hq=2, Lq=10, D=64, dtype=torch.float32)
+    with pytest.raises(ssa_flash.BackendUnavailableError, match="float16 or bfloat16"):
+        ssa_flash.ssa_attention(q, k, v, backend="cuda")
+    assert cuda_backend.supports(q, k, v) is not None
+    q16 = q.half()
+    assert cuda_backend.supports(q16, k.half(), v.half()) is None
+
+
+def test_preferred_backend():
+    assert cuda_backend.preferred_backend("cuda") in ("cuda", "triton")
+
+
+# --------------------------------------------------------------------------------------------
+# compute-sanitizer
+
+SANITIZER = shutil.which("compute-sanitizer")
+
+_SANITIZED_RUN = textwrap.dedent("""
+    import torch, ssa_flash
+    torch.manual_seed(0)
+    for dtype in (torch.float16,) + ((torch.bfloat16,) if torch.cuda.get_device_capability()[0] >= 8 else ()):
+        for D in (64, 111):
+            q = torch.randn(1, 4, 70, D, device="cuda", dtype=dtype, requires_grad=True)
+            k = torch.randn(1, 2, 90, D, device="cuda", dtype=dtype, requires_grad=True)
+            v = torch.randn(1, 2, 90, D, device="cuda", dtype=dtype, requires_grad=True)
+            mask = torch.rand(1, 1, 70, 90, device="cuda") > 0.2
+            b = torch.full((4,), 1.0, device="cuda", requires_grad=True)
+            n = torch.full((4,), 1.5, device="cuda", requires_grad=True)
+            for adaptive in (False, True):
+                out = ssa_flash.ssa_attention(q, k, v, mask, is_causal=True, enable_gqa=True, b=b, n=n,
+                                              adaptive_temperature=adaptive, backend="cuda")
+                out.float().sum().backward()
+                out = ssa_flash.softmax_attention(q, k, v, is_causal=False, enable_gqa=True, backend="cuda")
+                out.float().sum().backward()
+    torch.cuda.synchronize()
+    print("SANITIZED RUN OK")
+""")
+
+
+@pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer not on PATH")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool, tmp_path):
+    cuda_backend.load_extension()  # build outside the sanitizer
+    script = tmp_path / "run.py"
+    script.write_text(_SANITIZED_RUN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    proc = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "99", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=1800, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "SANITIZED RUN OK" in output, output[-10000:]
+    assert "ERROR SUMMARY: 0 errors" in output or "RACECHECK SUMMARY: 0 hazards" in output, output[-10000:]
