@@ -18,7 +18,7 @@ Equations (see DESIGN.md, section 1):
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor

@@ -1,10 +1,14 @@
 """Shared helpers for the tests: devices, dtypes, input builders and FlashAttention's error rule."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
+
+import ssa_flash
+from ssa_flash import reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -62,3 +66,48 @@ def fa_tolerance_check(name, ours, naive, gold, floor):
 
 
 FLOORS = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run(module_or_backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
+    """Forward + backward; returns (out, lse, grads of q, k, v, b, n)."""
+    if module_or_backend == "reference":
+        out, lse = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
+    else:
+        out, lse = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend=module_or_backend, **kw)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
+    inputs = [t for t in (q, k, v, b, n) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return out, lse, dict(zip(["q", "k", "v", "b", "n"][: len(inputs)], grads))
+
+
+def check(mode, q, k, v, b=None, n=None, with_dlse=False, **kw):
+    """Ours (in q's dtype) vs the naive reference in the same dtype and in float64."""
+    dtype = q.dtype
+    g = torch.Generator().manual_seed(123)
+    Dv = v.shape[-1]
+    dout = torch.randn(*q.shape[:-1], Dv, generator=g).to(q.device)
+    dlse = torch.randn(*q.shape[:-1], generator=g).to(q.device) if with_dlse else None
+    if mode in ("ssa", "ssa_adaptive") and b is None:
+        b, n = head_params(q.shape[-3], device=q.device)
+    ours = run("triton", mode, q, k, v, b, n, dout, dlse, **kw)
+    naive = run("reference", mode, q, k, v, b, n, dout, dlse, **kw)
+    cast = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    gkw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
+           for key, val in kw.items()}
+    gold = run("reference", mode, cast(q), cast(k), cast(v), cast(b), cast(n), dout, dlse, **gkw)
+    assert ours[0].dtype == dtype and ours[0].shape == naive[0].shape
+    expected_lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert ours[1].dtype == expected_lse_dtype and ours[1].shape == q.shape[:-1]
+    floor = FLOORS[dtype]
+    fa_tolerance_check("out", ours[0], naive[0], gold[0], floor)
+    finite = torch.isfinite(gold[1])
+    assert torch.equal(torch.isfinite(ours[1]), finite), "lse: -inf exactly on the rows with no admissible key"
+    fa_tolerance_check("lse", ours[1][finite], naive[1][finite], gold[1][finite], floor)
+    for name, grad in ours[2].items():
+        assert grad is not None and torch.isfinite(grad).all(), f"d{name} not finite"
+        # b, n gradients sum over every score of a head: allow for the length of that sum
+        gfloor = floor * (math.sqrt(q.shape[-2] * k.shape[-2]) if name in "bn" else 4)
+        fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
+    return ours

@@ -54,7 +54,7 @@ def test_softmax_matches_sdpa(dtype, case):
 
 
 def _flex_ssa(q, k, v, b, n, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     def score_mod(score, bi, h, qi, kj):
         phi = n[h] * torch.sign(score) * torch.log1p(b[h] * torch.abs(score))
