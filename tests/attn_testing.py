@@ -58,8 +58,10 @@ def detached_copy(t, dtype=None):
 
 
 def fa_tolerance_check(name, ours, naive, gold, floor):
-    """FlashAttention's rule: |ours - gold| <= 2 * |naive - gold| + floor (max norms), where
-    ``naive`` is the materialised reference in the same precision as ``ours``."""
+    """FlashAttention's rule: |ours - gold| <= 2 * |naive - gold| + floor * max(1, |gold|) (max
+    norms), where ``naive`` is the materialised reference in the same precision as ``ours``."""
+    # the floor is relative to the size of the values (gradients scale with n, logits with 1e4)
+    floor = floor * max(1.0, gold.double().abs().nan_to_num(posinf=0).max().item())
     ours_err = (ours.double() - gold.double()).abs().nan_to_num(posinf=1e30).max().item()
     naive_err = (naive.double() - gold.double()).abs().nan_to_num(posinf=1e30).max().item()
     assert ours_err <= 2 * naive_err + floor, f"{name}: error {ours_err:.3g} > 2 * naive {naive_err:.3g} + {floor:g}"

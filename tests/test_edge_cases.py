@@ -1,0 +1,64 @@
+"""Numerical edge cases with defined behaviour: huge logits, large n, tiny and huge b, float16
+near its range, NaN / inf inputs, decoding shapes."""
+import pytest
+import torch
+
+import ssa_flash
+from ssa_flash import reference
+from attn_testing import DEVICE, LOW_PRECISION, MODES, call, check, make_qkv, needs_kernels
+
+pytestmark = needs_kernels
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("logit_scale", [1e2, 1e4])
+def test_huge_logits(mode, logit_scale):
+    """Logits up to +-1e4: finite and matching the reference (float32 in, float64 gold)."""
+    q, k, v = make_qkv(Lq=17, Lk=23, D=16)
+    q = (q * logit_scale / 16).detach().requires_grad_()  # |z| ~ logit_scale
+    check(mode, q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("b,n", [(1.0, 50.0), (1e-4, 1.5), (1e3, 1.5), (1e3, 20.0), (1e-4, 50.0)])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_extreme_b_n(b, n, adaptive):
+    q, k, v = make_qkv(Lq=19, Lk=21, D=16)
+    bt = torch.full((2,), b, device=DEVICE, requires_grad=True)
+    nt = torch.full((2,), n, device=DEVICE, requires_grad=True)
+    check("ssa_adaptive" if adaptive else "ssa", q, k, v, bt, nt)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_near_its_range(mode):
+    """Inputs of magnitude ~200 in float16: q.k reaches 1e5, beyond float16's range, but the
+    kernels accumulate in float32; the naive float16 reference overflows."""
+    q, k, v = make_qkv(Lq=16, Lk=16, D=16, dtype=LOW_PRECISION[0], requires_grad=False)
+    q, k = q * 200, k * 200
+    out = call(ssa_flash, mode, q, k, v, 1.0, 1.5, backend="triton")
+    gold = call(reference, mode, q.double(), k.double(), v.double(), 1.0, 1.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), gold, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_inf_inputs_propagate(mode, bad):
+    """A non-finite query entry poisons its own row (as in SDPA) and no other; no crash."""
+    q, k, v = make_qkv(Lq=12, Lk=12, D=16, requires_grad=False)
+    q = q.clone()
+    q[0, 0, 3, 0] = bad
+    out = call(ssa_flash, mode, q, k, v, 1.0, 1.5, backend="triton")
+    assert not torch.isfinite(out[0, 0, 3]).all()
+    others = torch.ones(out.shape[:-1], dtype=torch.bool, device=DEVICE)
+    others[0, 0, 3] = False
+    assert torch.isfinite(out[others]).all()
+    ref = call(reference, mode, q, k, v, 1.0, 1.5)
+    torch.testing.assert_close(out[others], ref[others], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decoding_shape(mode):
+    """One new query against a long cache, with GQA and key padding (Lq = 1)."""
+    q, k, v = make_qkv(B=2, Hq=4, Hkv=1, Lq=1, Lk=70, D=16)
+    pad = (torch.arange(70) < torch.tensor([[70], [33]])).view(2, 1, 1, 70).to(DEVICE)
+    check(mode, q, k, v, attn_mask=pad, enable_gqa=True)
