@@ -255,7 +255,7 @@ def evaluate(model, sigma, cfg, device, chunk=500):
 def git_commit():
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=HERE, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=HERE, capture_output=True,
                                text=True, timeout=10)
         if out.returncode == 0:
             return out.stdout.strip(), bool(dirty.stdout.strip())
