@@ -392,6 +392,8 @@ def main(argv=None):
     t_start = time.time()
     for kind in ("softmax", "ssa"):
         model, curve, secs, skipped = train(kind, cfg, device, log_every)
+        if skipped:
+            print(f"  [{kind}] skipped {skipped} step(s) with non-finite gradients")
         n_params = sum(p.numel() for p in model.parameters())
         results["train"][kind] = {"seconds": secs, "params": n_params, "curve": curve,
                                   "skipped_nonfinite_steps": skipped}

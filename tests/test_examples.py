@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODE = "--quick" if os.environ.get("SSA_FLASH_TEST_QUICK", "0") not in ("", "0") else "--smoke"
