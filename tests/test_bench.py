@@ -18,6 +18,9 @@ from ssa_flash.bench import impls, report, runner, timing  # noqa: E402
 TOP_FIELDS = {"device", "date", "torch", "triton", "cuda", "matmul_tflops", "gpu_tests", "rows"}
 ROW_FIELDS = {"op", "impl", "pass", "dtype", "batch", "heads", "seqlen", "headdim", "causal", "ms",
               "tflops", "peak_mem_bytes"}
+CUDA = torch.cuda.is_available()
+# The CPU smoke run is what CI checks; on a GPU machine test_gpu_bench_tiny covers the CUDA path.
+cpu_only = pytest.mark.skipif(CUDA, reason="CPU harness test (interpreter); the GPU path is test_gpu_bench_tiny")
 DESIGN_IMPLS = {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
                 "sdpa.math", "flex", "reference"}
 
@@ -41,6 +44,7 @@ def smoke(tmp_path_factory):
     return proc, out
 
 
+@cpu_only
 def test_smoke_runs_and_writes_results(smoke):
     proc, out = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -54,6 +58,7 @@ def test_smoke_runs_and_writes_results(smoke):
     assert "Ratios for ssa_flash.triton" in proc.stdout
 
 
+@cpu_only
 def test_smoke_rows_schema_and_values(smoke):
     proc, out = smoke
     path = next(p for p in out.glob("*-cpu.json"))
@@ -82,6 +87,7 @@ def test_smoke_rows_schema_and_values(smoke):
     assert {r["seqlen"] for r in mem} == {16, 32} and all(r["pass"] == "fwd_bwd" for r in mem)
 
 
+@cpu_only
 def test_smoke_plots(smoke):
     proc, out = smoke
     try:
@@ -95,6 +101,7 @@ def test_smoke_plots(smoke):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@cpu_only
 def test_from_json_rerenders(smoke, tmp_path):
     _, out = smoke
     path = next(p for p in out.glob("*-cpu.json"))
@@ -165,3 +172,33 @@ def test_reference_rows_measure_on_cpu():
 def test_result_basename():
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu", runner.result_basename(torch.device("cpu")))
     assert runner.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_bench_tiny(tmp_path):
+    """The CUDA path end to end on small shapes: our kernels, SDPA, compiled FlexAttention SSA, the
+    reference, peak memory and the memory sweep."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "ssa_flash.bench", "--out", str(tmp_path), "--seqlens", "256",
+                           "--headdims", "64", "--batch-tokens", "512", "--heads", "4", "--causal", "true",
+                           "--impls", "ssa_flash.triton,sdpa.flash,sdpa.math,flex,reference",
+                           "--memory-max-seqlen", "2k", "--memory-impls", "ssa_flash.triton,reference",
+                           "--memory-ops", "ssa", "--matmul-size", "2048", "--warmup-ms", "5", "--rep-ms", "10",
+                           "--no-plots"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = next(p for p in tmp_path.glob("*.json"))
+    res = json.loads(path.read_text())
+    assert res["matmul_tflops"] > 1 and res["cuda"]
+    rows = res["rows"]
+    for r in rows:
+        if r["impl"] in ("ssa_flash.triton", "sdpa.flash", "flex") and r["sweep"] == "speed":
+            assert r["ms"] and r["ms"] > 0 and r["tflops"] > 0, r
+            assert r["peak_mem_bytes"] and r["peak_mem_bytes"] > 0, r
+    assert {r["op"] for r in rows if r["impl"] == "flex" and r["ms"]} == {"ssa"}
+    mem = [r for r in rows if r["sweep"] == "memory" and r["impl"] == "ssa_flash.triton"]
+    assert [r["seqlen"] for r in mem] == [1024, 2048]
+    for r in mem:  # inputs, output and gradients are all alive at the peak of forward+backward
+        assert r["ms"] and r["peak_mem_bytes"] >= 0.9 * r["io_bytes"], r

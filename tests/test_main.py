@@ -23,6 +23,10 @@ def _reference_fn(variant, case):
     return fn
 
 
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(CUDA, reason="CPU path (interpreter); on a GPU bench/run_gpu.sh runs python -m ssa_flash")
 def test_main_runs_and_passes_on_cpu():
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # __main__ must switch the interpreter on by itself
@@ -90,3 +94,15 @@ def test_check_reports_nan_and_errors_as_failures():
 
     r = selfcheck.check("softmax", CASE, torch.float32, DEVICE, "test", fn=boom)
     assert not r.ok and "kernel exploded" in r.detail
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_check_passes_on_cuda(dtype):
+    import ssa_flash
+
+    for backend in [b for b in ssa_flash.available_backends("cuda") if b != "reference"]:
+        for variant in ("ssa", "ssa_adaptive"):
+            r = selfcheck.check(variant, selfcheck.CASES[1], dtype, torch.device("cuda"), backend)
+            assert r.ok, r

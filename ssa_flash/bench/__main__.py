@@ -186,15 +186,18 @@ def main(argv=None) -> int:
     base = result_basename(torch.device(cfg.device))
     path = os.path.join(out_dir, base + ".json")
     runner = Runner(cfg, out_path=path)
+    status = 0
     try:
         results = runner.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # e.g. `timeout --signal=INT`: keep what was measured
+        runner.results["interrupted"] = True
         runner.save()
-        print(f"\ninterrupted: partial results in {path}", file=sys.stderr)
-        return 130
+        results = runner.results
+        print(f"\ninterrupted: partial results", file=sys.stderr)
+        status = 130
     print(f"\nresults: {path} ({len(results['rows'])} rows, {results.get('elapsed_s')} s)")
     _report(results, out_dir, base, not args.no_plots, args.markdown)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

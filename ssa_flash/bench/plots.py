@@ -61,7 +61,8 @@ def make_plots(results: dict, out_dir: str, base: str) -> List[str]:
                         continue
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=_STYLE.get(impl, "-"),
                             marker=_MARK.get(op, "o"), markersize=4, label=f"{op} / {impl}")
-                if results.get("matmul_tflops"):
+                top = max([r["tflops"] for r in panel if r.get("tflops")] + [0.0])
+                if results.get("matmul_tflops") and results["matmul_tflops"] < 3 * top:
                     ax.axhline(results["matmul_tflops"], color="gray", linestyle=":", linewidth=1,
                                label="dense matmul")
                 ax.set_xscale("log", base=2)
