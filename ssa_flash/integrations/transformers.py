@@ -41,12 +41,19 @@ import torch
 from torch import Tensor, nn
 
 try:
-    from transformers import PreTrainedModel
-    from transformers.modeling_utils import AttentionInterface
+    import transformers
 except ImportError as err:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "ssa_flash.integrations.transformers needs the transformers package: "
         "pip install 'ssa_flash[transformers]'") from err
+try:
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import AttentionInterface
+except ImportError as err:  # pragma: no cover - transformers without the AttentionInterface registry
+    raise ImportError(
+        f"ssa_flash.integrations.transformers needs a transformers version with AttentionInterface "
+        f"(tested: 4.51 to 5.23); found {transformers.__version__}: pip install -U 'ssa_flash[transformers]'"
+    ) from err
 
 try:  # transformers >= 4.53 builds masks per attention implementation
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -95,6 +102,9 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                       stacklevel=2)
 
     q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.shape[-1] > kv_len:
+        # older transformers build masks for a longer (static-cache) key length: keep the keys we have
+        attention_mask = attention_mask[..., :kv_len]
     # Same convention as transformers' sdpa integration: without a mask, a causal module uses
     # is_causal (top-left aligned) for prefill, and no mask at all for a single query.
     if is_causal is None:
