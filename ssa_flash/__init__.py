@@ -6,7 +6,7 @@ softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_atten
 
 ``ssa_flash.reference`` holds the same functions written naively: the specification in code.
 """
-from . import reference
+from . import nn, reference
 from .ops import (
     BackendUnavailableError,
     adaptive_temperature_attention,
@@ -26,4 +26,5 @@ __all__ = [
     "available_backends",
     "BackendUnavailableError",
     "reference",
+    "nn",
 ]
