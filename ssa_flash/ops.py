@@ -179,14 +179,16 @@ def _cuda_available() -> bool:
 
 
 def available_backends(device: Union[str, torch.device] = "cuda") -> Tuple[str, ...]:
-    """The backends that can run on ``device`` in this process, fastest first."""
+    """The backends that can run on ``device`` in this process, in ``backend="auto"``'s order of
+    preference. The CUDA C++ backend comes after Triton until a GPU run has verified it and
+    measured it faster (docs/cuda.md); ask for it with ``backend="cuda"``."""
     device = torch.device(device)
     out = []
     if device.type == "cuda":
-        if _cuda_available():
-            out.append("cuda")
         if _triton_importable():
             out.append("triton")
+        if _cuda_available():
+            out.append("cuda")
     elif _interpreting() and _triton_importable():
         out.append("triton")
     out.append("reference")
