@@ -29,6 +29,14 @@ def run_example(name, out_dir, *extra):
         return json.load(f), proc.stdout
 
 
+def tables(json_path):
+    """examples/make_tables.py renders the JSON as the markdown tables of docs/reproduction.md."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_tables.py"), str(json_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def finite(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -64,6 +72,7 @@ def test_icl_linear(tmp_path):
     assert len(b) == layers and all(len(row) == heads for row in b)
     assert all(x > 0 for row in b for x in row) and all(x >= 1 for row in n for x in row)
     assert "sigma" in stdout and "softmax" in stdout
+    assert "| 5 |" in tables(tmp_path / "icl_linear.json")
 
 
 def test_max_retrieval(tmp_path):
@@ -83,3 +92,4 @@ def test_max_retrieval(tmp_path):
                 assert finite(r["beta"]) and r["beta"] >= 1
     assert res["ssa_params"]["b"] > 0 and res["ssa_params"]["n"] >= 1
     assert "accuracy" in stdout
+    assert "| 16 |" in tables(tmp_path / "max_retrieval.json")
