@@ -102,7 +102,6 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
   T* sdO = sQ + kBlockM * kS;
   T* sK = sdO + kBlockM * kS;  // two buffers
   T* sV = sK + 2 * kBlockN * kS;
-  __shared__ float s_red[2][kNWarps];
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -287,21 +286,23 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
     }
   }
 
-  // db, dn partials of this block: warp sums, then warps in order (deterministic).
+  // db, dn partials of this block: warp sums, then warps in order (deterministic). The sums go
+  // through the (no longer used) Q tile: the last loop iteration ended with a barrier.
   if (kSSA) {
+    float* s_red = reinterpret_cast<float*>(sQ);  // [2][kNWarps]
     db_part = warp_sum(db_part);
     dn_part = warp_sum(dn_part);
     if (lane == 0) {
-      s_red[0][warp] = db_part;
-      s_red[1][warp] = dn_part;
+      s_red[warp] = db_part;
+      s_red[kNWarps + warp] = dn_part;
     }
     __syncthreads();
     if (tid == 0) {
       float db = 0.0f, dn = 0.0f;
 #pragma unroll
       for (int w = 0; w < kNWarps; ++w) {
-        db += s_red[0][w];
-        dn += s_red[1][w];
+        db += s_red[w];
+        dn += s_red[kNWarps + w];
       }
       const int64_t idx = (static_cast<int64_t>(bb) * p.heads + h) * gridDim.x + m_block;
       p.db_part[idx] = db * ctx.n;

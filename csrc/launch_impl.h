@@ -2,7 +2,9 @@
 // bwd_{fp16,bf16}.cu. No torch here.
 #pragma once
 
+#ifndef SSA_FLASH_EMULATE
 #include <cuda_runtime.h>
+#endif
 
 #include <string>
 
@@ -24,6 +26,10 @@ inline std::string cuda_error(const char* what, cudaError_t err) {
 template <typename T, typename Params>
 std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, int threads,
                    int smem, cudaStream_t stream, const Params& p) {
+#ifdef SSA_FLASH_EMULATE
+  (void)stream;
+  return ssa_emu::launch(kernel, name, grid, threads, smem, p);  // csrc/emu: CPU emulation
+#else
   int dev = 0, major = 0, minor = 0, max_optin = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -53,6 +59,7 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
   err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error(name, err);
   return std::string();
+#endif
 }
 
 template <typename T, int D>

@@ -19,7 +19,13 @@
 #error "ssa_flash CUDA kernels need sm_75 or newer (ldmatrix, mma.sync); see docs/cuda.md"
 #endif
 
+#ifdef SSA_FLASH_EMULATE
+// CPU emulation of the CUDA execution model for testing without a GPU (csrc/emu/).
+#include "emu/emu_runtime.h"
+#define SSA_DEVICE inline
+#else
 #define SSA_DEVICE __device__ __forceinline__
+#endif
 
 namespace ssa_flash {
 
@@ -73,6 +79,16 @@ SSA_DEVICE float2 unpack2<__nv_bfloat16>(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
 
+#ifdef SSA_FLASH_EMULATE
+using ssa_emu::cp_async_16;
+using ssa_emu::cp_async_commit;
+using ssa_emu::cp_async_wait;
+using ssa_emu::ex2;
+using ssa_emu::ldmatrix_x4;
+using ssa_emu::ldmatrix_x4_trans;
+using ssa_emu::lg2;
+using ssa_emu::mma_16816;
+#else
 // ------------------------------------------------------------------------------------------
 // Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
 
@@ -87,6 +103,7 @@ SSA_DEVICE float lg2(float x) {
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+#endif  // SSA_FLASH_EMULATE
 
 // log2(1 + x) for x >= 0, accurate also where 1 + x rounds to 1: log2(u) * x / (u - 1) with
 // u = fl(1 + x) cancels the rounding error of u (Goldberg). Same as the Triton kernels' log2_1p.
@@ -121,6 +138,7 @@ SSA_DEVICE float warp_sum(float x) {
   return x;
 }
 
+#ifndef SSA_FLASH_EMULATE
 // ------------------------------------------------------------------------------------------
 // Asynchronous global -> shared copies (sm_80+; plain 16-byte loads and stores on sm_75).
 
@@ -214,5 +232,6 @@ SSA_DEVICE void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], 
   __trap();
 #endif
 }
+#endif  // !SSA_FLASH_EMULATE
 
 }  // namespace ssa_flash

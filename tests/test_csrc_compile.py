@@ -1,18 +1,29 @@
-"""CI's only check of the CUDA C++ sources (no GPU needed): every ``csrc/*.cu`` compiles with
-``nvcc -c`` to SASS for sm_80 and sm_90a (so ptxas validates every inline-asm ``mma.sync`` /
-``ldmatrix`` / ``cp.async`` and every template instantiation the extension ships), without
-warnings from our own files; the torch binding ``csrc/api.cpp`` compiles against torch's headers;
-and the tile table the Python wrapper mirrors (``ssa_flash.cuda._smem_bytes``) matches
-``csrc/traits.h``.
+"""CI's checks of the CUDA C++ sources, none needing a GPU:
 
-Skipped when nvcc is not on PATH or torch's C++ headers are missing. The .cu files are compiled
-in parallel (one nvcc per file, both architectures per nvcc) in a module-scoped fixture.
-Set ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) to check other architectures.
+1. Every ``csrc/*.cu`` compiles with ``nvcc -c`` to SASS for sm_80 and sm_90a (so ptxas validates
+   every inline-asm ``mma.sync`` / ``ldmatrix`` / ``cp.async`` and every template instantiation
+   the extension ships), with no compiler warning pointing into csrc/; the torch binding
+   ``csrc/api.cpp`` compiles against torch's headers; the tile table the Python wrapper mirrors
+   (``ssa_flash.cuda._smem_bytes``) matches ``csrc/traits.h``.
+2. The kernels *run*, on the CPU: ``csrc/emu`` compiles the real kernels and launch code with a
+   host compiler against an emulation of threads, barriers, shuffles, ``ldmatrix``, ``mma.sync``
+   and ``cp.async`` written from the PTX ISA's definitions, and the results are held to the GPU
+   tests' rule (FlashAttention's: error <= 2x the same-dtype naive error + a floor, against the
+   float64 reference) over the four variants, masks, causality, GQA, odd head dims and lengths,
+   plus bitwise independence from the thread schedule and from when ``cp.async`` copies land.
+   What it cannot show: hardware timing, the sm_75 code path, true concurrency effects beyond
+   the schedules tried, and speed.
+
+Skipped when nvcc is not on PATH or torch's C++ headers are missing. All compilations start at
+once in a module-scoped fixture (one nvcc per file, both architectures per nvcc); the emulation
+tests run while nvcc works. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other
+architectures.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import math
 import os
 import re
 import shutil
@@ -74,20 +85,204 @@ def _own_warnings(output: str):
             if "warning" in line.lower() and re.search(r"(^|/)csrc/|^\w+\.(cu|h|cpp)\(", line)]
 
 
+def _binding_args(out_path):
+    python_include = sysconfig.get_paths().get("include")
+    if not python_include or not (Path(python_include) / "Python.h").is_file():
+        return None
+    args = ["-c", "-x", "c++", f"-std={_cxx_std()}", "-O0", "-I", str(CSRC), "-I", python_include,
+            "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            "-Xcompiler", "-Wall", "-Xcompiler", "-Wno-unused-function"]
+    for inc in TORCH_INCLUDES:
+        args += ["-I", str(inc)]
+    return [*args, "api.cpp", "-o", str(out_path)]
+
+
+def _build_emulator(out_dir):
+    harness = _emu_harness()
+    if harness.cuda_include_dir() is None:
+        return None, "CUDA headers (cuda_fp16.h) not found"
+    try:
+        return (harness, harness.build(out_dir)), None
+    except Exception as err:  # reported by the emulation tests
+        return None, f"{type(err).__name__}: {err}"
+
+
 @pytest.fixture(scope="module")
-def cu_results(tmp_path_factory):
+def jobs(tmp_path_factory):
+    """Every compilation of this module, started at once on all cores: the CPU emulator (first:
+    its tests run while nvcc works), the .cu files (one nvcc each, both architectures, slowest
+    first), the binding."""
     out_dir = tmp_path_factory.mktemp("csrc_objs")
-    common = ["-c", f"-std={_cxx_std()}", "-O3", "--expt-relaxed-constexpr", *_gencode(),
-              "-I", str(CSRC), "-Xptxas", "-warn-lmem-usage"]
+    common = ["-c", f"-std={_cxx_std()}", "-O3", "--expt-relaxed-constexpr", *_gencode(), "-I", str(CSRC)]
     # the same flags as a torch extension build
     common += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
-    jobs = max(1, min(len(CU_FILES), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {cu.name: pool.submit(_nvcc, [*common, cu.name, "-o", str(out_dir / (cu.stem + ".o"))])
-                   for cu in CU_FILES}
-        return {name: fut.result() for name, fut in futures.items()}
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1))
+    futures = {"emulator": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu"))}
+    for cu in sorted(CU_FILES, key=lambda p: not p.name.startswith("bwd")):
+        futures[cu.name] = pool.submit(_nvcc, [*common, cu.name, "-o", str(out_dir / (cu.stem + ".o"))])
+    binding = _binding_args(out_dir / "api.o")
+    futures["api.cpp"] = pool.submit(_nvcc, binding) if binding else None
+    yield futures
+    pool.shutdown(wait=True)
 
+
+@pytest.fixture(scope="module")
+def cu_results(jobs):
+    return {name: jobs[name].result() for name in (cu.name for cu in CU_FILES)}
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels run on the CPU: csrc/emu emulates threads (fibers), barriers, shuffles, ldmatrix,
+# mma.sync and cp.async from their PTX definitions, and runs the real kernels and launch code.
+# Checked like the GPU tests: FlashAttention's error rule against the float64 reference, plus
+# bitwise-identical results under different thread schedules and cp.async completion orders
+# (which a data race or a missing wait would break).
+
+def _emu_harness():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ssa_emu_harness", CSRC / "emu" / "harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _import_testing():
+    try:
+        import ssa_flash  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import attn_testing
+    from ssa_flash import reference
+
+    return attn_testing, reference
+
+
+@pytest.fixture(scope="module")
+def emu_lib(jobs):
+    built, why = jobs["emulator"].result()
+    if built is None:
+        if why.startswith("CUDA headers"):
+            pytest.skip(why)
+        pytest.fail(f"the CPU emulator did not build: {why}")
+    return built
+
+
+def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if b is not None:
+        b, n = b.detach().requires_grad_(), n.detach().requires_grad_()
+    out, lse = call(reference, mode, q, k, v, b, n, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
+                    return_lse=True)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dlse.double()).sum()
+    inputs = [q, k, v] + ([b, n] if b is not None else [])
+    grads = torch.autograd.grad(loss, inputs)
+    res = dict(out=out.detach(), lse=lse.detach(), dq=grads[0], dk=grads[1], dv=grads[2])
+    if b is not None:
+        res.update(db=grads[3], dn=grads[4])
+    return res
+
+
+def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=None, dtype=torch.float16,
+              causal=False, mask=None, with_dlse=False, lazy=False, seed=1, transpose=False):
+    harness, lib = emu_lib
+    at, reference = _import_testing()
+    Hkv, Lk, Dv = Hkv or Hq, Lk or Lq, Dv or D
+    g = torch.Generator().manual_seed(0)
+    if transpose:  # (B, L, H, D) storage, as model code produces
+        q = torch.randn(B, Lq, Hq, D, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, Hq, Lq, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(B, Hq, Lq, Dv, generator=g, dtype=torch.float64).to(dtype)
+    dlse = torch.randn(B, Hq, Lq, generator=g) if with_dlse else None
+    b = n = None
+    if "ssa" in mode:
+        b, n = (t.detach() for t in at.head_params(Hq, device="cpu"))
+    emu = harness.Emulator(lib, lazy_copies=lazy, seed=seed)
+    full_mask = None if mask is None else mask.expand(B, Hq, Lq, Lk)
+    ours = emu.attention(q, k, v, mask=full_mask, b=b, n=n, causal=causal, group=Hq // Hkv,
+                         adaptive="adaptive" in mode, dout=dout, dlse=dlse)
+    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv)
+
+
+def _emu_check(emu_lib, mode, **kw):
+    at, reference = _import_testing()
+    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa) = _emu_case(emu_lib, mode, **kw)
+    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa)
+    d64 = lambda t: None if t is None else t.double()  # noqa: E731
+    gmask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    gold = _ref_run(reference, at.call, mode, d64(q), d64(k), d64(v), d64(b), d64(n), dout, dlse, gmask, causal, gqa)
+    floor = at.FLOORS[q.dtype]
+    finite = torch.isfinite(gold["lse"])
+    assert torch.equal(torch.isfinite(ours["lse"]), finite), "lse: -inf exactly on the rows with no admissible key"
+    for name in ["out", "lse", "dq", "dk", "dv"] + (["db", "dn"] if b is not None else []):
+        o, nv, gd = ours[name], naive[name], gold[name]
+        if name == "lse":
+            o, nv, gd = o[finite], nv[finite], gd[finite]
+        assert torch.isfinite(o).all(), f"{name} has non-finite entries"
+        fl = floor * (math.sqrt(q.shape[-2] * k.shape[-2]) if name in ("db", "dn") else (1 if name in ("out", "lse") else 4))
+        at.fa_tolerance_check(name, o, nv, gd, fl)
+    return ours
+
+
+MODES = ["softmax", "ssa", "adaptive", "ssa_adaptive"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_gqa_causal_bool_mask(emu_lib, mode):
+    mask = torch.rand(2, 1, 77, 130, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[:, :, 5] = False  # a row with no admissible key
+    _emu_check(emu_lib, mode, B=2, Hq=4, Hkv=2, Lq=77, Lk=130, D=64, causal=True, mask=mask,
+               with_dlse=True, lazy=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_float_mask_odd_dims(emu_lib, mode):
+    mask = torch.randn(1, 1, 66, 80, generator=torch.Generator().manual_seed(2))
+    mask[:, :, ::9] = float("-inf")
+    mask[:, :, 3, 7:] = float("-inf")
+    _emu_check(emu_lib, mode, B=2, Lq=66, Lk=80, D=59, Dv=40, mask=mask, transpose=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (256, torch.float16), (96, torch.float16)])
+def test_emulated_head_dims(emu_lib, mode, D, dtype):
+    _emu_check(emu_lib, mode, Hq=2, Hkv=1, Lq=65, Lk=64, D=D, dtype=dtype, causal=True, lazy=D != 96)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("Lq,Lk", [(1, 1), (1, 90), (90, 1)])
+def test_emulated_lengths(emu_lib, mode, Lq, Lk):
+    _emu_check(emu_lib, mode, Lq=Lq, Lk=Lk, D=32, causal=Lq > 1, transpose=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_half_mask_wide_values(emu_lib, mode):
+    """A float16 additive mask broadcast over heads and queries (converted on its compact shape),
+    a value head dim larger than the key one, causal with more queries than keys."""
+    mask = torch.randn(2, 1, 1, 50, generator=torch.Generator().manual_seed(4)).half()
+    _emu_check(emu_lib, mode, B=2, Hq=2, Lq=140, Lk=50, D=32, Dv=72, causal=True, mask=mask)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_schedule_independent(emu_lib, mode):
+    """Other thread orders and cp.async completion points give bitwise the same results."""
+    kw = dict(B=1, Hq=2, Lq=90, Lk=100, D=64, causal=True, with_dlse=True)
+    first, _ = _emu_case(emu_lib, mode, lazy=False, seed=1, **kw)
+    second, _ = _emu_case(emu_lib, mode, lazy=True, seed=12345, **kw)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name} depends on the schedule"
+
+
+# --------------------------------------------------------------------------------------------
+# nvcc (these wait for the compilations started by the `jobs` fixture; the emulation tests above
+# run while nvcc works)
 
 def test_there_are_sources():
     assert CU_FILES, "csrc/*.cu not found"
@@ -102,18 +297,12 @@ def test_cu_compiles(cu_results, name):
     assert not warnings, f"{name}: compiler warnings in csrc/:\n" + "\n".join(warnings[:50])
 
 
-def test_binding_compiles(tmp_path):
+def test_binding_compiles(jobs):
     """api.cpp (the only file that includes torch) against torch's headers, as the host compiler
     of an extension build sees it. It includes no c10/cuda header, so CPU-only torch wheels do."""
-    python_include = sysconfig.get_paths().get("include")
-    if not python_include or not (Path(python_include) / "Python.h").is_file():
+    if jobs["api.cpp"] is None:
         pytest.skip("Python.h not found (python3-dev)")
-    args = ["-c", "-x", "c++", f"-std={_cxx_std()}", "-O0", "-I", str(CSRC), "-I", python_include,
-            "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
-            "-Xcompiler", "-Wall", "-Xcompiler", "-Wno-unused-function"]
-    for inc in TORCH_INCLUDES:
-        args += ["-I", str(inc)]
-    rc, output, seconds = _nvcc([*args, "api.cpp", "-o", str(tmp_path / "api.o")])
+    rc, output, seconds = jobs["api.cpp"].result()
     assert rc == 0, f"api.cpp failed to compile ({seconds:.0f}s):\n{output[-20000:]}"
     warnings = _own_warnings(output)
     assert not warnings, "compiler warnings in csrc/api.cpp:\n" + "\n".join(warnings[:50])

@@ -1,0 +1,387 @@
+// A CPU emulation of the part of the CUDA execution model the ssa_flash kernels use, so that
+// the kernels in csrc/ can be run and checked on a machine without a GPU (tests/
+// test_csrc_compile.py). Compiled with a host C++ compiler and -DSSA_FLASH_EMULATE; the kernel
+// sources are the same, only the primitives of utils.h and the launch are replaced.
+//
+// Model. The threads of a block are fibers (ucontext to start them, then _setjmp/_longjmp, which
+// needs -U_FORTIFY_SOURCE: glibc's checked longjmp refuses to switch stacks) run by one OS thread. Every block barrier
+// and every warp collective (shuffle, ldmatrix, mma) is a synchronisation point: the scheduler
+// runs each live fiber up to its next synchronisation point (in a shuffled order by default), and
+// checks that all threads reached the same kind of point (the kernels' collectives are
+// block-uniform; a divergent one is reported as an error). Collective inputs are deposited in a
+// per-thread slot indexed by the parity of the point, and read back by the other lanes after the
+// round. ldmatrix and mma.sync are implemented from the PTX ISA's definition of which thread
+// holds which matrix element (not from the fragment arithmetic of utils.h / tile.h, which they
+// therefore check). cp.async copies are performed either at issue ("eager") or at the
+// cp.async.wait_group that retires them ("lazy"); both are legal hardware behaviours, so a
+// correct kernel gives identical results in both modes. Shared memory starts filled with NaNs.
+//
+// Not modelled: warp scheduling beyond the above, memory-model subtleties, timing.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <setjmp.h>
+#include <ucontext.h>
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace ssa_emu {
+
+enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma };
+
+struct Slot {
+  int kind;
+  uint32_t a[4];
+  uint32_t b[2];
+  float c[4];
+  const void* addr;
+  float val;
+  int off;
+};
+
+struct Copy {
+  void* dst;
+  const void* src;
+  bool pred;
+};
+
+struct Fiber {
+  ucontext_t ctx;  // only to enter the fiber the first time
+  jmp_buf jb;      // then _setjmp/_longjmp: no signal-mask system call per switch
+  uint3 tid;
+  int linear = 0;
+  bool done = false;
+  long syncs = 0;
+  Slot slot[2];
+  std::vector<Copy> open;
+  std::deque<std::vector<Copy>> groups;
+};
+
+struct Config {
+  bool lazy_copies = false;
+  bool shuffle = true;
+  unsigned seed = 1;
+};
+
+inline Config& config() {
+  static Config c;
+  return c;
+}
+
+// The A and B operands of the warp's current mma, rebuilt once per round (not once per lane).
+struct MmaCache {
+  long round = -1;
+  float A[16][16];
+  float B[16][8];
+};
+
+struct Block {
+  std::vector<Fiber> fibers;
+  std::vector<MmaCache> mma_cache;
+  ucontext_t sched;
+  jmp_buf sched_jb;
+  int cur = -1;
+  uint3 block_idx;
+  dim3 grid_dim;
+  dim3 block_dim;
+  std::function<void()> body;
+};
+
+inline Block*& block() {
+  static Block* b = nullptr;
+  return b;
+}
+
+inline Fiber& me() { return block()->fibers[block()->cur]; }
+
+inline int lane_id() { return me().linear & 31; }
+
+// Deposit slot of the current synchronisation point; then yield until every thread reached it.
+inline Slot& deposit(int kind) {
+  Fiber& f = me();
+  Slot& s = f.slot[f.syncs & 1];
+  s.kind = kind;
+  return s;
+}
+
+// Back to the scheduler; returns when the scheduler resumes this fiber.
+inline void yield() {
+  Fiber& f = me();
+  if (_setjmp(f.jb) == 0) _longjmp(block()->sched_jb, 1);
+}
+
+inline int finish_round() {
+  Fiber& f = me();
+  const int parity = static_cast<int>(f.syncs & 1);
+  f.syncs++;
+  yield();
+  return parity;
+}
+
+inline const Slot& lane_slot(int lane, int parity) {
+  Fiber& f = me();
+  return block()->fibers[(f.linear & ~31) + lane].slot[parity];
+}
+
+inline void syncthreads() {
+  deposit(kBar);
+  finish_round();
+}
+
+inline float shfl_xor(float v, int off) {
+  Slot& s = deposit(kShfl);
+  s.val = v;
+  s.off = off;
+  const int par = finish_round();
+  return lane_slot(lane_id() ^ off, par).val;
+}
+
+// ------------------------------------------------------------------------------------------
+// Primitives of utils.h
+
+inline float ex2(float x) { return std::exp2(x); }
+inline float lg2(float x) { return std::log2(x); }
+
+inline void do_copy(const Copy& c) {
+  if (c.pred) std::memcpy(c.dst, c.src, 16);
+  else std::memset(c.dst, 0, 16);
+}
+
+inline void cp_async_16(void* smem, const void* gmem, bool pred) {
+  const Copy c{smem, gmem, pred};
+  if (config().lazy_copies) me().open.push_back(c);
+  else do_copy(c);
+}
+
+inline void cp_async_commit() {
+  Fiber& f = me();
+  f.groups.push_back(std::move(f.open));
+  f.open.clear();
+}
+
+template <int N>
+inline void cp_async_wait() {
+  Fiber& f = me();
+  while (static_cast<int>(f.groups.size()) > N) {
+    for (const Copy& c : f.groups.front()) do_copy(c);
+    f.groups.pop_front();
+  }
+}
+
+inline uint16_t load16(const void* row, int col) {
+  uint16_t v;
+  std::memcpy(&v, static_cast<const char*>(row) + 2 * col, 2);
+  return v;
+}
+
+// ldmatrix.m8n8.x4(.trans).b16: lanes 8i..8i+7 give the row addresses of matrix i. Without
+// .trans thread t receives row t/4, elements 2(t%4), 2(t%4)+1 of each matrix; with .trans the
+// same of the transposed matrix, i.e. rows 2(t%4), 2(t%4)+1 of column t/4.
+inline void ldmatrix_impl(uint32_t (&r)[4], const void* addr, bool trans) {
+  Slot& s = deposit(trans ? kLdmT : kLdm);
+  s.addr = addr;
+  const int par = finish_round();
+  const int lane = lane_id();
+  for (int i = 0; i < 4; ++i) {
+    uint16_t lo, hi;
+    if (!trans) {
+      const void* row = lane_slot(8 * i + lane / 4, par).addr;
+      lo = load16(row, 2 * (lane % 4));
+      hi = load16(row, 2 * (lane % 4) + 1);
+    } else {
+      lo = load16(lane_slot(8 * i + 2 * (lane % 4), par).addr, lane / 4);
+      hi = load16(lane_slot(8 * i + 2 * (lane % 4) + 1, par).addr, lane / 4);
+    }
+    r[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+}
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* addr) { ldmatrix_impl(r, addr, false); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* addr) { ldmatrix_impl(r, addr, true); }
+
+template <typename T>
+inline float to_float(uint16_t bits) {
+  T h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D = A (16x16) B (16x8) + C, with the PTX
+// ISA fragment layouts (groupID g = lane/4, t = lane%4):
+//   A: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); lower column in the
+//      low half of each register
+//   B: b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8..2t+9, n = g)
+//   C/D: c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1)
+template <typename T>
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  Slot& s = deposit(kMma);
+  std::memcpy(s.a, a, sizeof(s.a));
+  s.b[0] = b0;
+  s.b[1] = b1;
+  const int par = finish_round();
+  MmaCache& cache = block()->mma_cache[me().linear / 32];
+  auto& A = cache.A;
+  auto& B = cache.B;
+  if (cache.round != me().syncs) {
+    cache.round = me().syncs;
+  for (int l = 0; l < 32; ++l) {
+    const Slot& o = lane_slot(l, par);
+    const int g = l / 4, t = l % 4;
+    auto put_a = [&](int row, int col, uint32_t v) {
+      A[row][col] = to_float<T>(static_cast<uint16_t>(v & 0xffff));
+      A[row][col + 1] = to_float<T>(static_cast<uint16_t>(v >> 16));
+    };
+    put_a(g, 2 * t, o.a[0]);
+    put_a(g + 8, 2 * t, o.a[1]);
+    put_a(g, 2 * t + 8, o.a[2]);
+    put_a(g + 8, 2 * t + 8, o.a[3]);
+    B[2 * t][g] = to_float<T>(static_cast<uint16_t>(o.b[0] & 0xffff));
+    B[2 * t + 1][g] = to_float<T>(static_cast<uint16_t>(o.b[0] >> 16));
+    B[2 * t + 8][g] = to_float<T>(static_cast<uint16_t>(o.b[1] & 0xffff));
+    B[2 * t + 9][g] = to_float<T>(static_cast<uint16_t>(o.b[1] >> 16));
+  }
+  }
+  const int lane = lane_id();
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0);
+    const int col = 2 * t + (i & 1);
+    float acc = 0.0f;
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] += acc;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Launch: blocks one after the other, threads as fibers.
+
+inline void trampoline() {
+  yield();  // parks at the start: the first resume runs the kernel
+  block()->body();
+  me().done = true;
+  _longjmp(block()->sched_jb, 1);
+}
+
+template <typename Params>
+std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, int threads,
+                   int smem_bytes, const Params& p);
+
+}  // namespace ssa_emu
+
+// CUDA builtins the kernels use
+namespace ssa_emu {
+struct Builtin {
+  static const uint3& thread_idx() { return me().tid; }
+  static const uint3& block_idx() { return block()->block_idx; }
+  static const dim3& grid_dim() { return block()->grid_dim; }
+};
+}  // namespace ssa_emu
+
+#undef __global__
+#define __global__
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#undef __shared__
+#define __shared__
+#define threadIdx (::ssa_emu::Builtin::thread_idx())
+#define blockIdx (::ssa_emu::Builtin::block_idx())
+#define gridDim (::ssa_emu::Builtin::grid_dim())
+#define __syncthreads() ::ssa_emu::syncthreads()
+#define __shfl_xor_sync(mask, v, off) ::ssa_emu::shfl_xor((v), (off))
+#define __trap() std::abort()
+
+inline float ssa_emu_int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+#define __int_as_float(i) ssa_emu_int_as_float(i)
+#define __fdividef(a, b) ((a) / (b))
+using std::min;
+
+namespace ssa_flash {
+// the dynamic shared memory of every kernel (`extern __shared__ uint4 smem_raw[]`)
+inline uint4 smem_raw[256 * 1024 / sizeof(uint4)];
+}  // namespace ssa_flash
+
+namespace ssa_emu {
+
+template <typename Params>
+std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, int threads,
+                   int smem_bytes, const Params& p) {
+  if (smem_bytes > static_cast<int>(sizeof(ssa_flash::smem_raw))) return std::string(name) + ": smem too big";
+  std::mt19937 rng(config().seed);
+  constexpr size_t kStack = 512 * 1024;
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        std::memset(ssa_flash::smem_raw, 0xff, smem_bytes);  // NaN in every 16- and 32-bit float
+        Block b;
+        b.block_idx = make_uint3(x, y, z);
+        b.grid_dim = grid;
+        b.block_dim = dim3(threads, 1, 1);
+        b.body = [&]() { kernel(p); };
+        b.fibers.resize(threads);
+        b.mma_cache.resize((threads + 31) / 32);
+        static std::vector<std::vector<char>> stacks;  // reused by every block
+        if (static_cast<int>(stacks.size()) < threads) stacks.resize(threads);
+        block() = &b;
+        for (int i = 0; i < threads; ++i) {
+          Fiber& f = b.fibers[i];
+          f.linear = i;
+          f.tid = make_uint3(i, 0, 0);
+          stacks[i].resize(kStack);
+          getcontext(&f.ctx);
+          f.ctx.uc_stack.ss_sp = stacks[i].data();
+          f.ctx.uc_stack.ss_size = kStack;
+          f.ctx.uc_link = &b.sched;
+          makecontext(&f.ctx, trampoline, 0);
+          b.cur = i;
+          ucontext_t here;
+          if (_setjmp(b.sched_jb) == 0) swapcontext(&here, &f.ctx);  // runs up to the park
+        }
+        std::vector<int> order(threads);
+        std::iota(order.begin(), order.end(), 0);
+        std::string error;
+        while (true) {
+          if (config().shuffle) std::shuffle(order.begin(), order.end(), rng);
+          for (int i : order) {
+            if (b.fibers[i].done) continue;
+            b.cur = i;
+            if (_setjmp(b.sched_jb) == 0) _longjmp(b.fibers[i].jb, 1);
+          }
+          int done = 0;
+          for (const Fiber& f : b.fibers) done += f.done;
+          if (done == threads) break;
+          const Fiber& f0 = b.fibers[0];
+          for (const Fiber& f : b.fibers) {
+            if (f.done || f.syncs != f0.syncs || f.slot[(f.syncs - 1) & 1].kind != f0.slot[(f0.syncs - 1) & 1].kind) {
+              error = std::string(name) + ": threads diverged at a barrier or warp collective (block " +
+                      std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) + ")";
+              break;
+            }
+          }
+          if (!error.empty()) break;
+        }
+        block() = nullptr;
+        if (!error.empty()) return error;
+      }
+    }
+  }
+  return std::string();
+}
+
+}  // namespace ssa_emu
