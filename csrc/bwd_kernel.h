@@ -315,7 +315,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
 }
 
 // ------------------------------------------------------------------------------------------
-// dK/dV kernel. Each warp owns 16 keys; scores are computed transposed (S^T = K Q^T, keys x
+// dK/dV kernel. Each warp owns 16 keys (at D = 256 two warps share them, each accumulating half
+// of the dK/dV columns, see traits.h); scores are computed transposed (S^T = K Q^T, keys x
 // queries) so that P^T and dS^T are A operands straight from registers. Query-row statistics
 // are staged in shared memory per query tile. Steps t run over (group head, query block);
 // pipeline per step (Q double-buffered, dO single):
@@ -330,8 +331,11 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
   constexpr int kS = Tr::kStride;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kMT = kBlockM / 8;
-  constexpr int kDT = kD / 8;
+  constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
+  constexpr int kDC = kD / kSplit;
+  constexpr int kDT = kDC / 8;
   constexpr int kNStat = dkdv_stat_count(kAdaptive);
+  static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
   enum { kLse = 0, kDelta = 1, kBeta = 2, kLseL = 3, kEnt = 4, kG = 5 };
 
 #if defined(__CUDA_ARCH__)
@@ -408,9 +412,11 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
   float dk_acc[kDT][4], dv_acc[kDT][4];
   zero(dk_acc);
   zero(dv_acc);
-  const T* sKw = sK + warp * 16 * kS;
-  const T* sVw = sV + warp * 16 * kS;
-  const int c_lo = n0 + warp * 16 + (lane >> 2);  // this thread's two key rows
+  const int strip = warp / kSplit;
+  const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
+  const T* sKw = sK + strip * 16 * kS;
+  const T* sVw = sV + strip * 16 * kS;
+  const int c_lo = n0 + strip * 16 + (lane >> 2);  // this thread's two key rows
   const int c_hi = c_lo + 8;
 
   for (int t = 0; t < num_t; ++t) {
@@ -465,7 +471,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
 
     uint32_t pa[kBlockM / 16][4];
     acc_to_frag<T, kBlockM>(pa, s);
-    gemm_rn<T, kD, kBlockM, kS>(dv_acc, pa, sdO, lane);  // dV += P^T dO
+    gemm_rn<T, kDC, kBlockM, kS>(dv_acc, pa, sdO + col0, lane);  // dV += P^T dO
 
     __syncthreads();  // every warp is done with dO_t
     if (has_next) {
@@ -474,7 +480,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
     }
     uint32_t da[kBlockM / 16][4];
     acc_to_frag<T, kBlockM>(da, dp);
-    gemm_rn<T, kD, kBlockM, kS>(dk_acc, da, sQt, lane);  // dK += dS^T Q
+    gemm_rn<T, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane);  // dK += dS^T Q
     __syncthreads();  // every warp is done with Q_t and stats_t
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
@@ -483,7 +489,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
   T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
-    const int col = dt * 8 + (lane & 3) * 2;
+    const int col = col0 + dt * 8 + (lane & 3) * 2;
     if (col < p.dim) {
       if (c_lo < p.len_k)
         *reinterpret_cast<uint32_t*>(dk + c_lo * p.dk_sm + col) =

@@ -29,10 +29,14 @@ constexpr int dq_block_m(int d) { return d <= 128 ? 64 : 32; }
 constexpr int dq_block_n(int d) { return d <= 64 ? 64 : 32; }
 constexpr int dq_warps(int d) { return dq_block_m(d) / 16; }
 
-// dK/dV kernel: BN keys (16 per warp), BM queries per step
+// dK/dV kernel: BN keys (16 per warp strip), BM queries per step. At D = 256 the dK and dV
+// accumulators of a 16-key strip (2 x 16 x 256 floats, 256 registers per thread) do not fit, so
+// two warps share each strip, each accumulating half of the columns (both compute the strip's
+// scores: the S^T and dP^T GEMMs are duplicated, the dK/dV GEMMs are not).
 constexpr int dkdv_block_n(int d) { return d <= 128 ? 64 : 32; }
 constexpr int dkdv_block_m(int d) { return d <= 64 ? 64 : 32; }
-constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16; }
+constexpr int dkdv_col_split(int d) { return d <= 128 ? 1 : 2; }
+constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16 * dkdv_col_split(d); }
 
 constexpr int smem_row(int d) { return d + 8; }
 
@@ -50,9 +54,10 @@ constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive) {
          2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4;
 }
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_, int kColSplit_ = 1>
 struct KernelTraits {
   using Elem = Elem_;
+  static constexpr int kColSplit = kColSplit_;  // warps sharing a 16-row strip (dK/dV kernel)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -68,6 +73,6 @@ using FwdTraits = KernelTraits<D, fwd_block_m(D), fwd_block_n(D), fwd_warps(D), 
 template <int D, typename T>
 using DqTraits = KernelTraits<D, dq_block_m(D), dq_block_n(D), dq_warps(D), T>;
 template <int D, typename T>
-using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T>;
+using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
 
 }  // namespace ssa_flash
