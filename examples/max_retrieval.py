@@ -340,7 +340,8 @@ def main(argv=None):
     p.add_argument("--eval-sets", type=int, dest="eval_sets", help="test sets per size")
     p.add_argument("--max-test", type=int, dest="max_test", help="largest test set size (power of 2)")
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "cuda", "reference"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on CPU: 1, faster than more for these tiny operations)")
     args = p.parse_args(argv)
 
     mode = "quick" if args.quick else "smoke" if args.smoke else (args.preset or "full")
@@ -350,9 +351,9 @@ def main(argv=None):
             cfg[key] = getattr(args, key)
     cfg.update(seed=args.seed, data_seed=args.seed + 1, eval_seed=args.seed + 2, backend=args.backend,
                train_sizes=list(TRAIN_SIZES))
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
     backend = resolved_backend(args.backend, device)
     if device.type == "cpu" and backend == "triton":
         print("note: TRITON_INTERPRET=1 runs the Triton kernels through the interpreter: very slow; "

@@ -22,7 +22,7 @@ def run_example(name, out_dir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), MODE, "--device", "cpu",
-           "--out", str(out_dir), "--threads", "1", *extra]
+           "--out", str(out_dir), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     with open(os.path.join(out_dir, f"{name}.json")) as f:
