@@ -42,7 +42,9 @@ Scalar = Union[float, Tensor]
 def ssa_logits(z: Tensor, b: Tensor, n: Tensor) -> Tensor:
     """``phi(z) = n * sgn(z) * log1p(b|z|)``, written so that autograd's derivative at ``z = 0`` is
     the continuous limit ``n * b`` (``sign(z) * log1p(b * abs(z))`` would give 0 there)."""
-    return n * torch.where(z >= 0, torch.log1p(b * z), -torch.log1p(-b * z))
+    # each branch sees only its own sign (clamped), so the unused one cannot make 0 * inf = NaN
+    # in the backward (log1p(-b z) at b z = 1)
+    return n * torch.where(z >= 0, torch.log1p(b * z.clamp(min=0)), -torch.log1p(b * (-z).clamp(min=0)))
 
 
 def _per_head(x: Scalar, heads: int, like: Tensor) -> Tensor:

@@ -38,6 +38,15 @@ def test_phi_derivative_is_continuous_at_zero():
     torch.testing.assert_close(z.grad, torch.full((3,), 1.4, dtype=D64))
 
 
+def test_phi_gradient_finite_where_the_other_branch_is_singular():
+    """b|z| = 1 makes the unused branch log1p(-b z) singular; gradients must stay finite."""
+    z = torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=D64, requires_grad=True)
+    b = torch.tensor(1.0, dtype=D64, requires_grad=True)
+    reference.ssa_logits(z, b, torch.tensor(1.5, dtype=D64)).sum().backward()
+    torch.testing.assert_close(z.grad, 1.5 / (1 + z.detach().abs()))
+    assert torch.isfinite(b.grad)
+
+
 def _paper_adaptive_softmax(logits, poly=(-0.037, 0.481, -2.3, 4.917, -1.791)):
     """Fig. 4 of "Softmax is not Enough", line by line, with the exact entropy (no 1e-9)."""
     original_probs = torch.softmax(logits, -1)
