@@ -87,7 +87,7 @@ using ssa_emu::ex2;
 using ssa_emu::ldmatrix_x4;
 using ssa_emu::ldmatrix_x4_trans;
 using ssa_emu::lg2;
-using ssa_emu::mma_16816;
+using ssa_emu::mma_1688_f16;
 #else
 // ------------------------------------------------------------------------------------------
 // Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
@@ -189,8 +189,40 @@ SSA_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* addr) {
 }
 
 // ------------------------------------------------------------------------------------------
+// mma.sync m16n8k8 (f16), the only f16 shape of sm_75 besides m8n8k4.
+
+SSA_DEVICE void mma_1688_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+#endif  // !SSA_FLASH_EMULATE
+
+// sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products, (a0, a1) x b0 for
+// k = 0..7 and (a2, a3) x b1 for k = 8..15 (the k8 A fragment is {(g, 2t..), (g+8, 2t..)} and
+// its B fragment (k = 2t..2t+1, n = g)).
+SSA_DEVICE void mma_16816_sm75(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  mma_1688_f16(d, a[0], a[1], b0);
+  mma_1688_f16(d, a[2], a[3], b1);
+}
+
+// ------------------------------------------------------------------------------------------
 // mma.sync m16n8k16, f32 accumulators, in place: d += a * b.
 
+#ifdef SSA_FLASH_EMULATE
+template <typename T>
+SSA_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef SSA_FLASH_EMULATE_SM75
+  if constexpr (!ElemInfo<T>::kIsBF16) {
+    mma_16816_sm75(d, a, b0, b1);
+    return;
+  }
+#endif
+  ssa_emu::mma_16816<T>(d, a, b0, b1);
+}
+#else
 template <typename T>
 SSA_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
@@ -203,18 +235,7 @@ SSA_DEVICE void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-  // sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products, (a0, a1) x b0 for
-  // k = 0..7 and (a2, a3) x b1 for k = 8..15 (the k8 A fragment is {(g, 2t..), (g+8, 2t..)}).
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(b0));
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[2]), "r"(a[3]), "r"(b1));
+  mma_16816_sm75(d, a, b0, b1);
 #endif
 }
 

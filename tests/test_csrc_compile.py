@@ -97,12 +97,12 @@ def _binding_args(out_path):
     return [*args, "api.cpp", "-o", str(out_path)]
 
 
-def _build_emulator(out_dir):
+def _build_emulator(out_dir, **kw):
     harness = _emu_harness()
     if harness.cuda_include_dir() is None:
         return None, "CUDA headers (cuda_fp16.h) not found"
     try:
-        return (harness, harness.build(out_dir)), None
+        return (harness, harness.build(out_dir, **kw)), None
     except Exception as err:  # reported by the emulation tests
         return None, f"{type(err).__name__}: {err}"
 
@@ -118,13 +118,15 @@ def jobs(tmp_path_factory):
     common += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
     pool = concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1))
-    futures = {"emulator": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu"))}
+    futures = {"emulator": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu")),
+               "emulator_sm75": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu75"),
+                                            head_dims=(64, 128), sm75=True)}
     for cu in sorted(CU_FILES, key=lambda p: not p.name.startswith("bwd")):
         futures[cu.name] = pool.submit(_nvcc, [*common, cu.name, "-o", str(out_dir / (cu.stem + ".o"))])
     binding = _binding_args(out_dir / "api.o")
     futures["api.cpp"] = pool.submit(_nvcc, binding) if binding else None
     yield futures
-    pool.shutdown(wait=True)
+    pool.shutdown(wait=True, cancel_futures=True)  # (-k selections need not wait for all)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +164,16 @@ def _import_testing():
 
 @pytest.fixture(scope="module")
 def emu_lib(jobs):
-    built, why = jobs["emulator"].result()
+    return _emu_built(jobs, "emulator")
+
+
+@pytest.fixture(scope="module")
+def emu_lib_sm75(jobs):
+    return _emu_built(jobs, "emulator_sm75")
+
+
+def _emu_built(jobs, name):
+    built, why = jobs[name].result()
     if built is None:
         if why.startswith("CUDA headers"):
             pytest.skip(why)
@@ -268,6 +279,15 @@ def test_emulated_half_mask_wide_values(emu_lib, mode):
     a value head dim larger than the key one, causal with more queries than keys."""
     mask = torch.randn(2, 1, 1, 50, generator=torch.Generator().manual_seed(4)).half()
     _emu_check(emu_lib, mode, B=2, Hq=2, Lq=140, Lk=50, D=32, Dv=72, causal=True, mask=mask)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("D", [64, 128])
+def test_emulated_sm75_path(emu_lib_sm75, mode, D):
+    """The Turing code path: fp16 m16n8k16 as two m16n8k8, copies synchronous (eager)."""
+    mask = torch.rand(1, 1, 77, 100, generator=torch.Generator().manual_seed(6)) > 0.2
+    _emu_check(emu_lib_sm75, mode, B=1, Hq=4, Hkv=2, Lq=77, Lk=100, D=D, causal=True, mask=mask,
+               with_dlse=True, lazy=False)
 
 
 @pytest.mark.parametrize("mode", MODES)

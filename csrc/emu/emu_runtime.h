@@ -40,7 +40,7 @@
 
 namespace ssa_emu {
 
-enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma };
+enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma, kMma8 };
 
 struct Slot {
   int kind;
@@ -261,6 +261,36 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
     const int col = 2 * t + (i & 1);
     float acc = 0.0f;
     for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[i] += acc;
+  }
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 (sm_75): A (16x8): a0 (g, 2t..2t+1),
+// a1 (g+8, 2t..2t+1); B (8x8): b0 (k = 2t..2t+1, n = g); C/D as for m16n8k16.
+inline void mma_1688_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  Slot& s = deposit(kMma8);
+  s.a[0] = a0;
+  s.a[1] = a1;
+  s.b[0] = b0;
+  const int par = finish_round();
+  float A[16][8], B[8][8];
+  for (int l = 0; l < 32; ++l) {
+    const Slot& o = lane_slot(l, par);
+    const int g = l / 4, t = l % 4;
+    A[g][2 * t] = to_float<__half>(static_cast<uint16_t>(o.a[0] & 0xffff));
+    A[g][2 * t + 1] = to_float<__half>(static_cast<uint16_t>(o.a[0] >> 16));
+    A[g + 8][2 * t] = to_float<__half>(static_cast<uint16_t>(o.a[1] & 0xffff));
+    A[g + 8][2 * t + 1] = to_float<__half>(static_cast<uint16_t>(o.a[1] >> 16));
+    B[2 * t][g] = to_float<__half>(static_cast<uint16_t>(o.b[0] & 0xffff));
+    B[2 * t + 1][g] = to_float<__half>(static_cast<uint16_t>(o.b[0] >> 16));
+  }
+  const int lane = lane_id();
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0);
+    const int col = 2 * t + (i & 1);
+    float acc = 0.0f;
+    for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
     d[i] += acc;
   }
 }
