@@ -14,8 +14,9 @@ any strides; causal; GQA; softmax or SSA logits, fixed or adaptive temperature. 
 always deterministic (no atomics: db/dn are per-block partial sums reduced in a fixed order).
 
 Interface used by :mod:`ssa_flash.ops`: :func:`is_available`, :func:`unavailable_reason`,
-:func:`supports`, :func:`attention`, :func:`entropy`; :func:`preferred_backend` measures which of
-the CUDA and Triton backends is faster on a GPU (for ``backend="auto"``).
+:func:`supports`, :func:`attention`, :func:`entropy`; for ``backend="auto"``, :func:`ready`
+(nothing to compile) and :func:`preferred_backend` (which of the CUDA and Triton backends is
+faster on this GPU, measured once).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from . import temperature
 
 __all__ = [
     "is_available",
+    "ready",
     "unavailable_reason",
     "supports",
     "attention",
@@ -179,6 +181,15 @@ def is_available() -> bool:
     Cheap (no build, no kernel launch) and never raises."""
     try:
         return _reason(None) is None
+    except Exception:
+        return False
+
+
+def ready() -> bool:
+    """True when the extension is loaded or prebuilt, i.e. using it compiles nothing. For
+    ``backend="auto"``: prefer the CUDA backend only then (a JIT build takes minutes)."""
+    try:
+        return _ext is not None or (_ext_error is None and _prebuilt())
     except Exception:
         return False
 

@@ -49,6 +49,7 @@ def test_extension_loads():
     ext = cuda_backend.load_extension()
     assert hasattr(ext, "fwd") and hasattr(ext, "bwd") and hasattr(ext, "stats")
     assert "cuda" in ssa_flash.available_backends("cuda")
+    assert cuda_backend.ready()
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +285,8 @@ def test_compute_sanitizer(tool, tmp_path):
     cuda_backend.load_extension()  # build outside the sanitizer
     script = tmp_path / "run.py"
     script.write_text(_SANITIZED_RUN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *sys.path]))
     proc = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "99", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=1800, env=env)
     output = proc.stdout + proc.stderr
