@@ -20,6 +20,7 @@ faster on this GPU, measured once).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -284,7 +285,12 @@ def _prep_mask(mask: Optional[torch.Tensor]):
 
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _on_device(device: torch.device):
+    """Makes ``device`` current for the launches (the binding launches on the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_supported(q, k, v, adaptive):
@@ -298,19 +304,21 @@ def _check_supported(q, k, v, adaptive):
 
 
 class CudaAttentionFunction(torch.autograd.Function):
-    """Inputs as :func:`attention`; returns ``(out, lse)``, differentiable in q, k, v, b, n."""
+    """Inputs as :func:`attention`; returns ``(out, lse)``, differentiable in q, k, v, b, n.
+    ``ext`` is the extension module (or anything with its ``fwd``/``stats``/``bwd``: the CPU
+    emulation of csrc/emu drives this same code in tests/test_csrc_compile.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, b, n, mask, scale: float, causal: bool, group: int,
-                adaptive: bool, poly: Sequence[float], threshold: float):
-        ext = load_extension()
+                adaptive: bool, poly: Sequence[float], threshold: float, ext=None):
+        ext = ext if ext is not None else load_extension()
         d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
         qp, kp, vp = _prep(q, d8), _prep(k, d8), _prep(v, dv8)
         mask_t, kind = _prep_mask(mask)
         bf = b.float().contiguous() if b is not None else None
         nf = n.float().contiguous() if n is not None else None
         beta = lse_l = ent = dbeta_dh = None
-        with torch.cuda.device(q.device):
+        with _on_device(q.device):
             stream = _stream(q.device)
             if adaptive:
                 ent, lse_l = ext.stats(qp, kp, mask_t, kind, bf, nf, scale, causal, group, stream)
@@ -319,6 +327,7 @@ class CudaAttentionFunction(torch.autograd.Function):
             o, lse = ext.fwd(qp, kp, vp, mask_t, kind, bf, nf, beta, scale, causal, group, stream)
         ctx.save_for_backward(qp, kp, vp, o, lse, bf, nf, mask_t, beta, lse_l, ent, dbeta_dh)
         ctx.args = (kind, scale, causal, group, q.shape[-1], v.shape[-1])
+        ctx.ext = ext
         ctx.set_materialize_grads(False)
         out = o if o.shape[-1] == v.shape[-1] else o[..., : v.shape[-1]].contiguous()
         return out, lse
@@ -327,14 +336,14 @@ class CudaAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         qp, kp, vp, o, lse, bf, nf, mask_t, beta, lse_l, ent, dbeta_dh = ctx.saved_tensors
         kind, scale, causal, group, d, dv = ctx.args
-        ext = load_extension()
+        ext = ctx.ext
         if dout is None:
             dout = torch.zeros_like(o)
         else:
             dout = _prep(dout.to(o.dtype), o.shape[-1])
         if dlse is not None:
             dlse = dlse.float().contiguous()
-        with torch.cuda.device(qp.device):
+        with _on_device(qp.device):
             dq, dk, dvv, db_part, dn_part = ext.bwd(
                 dout, qp, kp, vp, o, lse, dlse, mask_t, kind, bf, nf, beta, lse_l, ent, dbeta_dh,
                 scale, causal, group, _stream(qp.device))
@@ -345,7 +354,7 @@ class CudaAttentionFunction(torch.autograd.Function):
         if bf is not None:
             db = db_part.sum(dim=(0, 2))
             dn = dn_part.sum(dim=(0, 2))
-        return dq, dk, dvv, db, dn, None, None, None, None, None, None, None
+        return dq, dk, dvv, db, dn, None, None, None, None, None, None, None, None
 
 
 def attention(q, k, v, b, n, mask, scale: float, causal: bool, group: int, adaptive: bool,
@@ -356,9 +365,10 @@ def attention(q, k, v, b, n, mask, scale: float, causal: bool, group: int, adapt
     (Hq,) float32; mask None or a bool / float tensor expanded to (B, Hq, Lq, Lk). The backward is
     deterministic whatever ``deterministic`` says."""
     _check_supported(q, k, v, adaptive)
-    load_extension()
+    ext = load_extension()
     return CudaAttentionFunction.apply(q, k, v, b, n, mask, float(scale), bool(causal), int(group),
-                                       bool(adaptive), tuple(float(c) for c in poly), float(threshold))
+                                       bool(adaptive), tuple(float(c) for c in poly), float(threshold),
+                                       ext)
 
 
 def entropy(q, k, mask, b, n, scale: float, causal: bool, group: int) -> torch.Tensor:
@@ -369,7 +379,7 @@ def entropy(q, k, mask, b, n, scale: float, causal: bool, group: int) -> torch.T
     mask_t, kind = _prep_mask(mask)
     bf = b.float().contiguous() if b is not None else None
     nf = n.float().contiguous() if n is not None else None
-    with torch.no_grad(), torch.cuda.device(q.device):
+    with torch.no_grad(), _on_device(q.device):
         ent, _ = ext.stats(_prep(q, d8), _prep(k, d8), mask_t, kind, bf, nf, float(scale),
                            bool(causal), int(group), _stream(q.device))
     return ent

@@ -109,52 +109,63 @@ class Emulator:
         if err:
             raise RuntimeError(err.decode())
 
+    # ---- the extension's interface (csrc/api.cpp), on CPU tensors -------------------------
+
+    def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0):
+        B, H, Lq, _ = q.shape
+        o = torch.full((B, H, Lq, v.shape[-1]), float("nan"), dtype=q.dtype)
+        lse = torch.full((B, H, Lq), float("nan"))
+        self._run(0, q, k, v, o, None, (None, None, None), {"lse": lse, "beta": beta}, mask, mask_kind,
+                  b, n, scale, causal, group)
+        return o, lse
+
+    def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0):
+        B, H, Lq, _ = q.shape
+        ent, lse_l = torch.full((B, H, Lq), float("nan")), torch.full((B, H, Lq), float("nan"))
+        self._run(1, q, k, q, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent}, mask,
+                  mask_kind, b, n, scale, causal, group)
+        return ent, lse_l
+
+    def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
+            scale, causal, group, stream=0):
+        B, H, Lq, D = q.shape
+        nan = float("nan")
+        dq, dk, dv = (torch.full(t.shape, nan, dtype=t.dtype) for t in (q, k, v))
+        num_m = self.lib.ssa_emu_bwd_num_m_blocks(D, v.shape[-1], Lq)
+        stats = dict(lse=lse, dlse=dlse, delta=torch.full((B, H, Lq), nan), beta=beta, lse_l=lse_l,
+                     entropy=entropy, dbeta_dh=dbeta_dh)
+        if beta is not None:
+            stats["g"] = torch.full((B, H, Lq), nan)
+        parts = [torch.full((B if b is not None else 0, H, num_m), nan) for _ in range(2)]
+        if b is not None:
+            stats.update(db_part=parts[0], dn_part=parts[1])
+        self._run(2, q, k, v, o, dout, (dq, dk, dv), stats, mask, mask_kind, b, n, scale, causal, group)
+        return dq, dk, dv, parts[0], parts[1]
+
+    # ---- what backend="cuda" computes --------------------------------------------------------
+
     def attention(self, q, k, v, mask=None, b=None, n=None, scale=None, causal=False, group=1,
                   adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None):
-        """Forward and (if dout is given) backward on CPU tensors, as the CUDA backend computes
-        them. Returns a dict: out, lse, and dq, dk, dv, db, dn (backward), entropy, beta."""
+        """Forward and (if dout is given) backward on CPU tensors through the CUDA backend's own
+        autograd function (ssa_flash.cuda.CudaAttentionFunction) with this emulator as the
+        extension. Returns a dict: out, lse, and dq, dk, dv, db, dn (backward)."""
         from ssa_flash import cuda as cuda_py
         from ssa_flash import temperature
 
-        poly = poly if poly is not None else temperature.DEFAULT_POLY
+        poly = tuple(poly if poly is not None else temperature.DEFAULT_POLY)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
-        d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
-        qp, kp, vp = cuda_py._prep(q.detach(), d8), cuda_py._prep(k.detach(), d8), cuda_py._prep(v.detach(), dv8)
-        mask_t, kind = cuda_py._prep_mask(mask)
-        bf = b.detach().float().contiguous() if b is not None else None
-        nf = n.detach().float().contiguous() if n is not None else None
-        B, H, Lq, _ = q.shape
-        f32 = dict(dtype=torch.float32)
-        res = {}
-        stats = {}
-        if adaptive:
-            ent, lse_l = torch.full((B, H, Lq), float("nan"), **f32), torch.full((B, H, Lq), float("nan"), **f32)
-            self._run(1, qp, kp, qp, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent},
-                      mask_t, kind, bf, nf, scale, causal, group)
-            beta, dbdh = temperature.beta_from_entropy(ent, poly, threshold)
-            stats.update(beta=beta.contiguous(), lse_l=lse_l, entropy=ent, dbeta_dh=dbdh.contiguous())
-            res.update(entropy=ent, beta=beta)
-        o = torch.full((B, H, Lq, dv8), float("nan"), dtype=q.dtype)
-        lse = torch.full((B, H, Lq), float("nan"), **f32)
-        self._run(0, qp, kp, vp, o, None, (None, None, None), dict(stats, lse=lse), mask_t, kind, bf, nf,
-                  scale, causal, group)
-        res.update(out=o[..., : v.shape[-1]], lse=lse)
+        leaves = [t.detach().requires_grad_(dout is not None) if t is not None else None
+                  for t in (q, k, v, b, n)]
+        out, lse = cuda_py.CudaAttentionFunction.apply(*leaves, mask, float(scale), bool(causal),
+                                                       int(group), bool(adaptive), poly,
+                                                       float(threshold), self)
+        res = dict(out=out.detach(), lse=lse.detach())
         if dout is None:
             return res
-        dop = cuda_py._prep(dout.to(q.dtype), dv8)
-        dq = torch.full(qp.shape, float("nan"), dtype=q.dtype)
-        dk = torch.full(kp.shape, float("nan"), dtype=q.dtype)
-        dv = torch.full(vp.shape, float("nan"), dtype=q.dtype)
-        num_m = self.lib.ssa_emu_bwd_num_m_blocks(d8, dv8, Lq)
-        bstats = dict(stats, lse=lse, dlse=None if dlse is None else dlse.float().contiguous(),
-                      delta=torch.full((B, H, Lq), float("nan"), **f32))
-        if adaptive:
-            bstats["g"] = torch.full((B, H, Lq), float("nan"), **f32)
-        if b is not None:
-            bstats["db_part"] = torch.full((B, H, num_m), float("nan"), **f32)
-            bstats["dn_part"] = torch.full((B, H, num_m), float("nan"), **f32)
-        self._run(2, qp, kp, vp, o, dop, (dq, dk, dv), bstats, mask_t, kind, bf, nf, scale, causal, group)
-        res.update(dq=dq[..., : q.shape[-1]], dk=dk[..., : k.shape[-1]], dv=dv[..., : v.shape[-1]])
-        if b is not None:
-            res.update(db=bstats["db_part"].sum(dim=(0, 2)), dn=bstats["dn_part"].sum(dim=(0, 2)))
+        loss = (out.float() * dout.float()).sum()
+        if dlse is not None:
+            loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse.float()).sum()
+        names = [nm for nm, t in zip(("dq", "dk", "dv", "db", "dn"), leaves) if t is not None]
+        grads = torch.autograd.grad(loss, [t for t in leaves if t is not None])
+        res.update(zip(names, grads))
         return res
