@@ -79,9 +79,10 @@ def run(module_or_backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
     loss = (out.float() * dout.float()).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
+    names = [nm for nm, t in zip("qkvbn", (q, k, v, b, n)) if t is not None and t.requires_grad]
     inputs = [t for t in (q, k, v, b, n) if t is not None and t.requires_grad]
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    return out, lse, dict(zip(["q", "k", "v", "b", "n"][: len(inputs)], grads))
+    return out, lse, dict(zip(names, grads))
 
 
 def check(mode, q, k, v, b=None, n=None, with_dlse=False, **kw):

@@ -22,7 +22,7 @@ import torch
 import ssa_flash
 from ssa_flash import cuda as cuda_backend
 from ssa_flash import reference
-from attn_testing import (FLOORS, MODES, call, detached_copy, fa_tolerance_check, head_params,
+from attn_testing import (FLOORS, MODES, detached_copy, fa_tolerance_check, head_params, run,
                           make_qkv)
 
 CUDA = torch.cuda.is_available()
@@ -54,21 +54,6 @@ def test_extension_loads():
 
 # --------------------------------------------------------------------------------------------
 # Helpers
-
-
-def run(backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
-    """Forward + backward; returns (out, lse, grads of the inputs that require grad)."""
-    if backend == "reference":
-        out, lse = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
-    else:
-        out, lse = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend=backend, **kw)
-    loss = (out.float() * dout.float()).sum()
-    if dlse is not None:
-        loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
-    names = [nm for nm, t in zip("qkvbn", (q, k, v, b, n)) if t is not None and t.requires_grad]
-    inputs = [t for t in (q, k, v, b, n) if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    return out, lse, dict(zip(names, grads))
 
 
 def _gold_kw(kw):
