@@ -8,6 +8,7 @@ expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -50,11 +51,29 @@ class TemperatureState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Blocks:
+class Blocks:
+    """One launch configuration: query/key tile sizes, warps per program, pipeline stages."""
+
     m: int
     n: int
     warps: int
     stages: int
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Everything that decides what a kernel launch compiles to and runs: the kernel, its grid,
+    positional arguments, ``tl.constexpr`` keyword arguments (block sizes included) and compile
+    options. :func:`capture_launches` records these instead of running them (the static audit
+    compiles exactly what the launcher would launch)."""
+
+    name: str  # "fwd", "stats", "bwd_dq" or "bwd_dkdv"
+    kernel: object
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    blocks: Blocks
+    candidates: tuple  # every configuration the launcher may choose for this specialisation
 
 
 def _acc_dtype(dtype: torch.dtype):
@@ -65,39 +84,70 @@ def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _block_candidates(device: torch.device, head_block: int, dtype: torch.dtype, kernel: str):
-    """Block sizes to try, largest first. Under the interpreter small blocks make the tests cross
-    block boundaries at small lengths. On a GPU the first candidate that fits the shared memory and
-    registers is used (see ``_launch``)."""
-    if interpreting() or device.type != "cuda":
-        return [_Blocks(16, 16, 4, 1)]
+def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str):
+    """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
+    None: the interpreter), best first. Under the interpreter small blocks make the tests cross
+    block boundaries at small lengths. On a GPU the first candidate that fits the shared memory
+    and registers is used (see ``_launch``)."""
+    if arch is None:
+        return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
-    if kernel == "fwd":
+    if kernel in ("fwd", "stats"):
         if head_block <= 64:
-            cands = [_Blocks(128, 64, 4, 3), _Blocks(64, 64, 4, 2)]
+            cands = [Blocks(128, 64, 4, 3), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [_Blocks(128, 64, 8, 3), _Blocks(64, 64, 4, 2)]
+            cands = [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)]
         else:
-            cands = [_Blocks(64, 32, 4, 2)]
+            cands = [Blocks(64, 32, 4, 2)]
     else:
         if head_block <= 64:
-            cands = [_Blocks(64, 64, 4, 2)]
+            cands = [Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [_Blocks(64, 64, 8, 2), _Blocks(32, 64, 4, 2)]
+            cands = [Blocks(64, 64, 8, 2), Blocks(32, 64, 4, 2)]
         else:
-            cands = [_Blocks(32, 32, 4, 1)]
+            cands = [Blocks(32, 32, 4, 1)]
     if wide:
-        cands = [_Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
-    return cands + [_Blocks(32, 32, 4, 1), _Blocks(16, 16, 4, 1)]
+        cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
+    return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
 
 
 _chosen_blocks: dict = {}
+_capture: Optional[list] = None
+_capture_arch: Optional[int] = None
+
+
+@contextmanager
+def capture_launches(arch: int):
+    """Within this context the launcher records a :class:`KernelLaunch` per kernel launch (with
+    the configuration it would choose first on compute capability ``arch``) instead of running
+    it. Call the host functions with ``meta`` tensors: outputs are allocated, nothing runs."""
+    global _capture, _capture_arch
+    if _capture is not None:
+        raise RuntimeError("capture_launches is not re-entrant")
+    _capture, _capture_arch = [], int(arch)
+    try:
+        yield _capture
+    finally:
+        _capture, _capture_arch = None, None
+
+
+def _device_arch(device: torch.device) -> Optional[int]:
+    if interpreting() or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
     """Launch ``kernel`` with the first block candidate that compiles within the GPU's resources."""
+    arch = _capture_arch if _capture is not None else _device_arch(device)
+    cands = block_candidates(arch, head_block, dtype, name)
+    if _capture is not None:
+        blk = cands[0]
+        _capture.append(KernelLaunch(name, kernel, grid_fn(blk), tuple(args(blk)),
+                                     dict(consts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
+        return blk
     key = (name, device, head_block, dtype, tuple(sorted(consts.items())))
-    cands = _block_candidates(device, head_block, dtype, name)
     if key in _chosen_blocks:
         cands = [_chosen_blocks[key]]
     last_err = None
@@ -105,7 +155,7 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
         grid = grid_fn(blk)
         if grid[0] > _MAX_GRID:
             raise ValueError(f"ssa_flash: problem too large for one launch ({grid[0]} programs)")
-        extra = {} if interpreting() else {"num_warps": blk.warps, "num_stages": blk.stages}
+        extra = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
         try:
             kernel[grid](*args(blk), **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
         except triton.runtime.errors.OutOfResources as err:  # too much shared memory / registers
