@@ -3,15 +3,24 @@
 1. ``attention_bwd_dq_kernel``, one program per query block: ``delta = rowsum(dO * O) - dlse``, ``dQ``, the
    per-row temperature gradient ``g`` (adaptive) and per-block partial sums of ``db``, ``dn`` (SSA).
 2. ``attention_bwd_dkdv_kernel``, one program per key block of a key/value head: ``dK``, ``dV``,
-   summing over the query heads of its GQA group in registers.
+   summing over the query heads of its GQA group in registers. Its tiles are transposed
+   (keys x queries: ``S^T = K Q^T``) so that all three of its matmuls have the key block as their
+   M dimension, which is what the warps split (FlashAttention-2/3's layout): no warp repeats
+   another's tensor work whatever the number of warps.
 
-Notation per tile, with ``S' = beta * l`` and ``P' = softmax(S')`` the output weights:
+Notation per tile, with ``s = q . k`` the raw dot products, ``S' = beta * l`` and ``P' = softmax(S')``
+the output weights:
 
     dS'  = P' * (dO V^T - delta)                        (FlashAttention-2's dS, on S')
     dl   = beta * dS' - g * P * (log P + H)              (g = 0 and beta = 1 without ADAPTIVE)
-    dz   = dl * phi'(z),  phi'(z) = n b / (1 + b|z|)     (dz = dl for softmax)
-    dQ   = scale * dz K,   dK = scale * dz^T Q,   dV = P'^T dO
+    ds   = dl * dl/ds,  dl/ds = scale (softmax),  n b scale / (1 + b|z|) (SSA)
+    dQ   = ds K,   dK = ds^T Q,   dV = P'^T dO
     db   = sum dl * n z / (1 + b|z|),   dn = sum dl * sgn(z) log1p(b|z|)
+
+The constant factors (``scale``, ``n b scale``, ``n scale``, ``sgn(scale) ln 2``) are applied once
+per row or per program, not per element, and ``dn`` is accumulated without dividing by ``n``
+(``n = 0`` is legal: uniform weights). No row maxima are needed (the forward's LSE normalises),
+so the backward keeps the sign of ``n`` and of the scale in the logit coefficient.
 
 ``g_i = dbeta_i * dbeta/dH_i`` needs ``dbeta_i = sum_j dS'_ij l_ij`` over the whole row before any
 ``dl`` is known. Kernel 1 owns whole rows, so it accumulates the ``beta dS'`` part and the
@@ -22,13 +31,108 @@ so the backward is deterministic.
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, combine_scale, logit_tile, safe_row_max
+from .common import (LN2, LOG2E, boundary_logits, combine_scale, interior_end, safe_row_max,
+                     ssa_log_weight, fast_recip)
 
 
 @triton.jit
 def _masked_lse2(lse):
     """Natural-log LSE to base 2; ``-inf`` (empty row) becomes 0 so that ``exp2(-inf - lse)`` is 0."""
     return safe_row_max(lse * LOG2E)
+
+
+@triton.jit
+def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA: tl.constexpr, ACC: tl.constexpr):
+    """``(cb, coef, ds_scale)`` of one head: ``cb = |scale| b``; ``coef`` turns ``x`` into base-2
+    logits with its sign (``n sgn(scale)`` for SSA, ``scale log2(e)`` for softmax);
+    ``ds_scale = dl/ds`` without the ``1 / (1 + b|z|)`` factor (``n b scale``, or ``scale``)."""
+    scale_sign = tl.where(scale < 0, -1.0, 1.0)
+    if SSA:
+        b = tl.load(B_SSA + off_h).to(ACC)
+        n = tl.load(N_SSA + off_h).to(ACC)
+        cb = b * (scale * scale_sign)
+        coef = n * scale_sign
+        ds_scale = n * b * scale
+    else:
+        cb = scale * scale_sign
+        coef = scale * LOG2E
+        ds_scale = scale
+    return cb, coef, ds_scale
+
+
+@triton.jit
+def _dq_key_blocks(dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta,
+                   q, do, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
+                   stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+                   cb, coef, lse2, delta, beta, lse_l2, ent,
+                   SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
+                   MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
+    ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax), ``db_acc += rowsum(dl s / u)``,
+    ``dn_acc += rowsum(dl x)``; with ADAPTIVE also ``dbeta`` and the entropy-term sums."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if BOUNDARY:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if SSA:
+            x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
+        else:
+            x = s
+        masked = BOUNDARY or MASK_KIND != 0
+        if masked:
+            l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
+                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
+            if ADAPTIVE:
+                p = tl.exp2(l2 * beta[:, None] - lse2[:, None])
+            else:
+                p = tl.exp2(l2 - lse2[:, None])
+        else:
+            if ADAPTIVE:
+                p = tl.exp2(x * (coef * beta)[:, None] - lse2[:, None])
+            else:
+                p = tl.exp2(x * coef - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
+        dl = p * (dp - delta[:, None])
+        if ADAPTIVE:
+            if masked:
+                admissible = l2 != float("-inf")
+                dbeta += tl.sum(dl * tl.where(admissible, l2, 0.0), 1)
+                log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
+                ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
+            else:
+                l2 = x * coef
+                dbeta += tl.sum(dl * l2, 1)
+                log_p2 = l2 - lse_l2[:, None]
+                ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None])
+            dl = dl * beta[:, None]
+        if SSA:
+            r = fast_recip(u, FAST_MATH)
+            ds = dl * r
+            db_acc += tl.sum(ds * s, 1)
+            dn_acc += tl.sum(dl * x, 1)
+            if ADAPTIVE:
+                ent_r = ent_term * r
+                db_ent += tl.sum(ent_r * s, 1)
+                dn_ent += tl.sum(ent_term * x, 1)
+                dq_ent += tl.dot(ent_r.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
+        else:
+            ds = dl
+            if ADAPTIVE:
+                dq_ent += tl.dot(ent_term.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
+    return dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta
 
 
 @triton.jit
@@ -47,7 +151,7 @@ def attention_bwd_dq_kernel(
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -77,82 +181,135 @@ def attention_bwd_dq_kernel(
     lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
 
     scale = combine_scale(scale_hi, scale_lo, ACC)
-    b = 0.0
-    n = 0.0
-    if SSA:
-        b = tl.load(B_SSA + off_h).to(ACC)
-        n = tl.load(N_SSA + off_h).to(ACC)
-        db_acc = tl.zeros((BLOCK_M,), dtype=ACC)
-        dn_acc = tl.zeros((BLOCK_M,), dtype=ACC)
+    cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
+    zero_row = tl.zeros((BLOCK_M,), dtype=ACC)
+    db_acc = zero_row
+    dn_acc = zero_row
+    db_ent = zero_row
+    dn_ent = zero_row
+    dbeta = zero_row
+    beta = zero_row + 1.0
+    lse_l2 = zero_row
+    ent = zero_row
     if ADAPTIVE:
         beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
         lse_l2 = _masked_lse2(tl.load(LSE_L + row_stat, mask=row_ok, other=0.0).to(ACC))
         ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
-        dbeta = tl.zeros((BLOCK_M,), dtype=ACC)
-        dq_ent = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
-        if SSA:
-            db_ent = tl.zeros((BLOCK_M,), dtype=ACC)
-            dn_ent = tl.zeros((BLOCK_M,), dtype=ACC)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
+    dq_ent = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
 
-    k_base = K + off_b * stride_kb + off_kv * stride_kh
-    v_base = V + off_b * stride_vb + off_kv * stride_vh
+    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b * stride_vb + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
     hi = Lk
+    mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < Lk
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        z, phi2, l2 = logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
-                                 mask_base, stride_mask_m, stride_mask_n,
-                                 SSA, CAUSAL, MASK_KIND, DOT_PRECISION)
-        s2 = l2
-        if ADAPTIVE:
-            s2 = l2 * beta[:, None]
-        p = tl.exp2(s2 - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION).to(ACC)
-        dl = p * (dp - delta[:, None])
-        if ADAPTIVE:
-            admissible = l2 != float("-inf")
-            dbeta += tl.sum(dl * tl.where(admissible, l2 * LN2, 0.0), 1)
-            dl = dl * beta[:, None]
-            # P * (log P + H) of the temperature-free weights P = softmax(l)
-            log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
-            ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
-        if SSA:
-            u = 1.0 + b * tl.abs(z)
-            dphi_dz = n * b / u
-            db_acc += tl.sum(dl * (n * z / u), 1)
-            dn_acc += tl.sum(dl * (phi2 * LN2 / n), 1)
-            dz = dl * dphi_dz
-            if ADAPTIVE:
-                db_ent += tl.sum(ent_term * (n * z / u), 1)
-                dn_ent += tl.sum(ent_term * (phi2 * LN2 / n), 1)
-                dq_ent += tl.dot((ent_term * dphi_dz).to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
-        else:
-            dz = dl
-            if ADAPTIVE:
-                dq_ent += tl.dot(ent_term.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
-        dq += tl.dot(dz.to(k.dtype), k, input_precision=DOT_PRECISION).to(ACC)
+        mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta = _dq_key_blocks(
+        dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+        0, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+        cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+    dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta = _dq_key_blocks(
+        dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+        mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+        cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
 
     if ADAPTIVE:
-        g = dbeta * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
+        # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
+        g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
         tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
-        if SSA:
-            db_acc = db_acc - g * db_ent
-            dn_acc = dn_acc - g * dn_ent
+        db_acc = db_acc - g * db_ent
+        dn_acc = dn_acc - g * dn_ent
     if SSA:
-        tl.store(DB_PART + bh * num_m_blocks + m_block, tl.sum(db_acc, 0))
-        tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0))
-    dq = dq * scale
+        # db = n scale sum(dl s / u);  dn = sgn(scale) ln2 sum(dl x)
+        scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
+        n = tl.load(N_SSA + off_h).to(ACC)
+        tl.store(DB_PART + bh * num_m_blocks + m_block, tl.sum(db_acc, 0) * (n * scale))
+        tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
+    dq = dq * ds_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_ok)
+
+
+@triton.jit
+def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, hi,
+                       stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+                       cb, coef, ds_scale, LSE, DELTA, BETA, LSE_L, ENT, G,
+                       SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
+                       MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
+    (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
+    this head's ``ds_scale`` applied (heads of a GQA group differ in it)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_stat = row_base + offs_m
+        if BOUNDARY:
+            row_ok = offs_m < Lq
+            q = tl.load(q_ptrs + start_m * stride_qm, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(do_ptrs + start_m * stride_dom, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
+            delta = tl.load(DELTA + row_stat, mask=row_ok, other=0.0).to(ACC)
+        else:
+            if EVEN_D:
+                q = tl.load(q_ptrs + start_m * stride_qm)
+                do = tl.load(do_ptrs + start_m * stride_dom)
+            else:
+                q = tl.load(q_ptrs + start_m * stride_qm, mask=offs_d[None, :] < D, other=0.0)
+                do = tl.load(do_ptrs + start_m * stride_dom, mask=offs_dv[None, :] < DV, other=0.0)
+            lse2 = _masked_lse2(tl.load(LSE + row_stat).to(ACC))
+            delta = tl.load(DELTA + row_stat).to(ACC)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if SSA:
+            x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
+        else:
+            x = st
+        masked = BOUNDARY or MASK_KIND != 0
+        if ADAPTIVE:
+            row_ok = offs_m < Lq
+            beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
+            lse_l2 = _masked_lse2(tl.load(LSE_L + row_stat, mask=row_ok, other=0.0).to(ACC))
+            ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
+            g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
+            l2 = x * coef
+            if masked:
+                l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
+                                     stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
+            pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
+        elif masked:
+            l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
+                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
+            pt = tl.exp2(l2 - lse2[None, :])
+        else:
+            pt = tl.exp2(x * coef - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if ADAPTIVE:
+            if masked:
+                admissible = l2 != float("-inf")
+                log_p2 = tl.where(admissible, l2 - lse_l2[None, :], 0.0)
+                ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :]), 0.0)
+            else:
+                log_p2 = l2 - lse_l2[None, :]
+                ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :])
+            dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
+            ds = dl * ds_scale
+        elif SSA:
+            # ds_scale folded into the subtraction: one multiply-add instead of an add
+            ds = pt * (dpt * ds_scale - (delta * ds_scale)[None, :])
+        else:
+            ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
+        if SSA:
+            ds = ds * fast_recip(u, FAST_MATH)
+        dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
+    return dk, dv
 
 
 @triton.jit
@@ -170,7 +327,7 @@ def attention_bwd_dkdv_kernel(
     H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale_hi, scale_lo,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
@@ -178,7 +335,8 @@ def attention_bwd_dkdv_kernel(
     off_b = bhkv // HKV
     off_kv = bhkv % HKV
 
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    start_n = n_block * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < Lk
@@ -190,57 +348,45 @@ def attention_bwd_dkdv_kernel(
                 mask=vd_ok, other=0.0)
     scale = combine_scale(scale_hi, scale_lo, ACC)
 
+    # Query blocks: [lo, diag_end) boundary (causal diagonal), [diag_end, int_end) interior,
+    # [int_end, Lq) boundary (ragged end). A ragged key block makes every tile a boundary one.
+    lo = 0
+    diag_end = 0
+    if CAUSAL:  # queries before this key block never see it
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        diag_end = lo + tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - lo, 0), BLOCK_M) * BLOCK_M
+    if start_n + BLOCK_N > Lk:
+        diag_end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+    int_end = interior_end(diag_end, tl.maximum(Lq, diag_end), BLOCK_M)
+
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
-    # Under CAUSAL, queries before this key block never see it.
-    lo = 0
-    if CAUSAL:
-        lo = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M
+    offs_mb = tl.arange(0, BLOCK_M)
     for g_idx in range(0, GROUP):
         off_h = off_kv * GROUP + g_idx
-        bh = off_b * H + off_h
-        b = 0.0
-        n = 0.0
-        if SSA:
-            b = tl.load(B_SSA + off_h).to(ACC)
-            n = tl.load(N_SSA + off_h).to(ACC)
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        row_base = (off_b * H + off_h) * Lq
+        cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
+        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
         mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
-        for start_m in range(lo, Lq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < Lq
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            row_stat = bh * Lq + offs_m
-            lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
-            delta = tl.load(DELTA + row_stat, mask=row_ok, other=0.0).to(ACC)
-            z, phi2, l2 = logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
-                                     mask_base, stride_mask_m, stride_mask_n,
-                                     SSA, CAUSAL, MASK_KIND, DOT_PRECISION)
-            s2 = l2
-            if ADAPTIVE:
-                beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
-                s2 = l2 * beta[:, None]
-            p = tl.exp2(s2 - lse2[:, None])
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION).to(ACC)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION).to(ACC)
-            dl = p * (dp - delta[:, None])
-            if ADAPTIVE:
-                admissible = l2 != float("-inf")
-                lse_l2 = _masked_lse2(tl.load(LSE_L + row_stat, mask=row_ok, other=0.0).to(ACC))
-                ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
-                g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
-                log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
-                ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
-                dl = dl * beta[:, None] - g[:, None] * ent_term
-            if SSA:
-                dl = dl * (n * b / (1.0 + b * tl.abs(z)))
-            dk += tl.dot(tl.trans(dl.to(q.dtype)), q, input_precision=DOT_PRECISION).to(ACC)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, Lq),
+            stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
+            LSE, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
+            stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
+            LSE, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, Lq,
+            stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
+            LSE, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
 
-    dk = dk * scale
+    if not SSA and not ADAPTIVE:
+        dk = dk * scale
     tl.store(DK + off_b * stride_dkb + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kd_ok)
     tl.store(DV_OUT + off_b * stride_dvb + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,

@@ -1,14 +1,22 @@
-"""Pieces shared by the forward, backward and entropy kernels.
+"""Pieces shared by the forward, statistics and backward kernels.
 
-Every kernel of the family works on one tile of logits at a time, built by :func:`logit_tile`.
-Logits are kept in base-2 units (``l2 = l * log2(e)``) so that the exponentials are ``exp2``:
+Logits are kept in base-2 units (``l2 = l * log2(e)``) so that the exponentials are ``exp2``, and
+each tile is built from the raw dot products ``s = q . k`` (the softmax scale is folded into
+per-row coefficients, never applied element by element):
 
-* softmax:  ``l2 = z * log2(e)``
-* SSA:      ``l2 = n * sgn(z) * log2(1 + b|z|)``  (= ``phi(z) * log2(e)``; no ``(1 + b|z|)^n`` is
-  ever formed, so large ``n`` or ``|z|`` cannot overflow)
+* softmax:  ``x = s``                                      ``l2 = x * (scale * log2(e))``
+* SSA:      ``x = sgn(s) * log2(1 + scale * b * |s|)``     ``l2 = x * n``
+  (= ``phi(z) * log2(e)`` with ``z = scale * s``; ``(1 + b|z|)^n`` is never formed, so large
+  ``n`` or ``|z|`` cannot overflow)
 
-Compile-time switches (``tl.constexpr``) select the logit transform (``SSA``), the temperature
-(``ADAPTIVE``: per-row beta), causality and the kind of mask (0 none, 1 boolean, 2 additive float).
+With the adaptive temperature the row's ``beta`` multiplies the coefficient too, so an interior
+tile turns ``x`` into its weights with one fused multiply-add and one ``exp2`` per element:
+``p = exp2(x * coef_row - m_row)``.
+
+Tiles come in two kinds, chosen at compile time (``BOUNDARY``): interior tiles lie inside the
+sequences and, under ``CAUSAL``, wholly on or below the diagonal, so they need no index checks;
+boundary tiles (ragged ends, the causal diagonal) check every element. An attention mask applies
+to every tile. ``MASK_KIND``: 0 none, 1 boolean (True = attend), 2 additive float.
 """
 import triton
 import triton.language as tl
@@ -22,15 +30,119 @@ MASK_ADD = 2
 
 
 @triton.jit
-def log2_1p(x):
-    """``log2(1 + x)`` for ``x >= 0``, accurate also where ``1 + x`` rounds to 1.
+def fast_log2(u, FAST_MATH: tl.constexpr):
+    """``log2(u)`` for ``u >= 1``. On a GPU in float32 (``FAST_MATH``) this is the hardware
+    ``lg2.approx.ftz.f32`` (one MUFU op, absolute error below 2^-22 on [1, 2) and relative error
+    below 2^-22 above, PTX ISA) instead of libdevice's 27-instruction software log. Softmax is
+    shift-invariant per row, so what matters is the absolute error of the log-weight: ``n * 2^-22``
+    (plus ``2^-24`` from rounding ``1 + b|z|``), far below the 2^-8 .. 2^-11 relative rounding of
+    the fp16/bf16 weights that feed the second matmul. The interpreter (and float64) run
+    ``tl.log2``; tests/test_fast_math.py bounds what the approximation costs."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [u],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(u)
 
-    ``log(u) * x / (u - 1)`` with ``u = fl(1 + x)`` cancels the rounding error of ``u`` (Goldberg).
-    """
-    u = 1.0 + x
-    d = u - 1.0
-    safe_d = tl.where(d == 0.0, 1.0, d)
-    return tl.where(d == 0.0, x * LOG2E, tl.log2(u) * (x / safe_d))
+
+@triton.jit
+def fast_recip(u, FAST_MATH: tl.constexpr):
+    """``1 / u`` for ``u >= 1``: ``rcp.approx.ftz.f32`` (one MUFU op, relative error below 2^-23)
+    on a GPU in float32, an exact division elsewhere."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [u],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / u
+
+
+@triton.jit
+def copy_sign(t, s, ACC: tl.constexpr):
+    """``t`` with the sign of ``s`` (``t >= 0``). In float32 a single bitwise op (LOP3)."""
+    if ACC == tl.float32:
+        bits = (t.to(tl.uint32, bitcast=True)
+                | (s.to(tl.uint32, bitcast=True) & 0x80000000))
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return tl.where(s < 0, -t, t)
+
+
+@triton.jit
+def ssa_log_weight(s, cb, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``(x, u)`` with ``u = 1 + cb |s|`` and ``x = sgn(s) log2(1 + cb |s|)``: SSA's log-weight of
+    the raw dot products ``s`` divided by ``n`` (``cb = |scale| b``). The backward needs ``u`` too.
+
+    In float32 ``log2(u)`` of the rounded ``u`` is what the GPU computes (its absolute error,
+    2^-24 from rounding ``u``, is irrelevant as argued in :func:`fast_log2`). In float64 (the
+    gradient checks) ``log(u) * y / (u - 1)`` with ``y = cb |s|`` cancels the rounding error of
+    ``u`` (Goldberg), keeping ``log1p``'s relative accuracy for small ``y``."""
+    y = tl.abs(s) * cb
+    u = y + 1.0
+    if ACC == tl.float64:
+        d = u - 1.0
+        t = tl.where(d == 0.0, y * LOG2E, tl.log2(u) * (y / tl.where(d == 0.0, 1.0, d)))
+        return copy_sign(t, s, ACC), u
+    elif FAST_MATH:
+        # MUFU.LG2, then one LOP3 (t | (s & 0x80000000); lut 0xF8) for the sign: ptxas does not
+        # fuse the AND and OR of copy_sign across the opaque lg2.
+        x = tl.inline_asm_elementwise(
+            "{ .reg .f32 t; lg2.approx.ftz.f32 t, $1; lop3.b32 $0, t, $2, 0x80000000, 0xF8; }",
+            "=f,f,f", [u, s], dtype=tl.float32, is_pure=True, pack=1)
+        return x, u
+    else:
+        return copy_sign(tl.log2(u), s, ACC), u
+
+
+@triton.jit
+def tile_logit_input(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``x``, the per-element input of the logit (``l2 = x * coef``): ``s`` for softmax, SSA's
+    signed ``log2(1 + cb|s|)`` otherwise."""
+    if SSA:
+        x, _ = ssa_log_weight(s, cb, ACC, FAST_MATH)
+        return x
+    else:
+        return s
+
+
+@triton.jit
+def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_mask_n,
+                    mask_scale, BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr,
+                    MASK_KIND: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Applies what makes an element inadmissible to the logit tile ``l2``: ``-inf`` outside the
+    sequences and above the diagonal (``BOUNDARY`` tiles only), the attention mask (every tile).
+    The tile is (queries, keys), or (keys, queries) with ``KEYS_FIRST`` (the dK/dV kernel's
+    transposed tiles). An additive mask (natural-log units) is multiplied by ``mask_scale``
+    (``log2(e)``, times the query's temperature if any; broadcastable to the tile). Interior
+    tiles without a mask return ``l2`` untouched: this function then costs nothing."""
+    if KEYS_FIRST:
+        q_idx = offs_q[None, :]
+        k_idx = offs_k[:, None]
+    else:
+        q_idx = offs_q[:, None]
+        k_idx = offs_k[None, :]
+    if BOUNDARY:
+        admissible = (q_idx < Lq) & (k_idx < Lk)
+        if CAUSAL:
+            admissible = admissible & (k_idx <= q_idx)
+    if MASK_KIND != 0:
+        # int64: a materialised (Lq, Lk) mask passes 2^31 elements at Lq = Lk = 46341. Rows past
+        # Lq (a ragged last query block) read row Lq - 1 and are never used.
+        rows = tl.minimum(q_idx, Lq - 1).to(tl.int64)
+        mask_ptrs = mask_ptr + rows * stride_mask_m + k_idx.to(tl.int64) * stride_mask_n
+        if BOUNDARY:
+            raw = tl.load(mask_ptrs, mask=admissible, other=0)
+        else:
+            raw = tl.load(mask_ptrs)
+        if MASK_KIND == 1:
+            if BOUNDARY:
+                admissible = admissible & (raw != 0)
+            else:
+                admissible = raw != 0
+        else:
+            l2 = l2 + raw.to(l2.dtype) * mask_scale
+    if BOUNDARY or MASK_KIND == 1:
+        l2 = tl.where(admissible, l2, float("-inf"))
+    return l2
 
 
 @triton.jit
@@ -42,39 +154,24 @@ def combine_scale(scale_hi, scale_lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
-               mask_ptr, stride_mask_m, stride_mask_n,
-               SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of logits.
-
-    q: (BLOCK_M, BLOCK_D) queries; k: (BLOCK_N, BLOCK_D) keys; offs_m/offs_n: their row indices.
-    Returns ``(z, phi2, l2)``: the scaled dot products ``z``; ``phi2 = phi(z) * log2(e)`` (finite,
-    no mask); ``l2 = (phi(z) + mask) * log2(e)``, ``-inf`` where a key is not admissible (out of
-    range, after the query under ``CAUSAL`` with SDPA's top-left alignment, or masked out).
-    """
-    z = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+def head_coefficients(B_SSA, N_SSA, off_h, scale, SSA: tl.constexpr, ACC: tl.constexpr):
+    """``(cb, coef, q_sign)`` of one head. ``cb = |scale| * b`` is SSA's argument scale (unused for
+    softmax); ``coef >= 0`` is the factor from ``x`` to base-2 logits (``|n|`` for SSA,
+    ``|scale| * log2(e)`` for softmax); ``q_sign`` (+1 or -1) is the sign of ``n * scale`` (SSA)
+    or ``scale`` (softmax). Kernels multiply the queries by ``q_sign`` once per program, so that
+    the logits are ``x * coef`` with ``coef >= 0`` and a tile's row maximum is that of ``x``
+    times ``coef`` (no per-element sign work for negative ``n`` or ``scale``)."""
+    scale_sign = tl.where(scale < 0, -1.0, 1.0)
     if SSA:
-        t = log2_1p(b * tl.abs(z))
-        phi2 = n * tl.where(z >= 0, t, -t)
+        n = tl.load(N_SSA + off_h).to(ACC)
+        cb = tl.load(B_SSA + off_h).to(ACC) * (scale * scale_sign)
+        coef = tl.abs(n)
+        q_sign = tl.where(n < 0, -scale_sign, scale_sign)
     else:
-        phi2 = z * LOG2E
-    admissible = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-    if CAUSAL:
-        admissible = admissible & (offs_n[None, :] <= offs_m[:, None])
-    l2 = phi2
-    if MASK_KIND != 0:
-        # int64: a materialised (Lq, Lk) mask passes 2^31 elements at Lq = Lk = 46341
-        mask_ptrs = (mask_ptr + offs_m[:, None].to(tl.int64) * stride_mask_m
-                     + offs_n[None, :].to(tl.int64) * stride_mask_n)
-        if MASK_KIND == 1:
-            keep = tl.load(mask_ptrs, mask=admissible, other=0)
-            admissible = admissible & (keep != 0)
-        else:
-            bias = tl.load(mask_ptrs, mask=admissible, other=0.0)
-            l2 = l2 + bias.to(phi2.dtype) * LOG2E
-    l2 = tl.where(admissible, l2, float("-inf"))
-    return z, phi2, l2
+        cb = scale * scale_sign
+        coef = cb * LOG2E
+        q_sign = scale_sign
+    return cb, coef, q_sign
 
 
 @triton.jit
@@ -82,3 +179,9 @@ def safe_row_max(m):
     """The running max with ``-inf`` (a row with nothing admissible yet) replaced by 0, so that
     ``exp2(l2 - m)`` gives 0 instead of NaN."""
     return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def interior_end(start, length, BLOCK: tl.constexpr):
+    """The end of the full blocks of ``[start, length)`` (a multiple of BLOCK past ``start``)."""
+    return start + ((length - start) // BLOCK) * BLOCK

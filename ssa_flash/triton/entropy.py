@@ -6,11 +6,51 @@ Per row it keeps the running max ``m``, ``lam = sum exp(l - m)`` and the centred
 This equals the paper's ``H = m + log(Lam) - K / Lam`` with ``K = sum exp(l - m) l``, without the
 cancellation between ``m`` and ``K / Lam`` when logits are large. In base-2 units when ``m``
 grows to ``m'``, with ``a = 2^(m - m')``: ``lam' = a lam``, ``kc' = a (kc + lam (m - m'))``.
+Interior key blocks first, then boundary ones, as in the forward.
 """
 import triton
 import triton.language as tl
 
-from .common import LN2, combine_scale, logit_tile, safe_row_max
+from .common import (LN2, LOG2E, boundary_logits, combine_scale, head_coefficients,
+                     interior_end, safe_row_max, tile_logit_input)
+
+
+@triton.jit
+def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
+                      stride_kn, stride_mask_m, stride_mask_n, Lq, Lk, D, cb, coef,
+                      SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                      BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if BOUNDARY:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
+        x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
+        if BOUNDARY or MASK_KIND != 0:
+            l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base,
+                                 stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
+            m_new = tl.maximum(m_i, tl.max(l2, 1))
+            m_safe = safe_row_max(m_new)
+            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)  # lam is 0 while m_i is -inf
+            centred = tl.where(l2 == float("-inf"), 0.0, l2 - m_safe[:, None])
+            p = tl.where(l2 == float("-inf"), 0.0, tl.exp2(centred))
+        else:
+            m_new = tl.maximum(m_i, tl.max(x, 1) * coef)
+            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_new)
+            centred = x * coef - m_new[:, None]
+            p = tl.exp2(centred)
+        alpha = tl.exp2(shift)
+        kc = alpha * (kc + lam * shift) + tl.sum(p * centred, 1)
+        lam = lam * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return m_i, lam, kc
 
 
 @triton.jit
@@ -22,7 +62,7 @@ def row_entropy_kernel(
     H, Lq, Lk, D, GROUP, num_m_blocks, scale_hi, scale_lo,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -34,41 +74,30 @@ def row_entropy_kernel(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
+    scale = combine_scale(scale_hi, scale_lo, ACC)
+    cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, SSA, ACC)
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    k_base = K + off_b * stride_kb + off_kv * stride_kh
+    q = (q * q_sign).to(Q.dtype.element_ty)
+    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
-
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    b = 0.0
-    n = 0.0
-    if SSA:
-        b = tl.load(B_SSA + off_h).to(ACC)
-        n = tl.load(N_SSA + off_h).to(ACC)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
     lam = tl.zeros((BLOCK_M,), dtype=ACC)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
     hi = Lk
+    mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-        z, phi2, l2 = logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
-                                 mask_base, stride_mask_m, stride_mask_n,
-                                 SSA, CAUSAL, MASK_KIND, DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(l2, 1))
-        m_safe = safe_row_max(m_new)
-        shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)  # lam is 0 while m_i is -inf
-        alpha = tl.exp2(shift)
-        centred = tl.where(l2 == float("-inf"), 0.0, l2 - m_safe[:, None])
-        p = tl.exp2(centred)
-        p = tl.where(l2 == float("-inf"), 0.0, p)
-        kc = alpha * (kc + lam * shift) + tl.sum(p * centred, 1)
-        lam = lam * alpha + tl.sum(p, 1)
-        m_i = m_new
+        mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    m_i, lam, kc = _stats_key_blocks(
+        m_i, lam, kc, q, k_ptrs, mask_base, offs_m, 0, mid, stride_kn, stride_mask_m, stride_mask_n,
+        Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+        DOT_PRECISION, FAST_MATH)
+    m_i, lam, kc = _stats_key_blocks(
+        m_i, lam, kc, q, k_ptrs, mask_base, offs_m, mid, hi, stride_kn, stride_mask_m, stride_mask_n,
+        Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+        DOT_PRECISION, FAST_MATH)
 
     empty = lam == 0.0
     safe_lam = tl.where(empty, 1.0, lam)

@@ -2,12 +2,60 @@
 row ``l2`` (softmax or SSA log-weights, optionally multiplied by a per-row temperature ``beta``).
 
 One program handles BLOCK_M queries of one (batch, query head). It writes the output and the
-natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the backward needs.
+natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the backward needs. The key
+loop runs first over the interior key blocks (no index checks), then over the boundary ones
+(the ragged end, the causal diagonal); see ``common.py``.
 """
 import triton
 import triton.language as tl
 
-from .common import LN2, combine_scale, logit_tile, safe_row_max
+from .common import (LN2, LOG2E, boundary_logits, combine_scale, head_coefficients,
+                     interior_end, safe_row_max, tile_logit_input)
+
+
+@triton.jit
+def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
+                    stride_kn, stride_vn, stride_mask_m, stride_mask_n,
+                    Lq, Lk, D, DV, cb, coef, mask_scale,
+                    SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                    BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
+    ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if BOUNDARY:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs + start_n * stride_kn)
+            v = tl.load(v_ptrs + start_n * stride_vn)
+        else:
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
+        x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
+        if BOUNDARY or MASK_KIND != 0:
+            l2 = boundary_logits(x * coef[:, None], offs_m, offs_n, Lq, Lk, mask_base,
+                                 stride_mask_m, stride_mask_n, mask_scale[:, None],
+                                 BOUNDARY, CAUSAL, MASK_KIND, False)
+            m_new = tl.maximum(m_i, tl.max(l2, 1))
+            m_safe = safe_row_max(m_new)
+            p = tl.exp2(l2 - m_safe[:, None])
+        else:
+            # coef >= 0: the row max of x * coef is coef times the row max of x, and the
+            # logit and its shift fuse into one multiply-add per element.
+            m_new = tl.maximum(m_i, tl.max(x, 1) * coef)
+            m_safe = m_new  # finite: every element of an interior tile is admissible
+            p = tl.exp2(x * coef[:, None] - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -21,7 +69,7 @@ def attention_fwd_kernel(
     H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Heaviest (last, under CAUSAL) query blocks first; consecutive programs share K/V in L2.
@@ -36,47 +84,40 @@ def attention_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Lq
 
+    scale = combine_scale(scale_hi, scale_lo, ACC)
+    cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, SSA, ACC)
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    k_base = K + off_b * stride_kb + off_kv * stride_kh
-    v_base = V + off_b * stride_vb + off_kv * stride_vh
+    q = (q * q_sign).to(Q.dtype.element_ty)
+    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_b * stride_vb + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
 
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    b = 0.0
-    n = 0.0
-    if SSA:
-        b = tl.load(B_SSA + off_h).to(ACC)
-        n = tl.load(N_SSA + off_h).to(ACC)
+    coef = tl.zeros((BLOCK_M,), dtype=ACC) + coef_head
+    mask_scale = tl.zeros((BLOCK_M,), dtype=ACC) + LOG2E
     if ADAPTIVE:
         beta = tl.load(BETA + bh * Lq + offs_m, mask=row_ok, other=1.0).to(ACC)
+        coef = coef * beta
+        mask_scale = mask_scale * beta
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
     l_i = tl.zeros((BLOCK_M,), dtype=ACC)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
     hi = Lk
+    mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < Lk
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        z, phi2, l2 = logit_tile(q, k, offs_m, offs_n, Lq, Lk, scale, b, n,
-                                 mask_base, stride_mask_m, stride_mask_n,
-                                 SSA, CAUSAL, MASK_KIND, DOT_PRECISION)
-        if ADAPTIVE:
-            l2 = l2 * beta[:, None]
-        m_new = tl.maximum(m_i, tl.max(l2, 1))
-        m_safe = safe_row_max(m_new)
-        p = tl.exp2(l2 - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(ACC)
-        m_i = m_new
+        # key blocks wholly at or below the first row of this query block
+        mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    acc, l_i, m_i = _fwd_key_blocks(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, 0, mid,
+        stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
+        SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+    acc, l_i, m_i = _fwd_key_blocks(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, mid, hi,
+        stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
+        SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

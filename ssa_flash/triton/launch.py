@@ -190,10 +190,20 @@ def _mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
     return mask, MASK_ADD, tuple(mask.stride())
 
 
-def _common_consts(q, spec: AttentionSpec, mask_kind):
+def _fast_math(q) -> bool:
+    """Hardware approximations (``lg2.approx``, ``rcp.approx``) on a GPU in float32 accumulation;
+    the interpreter runs exact maths (it cannot run inline PTX)."""
+    on_gpu = _capture is not None or (q.device.type == "cuda" and not interpreting())
+    return on_gpu and q.dtype != torch.float64
+
+
+def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
+    d = q.shape[-1]
+    even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
     return dict(
         SSA=spec.ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
-        BLOCK_D=_head_block(q.shape[-1]), ACC=_acc_dtype(q.dtype), DOT_PRECISION="ieee",
+        BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype), DOT_PRECISION="ieee",
+        FAST_MATH=_fast_math(q),
     )
 
 
@@ -231,7 +241,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     o = torch.empty((B, H, Lq, DV), device=q.device, dtype=q.dtype)
     lse = _stat_tensor(q)
     mask_t, mask_kind, ms = _mask_args(mask, q)
-    consts = _common_consts(q, spec, mask_kind)
+    consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
 
     def args(blk):
@@ -261,7 +271,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     delta = _stat_tensor(q)
     acc_torch = delta.dtype
     mask_t, mask_kind, ms = _mask_args(mask, q)
-    consts = _common_consts(q, spec, mask_kind)
+    consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     if spec.adaptive:
