@@ -1,6 +1,7 @@
 """Backward kernels (DESIGN.md 1.2 and 1.3), in two launches with no atomics:
 
-1. ``attention_bwd_dq_kernel``, one program per query block: ``delta = rowsum(dO * O) - dlse``, ``dQ``, the
+1. ``attention_bwd_dq_kernel``, one program per query block: ``delta = rowsum(dO * O) - dlse`` and the
+   LSE in base 2 (both stored for kernel 2), ``dQ``, the
    per-row temperature gradient ``g`` (adaptive) and per-block partial sums of ``db``, ``dn`` (SSA).
 2. ``attention_bwd_dkdv_kernel``, one program per key block of a key/value head: ``dK``, ``dV``,
    summing over the query heads of its GQA group in registers. Its tiles are transposed
@@ -15,7 +16,12 @@ the output weights:
     dl   = beta * dS' - g * P * (log P + H)              (g = 0 and beta = 1 without ADAPTIVE)
     ds   = dl * dl/ds,  dl/ds = scale (softmax),  n b scale / (1 + b|z|) (SSA)
     dQ   = ds K,   dK = ds^T Q,   dV = P'^T dO
-    db   = sum dl * n z / (1 + b|z|),   dn = sum dl * sgn(z) log1p(b|z|)
+    db   = sum dl * n z / (1 + b|z|) = (1/b) sum_i q_i . dQ_i,   dn = sum dl * sgn(z) log1p(b|z|)
+
+The identity for ``db`` holds because the logits depend on ``b`` and ``q`` only through
+``b z`` and ``sgn(z)``: scaling ``b`` is scaling ``q``. So ``db`` costs no work per element; the
+dQ kernel takes it from its dQ accumulator once per row (``n scale sum_d q dQ_unscaled``, no
+division by ``b``).
 
 The constant factors (``scale``, ``n b scale``, ``n scale``, ``sgn(scale) ln 2``) are applied once
 per row or per program, not per element, and ``dn`` is accumulated without dividing by ``n``
@@ -61,7 +67,7 @@ def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA: tl.constexpr, ACC: tl.c
 
 
 @triton.jit
-def _dq_key_blocks(dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta,
+def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                    q, do, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                    stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
                    cb, coef, lse2, delta, beta, lse_l2, ent,
@@ -70,8 +76,8 @@ def _dq_key_blocks(dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
-    ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax), ``db_acc += rowsum(dl s / u)``,
-    ``dn_acc += rowsum(dl x)``; with ADAPTIVE also ``dbeta`` and the entropy-term sums."""
+    ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
+    ADAPTIVE also ``dbeta`` and the entropy-term sums."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -120,24 +126,21 @@ def _dq_key_blocks(dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta,
         if SSA:
             r = fast_recip(u, FAST_MATH)
             ds = dl * r
-            db_acc += tl.sum(ds * s, 1)
             dn_acc += tl.sum(dl * x, 1)
             if ADAPTIVE:
-                ent_r = ent_term * r
-                db_ent += tl.sum(ent_r * s, 1)
                 dn_ent += tl.sum(ent_term * x, 1)
-                dq_ent += tl.dot(ent_r.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
+                dq_ent += tl.dot((ent_term * r).to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
         else:
             ds = dl
             if ADAPTIVE:
                 dq_ent += tl.dot(ent_term.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
-    return dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta
+    return dq, dq_ent, dn_acc, dn_ent, dbeta
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DQ, DELTA,
+    Q, K, V, O, DO, LSE, DLSE, DQ, DELTA, LSE2,
     BETA, LSE_L, ENT, DBETA_DH, G,
     B_SSA, N_SSA, DB_PART, DN_PART, MASK,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -179,13 +182,12 @@ def attention_bwd_dq_kernel(
         delta -= tl.load(DLSE + row_stat, mask=row_ok, other=0.0).to(ACC)
     tl.store(DELTA + row_stat, delta, mask=row_ok)
     lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
+    tl.store(LSE2 + row_stat, lse2, mask=row_ok)  # for the dK/dV kernel, ready to use
 
     scale = combine_scale(scale_hi, scale_lo, ACC)
     cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
     zero_row = tl.zeros((BLOCK_M,), dtype=ACC)
-    db_acc = zero_row
     dn_acc = zero_row
-    db_ent = zero_row
     dn_ent = zero_row
     dbeta = zero_row
     beta = zero_row + 1.0
@@ -206,13 +208,13 @@ def attention_bwd_dq_kernel(
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
         mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
-    dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta = _dq_key_blocks(
-        dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+    dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
+        dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         0, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
         BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
-    dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta = _dq_key_blocks(
-        dq, dq_ent, db_acc, dn_acc, db_ent, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+    dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
+        dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
         BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
@@ -222,13 +224,14 @@ def attention_bwd_dq_kernel(
         g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
         tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
-        db_acc = db_acc - g * db_ent
         dn_acc = dn_acc - g * dn_ent
     if SSA:
-        # db = n scale sum(dl s / u);  dn = sgn(scale) ln2 sum(dl x)
+        # db = n scale sum(dl s / u) = n scale sum_i q_i . dq_i (unscaled dq: sum_j (dl/u)_ij k_j);
+        # dn = sgn(scale) ln2 sum(dl x). Rows past Lq have q = 0 and dl = 0.
         scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
         n = tl.load(N_SSA + off_h).to(ACC)
-        tl.store(DB_PART + bh * num_m_blocks + m_block, tl.sum(db_acc, 0) * (n * scale))
+        q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
+        tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
         tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
     dq = dq * ds_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -238,7 +241,7 @@ def attention_bwd_dq_kernel(
 @triton.jit
 def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, hi,
                        stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-                       cb, coef, ds_scale, LSE, DELTA, BETA, LSE_L, ENT, G,
+                       cb, coef, ds_scale, LSE2, DELTA, BETA, LSE_L, ENT, G,
                        SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -255,8 +258,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             row_ok = offs_m < Lq
             q = tl.load(q_ptrs + start_m * stride_qm, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
             do = tl.load(do_ptrs + start_m * stride_dom, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
-            delta = tl.load(DELTA + row_stat, mask=row_ok, other=0.0).to(ACC)
+            lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + row_stat, mask=row_ok, other=0.0)
         else:
             if EVEN_D:
                 q = tl.load(q_ptrs + start_m * stride_qm)
@@ -264,8 +267,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             else:
                 q = tl.load(q_ptrs + start_m * stride_qm, mask=offs_d[None, :] < D, other=0.0)
                 do = tl.load(do_ptrs + start_m * stride_dom, mask=offs_dv[None, :] < DV, other=0.0)
-            lse2 = _masked_lse2(tl.load(LSE + row_stat).to(ACC))
-            delta = tl.load(DELTA + row_stat).to(ACC)
+            lse2 = tl.load(LSE2 + row_stat)
+            delta = tl.load(DELTA + row_stat)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
         if SSA:
             x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
@@ -314,7 +317,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT,
+    Q, K, V, DO, LSE2, DELTA, DK, DV_OUT,
     BETA, LSE_L, ENT, G,
     B_SSA, N_SSA, MASK,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -372,17 +375,17 @@ def attention_bwd_dkdv_kernel(
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, Lq),
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-            LSE, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+            LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
             BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-            LSE, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
+            LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
             BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, Lq,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-            LSE, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+            LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
             BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
 
     if not SSA and not ADAPTIVE:

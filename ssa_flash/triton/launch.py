@@ -92,6 +92,13 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
+    # First choices come from the static audit (python -m ssa_flash.audit; bench/NOTES.md): the
+    # largest tiles whose main loops compile without register spills. Hopper's wgmma splits a
+    # matmul's M dimension over warpgroups of 4 warps in 64-row slices, so 8 warps need M >= 128
+    # (M: queries in fwd/stats/dQ, keys in the transposed dK/dV kernel) or both warpgroups
+    # would compute the same rows. Ampere's mma.sync has no such constraint but fewer registers
+    # to spare (its operands live in registers, not shared memory).
+    hopper = arch >= 90
     if kernel in ("fwd", "stats"):
         if head_block <= 64:
             cands = [Blocks(128, 64, 4, 3), Blocks(64, 64, 4, 2)]
@@ -99,13 +106,22 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
             cands = [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 2)]
-    else:
+    elif kernel == "bwd_dq":
         if head_block <= 64:
             cands = [Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(64, 64, 8, 2), Blocks(32, 64, 4, 2)]
+            cands = [Blocks(128, 64, 8, 2) if hopper else Blocks(64, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
-            cands = [Blocks(32, 32, 4, 1)]
+            cands = [Blocks(64, 32, 4, 1)]
+    else:  # bwd_dkdv: n = keys per program (the M dimension), m = queries per step
+        if head_block <= 64:
+            cands = [Blocks(64, 128, 8, 2), Blocks(64, 64, 4, 2)]
+        elif head_block <= 128:
+            # dK, dV accumulators (2 x 128 x 128 fp32) and the K, V operands stay in registers:
+            # 32 queries per step is what fits 255 registers without spilling
+            cands = [Blocks(32, 128, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+        else:
+            cands = [Blocks(32, 64, 4, 1)]
     if wide:
         cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
     return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
@@ -269,6 +285,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = _stat_tensor(q)
+    lse2 = _stat_tensor(q)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
     mask_t, mask_kind, ms = _mask_args(mask, q)
     consts = _common_consts(q, spec, mask_kind, DV)
@@ -291,7 +308,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
             parts["dn"] = torch.empty((B * H * num_m,), device=q.device, dtype=acc_torch)
         db_part = parts.get("db", q)
         dn_part = parts.get("dn", q)
-        return (q, k, v, o, do, lse, dlse if dlse is not None else q, dq, delta, beta, lse_l, ent, dbeta_dh, g,
+        return (q, k, v, o, do, lse, dlse if dlse is not None else q, dq, delta, lse2, beta, lse_l, ent, dbeta_dh, g,
                 ssa_b, ssa_n, db_part, dn_part, mask_t,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *ms,
                 H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
@@ -300,7 +317,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
             dict(consts, HAS_DLSE=dlse is not None), q.device, head_block, q.dtype)
 
     def dkdv_args(blk):
-        return (q, k, v, do, lse, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
+        return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ms,
                 H, HKV, Lq, Lk, D, DV, spec.group, triton.cdiv(Lk, blk.n), *scale_args)
 
