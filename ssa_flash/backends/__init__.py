@@ -20,7 +20,6 @@ same computation in the backend interface, for the ops and direct callers.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from pathlib import Path
@@ -29,25 +28,26 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import BackendUnavailableError
+from . import cuda, reference, triton
 from .spec import AttentionSpec, Backend, TemperatureState
 
 __all__ = ["NAMES", "get", "available", "resolve", "preferred_backend", "AttentionSpec",
            "TemperatureState", "Backend", "BackendUnavailableError"]
 
 NAMES = ("triton", "cuda", "reference")
+_MODULES = {"triton": triton, "cuda": cuda, "reference": reference}
 
 
 def get(name: str) -> Backend:
     """The backend module called ``name`` (one of :data:`NAMES`)."""
     if name not in NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
-    return importlib.import_module(f"{__name__}.{name}")
+    return _MODULES[name]
 
 
 def _cuda_first(device: torch.device, dtype: Optional[torch.dtype]) -> bool:
     """The CUDA backend goes before Triton only where a GPU run verified it (cuda.VERIFIED_ARCHS)
     and using it compiles nothing (a JIT build takes minutes)."""
-    cuda = get("cuda")
     if device.type != "cuda" or not cuda.ready():
         return False
     dtypes = (dtype,) if dtype is not None else (torch.float16, torch.bfloat16)
