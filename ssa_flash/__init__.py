@@ -6,7 +6,7 @@ softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_atten
 
 ``ssa_flash.reference`` holds the same functions written naively: the specification in code.
 """
-from . import nn, reference
+from . import cuda, nn, reference
 from .errors import BackendUnavailableError
 from .ops import (
     adaptive_temperature_attention,
