@@ -1,8 +1,12 @@
-"""Public functions: argument validation, then dispatch to a backend.
+"""Public functions: argument validation, the choice of backend, then the custom ops.
 
 Positional arguments are those of ``torch.nn.functional.scaled_dot_product_attention``, so each
 function is a drop-in at an SDPA call site. Validation looks only at shapes, dtypes, devices and
 Python values: it never reads tensor data from the GPU (no device synchronisation).
+
+The top layer (see ``ssa_flash.backends``): the kernels run through ``ssa_flash.autograd``'s
+custom ops, whichever the backend; ``backend="reference"`` (and inputs with no rows, keys or head
+dim, where kernels launch nothing) runs ``ssa_flash.reference`` under ordinary autograd.
 """
 from __future__ import annotations
 
@@ -175,7 +179,7 @@ def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: A
         raise BackendUnavailableError(f"backend={backend!r} is unavailable: {why}")
     why = backends.get(name).supports(query, key, value, spec)
     if why and backend == "auto" and name == "cuda":  # a verified CUDA backend, but not for these
-        name = "triton" if "triton" in available_backends(query.device) else "reference"
+        name = "reference" if backends.resolve("triton", query.device, query.dtype)[1] else "triton"
         why = backends.get(name).supports(query, key, value, spec)
     if why:
         raise BackendUnavailableError(f"backend={name!r} cannot run these inputs: {why}")

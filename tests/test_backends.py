@@ -201,7 +201,6 @@ def fake_gpu(monkeypatch):
     """A CUDA device of a chosen architecture with the extension prebuilt, as far as the CUDA
     backend's probes can tell."""
     arch = {"cap": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_backend, "_capability", lambda device: (*arch["cap"], 232448))
     monkeypatch.setattr(cuda_backend, "_prebuilt", lambda: True)
     monkeypatch.setattr(cuda_backend, "_ext_error", None)

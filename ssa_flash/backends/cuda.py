@@ -209,8 +209,11 @@ def _extension(device: torch.device):
 
 @torch.compiler.assume_constant_result
 def _capability(device: torch.device) -> Tuple[int, int, int]:
-    """``(major, minor, opt-in shared memory per block in bytes or 0)`` of a CUDA device; a
-    constant for torch.compile (read once while tracing)."""
+    """``(major, minor, opt-in shared memory per block in bytes or 0)`` of a CUDA device, or
+    ``(0, 0, 0)`` when CUDA is unavailable. A constant for torch.compile (read once while tracing,
+    so no device query lands in a graph)."""
+    if not torch.cuda.is_available():
+        return 0, 0, 0
     major, minor = torch.cuda.get_device_capability(device)
     optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0
     return int(major), int(minor), int(optin)
@@ -221,9 +224,9 @@ def _device_reason(device: Optional[torch.device]) -> Optional[str]:
         return None
     if device is not None and device.type != "cuda":
         return f"tensors are on {device}; the CUDA kernels need CUDA tensors"
-    if not torch.cuda.is_available():
-        return "no CUDA device is available (torch.cuda.is_available() is False)"
     major, minor, _ = _capability(device if device is not None else torch.device("cuda"))
+    if major == 0:
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
     if (major, minor) < (7, 0):
         return (f"the GPU is sm_{major}{minor}; the CUDA kernels need sm_70 or newer (float16; "
                 "bfloat16 needs sm_80)")
@@ -273,7 +276,7 @@ def ready() -> bool:
 def verified(device: torch.device, dtype: torch.dtype) -> bool:
     """True when :data:`VERIFIED_ARCHS` lists ``device``'s architecture for ``dtype``."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return False
     major, minor, _ = _capability(device)
     entry = VERIFIED_ARCHS.get((major, minor))
