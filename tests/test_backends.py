@@ -42,6 +42,34 @@ def test_every_backend_has_the_interface():
         backends.get("flash")
 
 
+def test_compile_constant_marker_is_torchs():
+    """backends._compile sets the marker torch.compiler.assume_constant_result sets (it avoids
+    importing torch._dynamo, and with it Triton, when the package is imported)."""
+    from ssa_flash.backends._compile import constant_for_compile
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    assert vars(constant_for_compile(ours)) == vars(torch.compiler.assume_constant_result(theirs))
+    assert vars(ours)
+
+
+def test_import_does_not_import_triton_or_dynamo():
+    """``python -m ssa_flash`` sets TRITON_INTERPRET=1 after the package is imported: importing it
+    must not import Triton (nor torch._dynamo, which would)."""
+    import subprocess
+    import sys
+
+    code = "import sys, ssa_flash; print('triton' in sys.modules, 'torch._dynamo' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"]
+
+
 def test_error_type_is_shared():
     assert ssa_flash.BackendUnavailableError is errors.BackendUnavailableError
     assert ssa_flash.ops.BackendUnavailableError is errors.BackendUnavailableError

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from . import cuda, reference, triton
+from ._compile import constant_for_compile
 from .spec import AttentionSpec, Backend, TemperatureState
 
 __all__ = ["NAMES", "get", "available", "resolve", "preferred_backend", "AttentionSpec",
@@ -62,7 +63,7 @@ def available(device, dtype: Optional[torch.dtype] = None) -> Tuple[str, ...]:
     return tuple(name for name in order if get(name).unavailable_reason(device) is None)
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def resolve(backend: str, device: torch.device, dtype: torch.dtype) -> Tuple[str, str]:
     """``(name, "")`` for the backend that runs ``backend`` ("auto" or a name) on ``device``, or
     ``("", why)`` when it is unavailable. ``"auto"``: the first of :func:`available`, except an

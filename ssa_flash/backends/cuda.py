@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BackendUnavailableError
+from ._compile import constant_for_compile
 from .spec import AttentionSpec, TemperatureState
 
 __all__ = [
@@ -207,7 +208,7 @@ def _extension(device: torch.device):
 # Availability
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def _capability(device: torch.device) -> Tuple[int, int, int]:
     """``(major, minor, opt-in shared memory per block in bytes or 0)`` of a CUDA device, or
     ``(0, 0, 0)`` when CUDA is unavailable. A constant for torch.compile (read once while tracing,
