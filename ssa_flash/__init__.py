@@ -6,9 +6,9 @@ softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_atten
 
 ``ssa_flash.reference`` holds the same functions written naively: the specification in code.
 """
-from . import nn, reference
+from . import cuda, nn, reference
+from .errors import BackendUnavailableError
 from .ops import (
-    BackendUnavailableError,
     adaptive_temperature_attention,
     attention_entropy,
     available_backends,

@@ -1,117 +1,129 @@
-"""Autograd glue between the public functions and the Triton kernels, as ``torch.library`` custom ops.
+"""The ``torch.library`` custom ops over every backend, and their one autograd formula.
 
-Two operators, each opaque to ``torch.compile`` (Dynamo records a call, it never traces into
-Triton) and each with a fake (meta) implementation that only computes output shapes:
+Three operators, each opaque to ``torch.compile`` (Dynamo records a call and never traces into a
+backend) and each with a fake (meta) implementation that only computes output shapes. ``SPEC`` is
+the fields of :class:`~ssa_flash.backends.spec.AttentionSpec`, generated from it (today
+``float scale, bool causal, int group, bool adaptive, float[] poly, float threshold,
+bool deterministic``)::
 
-* ``ssa_flash::attn_fwd(q, k, v, b?, n?, mask?, scale, causal, group, adaptive, poly, threshold)``
-  returns ``(out, lse, beta, lse_l, entropy, dbeta_dh)``. The last four are the per-row
-  ``(B, Hq, Lq)`` statistics of the adaptive temperature (``launch.TemperatureState``); without
-  adaptive temperature they are empty ``(0,)`` placeholders (a custom-op schema cannot return
-  ``None``). They are not differentiable and not returned to users.
-* ``ssa_flash::attn_bwd(dout?, dlse?, q, k, v, out, lse, b?, n?, mask?, beta?, lse_l?, entropy?,
-  dbeta_dh?, scale, causal, group, adaptive)`` returns ``(dq, dk, dv, db, dn)``; ``db``/``dn`` are
-  ``(Hq,)`` for SSA and empty ``(0,)`` for softmax.
+    ssa_flash::attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? b, Tensor? n, Tensor? mask,
+                        str backend, SPEC)
+        -> (Tensor out, Tensor lse, Tensor beta, Tensor lse_l, Tensor entropy, Tensor dbeta_dh)
+    ssa_flash::attn_bwd(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out,
+                        Tensor lse, Tensor? b, Tensor? n, Tensor? mask, Tensor? beta,
+                        Tensor? lse_l, Tensor? entropy, Tensor? dbeta_dh, str backend, SPEC)
+        -> (Tensor dq, Tensor dk, Tensor dv, Tensor db, Tensor dn)
+    ssa_flash::row_entropy(Tensor q, Tensor k, Tensor? b, Tensor? n, Tensor? mask,
+                           str backend, SPEC) -> (Tensor entropy, Tensor lse_l)
 
-``attn_fwd``'s autograd formula (``torch.library.register_autograd``) saves q, k, v, out, lse, b, n,
-the mask and the temperature statistics, and calls ``attn_bwd``. The backward accepts a gradient
-for ``lse`` (``return_lse=True`` users may differentiate through it).
+``backend`` ("triton", "cuda" or "reference") is an argument of the ops rather than a part of
+their names: one schema, one fake implementation and one autograd formula serve every backend, so
+they cannot drift apart, and a new backend needs no registration. Under ``torch.compile`` it is a
+constant of the graph like ``causal``. (Separate ops per backend would only buy profiler names;
+a backend shows in a trace through its kernels' names anyway.)
 
-The mask arrives as an expanded (stride-0) view of the user's mask: custom ops take any strides,
-so it is passed as is and never materialised. ``b`` and ``n`` are ``(Hq,)`` tensors in the
-accumulation dtype; for softmax they are ``None`` (``Optional[Tensor]`` in the schema).
+``attn_fwd`` returns the adaptive temperature's per-row ``(B, Hq, Lq)`` statistics (see
+``spec.TemperatureState``) after ``out`` and ``lse``; without adaptive temperature they are empty
+``(0,)`` placeholders (a custom-op schema cannot return None). They are not differentiable and
+not returned to users. The temperature's host step (``beta`` from the entropy, between the
+statistics pass and the flash pass) is done here, once for all backends. ``attn_bwd`` returns
+``db``/``dn`` ``(Hq,)`` for SSA and empty ``(0,)`` for softmax; ``dout`` or ``dlse`` may be None
+(an unused output).
+
+``attn_fwd``'s autograd formula (``register_autograd``) saves the inputs, ``out``, ``lse`` and
+the statistics, and calls ``attn_bwd``; it accepts a gradient for ``lse`` (``return_lse=True``
+users may differentiate through it). The mask arrives as an expanded (stride-0) view of the
+user's mask and is passed on as is, never materialised.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import temperature
+from .backends import cuda as cuda_backend
+from .backends import get as get_backend
+from .backends.spec import AttentionSpec, TemperatureState, acc_dtype
 
-__all__ = ["flash_attention"]
+__all__ = ["attention", "row_entropy", "SPEC_SCHEMA"]
 
-
-def _triton():
-    from .triton import launch  # imported lazily: Triton is optional for the reference backend
-
-    return launch
-
-
-def _acc_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+SPEC_SCHEMA = AttentionSpec.schema()
+_N_SPEC = len(dataclasses.fields(AttentionSpec))
 
 
-def _spec(launch, scale: float, causal: bool, group: int, ssa: bool, adaptive: bool):
-    return launch.AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group), ssa=ssa,
-                                adaptive=bool(adaptive))
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    return like.new_empty((0,), dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------
 # Forward
 
 
-@torch.library.custom_op("ssa_flash::attn_fwd", mutates_args=())
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[Tensor],
-             mask: Optional[Tensor], scale: float, causal: bool, group: int, adaptive: bool,
-             poly: List[float], threshold: float
-             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    launch = _triton()
-    spec = _spec(launch, scale, causal, group, b is not None, adaptive)
-    if adaptive:
-        ent, lse_l = launch.row_entropy(q, k, mask, b, n, spec)
-        beta, dbeta_dh = temperature.beta_from_entropy(ent, poly, threshold)
-        out, lse = launch.forward(q, k, v, mask, b, n, beta, spec)
+def _attn_fwd(q, k, v, b, n, mask, backend, *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
+    be = get_backend(backend)
+    if spec.adaptive:
+        ent, lse_l = be.row_entropy(q, k, mask, b, n, spec)
+        beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
+        out, lse = be.forward(q, k, v, mask, b, n, beta, spec)
         return out, lse, beta, lse_l, ent, dbeta_dh
-    out, lse = launch.forward(q, k, v, mask, b, n, None, spec)
-    empty = [q.new_empty((0,), dtype=lse.dtype) for _ in range(4)]
-    return (out, lse, *empty)
+    out, lse = be.forward(q, k, v, mask, b, n, None, spec)
+    return (out, lse, *(_empty(q, lse.dtype) for _ in range(4)))
 
 
-@attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, b, n, mask, scale, causal, group, adaptive, poly, threshold):
+def _attn_fwd_fake(q, k, v, b, n, mask, backend, *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
     B, H, Lq, _ = q.shape
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q.dtype)
     out = q.new_empty((B, H, Lq, v.shape[-1]))
     lse = q.new_empty((B, H, Lq), dtype=acc)
-    stat_shape = (B, H, Lq) if adaptive else (0,)
-    stats = [q.new_empty(stat_shape, dtype=acc) for _ in range(4)]
-    return (out, lse, *stats)
+    stat_shape = (B, H, Lq) if spec.adaptive else (0,)
+    return (out, lse, *(q.new_empty(stat_shape, dtype=acc) for _ in range(4)))
+
+
+attn_fwd = torch.library.custom_op(
+    "ssa_flash::attn_fwd", _attn_fwd, mutates_args=(),
+    schema=(f"(Tensor q, Tensor k, Tensor v, Tensor? b, Tensor? n, Tensor? mask, str backend, {SPEC_SCHEMA}) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+attn_fwd.register_fake(_attn_fwd_fake)
 
 
 # --------------------------------------------------------------------------------------------
 # Backward
 
 
-@torch.library.custom_op("ssa_flash::attn_bwd", mutates_args=())
-def attn_bwd(dout: Optional[Tensor], dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-             out: Tensor, lse: Tensor, b: Optional[Tensor], n: Optional[Tensor],
-             mask: Optional[Tensor], beta: Optional[Tensor], lse_l: Optional[Tensor],
-             entropy: Optional[Tensor], dbeta_dh: Optional[Tensor], scale: float, causal: bool,
-             group: int, adaptive: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    launch = _triton()
-    spec = _spec(launch, scale, causal, group, b is not None, adaptive)
-    temp = launch.TemperatureState(beta, lse_l, entropy, dbeta_dh) if adaptive else None
+def _attn_bwd(dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, entropy, dbeta_dh, backend,
+              *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
+    temp = TemperatureState(beta, lse_l, entropy, dbeta_dh) if spec.adaptive else None
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv, db, dn = launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)
+    dq, dk, dv, db, dn = get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)
     if db is None:
-        db, dn = q.new_empty((0,), dtype=lse.dtype), q.new_empty((0,), dtype=lse.dtype)
+        db, dn = _empty(q, lse.dtype), _empty(q, lse.dtype)
     return dq, dk, dv, db, dn
 
 
-@attn_bwd.register_fake
-def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, entropy, dbeta_dh,
-                   scale, causal, group, adaptive):
+def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, entropy, dbeta_dh, backend,
+                   *spec_args):
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     heads = q.shape[1] if b is not None else 0
-    db = q.new_empty((heads,), dtype=lse.dtype)
-    dn = q.new_empty((heads,), dtype=lse.dtype)
-    return dq, dk, dv, db, dn
+    return dq, dk, dv, q.new_empty((heads,), dtype=lse.dtype), q.new_empty((heads,), dtype=lse.dtype)
+
+
+attn_bwd = torch.library.custom_op(
+    "ssa_flash::attn_bwd", _attn_bwd, mutates_args=(),
+    schema=("(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? b, "
+            "Tensor? n, Tensor? mask, Tensor? beta, Tensor? lse_l, Tensor? entropy, Tensor? dbeta_dh, "
+            f"str backend, {SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
+attn_bwd.register_fake(_attn_bwd_fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,44 +131,75 @@ def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, entro
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, b, n, mask, scale, causal, group, adaptive, _poly, _threshold = inputs
+    q, k, v, b, n, mask, backend, *spec_args = inputs
     out, lse, beta, lse_l, ent, dbeta_dh = output
     ctx.mark_non_differentiable(beta, lse_l, ent, dbeta_dh)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-    ctx.scale, ctx.causal, ctx.group, ctx.adaptive = scale, causal, group, adaptive
-    ctx.has_b = b is not None
+    ctx.backend, ctx.spec_args, ctx.has_b = backend, tuple(spec_args), b is not None
+    # a CPU emulation of the CUDA kernels (tests) must serve the backward too, wherever it runs
+    ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
     ctx.save_for_backward(q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh)
 
 
 def _backward(ctx, dout, dlse, *_stat_grads):
-    q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh = ctx.saved_tensors
+    n_inputs = 7 + _N_SPEC
     if dout is None and dlse is None:
-        return (None,) * 12
-    if not ctx.adaptive:
+        return (None,) * n_inputs
+    q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh = ctx.saved_tensors
+    if not AttentionSpec.from_op_args(ctx.spec_args).adaptive:
         beta = lse_l = ent = dbeta_dh = None
-    dq, dk, dv, db, dn = torch.ops.ssa_flash.attn_bwd(
-        dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh,
-        ctx.scale, ctx.causal, ctx.group, ctx.adaptive)
+    with cuda_backend.emulated(ctx.emulator):
+        dq, dk, dv, db, dn = torch.ops.ssa_flash.attn_bwd(
+            dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh, ctx.backend,
+            *ctx.spec_args)
     if not ctx.has_b:
         db = dn = None
-    return dq, dk, dv, db, dn, None, None, None, None, None, None, None
+    return (dq, dk, dv, db, dn) + (None,) * (n_inputs - 5)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
-# The entry point used by ssa_flash.ops
+# Row statistics (not differentiable)
 
 
-def flash_attention(q, k, v, b: Optional[Tensor], n: Optional[Tensor], mask: Optional[Tensor],
-                    scale: float, causal: bool, group: int, adaptive: bool,
-                    poly: Sequence[float], threshold: float):
-    """``(out, lse)`` through the Triton kernels, differentiable in q, k, v, b, n (and through
-    ``lse``). Inputs as validated by ``ssa_flash.ops``: q ``(B, Hq, Lq, D)``, k ``(B, Hkv, Lk, D)``,
+def _row_entropy(q, k, b, n, mask, backend, *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
+    ent, lse_l = get_backend(backend).row_entropy(q, k, mask, b, n, spec)
+    return ent, lse_l
+
+
+def _row_entropy_fake(q, k, b, n, mask, backend, *spec_args):
+    B, H, Lq, _ = q.shape
+    acc = acc_dtype(q.dtype)
+    return q.new_empty((B, H, Lq), dtype=acc), q.new_empty((B, H, Lq), dtype=acc)
+
+
+row_entropy_op = torch.library.custom_op(
+    "ssa_flash::row_entropy", _row_entropy, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor? b, Tensor? n, Tensor? mask, str backend, {SPEC_SCHEMA}) -> (Tensor, Tensor)")
+row_entropy_op.register_fake(_row_entropy_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points used by ssa_flash.ops
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+              mask: Optional[Tensor], backend: str, spec: AttentionSpec):
+    """``(out, lse)`` through ``backend``'s kernels, differentiable in q, k, v, b, n (and through
+    ``lse``). Tensors as in ``ssa_flash.backends.spec``: q ``(B, Hq, Lq, D)``, k ``(B, Hkv, Lk, D)``,
     v ``(B, Hkv, Lk, Dv)``; b, n ``(Hq,)`` tensors in the accumulation dtype or None (softmax);
-    mask None or expanded to ``(B, Hq, Lq, Lk)``."""
-    out, lse, *_ = torch.ops.ssa_flash.attn_fwd(
-        q, k, v, b, n, mask, float(scale), bool(causal), int(group), bool(adaptive),
-        [float(c) for c in poly], float(threshold))
+    mask None or expanded to ``(B, Hq, Lq, Lk)``. Returns out ``(B, Hq, Lq, Dv)`` in q's dtype and
+    lse ``(B, Hq, Lq)`` in the accumulation dtype."""
+    out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, mask, backend, *spec.op_args())
     return out, lse
+
+
+def row_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+                mask: Optional[Tensor], backend: str, spec: AttentionSpec) -> Tensor:
+    """Entropy ``(B, Hq, Lq)`` of each row's weights ``softmax(l)`` (no temperature), through
+    ``backend``; not differentiable."""
+    ent, _ = torch.ops.ssa_flash.row_entropy(q, k, b, n, mask, backend, *spec.op_args())
+    return ent

@@ -1,20 +1,25 @@
-"""Public functions: argument validation, then dispatch to a backend.
+"""Public functions: argument validation, the choice of backend, then the custom ops.
 
 Positional arguments are those of ``torch.nn.functional.scaled_dot_product_attention``, so each
 function is a drop-in at an SDPA call site. Validation looks only at shapes, dtypes, devices and
 Python values: it never reads tensor data from the GPU (no device synchronisation).
+
+The top layer (see ``ssa_flash.backends``): the kernels run through ``ssa_flash.autograd``'s
+custom ops, whichever the backend; ``backend="reference"`` (and inputs with no rows, keys or head
+dim, where kernels launch nothing) runs ``ssa_flash.reference`` under ordinary autograd.
 """
 from __future__ import annotations
 
 import math
 import numbers
-import os
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import reference
+from . import autograd, backends, reference
+from .backends.spec import AttentionSpec, acc_dtype
+from .errors import BackendUnavailableError
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
 __all__ = [
@@ -28,15 +33,8 @@ __all__ = [
 
 BACKENDS = ("auto", "triton", "cuda", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
 
 Scalar = Union[float, Tensor]
-
-
-class BackendUnavailableError(RuntimeError, ValueError):
-    """The requested backend cannot run these inputs here (not built, no GPU, no interpreter).
-
-    A ``ValueError`` (a bad ``backend`` argument) and a ``RuntimeError`` (a missing capability)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,68 +158,41 @@ def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:
 # Backends
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install
-        return False
-    return True
-
-
-def _cuda_available() -> bool:
-    from . import cuda as cuda_backend
-
-    return cuda_backend.is_available()
-
-
 def available_backends(device: Union[str, torch.device] = "cuda") -> Tuple[str, ...]:
     """The backends that can run on ``device`` in this process, in ``backend="auto"``'s order of
-    preference. The CUDA C++ backend comes after Triton until a GPU run has verified it and
-    measured it faster (docs/cuda.md); ask for it with ``backend="cuda"``."""
-    device = torch.device(device)
-    out = []
-    if device.type == "cuda":
-        if _triton_importable():
-            out.append("triton")
-        if _cuda_available():
-            out.append("cuda")
-    elif _interpreting() and _triton_importable():
-        out.append("triton")
-    out.append("reference")
-    return tuple(out)
+    preference. The CUDA C++ backend comes after Triton, and ``auto`` does not pick it, on an
+    architecture where no GPU run has verified it (``ssa_flash.backends.cuda.VERIFIED_ARCHS``,
+    docs/cuda.md); ask for it with ``backend="cuda"``."""
+    return backends.available(device)
 
 
-def _resolve_backend(backend, device: torch.device) -> str:
+def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec) -> str:
+    """The backend that runs these inputs, or ``BackendUnavailableError`` saying why none can."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "reference":
         return backend
-    avail = available_backends(device)
-    if backend == "auto":
-        return avail[0]
-    if backend in avail:
-        return backend
-    if backend == "triton":
-        if not _triton_importable():
-            why = "Triton is not installed (pip install triton)"
-        else:
-            why = (f"tensors are on {device}; Triton kernels need a CUDA device, or TRITON_INTERPRET=1 "
-                   "set before Triton is imported to run them on the CPU")
-    else:
-        from . import cuda as cuda_backend
-
-        why = cuda_backend.unavailable_reason(device)
-    raise BackendUnavailableError(f"backend={backend!r} is unavailable: {why}")
+    name, why = backends.resolve(backend, query.device, query.dtype)
+    if why:
+        raise BackendUnavailableError(f"backend={backend!r} is unavailable: {why}")
+    why = backends.get(name).supports(query, key, value, spec)
+    if why and backend == "auto" and name == "cuda":  # a verified CUDA backend, but not for these
+        name = "reference" if backends.resolve("triton", query.device, query.dtype)[1] else "triton"
+        why = backends.get(name).supports(query, key, value, spec)
+    if why:
+        raise BackendUnavailableError(f"backend={name!r} cannot run these inputs: {why}")
+    return name
 
 
 # --------------------------------------------------------------------------------------------
 # Public functions
+
+
+def _degenerate(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """No query rows, keys, or head dim: the kernels launch nothing, the reference handles it."""
+    return query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, b, n,
@@ -247,23 +218,17 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         n = _check_head_param("n", n, query.shape[1], query)
     if adaptive:
         poly, threshold = _check_poly(poly, threshold)
-    backend = _resolve_backend(backend, query.device)
-    if backend == "triton" and max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {query.shape[-1]}, value {value.shape[-1]}")
+    if not adaptive:
+        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
+                         threshold=threshold, deterministic=deterministic)
+    backend = _resolve_backend(backend, query, key, value, spec)
 
-    if backend == "reference" or query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0:
+    if backend == "reference" or _degenerate(query, key, value):
         out, lse = reference._attend(query, key, value, mask, 0.0, is_causal, scale, group > 1, True,
                                      b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold)
-    elif backend == "cuda":
-        from . import cuda as cuda_backend
-
-        out, lse = cuda_backend.attention(query, key, value, b, n, mask, scale, is_causal, group,
-                                          adaptive, poly, threshold, deterministic)
     else:
-        from .autograd import flash_attention
-
-        out, lse = flash_attention(query, key, value, b, n, mask, scale, is_causal, group,
-                                   adaptive, poly, threshold)
+        out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec)
     if unbatched:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
@@ -357,21 +322,12 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     if b is not None:
         b = _check_head_param("b", b, query.shape[1], query)
         n = _check_head_param("n", n, query.shape[1], query)
-    backend = _resolve_backend(backend, query.device)
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group)
+    backend = _resolve_backend(backend, query, key, key, spec)
     with torch.no_grad():
-        if backend == "triton" and query.numel() > 0 and key.shape[2] > 0:
-            if query.shape[-1] > MAX_HEAD_DIM:
-                raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got {query.shape[-1]}")
-            from .triton import launch
-
-            spec = launch.AttentionSpec(scale=scale, causal=is_causal, group=group, ssa=b is not None,
-                                        adaptive=False)
-            ent, _ = launch.row_entropy(query, key, mask, b, n, spec)
-        elif backend == "cuda":
-            from . import cuda as cuda_backend
-
-            ent = cuda_backend.entropy(query, key, mask, b, n, scale, is_causal, group)
-        else:
+        if backend == "reference" or _degenerate(query, key, key):
             ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n)
-            ent = ent.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+            ent = ent.to(acc_dtype(query.dtype))
+        else:
+            ent = autograd.row_entropy(query, key, b, n, mask, backend, spec)
     return ent.squeeze(0) if unbatched else ent

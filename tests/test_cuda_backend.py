@@ -1,4 +1,4 @@
-"""The CUDA C++ backend (csrc/, ssa_flash/cuda.py) on a GPU: against the float64 reference with
+"""The CUDA C++ backend (csrc/, ssa_flash/backends/cuda.py) on a GPU: against the float64 reference with
 FlashAttention's error rule (error <= 2x the same-dtype naive error + a floor), against the
 Triton backend, over the feature matrix of DESIGN.md 1.4 and the four variants; determinism;
 clear errors for inputs it does not run; compute-sanitizer memcheck and racecheck on a small run.

@@ -1,20 +1,27 @@
-"""The Triton kernels as torch.library custom ops: registration (opcheck), torch.compile with
-fullgraph=True against eager, the stride-0 mask, the lse gradient, and CUDA graph capture."""
+"""The custom ops (torch.ops.ssa_flash) over every backend: registration (opcheck), torch.compile
+with fullgraph=True against eager, the stride-0 mask, the lse gradient, and CUDA graph capture.
+
+On the CPU the Triton backend runs in Triton's interpreter and the CUDA backend in the CPU
+emulation of its kernels (csrc/emu, see emulation.py); CUDA-graph tests need a CUDA device."""
 import pytest
 import torch
 
 import ssa_flash
-from ssa_flash import autograd as ssa_autograd  # noqa: F401  (registers ssa_flash::attn_fwd/bwd)
+from ssa_flash import autograd as ssa_autograd
+from ssa_flash.backends import cuda as cuda_backend
+from ssa_flash.backends.spec import AttentionSpec
 from ssa_flash.nn import SSAttention
 from ssa_flash.temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 from ssa_flash.triton import launch
 
 from attn_testing import CUDA, DEVICE, head_params, make_qkv, needs_cuda, needs_kernels
+from emulation import build_emulator
 
 pytestmark = needs_kernels
 
 POLY = list(DEFAULT_POLY)
 DEVICES = ["cpu", "cuda"] if CUDA else ["cpu"]
+OP_BACKENDS = ["triton", "cuda", "reference"]
 
 
 def _inputs(device, dtype=torch.float32, Hq=2, Hkv=2, L=16, D=8, seed=0):
@@ -26,6 +33,26 @@ def _inputs(device, dtype=torch.float32, Hq=2, Hkv=2, L=16, D=8, seed=0):
 def _clear_grads(*tensors):
     for t in tensors:
         t.grad = None
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build_emulator(tmp_path_factory.mktemp("emu"))
+
+
+@pytest.fixture
+def on_backend(request):
+    """(backend name, dtype, context to run it in): on the CPU the CUDA backend runs in the
+    emulation of its kernels."""
+    name = request.param
+    if name == "cuda":
+        if not CUDA:
+            return name, torch.float16, cuda_backend.emulated(request.getfixturevalue("emulator"))
+        if "cuda" not in ssa_flash.available_backends("cuda"):
+            pytest.skip(f"CUDA backend unavailable: {cuda_backend.unavailable_reason(torch.device('cuda'))}")
+        return name, torch.float16, cuda_backend.emulated(None)
+    dtype = torch.float32 if (name == "triton" and CUDA) else torch.float64
+    return name, dtype, cuda_backend.emulated(None)
 
 
 @pytest.fixture
@@ -52,42 +79,77 @@ def count_launches(monkeypatch):
 # Registration
 
 
-@pytest.mark.parametrize("variant", ["ssa_adaptive_mask", "softmax"])
-def test_opcheck_forward(variant):
-    """Schema, fake (meta) implementation, autograd registration, AOT dispatch (static and dynamic)."""
-    q, k, v, b, n = _inputs("cpu", torch.float64)
+def test_schema_carries_the_spec():
+    """Every op ends with the backend name and the AttentionSpec fields, in field order."""
+    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic"]
+    for op in (torch.ops.ssa_flash.attn_fwd, torch.ops.ssa_flash.attn_bwd, torch.ops.ssa_flash.row_entropy):
+        names = [a.name for a in op.default._schema.arguments]
+        assert names[-len(spec_args) - 1:] == ["backend"] + spec_args, names
+    spec = AttentionSpec(scale=0.25, causal=True, group=2, adaptive=True, poly=(1, 2.5), threshold=0.1)
+    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False)
+    assert AttentionSpec.from_op_args(spec.op_args()) == spec
+
+
+def _fwd_args(variant, dtype, backend):
+    q, k, v, b, n = _inputs(DEVICE, dtype, Hq=4, Hkv=2, D=24)
     if variant == "softmax":
-        args = (q, k, v, None, None, None, 0.3, False, 1, False, [1.0], 0.5)
-    else:
-        mask = (torch.rand(1, 1, 16, 16, generator=torch.Generator().manual_seed(1)) > 0.2).expand(1, 2, 16, 16)
-        args = (q, k, v, b, n, mask, 0.3, True, 1, True, POLY, DEFAULT_THRESHOLD)
-    torch.library.opcheck(torch.ops.ssa_flash.attn_fwd.default, args)
+        return (q, k, v, None, None, None, backend, *AttentionSpec(scale=0.3, group=2).op_args())
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.rand(1, 1, 16, 16, generator=g) > 0.2).to(q.device).expand(1, 4, 16, 16)
+    spec = AttentionSpec(scale=0.3, causal=True, group=2, adaptive=True)
+    return (q, k, v, b.float() if dtype != torch.float64 else b, n.float() if dtype != torch.float64 else n,
+            mask, backend, *spec.op_args())
 
 
-def test_opcheck_backward():
-    q, k, v, b, n = (t.detach() for t in _inputs("cpu", torch.float64))
-    out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, None, 0.3, True, 1, False, [1.0], 0.5)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    torch.library.opcheck(torch.ops.ssa_flash.attn_bwd.default,
-                          (dout, dlse, q, k, v, out, lse, b, n, None, None, None, None, None,
-                           0.3, True, 1, False))
+@pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
+@pytest.mark.parametrize("variant", ["ssa_adaptive_mask", "softmax"])
+def test_opcheck_forward(variant, on_backend):
+    """Schema, fake (meta) implementation, autograd registration, AOT dispatch (static and dynamic)."""
+    backend, dtype, context = on_backend
+    with context:
+        torch.library.opcheck(torch.ops.ssa_flash.attn_fwd.default, _fwd_args(variant, dtype, backend))
+
+
+@pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
+def test_opcheck_backward(on_backend):
+    backend, dtype, context = on_backend
+    q, k, v, b, n, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
+    q, k, v, b, n = (t.detach() for t in (q, k, v, b, n))
+    with context:
+        out, lse, beta, lse_l, ent, dbeta_dh = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, mask, backend, *spec_args)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        torch.library.opcheck(torch.ops.ssa_flash.attn_bwd.default,
+                              (dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh,
+                               backend, *spec_args))
+
+
+@pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
+def test_opcheck_row_entropy(on_backend):
+    backend, dtype, context = on_backend
+    q, k, v, b, n, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
+    with context:
+        torch.library.opcheck(torch.ops.ssa_flash.row_entropy.default,
+                              (q.detach(), k.detach(), b.detach(), n.detach(), mask, backend, *spec_args))
 
 
 def test_fake_shapes_without_data():
     """The fake implementation gives the real op's shapes and dtypes (GQA, Dv != D)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    spec = AttentionSpec(scale=0.3, group=2, adaptive=True).op_args()
     with FakeTensorMode():
         q = torch.empty(2, 4, 5, 8, dtype=torch.float16)
         k = torch.empty(2, 2, 7, 8, dtype=torch.float16)
         v = torch.empty(2, 2, 7, 3, dtype=torch.float16)
         bn = torch.empty(4)
-        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, bn, bn, None, 0.3, False, 2, True, POLY, 0.5)
+        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, bn, bn, None, "cuda", *spec)
         assert out.shape == (2, 4, 5, 3) and out.dtype == torch.float16
         assert lse.shape == beta.shape == (2, 4, 5) and lse.dtype == torch.float32
         dq, dk, dv, db, dn = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, bn, bn, None,
-                                                          None, None, None, None, 0.3, False, 2, False)
+                                                          beta, beta, beta, beta, "triton", *spec)
         assert (dq.shape, dk.shape, dv.shape, db.shape) == (q.shape, k.shape, v.shape, (4,))
+        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, None, None, None, "reference", *spec)
+        assert ent.shape == lse_l.shape == (2, 4, 5) and ent.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,8 +157,8 @@ def test_fake_shapes_without_data():
 
 
 def test_mask_reaches_kernel_as_stride0_view(count_launches):
-    q, k, v, b, n = _inputs("cpu")
-    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(2)) > 0.3
+    q, k, v, b, n = _inputs(DEVICE)
+    mask = (torch.rand(16, 16, generator=torch.Generator().manual_seed(2)) > 0.3).to(DEVICE)
     out = ssa_flash.ssa_attention(q, k, v, mask, b=b, n=n, backend="triton")
     out.sum().backward()
     assert count_launches["forward"] == 1 and count_launches["backward"] == 1
@@ -105,15 +167,24 @@ def test_mask_reaches_kernel_as_stride0_view(count_launches):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_lse_only_gradient():
-    """A loss on lse alone: the output gradient is None in the backward."""
-    q, k, v, b, n = _inputs("cpu", torch.float64)
-    _, lse = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=b, n=n, backend="triton", return_lse=True)
-    ours = torch.autograd.grad(lse.sum(), (q, k, b, n))
-    _, lse_ref = ssa_flash.reference.ssa_attention(q, k, v, is_causal=True, b=b, n=n, return_lse=True)
-    ref = torch.autograd.grad(lse_ref.sum(), (q, k, b, n))
+@pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
+def test_lse_only_gradient(on_backend):
+    """A loss on lse alone: the output gradient is None in the backward. (For "reference" this
+    goes through the ops directly: the public reference path is plain autograd.)"""
+    backend, dtype, context = on_backend
+    q, k, v, b, n = _inputs(DEVICE, dtype)
+    b, n = (t.detach().float().requires_grad_() if dtype != torch.float64 else t for t in (b, n))
+    spec = AttentionSpec(scale=8 ** -0.5, causal=True)
+    with context:
+        _, lse = ssa_autograd.attention(q, k, v, b, n, None, backend, spec)
+        ours = torch.autograd.grad(lse.sum(), (q, k, b, n))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, b, n)]
+    _, lse_ref = ssa_flash.reference.ssa_attention(*leaves[:3], is_causal=True, b=leaves[3], n=leaves[4],
+                                                   return_lse=True)
+    ref = torch.autograd.grad(lse_ref.sum(), leaves[:2] + leaves[3:])
+    tol = 1e-9 if dtype == torch.float64 else 2e-2
     for a, e in zip(ours, ref):
-        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-9)
+        torch.testing.assert_close(a.double(), e, atol=tol, rtol=tol)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,7 +222,7 @@ def test_compile_fullgraph_ssa_with_mask_and_lse(device, count_launches):
 
 
 def test_compile_fullgraph_adaptive_gqa(count_launches):
-    q, k, v, b, n = _inputs("cpu", Hq=4, Hkv=2)
+    q, k, v, b, n = _inputs(DEVICE, Hq=4, Hkv=2)
 
     def fn(q, k, v, b, n):
         out = ssa_flash.ssa_attention(q, k, v, enable_gqa=True, b=b, n=n, adaptive_temperature=True)
@@ -178,8 +249,8 @@ def test_compile_fullgraph_module_and_constant_params():
             w = ssa_flash.ssa_attention(q, k, v, b=0.9, n=1.7)
             return (x * y).sum() + (z * w).sum()
 
-    block = Block()
-    q, k, v, _, _ = _inputs("cpu")
+    block = Block().to(DEVICE)
+    q, k, v, _, _ = _inputs(DEVICE)
     params = (q, k, v, block.attn.b_raw, block.attn.n_raw)
     _compare_compiled(block, (q, k, v), params, backend="aot_eager")
 
@@ -195,21 +266,85 @@ def test_compile_inference_no_grad():
         torch.testing.assert_close(compiled(q, k, v, b, n), fn(q, k, v, b, n))
 
 
+@pytest.fixture
+def count_backend_calls(monkeypatch):
+    """Counts the calls of each backend's forward/backward/row_entropy (through the ops)."""
+    from ssa_flash import backends
+
+    calls = {}
+    for name in backends.NAMES:
+        mod = backends.get(name)
+        for fn in ("forward", "backward", "row_entropy"):
+            def counted(*args, _orig=getattr(mod, fn), _key=(name, fn), **kw):
+                calls[_key] = calls.get(_key, 0) + 1
+                return _orig(*args, **kw)
+
+            monkeypatch.setattr(mod, fn, counted)
+    return calls
+
+
+@pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
+def test_compile_fullgraph_every_backend(on_backend, count_backend_calls):
+    """The public functions with an explicit backend compile without graph breaks and match
+    eager: SSA with adaptive temperature, GQA, a broadcast bool mask, causal, a loss through out
+    and lse, gradients of q, k, v, b, n; softmax; the entropy diagnostic in the same graph."""
+    backend, dtype, context = on_backend
+    q, k, v, b, n = _inputs(DEVICE, dtype, Hq=4, Hkv=2, D=24)
+    b, n = (t.detach().to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+            for t in (b, n))
+    mask = (torch.rand(16, 16, generator=torch.Generator().manual_seed(4)) > 0.2).to(DEVICE)
+    mask[:, 0] = True  # no empty rows: lse stays finite
+
+    def fn(q, k, v, b, n, mask):
+        out, lse = ssa_flash.ssa_attention(q, k, v, mask, is_causal=True, enable_gqa=True, b=b, n=n,
+                                           adaptive_temperature=True, return_lse=True, backend=backend)
+        soft = ssa_flash.softmax_attention(q, k, v, enable_gqa=True, backend=backend)
+        ent = ssa_flash.attention_entropy(q, k, mask, enable_gqa=True, backend=backend)
+        return (out.double() ** 2).sum() + lse.double().sum() + (soft.double() * out.double()).sum() + ent.double().sum()
+
+    leaves = (q, k, v, b, n)
+    with context:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if backend == "reference" else "inductor")
+        loss_c = compiled(q, k, v, b, n, mask)
+        grads_c = torch.autograd.grad(loss_c, leaves)
+        loss_e = fn(q, k, v, b, n, mask)
+        grads_e = torch.autograd.grad(loss_e, leaves)
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(loss_c, loss_e, atol=tol, rtol=tol)
+    for name, gc, ge in zip("qkvbn", grads_c, grads_e):
+        assert gc.abs().sum() > 0, name
+        torch.testing.assert_close(gc, ge, atol=tol, rtol=tol, msg=lambda m: f"d{name}: {m}")
+    if backend != "reference":  # the public reference path is plain autograd, not the ops
+        # eager and compiled each: 2 forwards (ssa, softmax), 1 backward, 2 entropy passes
+        assert count_backend_calls.get((backend, "forward"), 0) >= 4
+        assert count_backend_calls.get((backend, "backward"), 0) >= 2
+        assert count_backend_calls.get((backend, "row_entropy"), 0) >= 4
+    others = {key for key in count_backend_calls if key[0] != backend}
+    assert not others, f"other backends ran: {others}"
+
+
 # --------------------------------------------------------------------------------------------
 # CUDA graphs
 
 
 @needs_cuda
+@pytest.mark.parametrize("backend", OP_BACKENDS)
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_cuda_graph_capture_forward_backward(adaptive):
-    q, k, v, b, n = _inputs("cuda", torch.float16 if not adaptive else torch.float32, L=64, D=32)
+def test_cuda_graph_capture_forward_backward(adaptive, backend):
+    """Forward and backward captured in one CUDA graph, replayed on new data == eager, bitwise."""
+    if backend not in ssa_flash.available_backends("cuda"):
+        pytest.skip(f"{backend} backend unavailable: {cuda_backend.unavailable_reason(torch.device('cuda'))}")
+    dtype = {"triton": torch.float32 if adaptive else torch.float16, "cuda": torch.float16,
+             "reference": torch.float32}[backend]
+    q, k, v, b, n = _inputs("cuda", dtype, L=64, D=32)
     b, n = b.float().detach().requires_grad_(), n.float().detach().requires_grad_()
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     leaves = (q, k, v, b, n)
 
     def step():
         out = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=b, n=n, adaptive_temperature=adaptive,
-                                      backend="triton")
+                                      backend=backend)
         out.backward(dout)
         return out
 
@@ -235,7 +370,7 @@ def test_cuda_graph_capture_forward_backward(adaptive):
 
     eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
     out = ssa_flash.ssa_attention(*eager_leaves[:3], is_causal=True, b=eager_leaves[3], n=eager_leaves[4],
-                                  adaptive_temperature=adaptive, backend="triton")
+                                  adaptive_temperature=adaptive, backend=backend)
     out.backward(dout)
     expected = [out] + [t.grad for t in eager_leaves]
     for name, c, e in zip(["out", "dq", "dk", "dv", "db", "dn"], captured, expected):

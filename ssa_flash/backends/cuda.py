@@ -1,0 +1,430 @@
+"""The CUDA C++ backend: :class:`~ssa_flash.backends.spec.Backend` over the extension built from
+``csrc/``, with everything the extension leaves to its caller: zero-padding of head dims to a
+multiple of 8, strides and alignment, mask conversion, the CUDA device and stream, and the
+reduction of the per-block db/dn partial sums.
+
+The extension ``ssa_flash._C`` is built by ``pip install --no-build-isolation .`` when a CUDA
+toolkit and a CUDA-enabled torch are present. Without it, the first ``backend="cuda"`` call
+JIT-compiles the same sources once with ``torch.utils.cpp_extension.load`` (cached by torch in
+``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) or raises
+``BackendUnavailableError`` saying why it cannot.
+
+What the kernels run (anything else: :func:`supports` says why): float16 (sm_70+) and bfloat16
+(sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64, 96, 128, 256, others
+zero-padded); any strides (copies are made where the head dim is not contiguous, not a multiple of
+8, or rows are not 16-byte aligned); boolean or additive masks of any strides; causal; GQA;
+softmax or SSA logits, fixed or adaptive temperature. The backward is always deterministic (no
+atomics: db/dn are per-block partial sums reduced in a fixed order).
+
+Testing without a GPU: inside ``with emulated(ext):`` CPU tensors run through ``ext``, any object
+with the extension's ``fwd``/``stats``/``bwd`` (``csrc/emu/harness.py``'s ``Emulator``: the real
+kernels compiled for the host against an emulation of the CUDA execution model), through this
+module's glue and the package's custom ops like CUDA tensors through the real extension.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import BackendUnavailableError
+from ._compile import constant_for_compile
+from .spec import AttentionSpec, TemperatureState
+
+__all__ = [
+    "NAME",
+    "VERIFIED_ARCHS",
+    "unavailable_reason",
+    "supports",
+    "row_entropy",
+    "forward",
+    "backward",
+    "is_available",
+    "ready",
+    "verified",
+    "load_extension",
+    "source_dir",
+    "emulated",
+    "active_emulator",
+]
+
+NAME = "cuda"
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
+
+# Where the CUDA backend has been verified on hardware: compute capability -> what was run there.
+# backend="auto" prefers the CUDA backend over Triton on an architecture (and dtype) only once it
+# is listed here. A GPU session adds an entry after tests/test_cuda_backend.py passed in full on
+# that GPU (compute-sanitizer included) and the benchmark showed the CUDA backend at least as fast
+# as Triton there, e.g.
+#     (9, 0): {"dtypes": ("float16", "bfloat16"),
+#              "evidence": "2025-01-31 H100 SXM, commit abc1234: test_cuda_backend 512 passed; "
+#                          "bench/results/2025-01-31-h100.json"},
+# and updates the table in docs/cuda.md. Nothing has been run on a GPU yet.
+VERIFIED_ARCHS: Dict[Tuple[int, int], Dict[str, object]] = {}
+
+# nvcc flags of the JIT build (keep in step with setup.py)
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+              "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+              "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+_lock = threading.Lock()
+_ext = None
+_ext_error: Optional[str] = None
+_emulators: list = []  # stack of the extensions that `emulated` installed for CPU tensors
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU emulation hook (tests)
+
+
+@contextlib.contextmanager
+def emulated(ext):
+    """Within the block, CPU tensors given to this backend run through ``ext`` (an object with the
+    extension's ``fwd``, ``stats`` and ``bwd``, e.g. ``csrc/emu``'s ``Emulator``), and
+    ``backend="cuda"`` is available for CPU tensors. ``ext=None`` changes nothing. The custom ops'
+    autograd formula re-enters the emulator of the forward for the backward, so a backward run
+    after the block ends still uses it. Never chosen by ``backend="auto"``."""
+    if ext is None:
+        yield
+        return
+    _emulators.append(ext)
+    try:
+        yield
+    finally:
+        _emulators.pop()
+
+
+def active_emulator():
+    """The extension object of the innermost :func:`emulated` block, or None."""
+    return _emulators[-1] if _emulators else None
+
+
+# --------------------------------------------------------------------------------------------
+# Finding, building and loading the extension
+
+
+def source_dir() -> Optional[Path]:
+    """csrc/ of a source checkout, or the copy shipped inside an installed package."""
+    for d in (_PACKAGE.parent / "csrc", _PACKAGE / "_csrc"):
+        if (d / "api.cpp").is_file():
+            return d
+    return None
+
+
+def _prebuilt() -> bool:
+    try:
+        return importlib.util.find_spec("ssa_flash._C") is not None
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _ninja_available() -> bool:
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+
+        return bool(is_ninja_available())
+    except Exception:
+        return False
+
+
+def _build_blocker() -> Optional[str]:
+    """Why the extension cannot be JIT-compiled in this environment, or None."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    if source_dir() is None:
+        return "the csrc/ sources are not found next to the package"
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception as err:  # pragma: no cover - broken torch install
+        return f"torch.utils.cpp_extension is unusable ({err})"
+    if CUDA_HOME is None:
+        return "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
+    if not _ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _jit_build():
+    from torch.utils.cpp_extension import load
+
+    src = source_dir()
+    sources = sorted(str(p) for p in src.glob("*.cu")) + [str(src / "api.cpp")]
+    return load(name="ssa_flash_cuda_ext", sources=sources, extra_include_paths=[str(src)],
+                extra_cflags=["-O3"], extra_cuda_cflags=list(NVCC_FLAGS),
+                verbose=os.environ.get("SSA_FLASH_VERBOSE_BUILD", "0") not in ("", "0"))
+
+
+def load_extension():
+    """The extension module: the prebuilt ``ssa_flash._C``, else a JIT build (once per process;
+    torch caches the build on disk). Raises ``BackendUnavailableError`` saying why it cannot."""
+    global _ext, _ext_error
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _ext_error is not None:
+            raise BackendUnavailableError(_ext_error)
+        try:
+            from .. import _C as ext  # type: ignore[attr-defined]
+        except ImportError as err:
+            prebuilt = "not built" if isinstance(err, ModuleNotFoundError) else f"not importable ({err})"
+            blocker = _build_blocker()
+            if blocker is not None:
+                _ext_error = (f"the CUDA extension ssa_flash._C is {prebuilt} and cannot be JIT-compiled: "
+                              f"{blocker}")
+                raise BackendUnavailableError(_ext_error) from None
+            try:
+                ext = _jit_build()
+            except Exception as build_err:
+                _ext_error = (f"the CUDA extension ssa_flash._C is {prebuilt} and its JIT build failed: "
+                              f"{type(build_err).__name__}: {build_err}")
+                raise BackendUnavailableError(_ext_error) from build_err
+        _ext = ext
+        return ext
+
+
+def _extension(device: torch.device):
+    if device.type == "cuda":
+        return load_extension()
+    ext = active_emulator()
+    if ext is None:
+        raise BackendUnavailableError(f"backend='cuda' is unavailable: {_device_reason(device)}")
+    return ext
+
+
+# --------------------------------------------------------------------------------------------
+# Availability
+
+
+@constant_for_compile
+def _capability(device: torch.device) -> Tuple[int, int, int]:
+    """``(major, minor, opt-in shared memory per block in bytes or 0)`` of a CUDA device, or
+    ``(0, 0, 0)`` when CUDA is unavailable. A constant for torch.compile (read once while tracing,
+    so no device query lands in a graph)."""
+    if not torch.cuda.is_available():
+        return 0, 0, 0
+    major, minor = torch.cuda.get_device_capability(device)
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0
+    return int(major), int(minor), int(optin)
+
+
+def _device_reason(device: Optional[torch.device]) -> Optional[str]:
+    if device is not None and device.type == "cpu" and active_emulator() is not None:
+        return None
+    if device is not None and device.type != "cuda":
+        return f"tensors are on {device}; the CUDA kernels need CUDA tensors"
+    major, minor, _ = _capability(device if device is not None else torch.device("cuda"))
+    if major == 0:
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    if (major, minor) < (7, 0):
+        return (f"the GPU is sm_{major}{minor}; the CUDA kernels need sm_70 or newer (float16; "
+                "bfloat16 needs sm_80)")
+    return None
+
+
+def _reason(device: Optional[torch.device]) -> Optional[str]:
+    why = _device_reason(device)
+    if why is not None or _ext is not None:
+        return why
+    if device is not None and device.type == "cpu":  # emulated
+        return None
+    if _ext_error is not None:
+        return _ext_error
+    if _prebuilt():
+        return None
+    blocker = _build_blocker()
+    if blocker is not None:
+        return f"the CUDA extension ssa_flash._C is not built and cannot be JIT-compiled: {blocker}"
+    return None
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    try:
+        return _reason(torch.device(device))
+    except Exception as err:
+        return f"the CUDA backend could not be probed ({type(err).__name__}: {err})"
+
+
+def is_available() -> bool:
+    """True when a CUDA device (sm_70+) is present and the extension is built or buildable.
+    Cheap (no build, no kernel launch) and never raises."""
+    try:
+        return _reason(None) is None
+    except Exception:
+        return False
+
+
+def ready() -> bool:
+    """True when the extension is loaded or prebuilt, i.e. using it compiles nothing."""
+    try:
+        return _ext is not None or (_ext_error is None and _prebuilt())
+    except Exception:
+        return False
+
+
+def verified(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when :data:`VERIFIED_ARCHS` lists ``device``'s architecture for ``dtype``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    major, minor, _ = _capability(device)
+    entry = VERIFIED_ARCHS.get((major, minor))
+    return entry is not None and str(dtype).replace("torch.", "") in entry.get("dtypes", ())
+
+
+# --------------------------------------------------------------------------------------------
+# What the kernels accept
+
+
+def _padded_head_dim(d: int) -> int:
+    for p in (32, 64, 96, 128, 256):
+        if d <= p:
+            return p
+    return -1
+
+
+def _smem_bytes(d: int, adaptive: bool) -> int:
+    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h)."""
+    row = (d + 8) * 2
+    fwd = (64 + 2 * (64 if d <= 128 else 32)) * row
+    dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
+    dq = (2 * dq_m + 3 * dq_n) * row
+    kv_n, kv_m = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
+    dkdv = (2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+    return max(fwd, dq, dkdv)
+
+
+def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+    why = _device_reason(q.device)
+    if why is not None:
+        return why
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"the CUDA kernels take float16 or bfloat16 inputs, got {q.dtype}"
+    d = max(q.shape[-1], v.shape[-1])
+    if d > MAX_HEAD_DIM:
+        return f"the CUDA kernels support head dims up to {MAX_HEAD_DIM}, got {d}"
+    if q.shape[0] > 65535 or q.shape[1] > 65535:
+        return "batch and heads must each be at most 65535"
+    if q.device.type != "cuda":  # emulated: no hardware limits
+        return None
+    major, minor, optin = _capability(q.device)
+    if q.dtype == torch.bfloat16 and major < 8:
+        return f"bfloat16 needs sm_80 or newer, this GPU is sm_{major}{minor}"
+    need = _smem_bytes(_padded_head_dim(d), spec.adaptive)
+    if optin and need > optin:
+        return (f"head dim {d} needs {need} bytes of shared memory per block, this GPU allows {optin} "
+                "(see docs/cuda.md)")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Layout preparation
+
+
+def _round8(d: int) -> int:
+    return (d + 7) // 8 * 8
+
+
+def _kernel_layout(x: torch.Tensor) -> bool:
+    if x.stride(-1) != 1 or x.data_ptr() % 16 != 0:
+        return False
+    return all(size == 1 or stride % 8 == 0 for size, stride in zip(x.shape[:-1], x.stride()[:-1]))
+
+
+def _prep(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x with head dim zero-padded to ``width`` (a multiple of 8), unit stride along it and rows
+    16-byte aligned; a copy only where needed."""
+    if x.shape[-1] != width:
+        return F.pad(x, (0, width - x.shape[-1])).contiguous()
+    return x if _kernel_layout(x) else x.contiguous()
+
+
+def _unpad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else x[..., :width].contiguous()
+
+
+def _prep_mask(mask: Optional[torch.Tensor]):
+    """(tensor, kind): bool masks as a uint8 view, float masks as float32; broadcast (zero-stride)
+    dims stay broadcast (the conversion runs on the compact tensor)."""
+    if mask is None:
+        return None, MASK_NONE
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), MASK_BOOL
+    if mask.dtype != torch.float32:
+        sizes = [1 if st == 0 else sz for sz, st in zip(mask.shape, mask.stride())]
+        compact = mask.as_strided(sizes, mask.stride()).to(torch.float32)
+        mask = compact.expand(mask.shape)
+    return mask, MASK_ADD
+
+
+def _head_param(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.float().contiguous()
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _on_device(device: torch.device):
+    """Makes ``device`` current for the launches (the binding launches on the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# The backend interface
+
+
+def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+    ext = _extension(q.device)
+    d8 = _round8(q.shape[-1])
+    mask_t, kind = _prep_mask(mask)
+    with _on_device(q.device):
+        return ext.stats(_prep(q, d8), _prep(k, d8), mask_t, kind, _head_param(b), _head_param(n),
+                         float(spec.scale), bool(spec.causal), int(spec.group), _stream(q.device))
+
+
+def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+    ext = _extension(q.device)
+    d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
+    mask_t, kind = _prep_mask(mask)
+    beta = beta.float().contiguous() if spec.adaptive else None
+    with _on_device(q.device):
+        o, lse = ext.fwd(_prep(q, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
+                         _head_param(n), beta, float(spec.scale), bool(spec.causal), int(spec.group),
+                         _stream(q.device))
+    return _unpad(o, v.shape[-1]), lse
+
+
+def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+             spec: AttentionSpec):
+    ext = _extension(q.device)
+    d, dv = q.shape[-1], v.shape[-1]
+    d8, dv8 = _round8(d), _round8(dv)
+    mask_t, kind = _prep_mask(mask)
+    bf, nf = _head_param(b), _head_param(n)
+    if spec.adaptive:
+        beta, lse_l, ent, dbeta_dh = (t.float().contiguous() for t in temp)
+    else:
+        beta = lse_l = ent = dbeta_dh = None
+    with _on_device(q.device):
+        dq, dk, dvv, db_part, dn_part = ext.bwd(
+            _prep(dout.to(q.dtype), dv8), _prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
+            lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
+            bf, nf, beta, lse_l, ent, dbeta_dh, float(spec.scale), bool(spec.causal), int(spec.group),
+            _stream(q.device))
+    db = dn = None
+    if bf is not None:  # partial sums (B, Hq, query blocks)
+        db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), db, dn

@@ -1,0 +1,120 @@
+"""The reference backend: :class:`~ssa_flash.backends.spec.Backend` on materialised scores.
+
+The forward reuses the specification's logit rows (``ssa_flash.reference``); the backward is
+DESIGN.md 1.2 / 1.3 written out on whole ``(B, Hq, Lq, Lk)`` matrices, in the accumulation dtype
+(float64 for float64 inputs, else float32), on any device and dtype. O(Lq * Lk) memory.
+
+This is the form of the reference that the custom ops can call (an op's implementation runs with
+autograd off, so a backend cannot differentiate a recomputed forward): it lets the op layer (the
+adaptive-temperature host step, LSE gradients, empty rows) and callers of the backend interface be
+tested without kernels. ``backend="reference"`` in the public functions does *not* come here: it
+runs ``ssa_flash.reference`` under ordinary autograd (see ``ssa_flash.backends``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import reference as spec_code
+from .spec import AttentionSpec, TemperatureState, acc_dtype
+
+__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+
+NAME = "reference"
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    return None
+
+
+def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+    return None
+
+
+def _rows(q, k, mask, b, n, spec: AttentionSpec):
+    """``(z, l, allowed)``: logits, logit rows ``phi(z) + mask`` (-inf where not admissible) and
+    the admissible set, each ``(B, Hq, Lq, Lk)`` in the accumulation dtype."""
+    acc = acc_dtype(q.dtype)
+    qa, ka = q.to(acc), k.to(acc)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(acc)
+    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n)
+    kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
+    z = spec.scale * (qa @ kr.transpose(-2, -1))
+    return z, l, allowed
+
+
+def _lse(s):
+    """Row log-sum-exp; -inf for rows that are all -inf."""
+    return torch.logsumexp(s, dim=-1)
+
+
+def _tempered(l, allowed, beta):
+    if beta is None:
+        return l
+    # zero the inadmissible entries first: beta * -inf is fine, but keep the masked value exact
+    return (beta.unsqueeze(-1) * l.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
+
+
+def _group_sum(x, group: int):
+    """``(B, Hq, L, d)`` -> ``(B, Hkv, L, d)``: sums the query heads sharing a key/value head."""
+    if group == 1:
+        return x
+    B, H, L, d = x.shape
+    return x.view(B, H // group, group, L, d).sum(dim=2)
+
+
+def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+    _, l, allowed = _rows(q, k, mask, b, n, spec)
+    return spec_code._entropy(l, allowed), _lse(l)
+
+
+def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+    _, l, allowed = _rows(q, k, mask, b, n, spec)
+    s = _tempered(l, allowed, beta if spec.adaptive else None)
+    p = spec_code._masked_softmax(s, allowed)
+    va = v.to(p.dtype)
+    vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
+    return (p @ vr).to(q.dtype), _lse(s)
+
+
+def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+             spec: AttentionSpec):
+    z, l, allowed = _rows(q, k, mask, b, n, spec)
+    acc = z.dtype
+    beta = temp.beta if spec.adaptive else None
+    s = _tempered(l, allowed, beta)
+    p_s = spec_code._masked_softmax(s, allowed)  # P' = softmax(beta * l)
+    do, o = dout.to(acc), out.to(acc)
+    va = v.to(acc)
+    vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
+
+    dv = _group_sum(p_s.transpose(-2, -1) @ do, spec.group)
+    delta = (do * o).sum(-1)
+    if dlse is not None:  # d lse_i / d S'_ij = P'_ij
+        delta = delta - dlse.to(acc)
+    ds = p_s * ((do @ vr.transpose(-2, -1)) - delta.unsqueeze(-1))  # dS', 0 where inadmissible
+    l0 = l.masked_fill(~allowed, 0.0)
+    if spec.adaptive:
+        dbeta = (ds * l0).sum(-1)
+        g = dbeta * temp.dbeta_dh
+        p = spec_code._masked_softmax(l, allowed)
+        logp = (l - temp.lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)
+        dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
+    else:
+        dl = ds
+    db = dn = None
+    if b is not None:
+        bh, nh = b.to(acc).view(1, -1, 1, 1), n.to(acc).view(1, -1, 1, 1)
+        denom = 1.0 + bh * z.abs()
+        db = (dl * nh * z / denom).sum(dim=(0, 2, 3))
+        dn = (dl * torch.sign(z) * torch.log1p(bh * z.abs())).sum(dim=(0, 2, 3))
+        dz = dl * (nh * bh / denom)
+    else:
+        dz = dl
+    ka = k.to(acc)
+    kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
+    dq = spec.scale * (dz @ kr)
+    dk = _group_sum(spec.scale * (dz.transpose(-2, -1) @ q.to(acc)), spec.group)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db, dn

@@ -1,0 +1,149 @@
+"""The interface between the custom ops and the backends.
+
+* :class:`AttentionSpec`: what to compute, apart from the tensors. Its fields are also the trailing
+  arguments of every ``torch.ops.ssa_flash`` op: :meth:`AttentionSpec.schema` writes them into the
+  op schemas, :meth:`AttentionSpec.op_args` / :meth:`AttentionSpec.from_op_args` convert, so a new
+  option (``dropout_p``, ``window_left``/``window_right``, ...) is one new field here plus its use
+  in the backends: the ops, their fake implementations and the autograd formula pass it through
+  untouched.
+* :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
+* :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton``,
+  ``.cuda``, ``.reference``).
+
+Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
+
+* ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``, any strides, one dtype among
+  float16 / bfloat16 / float32 / float64 (each backend says which it takes, see ``supports``);
+  ``Hq = group * Hkv``; ``B * Hq * Lq > 0``, ``Lk > 0``, ``D > 0``, ``Dv > 0``.
+* ``mask``: None, or a bool (True = attend) / floating (added to the logit row) tensor expanded,
+  as a view with zero strides where broadcast, to ``(B, Hq, Lq, Lk)``.
+* ``b``, ``n``: None for softmax logits, or ``(Hq,)`` contiguous tensors in the accumulation dtype
+  (float64 for float64 inputs, else float32) for SSA logits ``phi(z) = n sgn(z) log1p(b|z|)``.
+* per-row statistics (``lse``, ``beta``, ``entropy``, ...): ``(B, Hq, Lq)`` contiguous, in the
+  accumulation dtype. Outputs and gradients of q, k, v: contiguous, in the inputs' dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
+
+__all__ = ["AttentionSpec", "TemperatureState", "Backend", "acc_dtype"]
+
+# Python field type -> torch.library schema type. Tensor-valued options (a Philox seed/offset that
+# must live on the device for CUDA-graph capture, cu_seqlens) would be "Optional[Tensor]" ->
+# "Tensor?"; the autograd formula would then have to save them with save_for_backward.
+_SCHEMA_TYPES = {
+    float: "float",
+    int: "int",
+    bool: "bool",
+    str: "str",
+    Tuple[float, ...]: "float[]",
+    Tuple[int, ...]: "int[]",
+}
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the backends compute, apart from the tensors (DESIGN.md 1).
+
+    Whether the logits are SSA's or softmax's is not a field: it is whether ``b``/``n`` are given.
+    """
+
+    scale: float
+    """multiplies ``q . k`` to give the logits ``z``"""
+    causal: bool = False
+    """key ``j`` is visible to query ``i`` iff ``j <= i`` (top-left alignment)"""
+    group: int = 1
+    """query heads per key/value head (GQA); 1 without GQA"""
+    adaptive: bool = False
+    """adaptive temperature: weights ``softmax(beta * l)`` with a per-row ``beta`` from the entropy"""
+    poly: Tuple[float, ...] = DEFAULT_POLY
+    """the temperature polynomial of the entropy, highest degree first"""
+    threshold: float = DEFAULT_THRESHOLD
+    """the temperature is 1 on rows whose entropy is at most this"""
+    deterministic: bool = False
+    """bitwise reproducible backward (every backend today is deterministic whatever this says)"""
+
+    def __post_init__(self):
+        object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
+
+    @classmethod
+    def schema(cls) -> str:
+        """The fields as the trailing arguments of an op schema, e.g. ``"float scale, bool causal, ..."``."""
+        hints = typing.get_type_hints(cls)
+        return ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}" for f in dataclasses.fields(cls))
+
+    def op_args(self) -> tuple:
+        """The field values in schema order, as the ops take them (tuples as lists)."""
+        return tuple(list(getattr(self, f.name)) if isinstance(getattr(self, f.name), tuple)
+                     else getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_op_args(cls, args: Sequence) -> "AttentionSpec":
+        """Inverse of :meth:`op_args`."""
+        return cls(*args)
+
+
+class TemperatureState(NamedTuple):
+    """Per-row tensors ``(B, Hq, Lq)`` of the adaptive temperature, kept for the backward."""
+
+    beta: Tensor  # the temperature applied to the row
+    lse_l: Tensor  # log-sum-exp of the temperature-free row l
+    entropy: Tensor  # H = entropy of softmax(l)
+    dbeta_dh: Tensor  # d beta / d H where the temperature is active, else 0
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The functions of a backend module (shapes and dtypes: this module's docstring).
+
+    The adaptive temperature is two passes with a host step between them, done once for every
+    backend by the caller (``ssa_flash.autograd``): ``row_entropy`` gives each row's entropy,
+    ``ssa_flash.temperature.beta_from_entropy`` turns it into ``beta``, ``forward`` applies it.
+    A caller holding only part of the keys (ring attention) can merge the per-shard statistics
+    before computing ``beta``, and merge the per-shard ``(out, lse)`` after ``forward``.
+    """
+
+    NAME: str
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        """None if the backend can run tensors on ``device`` in this process, else why not (a
+        sentence). Cheap: compiles and launches nothing, never raises."""
+
+    def supports(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Optional[str]:
+        """None if the backend runs these inputs (dtype, head dims, sizes), else why not. Reads
+        shapes, dtypes and the device only (no synchronisation)."""
+
+    def row_entropy(self, q: Tensor, k: Tensor, mask: Optional[Tensor], b: Optional[Tensor],
+                    n: Optional[Tensor], spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+        """``(entropy, lse_l)`` of each row of ``P = softmax(l)``, ``l = phi(z) + mask``: natural-log
+        entropy (0 for a row with no admissible key) and log-sum-exp (-inf for such a row)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], b: Optional[Tensor],
+                n: Optional[Tensor], beta: Optional[Tensor], spec: AttentionSpec
+                ) -> Tuple[Tensor, Tensor]:
+        """``(out (B, Hq, Lq, Dv), lse)``: ``out = softmax(beta * l) @ v`` (``beta`` is None, i.e. 1,
+        unless ``spec.adaptive``) and the natural-log LSE of ``beta * l``. Rows with no admissible
+        key: out 0, lse -inf."""
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
+                 n: Optional[Tensor], temp: Optional[TemperatureState], spec: AttentionSpec
+                 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``(dq, dk, dv, db, dn)`` given the output gradient ``dout`` and the LSE gradient ``dlse``
+        (or None): DESIGN.md 1.2 and 1.3, with ``delta = rowsum(dout * out) - dlse``. ``out`` and
+        ``lse`` are those ``forward`` returned (for a key shard: the global ones). ``db``, ``dn``
+        are ``(Hq,)`` in the accumulation dtype, None for softmax; ``temp`` is given iff
+        ``spec.adaptive``."""

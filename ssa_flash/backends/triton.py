@@ -1,0 +1,76 @@
+"""The Triton backend: :class:`~ssa_flash.backends.spec.Backend` over ``ssa_flash.triton.launch``.
+
+Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
+was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256. The
+backward is deterministic always (per-block partial sums of db/dn reduced in a fixed order).
+Triton is imported on first use, so the package works without it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .spec import AttentionSpec, TemperatureState
+
+__all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+
+NAME = "triton"
+MAX_HEAD_DIM = 256
+
+
+def _launch():
+    from ..triton import launch  # lazily: Triton is optional
+
+    return launch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    if not importable():
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return None
+    return (f"tensors are on {device}; Triton kernels need a CUDA device, or TRITON_INTERPRET=1 "
+            "set before Triton is imported to run them on the CPU")
+
+
+def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return (f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {q.shape[-1]}, "
+                f"value {v.shape[-1]}")
+    return None
+
+
+def _spec(launch, spec: AttentionSpec, b):
+    return launch.AttentionSpec(scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
+                                ssa=b is not None, adaptive=bool(spec.adaptive))
+
+
+def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+    launch = _launch()
+    return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b))
+
+
+def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+    launch = _launch()
+    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b))
+
+
+def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+             spec: AttentionSpec):
+    launch = _launch()
+    ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b))

@@ -1,0 +1,34 @@
+"""The CPU emulation of the CUDA kernels (csrc/emu) as a stand-in for the CUDA extension, so that
+backend="cuda" (its Python glue, the custom ops, torch.compile) runs on CPU tensors in tests.
+
+    emu = build_emulator(tmp_path)            # or pytest.skip if the CUDA headers are missing
+    with ssa_flash.cuda.emulated(emu):
+        ssa_flash.ssa_attention(q, k, v, backend="cuda")   # float16 / bfloat16 CPU tensors
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# head dims the emulator is compiled for (compile time grows with each); others up to 32 are padded
+HEAD_DIMS = (32,)
+
+
+def harness():
+    spec = importlib.util.spec_from_file_location("ssa_emu_harness_tests", CSRC / "emu" / "harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_emulator(out_dir, **kw):
+    """An ``Emulator`` of the kernels compiled for ``HEAD_DIMS``; skips the test without the CUDA
+    toolkit's headers or a host compiler."""
+    h = harness()
+    if h.cuda_include_dir() is None:
+        pytest.skip("CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return h.Emulator(h.build(out_dir, head_dims=HEAD_DIMS), **kw)
