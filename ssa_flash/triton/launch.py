@@ -154,8 +154,23 @@ def _device_arch(device: torch.device) -> Optional[int]:
     return 10 * major + minor
 
 
+def _autotuning() -> bool:
+    return os.environ.get("SSA_FLASH_AUTOTUNE", "1") not in ("", "0")
+
+
+def _timed(run) -> float:
+    """Median milliseconds of ``run()`` after warm-up (``triton.testing.do_bench``)."""
+    return float(triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"))
+
+
 def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
-    """Launch ``kernel`` with the first block candidate that compiles within the GPU's resources."""
+    """Launch ``kernel`` with the best block configuration for this GPU.
+
+    The first time a specialisation meets a problem size (bucketed by the power of two of its
+    program count), every candidate of :func:`block_candidates` that fits the GPU's resources is
+    timed on the real arguments and the fastest is kept (all kernels of the family are idempotent:
+    they only write their outputs). ``SSA_FLASH_AUTOTUNE=0``, CUDA-graph capture and the
+    interpreter take the first candidate that fits instead."""
     arch = _capture_arch if _capture is not None else _device_arch(device)
     cands = block_candidates(arch, head_block, dtype, name)
     if _capture is not None:
@@ -163,23 +178,41 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
         _capture.append(KernelLaunch(name, kernel, grid_fn(blk), tuple(args(blk)),
                                      dict(consts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
         return blk
-    key = (name, device, head_block, dtype, tuple(sorted(consts.items())))
+    bucket = triton.next_power_of_2(max(1, grid_fn(cands[0])[0]))
+    key = (name, device, head_block, dtype, bucket, tuple(sorted(consts.items())))
     if key in _chosen_blocks:
         cands = [_chosen_blocks[key]]
-    last_err = None
-    for blk in cands:
+    tune = (arch is not None and len(cands) > 1 and _autotuning()
+            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    best, best_ms, last_err = None, float("inf"), None
+    for blk in dict.fromkeys(cands):  # de-duplicated, in order
         grid = grid_fn(blk)
         if grid[0] > _MAX_GRID:
             raise ValueError(f"ssa_flash: problem too large for one launch ({grid[0]} programs)")
         extra = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+        blk_args = args(blk)
+
+        def run(blk=blk, grid=grid, blk_args=blk_args, extra=extra):
+            kernel[grid](*blk_args, **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+
         try:
-            kernel[grid](*args(blk), **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+            run()
         except triton.runtime.errors.OutOfResources as err:  # too much shared memory / registers
             last_err = err
             continue
-        _chosen_blocks[key] = blk
-        return blk
-    raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
+        if not tune:
+            _chosen_blocks[key] = blk
+            return blk
+        ms = _timed(run)
+        if ms < best_ms:
+            best, best_ms = blk, ms
+    if best is None:
+        raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
+    if best != blk:  # leave the outputs of the chosen configuration (some depend on the tiles)
+        extra = {"num_warps": best.warps, "num_stages": best.stages}
+        kernel[grid_fn(best)](*args(best), **consts, BLOCK_M=best.m, BLOCK_N=best.n, **extra)
+    _chosen_blocks[key] = best
+    return best
 
 
 def _check_offsets(*tensors):
