@@ -1,0 +1,77 @@
+"""What the GPU kernels' hardware approximations cost (ssa_flash/triton/common.py, FAST_MATH).
+
+On a GPU in float32 accumulation the SSA log-weight is ``n sgn(z) lg2.approx(fl(1 + b|z|))``
+(no correction of the rounding of ``1 + b|z|``, the hardware base-2 log) and the backward's
+``1 / (1 + b|z|)`` is ``rcp.approx``. The interpreter cannot run inline PTX, so the kernels' CPU
+tests use exact maths; these tests bound the approximations' effect instead: the SSA attention
+with the log-weights perturbed by the worst case the PTX ISA allows (absolute error 2^-22 on
+[1, 2), relative 2^-22 above; plus the rounding of ``1 + b|z|`` to float32), computed otherwise
+exactly, must stay an order of magnitude closer to the float64 reference than the naive
+computation in float16 / bfloat16 is (FlashAttention's error budget is 2x the latter), for the
+output and for the gradients of q, k, v, b and n. The sign trick's LUT is checked too.
+"""
+import math
+
+import pytest
+import torch
+
+from ssa_flash import reference
+
+LG2_ABS_ERR = 2.0 ** -22
+
+
+def _fast_ssa_logits(z, b, n, sign_pattern):
+    """The kernel's float32 path with its error pushed to the PTX bound, in float64 otherwise."""
+    y = (b * z.abs()).to(torch.float32)
+    u = (y + 1.0).to(torch.float64)  # fl32(1 + b|z|): the kernels do not correct this rounding
+    t = torch.log2(u)
+    t = t + sign_pattern * LG2_ABS_ERR * torch.clamp(t.detach(), min=1.0)
+    return n * torch.sign(z) * t * math.log(2.0)
+
+
+def _ssa(q, k, v, b, n, logits_fn):
+    z = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(logits_fn(z, b.view(1, -1, 1, 1), n.view(1, -1, 1, 1)), dim=-1)
+    return p @ v
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])
+def test_lg2_approx_error_is_far_below_low_precision_error(low, q_scale):
+    g = torch.Generator().manual_seed(0)
+    B, H, L, D = 2, 2, 64, 32
+    q = torch.randn(B, H, L, D, generator=g, dtype=torch.float64) * q_scale
+    k = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    b = torch.tensor([0.7, 1.9], dtype=torch.float64)
+    n = torch.tensor([1.5, 6.0], dtype=torch.float64)
+    sign_pattern = torch.where(torch.rand(B, H, L, L, generator=g) < 0.5, -1.0, 1.0).double()
+    dout = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+
+    def grads(dtype, fast):
+        ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, b, n)]
+        if fast:
+            out = _ssa(*ins, lambda z, bb, nn: _fast_ssa_logits(z, bb, nn, sign_pattern))
+        else:
+            out = reference.ssa_attention(ins[0], ins[1], ins[2], b=ins[3], n=ins[4])
+        return [out] + list(torch.autograd.grad(out, ins, dout.to(dtype)))
+
+    gold = grads(torch.float64, fast=False)
+    fast = grads(torch.float64, fast=True)
+    naive = grads(low, fast=False)
+    for name, g_, f, nv in zip(["out", "dq", "dk", "dv", "db", "dn"], gold, fast, naive):
+        err_fast = (f - g_).abs().max().item()
+        err_naive = (nv.double() - g_).abs().max().item()
+        assert err_fast < 0.1 * err_naive, (name, err_fast, err_naive)
+    # and the perturbation is not vacuous: it moves the output
+    assert (fast[0] - gold[0]).abs().max().item() > 1e-9
+
+
+def test_copy_sign_lut():
+    """``lop3.b32 d, a, b, c, 0xF8`` computes ``a | (b & c)`` (PTX: the LUT is F(0xF0, 0xCC, 0xAA))."""
+    lut = 0xF8
+    for a in (0, 1):
+        for b in (0, 1):
+            for c in (0, 1):
+                index = (a << 2) | (b << 1) | c  # bit position of (a, b, c) in F(0xF0, 0xCC, 0xAA)
+                assert (lut >> index) & 1 == (a | (b & c))
