@@ -75,3 +75,59 @@ def test_copy_sign_lut():
             for c in (0, 1):
                 index = (a << 2) | (b << 1) | c  # bit position of (a, b, c) in F(0xF0, 0xCC, 0xAA)
                 assert (lut >> index) & 1 == (a | (b & c))
+
+
+# --------------------------------------------------------------------------------------------
+# The polynomial exp2 (common.exp2_poly) that moves half of the SSA forward's interior
+# exponentials from the MUFU unit to the FMA pipe at head dims <= 64 (launch._poly_exp2_degree).
+
+from attn_testing import DEVICE, check, make_qkv, needs_kernels  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+
+    from ssa_flash.triton.common import exp2_poly
+
+    @triton.jit
+    def _poly_kernel(X, Y, N, DEGREE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + offs, mask=offs < N, other=0.0)
+        tl.store(Y + offs, exp2_poly(x, DEGREE), mask=offs < N)
+except ImportError:  # the kernel tests skip (needs_kernels)
+    triton = None
+
+
+@needs_kernels
+@pytest.mark.parametrize("degree,bound", [(3, 7.6e-5), (4, 2.7e-6)])
+def test_exp2_poly_accuracy(degree, bound):
+    x = torch.cat([torch.linspace(-30.0, 0.0, 4001), torch.tensor([-125.9, -126.0, -1000.0, float("-inf")])]).to(DEVICE)
+    y = torch.empty_like(x)
+    _poly_kernel[(triton.cdiv(x.numel(), 512),)](x, y, x.numel(), DEGREE=degree, BLOCK=512)
+    exact = torch.exp2(x.double()).cpu()
+    y = y.cpu()
+    rel = ((y[:4001].double() - exact[:4001]) / exact[:4001]).abs().max().item()
+    assert rel <= bound, rel
+    tail = y[4001:]
+    assert torch.isfinite(tail).all() and (tail >= 0).all() and (tail < 1e-37).all()  # clamped, no wrap
+
+
+@needs_kernels
+@pytest.mark.parametrize("degree,bound", [(3, 1.5e-4), (4, 1e-5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_with_poly_exp2(monkeypatch, degree, bound, causal):
+    """Half the interior weights through the polynomial: within its error of the exact kernel in
+    float32 (and not identical: the path ran), and FlashAttention's rule in float16."""
+    import ssa_flash
+    from ssa_flash.triton import launch
+
+    q, k, v = make_qkv(B=1, Hq=2, Lq=40, Lk=48, D=16, requires_grad=False)
+    kw = dict(is_causal=causal, b=torch.tensor([0.8, 1.6], device=DEVICE), n=torch.tensor([1.5, 3.0], device=DEVICE),
+              backend="triton")
+    exact = ssa_flash.ssa_attention(q, k, v, **kw)
+    monkeypatch.setattr(launch, "FORCE_POLY_EXP2", degree)
+    poly = ssa_flash.ssa_attention(q, k, v, **kw)
+    diff = ((poly - exact).abs().max() / exact.abs().max()).item()
+    assert 0 < diff <= bound, diff
+    q16, k16, v16 = (t.half().requires_grad_() for t in (q, k, v))
+    check("ssa", q16, k16, v16, is_causal=causal)

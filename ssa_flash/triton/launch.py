@@ -246,6 +246,24 @@ def _fast_math(q) -> bool:
     return on_gpu and q.dtype != torch.float64
 
 
+# Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
+FORCE_POLY_EXP2: Optional[int] = None
+
+
+def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int) -> int:
+    """Degree of the polynomial ``exp2`` computing half of the forward's interior weights on the
+    FMA pipe (``common.exp2_poly``), or 0 for none. Only where the audit's bound says it pays:
+    SSA (two MUFU ops per element: LG2 and EX2) at head dims <= 64, where the MUFU time (2/16
+    clock per element on sm_80/sm_90) exceeds the tensor time (2 * 64 / 2048) and the issue time;
+    on a GPU with 16-bit inputs (degree 3, relative error 7.5e-5, for bfloat16's 2^-9 rounding;
+    degree 4, 2.6e-6, for float16's 2^-11)."""
+    if FORCE_POLY_EXP2 is not None:
+        return FORCE_POLY_EXP2
+    if not (_fast_math(q) and spec.ssa and head_block <= 64):
+        return 0
+    return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
+
+
 def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
@@ -291,7 +309,8 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     lse = _stat_tensor(q)
     mask_t, mask_kind, ms = _mask_args(mask, q)
     consts = _common_consts(q, spec, mask_kind, DV)
-    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV),
+                  POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV))))
 
     def args(blk):
         return (q, k, v, o, lse, beta if spec.adaptive else q, b if spec.ssa else q,
