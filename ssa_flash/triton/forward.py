@@ -9,7 +9,7 @@ loop runs first over the interior key blocks (no index checks), then over the bo
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, exp2_poly, combine_scale, head_coefficients,
+from .common import (LN2, LOG2E, boundary_logits, exp2_half_poly, combine_scale, head_coefficients,
                      interior_end, safe_row_max, tile_logit_input)
 
 
@@ -51,12 +51,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
             # logit and its shift fuse into one multiply-add per element.
             m_new = tl.maximum(m_i, tl.max(x, 1) * coef)
             m_safe = m_new  # finite: every element of an interior tile is admissible
-            arg = x * coef[:, None] - m_safe[:, None]
-            if POLY_EXP2 != 0:
-                a_hw, a_poly = tl.split(tl.reshape(arg, (BLOCK_M, BLOCK_N // 2, 2)))
-                p = tl.reshape(tl.join(tl.exp2(a_hw), exp2_poly(a_poly, POLY_EXP2)), (BLOCK_M, BLOCK_N))
-            else:
-                p = tl.exp2(arg)
+            p = exp2_half_poly(x * coef[:, None] - m_safe[:, None], BLOCK_M, BLOCK_N, POLY_EXP2)
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC)

@@ -251,12 +251,13 @@ FORCE_POLY_EXP2: Optional[int] = None
 
 
 def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int) -> int:
-    """Degree of the polynomial ``exp2`` computing half of the forward's interior weights on the
-    FMA pipe (``common.exp2_poly``), or 0 for none. Only where the audit's bound says it pays:
-    SSA (two MUFU ops per element: LG2 and EX2) at head dims <= 64, where the MUFU time (2/16
-    clock per element on sm_80/sm_90) exceeds the tensor time (2 * 64 / 2048) and the issue time;
-    on a GPU with 16-bit inputs (degree 3, relative error 7.5e-5, for bfloat16's 2^-9 rounding;
-    degree 4, 2.6e-6, for float16's 2^-11)."""
+    """Degree of the polynomial ``exp2`` (``common.exp2_poly``) that computes half of the interior
+    tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
+    the backward half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the audit's
+    bound says it pays: SSA (two MUFU ops per element in the forward, LG2 and EX2; three in the
+    backward, with RCP) at head dims <= 64, where the MUFU time (1/16 clock per op and element on
+    sm_80/sm_90) exceeds the tensor and the issue time; on a GPU with 16-bit inputs (degree 3,
+    relative error 7.5e-5, for bfloat16's 2^-9 rounding; degree 4, 2.6e-6, for float16's 2^-11)."""
     if FORCE_POLY_EXP2 is not None:
         return FORCE_POLY_EXP2
     if not (_fast_math(q) and spec.ssa and head_block <= 64):
@@ -343,6 +344,10 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
+    # Only the dK/dV kernel takes the polynomial reciprocal: in the dQ kernel it would lower the
+    # bound (D=64: 0.1875 -> 0.156 clock/element) but raise SSA's instructions per element to
+    # 2.24x softmax's, past the audit's 2.0x gate (bench/NOTES.md); a GPU measurement decides.
+    consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
         g = _stat_tensor(q)
@@ -366,7 +371,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
                 H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
 
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
-            dict(consts, HAS_DLSE=dlse is not None), q.device, head_block, q.dtype)
+            dict(consts, HAS_DLSE=dlse is not None, POLY_EXP2=0), q.device, head_block, q.dtype)
 
     def dkdv_args(blk):
         return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
