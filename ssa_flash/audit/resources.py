@@ -12,6 +12,7 @@ _PTXAS_FUNC_RE = re.compile(r"(?:Compiling entry function|Function properties fo
 _PTXAS_SPILL_RE = re.compile(r"(\d+)\s+bytes stack frame,\s*(\d+)\s+bytes spill stores,\s*(\d+)\s+bytes spill loads")
 _PTXAS_REGS_RE = re.compile(r"Used\s+(\d+)\s+registers")
 _WARNING_RE = re.compile(r"warning\s*:?\s*(?:\((C\d+)\))?\s*(.*)", re.IGNORECASE)
+_CODED_RE = re.compile(r"\((C\d{3,5})\)\s*(.*)")
 
 #: ptxas warning codes the audit treats as performance problems of the tensor-core code.
 SERIALISATION_CODES = ("C7515",)
@@ -55,7 +56,9 @@ class PtxasFunction:
 
 @dataclass
 class PtxasLog:
-    """A parsed ``ptxas -v`` log: per-function figures and every warning line."""
+    """A parsed ``ptxas -v`` log: per-function figures and every diagnostic: lines saying
+    ``warning``, and lines carrying a message code such as ``(C7515)`` (ptxas prints its
+    performance diagnostics, e.g. serialised wgmma, as ``info`` lines with a code)."""
 
     functions: Dict[str, PtxasFunction] = field(default_factory=dict)
     warnings: List[Dict[str, str]] = field(default_factory=list)  # {"code", "message"}
@@ -80,10 +83,14 @@ def parse_ptxas_log(text: str) -> PtxasLog:
         m = _PTXAS_REGS_RE.search(line)
         if m and cur is not None:
             cur.registers = int(m.group(1))
-        if "warning" in line.lower():
-            wm = _WARNING_RE.search(line)
-            code = (wm.group(1) or "") if wm else ""
-            msg = (wm.group(2) if wm else line).strip()
+        cm = _CODED_RE.search(line)
+        if cm or "warning" in line.lower():
+            if cm:
+                code, msg = cm.group(1), cm.group(2).strip()
+            else:
+                wm = _WARNING_RE.search(line)
+                code = (wm.group(1) or "") if wm else ""
+                msg = (wm.group(2) if wm else line).strip()
             if (code, msg) not in seen:
                 seen.add((code, msg))
                 log.warnings.append({"code": code, "message": msg})

@@ -53,24 +53,26 @@ def cache_key(variant: specs.Variant, kl) -> Optional[str]:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def compile_and_analyse(variant: specs.Variant, kl, dump_dir: Optional[str] = None) -> dict:
-    """Compile one launch and analyse it (no cache)."""
+def compile_and_analyse(kl, arch: int, dump_stem: Optional[str] = None) -> dict:
+    """Compile one launch (anything with ``kernel``, ``args``, ``constexprs`` and ``blocks`` like
+    :class:`~ssa_flash.triton.launch.KernelLaunch`; ``blocks.m x blocks.n`` is the score tile of
+    one loop iteration) for ``sm_<arch>`` and analyse it (no cache). With ``dump_stem``, also
+    writes ``<stem>.sass``, ``.ptxas.log``, ``.ttir`` and ``.ptx``."""
     from . import analyse, compile as comp
 
-    c = comp.compile_launch(kl, variant.arch)
+    c = comp.compile_launch(kl, arch)
     text = comp.disassemble(c.cubin)
     res = comp.res_usage(c.cubin)
     r = analyse.analyse_compiled(c.name, text, res, c.ptxas_log, c.ttir, c.shared_bytes,
-                                 kl.blocks.m, kl.blocks.n, kl.blocks.warps, variant.arch)
+                                 kl.blocks.m, kl.blocks.n, kl.blocks.warps, arch)
     r["blocks"] = {"m": kl.blocks.m, "n": kl.blocks.n, "warps": kl.blocks.warps, "stages": kl.blocks.stages}
     r["compile_s"] = round(c.compile_s, 2)
     r["ptxas_log_source"] = c.ptxas_log_source
-    if dump_dir:
-        stem = Path(dump_dir) / f"{variant.id}-{kl.blocks.m}x{kl.blocks.n}w{kl.blocks.warps}s{kl.blocks.stages}"
+    if dump_stem:
+        stem = Path(dump_stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".sass").write_text(text)
-        stem.with_suffix(".ptxas.log").write_text(c.ptxas_log)
-        stem.with_suffix(".ttir").write_text(c.ttir)
+        for suffix, content in ((".sass", text), (".ptxas.log", c.ptxas_log), (".ttir", c.ttir), (".ptx", c.ptx)):
+            Path(str(stem) + suffix).write_text(content)
     return r
 
 
@@ -84,7 +86,11 @@ def _cached(variant, kl, use_cache: bool, dump_dir: Optional[str]):
             return r
         except (OSError, ValueError):
             pass
-    r = compile_and_analyse(variant, kl, dump_dir)
+    stem = None
+    if dump_dir:
+        b = kl.blocks
+        stem = str(Path(dump_dir) / f"{variant.id}-{b.m}x{b.n}w{b.warps}s{b.stages}")
+    r = compile_and_analyse(kl, variant.arch, stem)
     r["cached"] = False
     if path is not None:
         try:
