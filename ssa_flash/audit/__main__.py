@@ -7,11 +7,16 @@ nvcc is present) for the target GPUs, prints a table (stdout) and writes
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
-from . import report, runner, specs
+# Kernels defined while TRITON_INTERPRET is set are interpreted functions that cannot be compiled;
+# nothing has imported Triton yet here (``import ssa_flash`` does not).
+os.environ.pop("TRITON_INTERPRET", None)
+
+from . import report, runner, specs  # noqa: E402
 
 
 def _bool_axis(text: str):
@@ -35,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", help=f"subset of {','.join(specs.DTYPES)} (fp32 also accepted)")
     p.add_argument("--gqa", default="1", help="query heads per key/value head, e.g. 1,4 (default 1)")
     p.add_argument("--seqlen", type=int, default=4096, help="Lq = Lk of the audited launches (default 4096)")
+    p.add_argument("--selection", metavar="FILE",
+                   help="a JSON list of specialisations (Variant fields: kernel, op, causal, mask, head_dim, "
+                        "dtype, arch[, seqlen, group]) instead of the axes above")
     p.add_argument("--quick", action="store_true",
                    help="the gated configurations only: sm_90, bf16, D 64 and 128, no mask")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
@@ -57,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def selection(args) -> tuple:
-    """``(variants, filtered)`` from the command line."""
+    """``(variants, filtered, archs)`` from the command line."""
+    if args.selection:
+        with open(args.selection) as f:
+            chosen = [specs.Variant(**d) for d in json.load(f)]
+        return chosen, True, sorted({v.arch for v in chosen})
     archs = specs.parse_list(args.arch, [], int)
     kw = dict(archs=archs)
     if args.quick:

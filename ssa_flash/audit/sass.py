@@ -145,7 +145,10 @@ def parse(text: str) -> List[Function]:
             cur.instrs.append(Instr(len(cur.instrs), int(m.group(1), 16), body, opcode, mnemonic, pred, line, target))
             continue
         m = _LABEL_RE.match(raw)
-        if m and cur is not None:
+        if m:
+            if cur is None:
+                cur = Function("<anonymous>")
+                funcs.append(cur)
             cur.labels[m.group(1)] = len(cur.instrs)
     return funcs
 
