@@ -473,6 +473,9 @@ def test_nested_and_split_loops():
     r = analyse.analyse_compiled("<anonymous>", text, "", "", ttir, 0, 64, 64, 4, 90)
     assert [lp["role"] for lp in r["loops"]] == ["interior", "boundary"]
     assert [lp["tensor"]["repeat_factor"] for lp in r["loops"]] == [1.0, 1.0]
+    three = [{"per_element": {"total": t}} for t in (13.5, 10.2, 13.0)]
+    assert analyse.assign_roles(three) == 1
+    assert [lp["role"] for lp in three] == ["boundary1", "interior", "boundary2"]
 
 
 def test_mma_shapes_and_bound_model():

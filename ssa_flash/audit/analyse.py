@@ -64,22 +64,25 @@ def analyse_loop(func: sass.Function, lp: sass.Loop, block_m: int, block_n: int,
         "nested_loops": c.nested_loops,
         "source_lines": {f.rsplit("/", 1)[-1]: list(r) for f, r in c.lines.items()},
         "branch_line": (f"{c.branch_line[0].rsplit('/', 1)[-1]}:{c.branch_line[1]}" if c.branch_line else None),
-        "opcodes": c.by_opcode,
+        "opcodes": dict(list(c.by_opcode.items())[:16]),  # the most frequent mnemonics
     }
 
 
 def assign_roles(loops: List[dict]) -> Optional[int]:
     """Name the main loops: one loop is ``main``; with several, the one with the fewest
     instructions per element is ``interior`` (no bounds, causal or mask work) and the others are
-    ``boundary``. Returns the index of the loop the gates use (None if there is no loop)."""
+    ``boundary`` (``boundary1``, ``boundary2``, ... in code order when there are several).
+    Returns the index of the loop the gates use (None if there is no loop)."""
     if not loops:
         return None
     if len(loops) == 1:
         loops[0]["role"] = "main"
         return 0
     best = min(range(len(loops)), key=lambda i: (loops[i]["per_element"]["total"], i))
-    for i, lp in enumerate(loops):
-        lp["role"] = "interior" if i == best else "boundary"
+    others = [i for i in range(len(loops)) if i != best]
+    for k, i in enumerate(others, 1):
+        loops[i]["role"] = "boundary" if len(others) == 1 else f"boundary{k}"
+    loops[best]["role"] = "interior"
     return best
 
 

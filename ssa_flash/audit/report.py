@@ -138,7 +138,7 @@ def _fmt(x, nd=1):
 
 
 def table_rows(results: Iterable[dict], all_loops: bool = True) -> List[List[str]]:
-    """One row per (specialisation, main loop) of the chosen configuration."""
+    """One row per (specialisation, compiled configuration, main loop)."""
     rows = []
     for r in results:
         v = r["variant"]
@@ -147,30 +147,41 @@ def table_rows(results: Iterable[dict], all_loops: bool = True) -> List[List[str
         if r.get("error") or c is None:
             rows.append(lead + [r.get("error", "no configuration fits")[:60]] + [""] * (len(_HEAD) - 7))
             continue
-        b = c["blocks"]
-        blk = f"{b['m']}x{b['n']}w{b['warps']}s{b['stages']}" + ("*" if r["chosen"] else "")
-        spill = c["spill_store_bytes"] + c["spill_load_bytes"] if c["spills"] else 0
-        warn = ",".join(sorted({w["code"] or "W" for w in c["warnings"]})) or "-"
-        res = [blk, str(c["registers"]), str(spill), f"{c['shared_bytes'] / 1024:.0f}/{c['shared_limit_bytes'] // 1024}",
-               warn]
-        loops = c["loops"] if all_loops else [gated_loop(c)] if gated_loop(c) else []
-        if not loops:
-            rows.append(lead + res + ["none"] + [""] * (len(_HEAD) - 12))
-        for lp in loops:
-            pe = lp["per_element"]
-            mk = lp["mufu_per_element"]
-            mufu_kinds = "/".join(_fmt(mk.get(k, 0.0), 2) for k in ("EX2", "LG2", "RCP"))
-            kinds = ",".join(k.split(".")[1] for k in lp["mma"]) or "-"
-            t = lp["tensor"]
-            bd = lp.get("bound")
-            ratio = lp.get("ratio_vs_softmax", {}).get("instructions")
-            rows.append(lead + res + [
-                lp.get("role", "?"), _fmt(pe["total"]), _fmt(pe["fp32"]), _fmt(pe["mufu"], 2), mufu_kinds,
-                _fmt(pe["integer"]), _fmt(pe["memory"]), _fmt(pe["move"]), _fmt(pe["conversion"]),
-                _fmt(pe["control"]), _fmt(t["macs_per_element"], 0), kinds,
-                _fmt(t["repeat_factor"], 2), (bd["binding"] if bd else "-"), _fmt(bd["tflops"], 0) if bd else "-",
-                _fmt(ratio, 2)])
+        for i, cfg in enumerate(r["configs"]):
+            mark = ("*" if i else "") if i == r["chosen"] else "~"
+            rows.extend(_config_rows(lead, cfg, mark, all_loops))
     return rows
+
+
+def _config_rows(lead, c, mark, all_loops):
+    """Rows of one compiled configuration: one per main loop (or the gated one only)."""
+    rows = []
+    b = c["blocks"]
+    blk = f"{b['m']}x{b['n']}w{b['warps']}s{b['stages']}" + mark
+    spill = c["spill_store_bytes"] + c["spill_load_bytes"] if c["spills"] else 0
+    warn = ",".join(sorted({w["code"] or "W" for w in c["warnings"]})) or "-"
+    res = [blk, str(c["registers"]), str(spill), f"{c['shared_bytes'] / 1024:.0f}/{c['shared_limit_bytes'] // 1024}",
+           warn]
+    loops = c["loops"] if all_loops else [gated_loop(c)] if gated_loop(c) else []
+    if not loops:
+        rows.append(lead + res + ["none"] + [""] * (len(_HEAD) - 12))
+    for lp in loops:
+        pe = lp["per_element"]
+        mk = lp["mufu_per_element"]
+        mufu_kinds = "/".join(_fmt(mk.get(k, 0.0), 2) for k in ("EX2", "LG2", "RCP"))
+        kinds = ",".join(k.split(".")[1] for k in lp["mma"]) or "-"
+        t = lp["tensor"]
+        bd = lp.get("bound")
+        ratio = lp.get("ratio_vs_softmax", {}).get("instructions")
+        rows.append(lead + res + [
+            lp.get("role", "?"), _fmt(pe["total"]), _fmt(pe["fp32"]), _fmt(pe["mufu"], 2), mufu_kinds,
+            _fmt(pe["integer"]), _fmt(pe["memory"]), _fmt(pe["move"]), _fmt(pe["conversion"]),
+            _fmt(pe["control"]), _fmt(t["macs_per_element"], 0), kinds,
+            _fmt(t["repeat_factor"], 2), (bd["binding"] if bd else "-"), _fmt(bd["tflops"], 0) if bd else "-",
+            _fmt(ratio, 2)])
+    return rows
+
+
 
 
 def format_table(rows: List[List[str]], head=_HEAD) -> str:
@@ -185,7 +196,7 @@ def text_report(results: List[dict], arch: int, all_loops: bool = True) -> str:
     am = model.arch_model(arch)
     head = (f"== sm_{arch} ({am.gpu}) ==  {DISCLAIMER}\n"
             "Per score element of the loop; blocks BMxBN w=warps s=stages (* = a fallback: the first choice does "
-            "not fit); spill = bytes stored+loaded; mufu ex2/lg2/rcp per element; mma/el = tensor MACs per element; "
+            "not fit; ~ = a candidate the launcher would not use, --all-candidates); spill = bytes stored+loaded; mufu ex2/lg2/rcp per element; mma/el = tensor MACs per element; "
             "rep = tensor work / source matmuls; bound = binding term (issue / mufu / tensor); TF/s = matmul "
             "TFLOP/s the bound allows; xsoftmax = SSA instructions / softmax instructions (interior loop).")
     return head + "\n" + format_table(table_rows(mine, all_loops))
