@@ -132,6 +132,7 @@ def main(argv=None) -> int:
                 cuda_results[arch] = cuda_audit.audit(arch, progress=progress, dump_dir=args.dump_sass)
                 print(cuda_audit.text_report(cuda_results[arch], arch))
                 print()
+    filtered = filtered or args.cuda == "only"
     out = args.out or (None if filtered else report.default_out_dir())
     if not args.no_json and out:
         for arch in archs:
