@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"),
                    help="print a before/after table of two audit JSON files and exit")
     p.add_argument("--threshold", type=float, default=0.005, help="--compare: relative change to report")
+    p.add_argument("--from-json", nargs="+", metavar="FILE", help="print the table of existing audit JSON files "
+                   "(no compiling)")
+    p.add_argument("--markdown", action="store_true", help="tables as markdown: the interior / main loop of each "
+                   "specialisation")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -97,6 +101,14 @@ def main(argv=None) -> int:
     if args.compare:
         print(report.compare(report.load(args.compare[0]), report.load(args.compare[1]), args.threshold))
         return 0
+    if args.from_json:
+        for path in args.from_json:
+            doc = report.load(path)
+            results = doc["results"]
+            print(report.markdown_table(results, doc["arch"]) if args.markdown
+                  else report.text_report(results, doc["arch"], all_loops=not args.interior_only))
+            print()
+        return 0
     variants, filtered, archs = selection(args)
     progress = None if args.quiet else runner.stderr_progress
     status = 0
@@ -109,7 +121,8 @@ def main(argv=None) -> int:
         results = runner.run(variants, jobs=args.jobs, all_candidates=args.all_candidates,
                              use_cache=not args.no_cache, dump_dir=args.dump_sass, progress=progress)
         for arch in archs:
-            print(report.text_report(results, arch, all_loops=not args.interior_only))
+            print(report.markdown_table(results, arch) if args.markdown
+                  else report.text_report(results, arch, all_loops=not args.interior_only))
             print()
         errors = [r for r in results if r.get("error")]
         for r in errors:

@@ -202,6 +202,33 @@ def text_report(results: List[dict], arch: int, all_loops: bool = True) -> str:
     return head + "\n" + format_table(table_rows(mine, all_loops))
 
 
+def markdown_table(results: List[dict], arch: int) -> str:
+    """A compact markdown table of the gated (interior / main) loop of every result for ``arch``."""
+    mine = [r for r in results if r["variant"]["arch"] == arch]
+    add_ratios(mine)
+    head = ["kernel", "op", "causal", "mask", "D", "dtype", "blocks", "regs", "spill B", "ptxas", "loops",
+            "instr/el", "MUFU/el", "tensor rep", "bound", "TFLOP/s", "SSA/softmax"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in mine:
+        v, c = r["variant"], chosen_config(r)
+        lead = [v["kernel"], v["op"], "yes" if v["causal"] else "no", v["mask"], str(v["head_dim"]), v["dtype"]]
+        lp = gated_loop(c)
+        if c is None or lp is None:
+            lines.append("| " + " | ".join(lead + [r.get("error", "no main loop")[:50]] + [""] * 10) + " |")
+            continue
+        b, bd = c["blocks"], lp.get("bound") or {}
+        ratio = lp.get("ratio_vs_softmax", {}).get("instructions")
+        cells = lead + [f"{b['m']}x{b['n']} w{b['warps']} s{b['stages']}", str(c["registers"]),
+                        str(c["spill_store_bytes"] + c["spill_load_bytes"]),
+                        ",".join(sorted({w["code"] or "W" for w in c["warnings"]})) or "-",
+                        "/".join(x.get("role", "?")[0] for x in c["loops"]),
+                        _fmt(lp["per_element"]["total"]), _fmt(lp["per_element"]["mufu"], 2),
+                        _fmt(lp["tensor"]["repeat_factor"], 2), bd.get("binding", "-"),
+                        _fmt(bd.get("tflops"), 0), _fmt(ratio, 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------- compare
 
 def _index(doc: dict) -> Dict[Tuple[str, str], dict]:

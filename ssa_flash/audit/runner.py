@@ -5,7 +5,8 @@ Cache: one JSON file per result under ``$SSA_FLASH_AUDIT_CACHE`` (default
 ``~/.cache/ssa_flash/audit``), keyed by a hash of everything that decides it: the Triton version,
 Triton's hash of the kernel's source and the jit functions it calls, the launch (constexprs, block
 configuration, argument dtypes / shapes / strides / values), the target, ``TRITON_*`` environment
-variables, and the source of this package (so an analyser change recomputes too). Any change to a
+variables, and the source of the analysing modules of this package (so an analyser change recomputes
+too). Any change to a
 kernel therefore recompiles it.
 """
 from __future__ import annotations
@@ -32,11 +33,16 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "ssa_flash" / "audit"
 
 
+# The modules whose code decides a cached result (not the table / JSON / CLI code).
+_ANALYSER_MODULES = ("analyse.py", "compile.py", "ir.py", "model.py", "resources.py", "runner.py", "sass.py",
+                     "specs.py")
+
+
 def _analyser_hash() -> str:
     h = hashlib.sha256()
-    for p in sorted(_PACKAGE_DIR.glob("*.py")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
+    for name in _ANALYSER_MODULES:
+        h.update(name.encode())
+        h.update((_PACKAGE_DIR / name).read_bytes())
     return h.hexdigest()[:16]
 
 
