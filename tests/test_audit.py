@@ -549,6 +549,52 @@ def test_probe_kernel_measured_as_known(arch):
     assert check_no_spills({"variant": {}, "chosen": 0, "configs": [spilled]})
 
 
+PROBE_CU = r"""
+#include <cstdint>
+__global__ void __launch_bounds__(32) probe_mma(const uint32_t* a, float* c, int n) {
+  float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+  uint32_t a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], b0 = a[4], b1 = a[5];
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};" : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    a0 += 1;
+  }
+  c[threadIdx.x] = d0 + d1 + d2 + d3;
+}
+"""
+
+
+def test_cuda_symbol_description():
+    from ssa_flash.audit import cuda
+
+    d = cuda.describe_ssa_flash("_ZN9ssa_flash17attn_stats_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
+                                "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
+    assert d == {"kernel": "stats", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
+                 "col_split": 1, "ssa": False, "adaptive": False}
+    d = cuda.describe_ssa_flash("_ZN9ssa_flash20attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6"
+                                "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")
+    assert (d["kernel"], d["dtype"], d["col_split"], d["ssa"], d["adaptive"]) == ("bwd_dkdv", "fp16", 2, True, True)
+    assert cuda.describe_ssa_flash("_Z9probe_mmaPKjPfi") is None
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cuda_section_on_a_known_kernel(tmp_path):
+    """The CUDA section finds the one-mma.sync loop of a small .cu file compiled with nvcc."""
+    from ssa_flash.audit import cuda
+
+    src = tmp_path / "probe.cu"
+    src.write_text(PROBE_CU)
+    res = cuda.audit(80, csrc=tmp_path)
+    assert [c["returncode"] for c in res["compiles"]] == [0], res["compiles"]
+    (k,) = res["kernels"]
+    assert k["symbol"] == "_Z9probe_mmaPKjPfi" and k["describe"] is None and not k["spills"]
+    (lp,) = k["loops"]
+    assert lp["mma"] == {"HMMA.16816.F32.BF16": 1}
+    assert "probe_mma" in cuda.text_report(res, 80) or "_Z9probe_mma" in cuda.text_report(res, 80)
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. The kernels
 
