@@ -507,6 +507,15 @@ def test_compare_reports_changes():
     out = report.compare(doc(61.5, 222), doc(20.0, 200))
     assert "61.5->20.0 (-67%)" in out and "222->200 (-10%)" in out
     assert "no changes" in report.compare(doc(10.0, 100), doc(10.0, 100))
+    # a kernel split into interior + boundary loops: the gated loops are compared, the new one listed
+    old_doc, new_doc = doc(61.5, 222), doc(14.0, 214)
+    old_doc["results"][0]["configs"][0]["gated_loop"] = 0
+    cfg = new_doc["results"][0]["configs"][0]
+    cfg["loops"][0]["role"] = "interior"
+    cfg["loops"].append(dict(cfg["loops"][0], role="boundary", per_element={"total": 17.3, "mufu": 1.0}))
+    cfg["gated_loop"] = 0
+    out = report.compare(old_doc, new_doc)
+    assert "main->interior" in out and "61.5->14.0 (-77%)" in out and "(new) boundary" in out and "17.3" in out
 
 
 def test_variant_enumeration():

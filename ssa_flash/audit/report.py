@@ -232,13 +232,17 @@ def markdown_table(results: List[dict], arch: int) -> str:
 # ----------------------------------------------------------------------------------------- compare
 
 def _index(doc: dict) -> Dict[Tuple[str, str], dict]:
+    """``(specialisation, loop key) -> {config, loop}``: the gated loop under ``"gated"`` (so that a
+    single ``main`` loop compares with the ``interior`` loop of a kernel later split in two), the
+    other loops under their role."""
     out = {}
     for r in doc.get("results", []):
         c = chosen_config(r)
         if not c:
             continue
-        for lp in c["loops"]:
-            out[(r["id"], lp.get("role", "?"))] = {"config": c, "loop": lp}
+        g = c.get("gated_loop")
+        for i, lp in enumerate(c["loops"]):
+            out[(r["id"], "gated" if i == g else lp.get("role", "?"))] = {"config": c, "loop": lp}
     return out
 
 
@@ -261,7 +265,8 @@ def compare(old: dict, new: dict, threshold: float = 0.005) -> str:
         changed = any(abs(q[k] - p[k]) > threshold * max(abs(p[k]), 1e-9) for k in p)
         if not changed:
             continue
-        cells = [key[0], key[1]]
+        roles = (x["loop"].get("role", "?"), y["loop"].get("role", "?"))
+        cells = [key[0], roles[1] if roles[0] == roles[1] else f"{roles[0]}->{roles[1]}"]
         for k in ("instr", "mufu", "regs", "spill", "rep", "tflops"):
             if p[k] == q[k]:
                 cells.append(_fmt(q[k], 2 if k in ("mufu", "rep") else 1))
@@ -271,6 +276,14 @@ def compare(old: dict, new: dict, threshold: float = 0.005) -> str:
         rows.append(cells)
     only_old = sorted({k[0] for k in a} - {k[0] for k in b})
     only_new = sorted({k[0] for k in b} - {k[0] for k in a})
+    new_loops = sorted(k for k in set(b) - set(a) if k[0] in {x[0] for x in a})
+    for key in new_loops:  # loops that appeared (e.g. a boundary loop split off): their figures
+        lp, c = b[key]["loop"], b[key]["config"]
+        bd = lp.get("bound") or {}
+        rows.append([key[0], f"(new) {lp.get('role', '?')}", _fmt(lp["per_element"]["total"]),
+                     _fmt(lp["per_element"]["mufu"], 2), _fmt(c["registers"]),
+                     _fmt(c["spill_store_bytes"] + c["spill_load_bytes"]), _fmt(lp["tensor"]["repeat_factor"], 2),
+                     _fmt(bd.get("tflops"), 1)])
     head = ("specialisation", "loop", "instr/el", "mufu/el", "regs", "spill B", "rep", "bound TF/s")
     out = [f"audit compare: {old.get('git_commit', '?')[:10] if old.get('git_commit') else '?'} ({old.get('date', '?')}, "
            f"triton {old.get('triton', '?')}) -> {new.get('git_commit', '?')[:10] if new.get('git_commit') else '?'} "
