@@ -113,9 +113,12 @@ def analyse_compiled(name: str, cubin_sass: str, res_text: str, ptxas_text: str,
     gated = assign_roles(loops)
     if not loops:
         notes.append("no loop with tensor instructions found")
+    # Triton requests all its shared memory dynamically (``shared_bytes``) and its launcher refuses a
+    # kernel asking for more than the per-block opt-in maximum; cuobjdump's static SHARED of a Triton
+    # kernel is the system's reservation (1 KB on sm_90), which the per-SM budget below accounts for.
     limit = am.smem_per_block
     fit_problems = []
-    total_shared = shared_bytes + (res.static_shared_bytes if res else 0)
+    total_shared = shared_bytes
     if total_shared > limit:
         fit_problems.append(f"shared memory {total_shared} B > {limit} B per block")
     if registers * threads > am.regs_per_sm:
@@ -130,6 +133,7 @@ def analyse_compiled(name: str, cubin_sass: str, res_text: str, ptxas_text: str,
         "spill_load_bytes": plog.spill_load_bytes,
         "spills": bool(plog.spill_store_bytes or plog.spill_load_bytes or (res and res.local_bytes)),
         "shared_bytes": total_shared,
+        "static_shared_bytes": res.static_shared_bytes if res else None,
         "shared_limit_bytes": limit,
         "fits": not fit_problems,
         "fit_problems": fit_problems,
