@@ -13,7 +13,6 @@ tensor multiply-adds per score element / padded head dim (2 for a forward: QK^T 
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -177,8 +176,8 @@ def text_report(result: dict, arch: int) -> str:
     rows = []
     for k in result["kernels"]:
         d = k["describe"] or {}
-        name = (f"{d['kernel']} ssa={int(bool(d['ssa']))} adapt={int(bool(d['adaptive']))} D={d['head_dim']} {d['dtype']} "
-                f"{d['block_m']}x{d['block_n']}w{d['warps']}" if d else k["symbol"][:60])
+        name = (f"{d['kernel']} ssa={int(bool(d['ssa']))} adapt={int(bool(d['adaptive']))} D={d['head_dim']} "
+                f"{d['dtype']} {d['block_m']}x{d['block_n']}w{d['warps']}" if d else k["symbol"][:60])
         spill = k["spill_store_bytes"] + k["spill_load_bytes"]
         loops = k["loops"] or [None]
         for lp in loops:

@@ -79,7 +79,8 @@ def occupancy(model: ArchModel, registers: int, threads: int, shared_bytes: int)
     regs = max(1, -(-registers // 8) * 8)
     warps = -(-threads // 32)
     by_regs = model.regs_per_sm // (regs * 32 * warps)
-    by_smem = model.smem_per_sm // (shared_bytes + model.smem_reserved_per_block) if shared_bytes else model.max_ctas_per_sm
+    by_smem = (model.smem_per_sm // (shared_bytes + model.smem_reserved_per_block) if shared_bytes
+               else model.max_ctas_per_sm)
     by_threads = model.max_threads_per_sm // threads
     return {"ctas_per_sm": max(0, min(by_regs, by_smem, by_threads, model.max_ctas_per_sm)),
             "limited_by_registers": by_regs, "limited_by_shared": by_smem, "limited_by_threads": by_threads}

@@ -196,7 +196,8 @@ def text_report(results: List[dict], arch: int, all_loops: bool = True) -> str:
     am = model.arch_model(arch)
     head = (f"== sm_{arch} ({am.gpu}) ==  {DISCLAIMER}\n"
             "Per score element of the loop; blocks BMxBN w=warps s=stages (* = a fallback: the first choice does "
-            "not fit; ~ = a candidate the launcher would not use, --all-candidates); spill = bytes stored+loaded; mufu ex2/lg2/rcp per element; mma/el = tensor MACs per element; "
+            "not fit; ~ = a candidate the launcher would not use, --all-candidates); spill = bytes stored+loaded; "
+            "mufu ex2/lg2/rcp per element; mma/el = tensor MACs per element; "
             "rep = tensor work / source matmuls; bound = binding term (issue / mufu / tensor); TF/s = matmul "
             "TFLOP/s the bound allows; xsoftmax = SSA instructions / softmax instructions (interior loop).")
     return head + "\n" + format_table(table_rows(mine, all_loops))
@@ -268,11 +269,12 @@ def compare(old: dict, new: dict, threshold: float = 0.005) -> str:
         roles = (x["loop"].get("role", "?"), y["loop"].get("role", "?"))
         cells = [key[0], roles[1] if roles[0] == roles[1] else f"{roles[0]}->{roles[1]}"]
         for k in ("instr", "mufu", "regs", "spill", "rep", "tflops"):
+            nd = 2 if k in ("mufu", "rep") else 1
             if p[k] == q[k]:
-                cells.append(_fmt(q[k], 2 if k in ("mufu", "rep") else 1))
+                cells.append(_fmt(q[k], nd))
             else:
                 pct = f" ({(q[k] - p[k]) / p[k] * 100:+.0f}%)" if p[k] else ""
-                cells.append(f"{_fmt(p[k], 2 if k in ('mufu', 'rep') else 1)}->{_fmt(q[k], 2 if k in ('mufu', 'rep') else 1)}{pct}")
+                cells.append(f"{_fmt(p[k], nd)}->{_fmt(q[k], nd)}{pct}")
         rows.append(cells)
     only_old = sorted({k[0] for k in a} - {k[0] for k in b})
     only_new = sorted({k[0] for k in b} - {k[0] for k in a})
@@ -285,14 +287,18 @@ def compare(old: dict, new: dict, threshold: float = 0.005) -> str:
                      _fmt(c["spill_store_bytes"] + c["spill_load_bytes"]), _fmt(lp["tensor"]["repeat_factor"], 2),
                      _fmt(bd.get("tflops"), 1)])
     head = ("specialisation", "loop", "instr/el", "mufu/el", "regs", "spill B", "rep", "bound TF/s")
-    out = [f"audit compare: {old.get('git_commit', '?')[:10] if old.get('git_commit') else '?'} ({old.get('date', '?')}, "
-           f"triton {old.get('triton', '?')}) -> {new.get('git_commit', '?')[:10] if new.get('git_commit') else '?'} "
-           f"({new.get('date', '?')}, triton {new.get('triton', '?')}); static bound, not a measurement",
+    def origin(d):
+        return f"{(d.get('git_commit') or '?')[:10]} ({d.get('date', '?')}, triton {d.get('triton', '?')})"
+
+    def listing(ids):
+        return ", ".join(ids[:20]) + (" ..." if len(ids) > 20 else "")
+
+    out = [f"audit compare: {origin(old)} -> {origin(new)}; static bound, not a measurement",
            format_table(rows, head) if rows else "(no changes above threshold)"]
     if only_old:
-        out.append(f"only in old ({len(only_old)}): " + ", ".join(only_old[:20]) + (" ..." if len(only_old) > 20 else ""))
+        out.append(f"only in old ({len(only_old)}): {listing(only_old)}")
     if only_new:
-        out.append(f"only in new ({len(only_new)}): " + ", ".join(only_new[:20]) + (" ..." if len(only_new) > 20 else ""))
+        out.append(f"only in new ({len(only_new)}): {listing(only_new)}")
     return "\n".join(out)
 
 

@@ -188,7 +188,8 @@ class Loop:
     children: List["Loop"] = field(default_factory=list)
 
     def contains(self, other: "Loop") -> bool:
-        return self.head <= other.head and other.tail <= self.tail and (self.head, self.tail) != (other.head, other.tail)
+        inside = self.head <= other.head and other.tail <= self.tail
+        return inside and (self.head, self.tail) != (other.head, other.tail)
 
 
 def find_loops(func: Function) -> List[Loop]:
