@@ -12,6 +12,7 @@ kernel therefore recompiles it.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -38,7 +39,9 @@ _ANALYSER_MODULES = ("analyse.py", "compile.py", "ir.py", "model.py", "resources
                      "specs.py")
 
 
+@functools.lru_cache(maxsize=None)
 def _analyser_hash() -> str:
+    """Hash of the analysing modules as this process loaded them (computed once)."""
     h = hashlib.sha256()
     for name in _ANALYSER_MODULES:
         h.update(name.encode())
@@ -143,9 +146,13 @@ def _worker(args):
 
 
 def _init_worker():
+    """Worker start: no interpreter, the analysing modules loaded and hashed together."""
     import warnings
 
+    os.environ.pop("TRITON_INTERPRET", None)
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    from . import analyse, compile  # noqa: F401
+    _analyser_hash()
 
 
 def run(variants: Iterable[specs.Variant], jobs: int = 1, all_candidates: bool = False, use_cache: bool = True,
