@@ -137,12 +137,22 @@ def _fmt(x, nd=1):
     return str(x)
 
 
+def _lead_cells(v: dict) -> List[str]:
+    """kernel, op, causal, mask, D (with the GQA group and length when not the defaults), dtype."""
+    d = str(v["head_dim"])
+    if v.get("group", 1) != 1:
+        d += f" g{v['group']}"
+    if v.get("seqlen", 4096) != 4096:
+        d += f" L{v['seqlen']}"
+    return [v["kernel"], v["op"], "yes" if v["causal"] else "no", v["mask"], d, v["dtype"]]
+
+
 def table_rows(results: Iterable[dict], all_loops: bool = True) -> List[List[str]]:
     """One row per (specialisation, compiled configuration, main loop)."""
     rows = []
     for r in results:
         v = r["variant"]
-        lead = [v["kernel"], v["op"], "yes" if v["causal"] else "no", v["mask"], str(v["head_dim"]), v["dtype"]]
+        lead = _lead_cells(v)
         c = chosen_config(r)
         if r.get("error") or c is None:
             rows.append(lead + [r.get("error", "no configuration fits")[:60]] + [""] * (len(_HEAD) - 7))
@@ -212,7 +222,7 @@ def markdown_table(results: List[dict], arch: int) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in mine:
         v, c = r["variant"], chosen_config(r)
-        lead = [v["kernel"], v["op"], "yes" if v["causal"] else "no", v["mask"], str(v["head_dim"]), v["dtype"]]
+        lead = _lead_cells(v)
         lp = gated_loop(c)
         if c is None or lp is None:
             lines.append("| " + " | ".join(lead + [r.get("error", "no main loop")[:50]] + [""] * 10) + " |")
