@@ -6,8 +6,8 @@ argument specialisation, option parsing, compilation), with Triton's driver repl
 that reports the target. Meta tensors have ``data_ptr() == 0``, so pointers are specialised as
 16-byte aligned and unit strides as constants, as in a real launch of contiguous tensors.
 
-Everything that depends on Triton's internals is in :func:`_triton_compile`; it is known to work
-with Triton 3.0 to 3.9. The ptxas log (warnings, spills) is captured from Triton where it can print
+Everything that depends on Triton's internals is in :func:`_triton_compile`; it is tested with
+Triton 3.0.0, 3.6.0, 3.7.1 and 3.9.0. The ptxas log (warnings, spills) is captured from Triton where it can print
 it (``TRITON_DUMP_PTXAS_LOG``, Triton >= 3.4); otherwise ptxas is run again on the PTX with the same
 target (:func:`ptxas_log`).
 """
