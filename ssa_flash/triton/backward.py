@@ -97,8 +97,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
         else:
             x = s
-        masked = BOUNDARY or MASK_KIND != 0
-        if masked:
+        if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
             if ADAPTIVE:
@@ -113,7 +112,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         dl = p * (dp - delta[:, None])
         if ADAPTIVE:
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
                 dbeta += tl.sum(dl * tl.where(admissible, l2, 0.0), 1)
                 log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
@@ -277,7 +276,6 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
         else:
             x = st
-        masked = BOUNDARY or MASK_KIND != 0
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
@@ -285,11 +283,11 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
             l2 = x * coef
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                      stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
             pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
-        elif masked:
+        elif BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
             pt = tl.exp2(l2 - lse2[None, :])
@@ -298,7 +296,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if ADAPTIVE:
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
                 log_p2 = tl.where(admissible, l2 - lse_l2[None, :], 0.0)
                 ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :]), 0.0)

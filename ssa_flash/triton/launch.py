@@ -84,11 +84,12 @@ def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str):
+def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
+                     masked: bool = False):
     """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
-    None: the interpreter), best first. Under the interpreter small blocks make the tests cross
-    block boundaries at small lengths. On a GPU the first candidate that fits the shared memory
-    and registers is used (see ``_launch``)."""
+    None: the interpreter), best first; ``masked``: the launch reads an attention mask. Under the
+    interpreter small blocks make the tests cross block boundaries at small lengths. On a GPU the
+    candidates that fit the shared memory and registers are timed once (see ``_launch``)."""
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
@@ -101,7 +102,10 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
     hopper = arch >= 90
     if kernel in ("fwd", "stats"):
         if head_block <= 64:
-            cands = [Blocks(128, 64, 4, 3), Blocks(64, 64, 4, 2)]
+            # 8 warps on 128 x 128 tiles keep the interior at ~7 instructions per element; with
+            # a mask (more live values) 64 x 64 tiles are what compiles without spills
+            cands = ([Blocks(64, 64, 4, 3), Blocks(128, 128, 8, 3)] if masked
+                     else [Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 3)])
         elif head_block <= 128:
             cands = [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)]
         else:
@@ -172,7 +176,7 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
     they only write their outputs). ``SSA_FLASH_AUTOTUNE=0``, CUDA-graph capture and the
     interpreter take the first candidate that fits instead."""
     arch = _capture_arch if _capture is not None else _device_arch(device)
-    cands = block_candidates(arch, head_block, dtype, name)
+    cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0)
     if _capture is not None:
         blk = cands[0]
         _capture.append(KernelLaunch(name, kernel, grid_fn(blk), tuple(args(blk)),
@@ -250,16 +254,25 @@ def _fast_math(q) -> bool:
 FORCE_POLY_EXP2: Optional[int] = None
 
 
-def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int) -> int:
+def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> int:
     """Degree of the polynomial ``exp2`` (``common.exp2_poly``) that computes half of the interior
     tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
-    the backward half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the audit's
-    bound says it pays: SSA (two MUFU ops per element in the forward, LG2 and EX2; three in the
-    backward, with RCP) at head dims <= 64, where the MUFU time (1/16 clock per op and element on
-    sm_80/sm_90) exceeds the tensor and the issue time; on a GPU with 16-bit inputs (degree 3,
-    relative error 7.5e-5, for bfloat16's 2^-9 rounding; degree 4, 2.6e-6, for float16's 2^-11)."""
+    the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
+    audit's bound says it pays: SSA (two MUFU ops per element in the forward, LG2 and EX2; three
+    in the backward, with RCP) at head dims <= 64, where the MUFU time (1/16 clock per op and
+    element on sm_80/sm_90) exceeds the tensor and the issue time; on a GPU with 16-bit inputs
+    (degree 3, relative error 7.5e-5, for bfloat16's 2^-9 rounding; degree 4, 2.6e-6, for
+    float16's 2^-11).
+
+    The forward and the dQ kernel keep the hardware exp2 / reciprocal unless
+    ``SSA_FLASH_POLY_EXP2=1``: there the polynomial lowers the bound (forward D=64 bf16 sm_90:
+    0.129 -> 0.114 clock per element) but raises SSA's instructions per element past the audit's
+    gates (1.5x softmax's in the forward, 2.0x in the backward; bench/NOTES.md). A GPU
+    measurement should decide."""
     if FORCE_POLY_EXP2 is not None:
         return FORCE_POLY_EXP2
+    if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
+        return 0
     if not (_fast_math(q) and spec.ssa and head_block <= 64):
         return 0
     return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
@@ -311,7 +324,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     mask_t, mask_kind, ms = _mask_args(mask, q)
     consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV),
-                  POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV))))
+                  POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
 
     def args(blk):
         return (q, k, v, o, lse, beta if spec.adaptive else q, b if spec.ssa else q,
@@ -344,10 +357,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
-    # Only the dK/dV kernel takes the polynomial reciprocal: in the dQ kernel it would lower the
-    # bound (D=64: 0.1875 -> 0.156 clock/element) but raise SSA's instructions per element to
-    # 2.24x softmax's, past the audit's 2.0x gate (bench/NOTES.md); a GPU measurement decides.
-    consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block))
+    consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
         g = _stat_tensor(q)
@@ -371,7 +381,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
                 H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
 
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
-            dict(consts, HAS_DLSE=dlse is not None, POLY_EXP2=0), q.device, head_block, q.dtype)
+            dict(consts, HAS_DLSE=dlse is not None,
+                 POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq")), q.device, head_block, q.dtype)
 
     def dkdv_args(blk):
         return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
