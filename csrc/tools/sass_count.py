@@ -7,8 +7,10 @@ plain dict; everything else here (compiling, splitting a cubin's SASS into kerne
 line) only feeds it.
 
 How a loop is found: every backward branch (``BRA`` to a lower address) closes a loop that spans
-[target, branch]. Loops are ranked by the number of tensor-core instructions (``HMMA``) they
-contain; ``LoopSpec.rank`` picks one (0 = the one with the most, the main loop). Instructions
+[target, branch]. Of the innermost loops that contain tensor-core instructions (``HMMA``), ranked
+by their number (most first) and then by size (smallest first: the kernels run interior key
+blocks, which need no masking, in a loop of their own next to the checked one),
+``LoopSpec.rank`` picks one (0 = the main loop, 1 = the next, typically the checked loop). Instructions
 between the branch target and the branch are counted once (a static count: code inside an ``if``
 in the loop body counts as if it ran every iteration; the kernels keep such code to loads).
 
@@ -123,12 +125,17 @@ def count_loop(sass: str, spec: LoopSpec) -> Optional[dict]:
     """Counts of the chosen loop of one kernel's SASS text (format in the module docstring), or
     None when the kernel has no loop with tensor-core instructions."""
     instrs = parse_instructions(sass)
-    ranked = []
+    loops = []
     for start, end in find_loops(instrs):
         body = [t for a, t in instrs if start <= a <= end]
         mma = sum(1 for t in body if _opcode(t).startswith("HMMA"))
         if mma:
-            ranked.append((mma, -(end - start), start, end, body))
+            loops.append((start, end, mma, body))
+    # innermost loops only: a loop around two tensor-core loops (say, over heads) is not a main loop
+    inner = [lp for lp in loops
+             if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1] and (o[0], o[1]) != (lp[0], lp[1])
+                        for o in loops)]
+    ranked = [(mma, -(end - start), start, end, body) for start, end, mma, body in inner]
     if len(ranked) <= spec.rank:
         return None
     ranked.sort(reverse=True)
