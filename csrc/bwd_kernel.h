@@ -43,11 +43,11 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // db / (n scale) and dn / ln 2 (per-head factors applied once at the end; no division by n, so
 // n = 0 gives finite gradients). kCheck: bounds, causality and masks (see apply_mask).
 template <bool kSSA, bool kAdaptive, bool kCheck>
-SSA_DEVICE float score_grad(const LogitCtx& ctx, float s, float dp, int row, int col,
+SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
   float t, u;
   float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
-  if (kCheck) l2 = apply_mask(ctx, l2, row, col, kLog2e);
+  if (kCheck) l2 = apply_mask(p, ctx, l2, row, col, kLog2e);
   const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
   p_out = pp;
   float dl = pp * (dp - r.delta);
@@ -75,12 +75,12 @@ SSA_DEVICE float score_grad(const LogitCtx& ctx, float s, float dp, int row, int
 
 // dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible.
 template <bool kSSA, bool kCheck>
-SSA_DEVICE float dbeta_term(const LogitCtx& ctx, float s, float dp, int row, int col,
+SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
   float t, u;
   float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
   if (kCheck) {
-    l2 = apply_mask(ctx, l2, row, col, kLog2e);
+    l2 = apply_mask(p, ctx, l2, row, col, kLog2e);
     if (l2 == neg_inf()) return 0.0f;
   }
   const float pp = ex2(fmaf(l2, r.beta, -r.lse2));
@@ -92,7 +92,7 @@ SSA_DEVICE float dbeta_term(const LogitCtx& ctx, float s, float dp, int row, int
 //   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
 //   dQ += dS K_j
 template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = n0 + Frag::col(lane, nt) + (i & 1);
-            if (i < 2) dbeta_lo += dbeta_term<kSSA, kCheck>(ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
-            else dbeta_hi += dbeta_term<kSSA, kCheck>(ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
+            if (i < 2) dbeta_lo += dbeta_term<kSSA, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
+            else dbeta_hi += dbeta_term<kSSA, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
           }
         }
       } else {
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
           for (int i = 0; i < 4; ++i) {
             const int col = n0 + Frag::col(lane, nt) + (i & 1);
             float pp;
-            s[0][nt][i] = score_grad<kSSA, kAdaptive, kCheck>(ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
+            s[0][nt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
                                                               col, i < 2 ? st_lo : st_hi, pp, db_part, dn_part);
           }
         }
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T | dV += P^T dO_t | issue dO_{t+1} |
 //   dK += dS^T Q_t
 template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;  // queries per step
   constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
           r.lse_l2 = r.ent = r.g = 0.0f;
         }
         float pp;
-        dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
+        dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
                                                            i < 2 ? c_lo : c_hi, r, pp, db_unused, dn_unused);
         s[0][mt][i] = pp;
       }

@@ -26,7 +26,7 @@ namespace ssa_flash {
 // Pipeline per key block j (K and V single-buffered, each load overlapping a GEMM):
 //   issue V_j | wait K_j | S = Q K_j^T, softmax | wait V_j | issue K_{j+1} | O += P V_j
 template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -109,16 +109,27 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
     uint32_t pa[kMS][kBlockN / 16][4];
 #pragma unroll
     for (int ms = 0; ms < kMS; ++ms) {
+      // Softmax on interior blocks keeps the raw scores: the row max is taken on them and
+      // scaled once per row, and the exponent is one FFMA, 2^(s c - m) (FlashAttention-2's trick;
+      // needs c > 0, i.e. scale > 0, which the binding guarantees by negating q otherwise).
+      constexpr bool kRaw = !kSSA && !kCheck;
+      float mult[2];
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) mult[hi] = row_mult<kSSA>(ctx, beta[ms][hi]);
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int hi = i >> 1;
+          if (kRaw) {
+            mx[hi] = fmaxf(mx[hi], s[ms][nt][i]);
+            continue;
+          }
           float t, u;
-          float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], row_mult<kSSA>(ctx, beta[ms][hi]), t, u);
+          float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], mult[hi], t, u);
           if (kCheck)
-            l2 = apply_mask(ctx, l2, row0 + ms * 16 + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
+            l2 = apply_mask(p, ctx, l2, row0 + ms * 16 + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
                             kAdaptive ? kLog2e * beta[ms][hi] : kLog2e);
           s[ms][nt][i] = l2;
           mx[hi] = fmaxf(mx[hi], l2);
@@ -127,7 +138,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
       float alpha[2], ms_[2];
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
-        const float mn = fmaxf(m_run[ms][hi], quad_max(mx[hi]));
+        const float mq = quad_max(mx[hi]);
+        const float mn = fmaxf(m_run[ms][hi], kRaw ? mq * mult[hi] : mq);
         // unchecked tiles have finite logits, so mn is finite
         ms_[hi] = kCheck ? safe_max(mn) : mn;
         alpha[hi] = ex2(m_run[ms][hi] - ms_[hi]);
@@ -138,8 +150,9 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          s[ms][nt][i] = ex2(s[ms][nt][i] - ms_[i >> 1]);
-          sum[i >> 1] += s[ms][nt][i];
+          const int hi = i >> 1;
+          s[ms][nt][i] = ex2(kRaw ? fmaf(s[ms][nt][i], mult[hi], -ms_[hi]) : s[ms][nt][i] - ms_[hi]);
+          sum[hi] += s[ms][nt][i];
         }
       }
 #pragma unroll
@@ -199,7 +212,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
 // so per-thread partials rescale the same way and are summed over the quad at the end.
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
 template <typename Tr, bool kSSA>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_stats_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -280,7 +293,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_stats_kernel(const FwdPara
         for (int i = 0; i < 4; ++i) {
           float t, u;
           float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], mult, t, u);
-          if (kCheck) l2 = apply_mask(ctx, l2, row[ms][i >> 1], n0 + Frag::col(lane, nt) + (i & 1), kLog2e);
+          if (kCheck) l2 = apply_mask(p, ctx, l2, row[ms][i >> 1], n0 + Frag::col(lane, nt) + (i & 1), kLog2e);
           s[ms][nt][i] = l2;
           mx[i >> 1] = fmaxf(mx[i >> 1], l2);
         }

@@ -214,16 +214,14 @@ struct Bool {
 // is shift-invariant, so only this absolute error (times n) matters, also where b|z| is tiny and
 // 1 + b|z| rounds (log1p's usual concern is relative error, which the weights never see).
 
-// What the logit transform needs for one (batch, query head).
+// What the logit transform needs for one (batch, query head). The mask fields are read from the
+// kernel parameters where needed (apply_mask) rather than kept in registers: the forward at
+// D = 128 has none to spare.
 struct LogitCtx {
   float c;   // multiplies |s| or s: scale * b (SSA) or scale * log2(e) (softmax)
   float n;   // SSA exponent n (0 for softmax)
   float nb;  // d phi / dz at 0 (SSA: n b), for the backward
-  int len_q, len_k;
-  bool causal;
-  int mask_kind;
-  const void* mask;  // already offset to (batch, head)
-  int64_t mask_sm, mask_sn;
+  int batch, head;
 };
 
 SSA_DEVICE LogitCtx make_logit_ctx(const AttnShape& p, int batch, int head, bool ssa) {
@@ -237,16 +235,8 @@ SSA_DEVICE LogitCtx make_logit_ctx(const AttnShape& p, int batch, int head, bool
     c.c = p.scale * kLog2e;
     c.n = c.nb = 0.0f;
   }
-  c.len_q = p.len_q;
-  c.len_k = p.len_k;
-  c.causal = p.causal;
-  c.mask_kind = p.mask_kind;
-  c.mask_sm = p.mask_sm;
-  c.mask_sn = p.mask_sn;
-  const int64_t off = batch * p.mask_sb + head * p.mask_sh;
-  c.mask = p.mask_kind == kMaskBool  ? static_cast<const void*>(static_cast<const uint8_t*>(p.mask) + off)
-           : p.mask_kind == kMaskAdd ? static_cast<const void*>(static_cast<const float*>(p.mask) + off)
-                                     : nullptr;
+  c.batch = batch;
+  c.head = head;
   return c;
 }
 
@@ -277,14 +267,16 @@ SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, flo
 // additive masks are added (times `mask_mult`, log2(e) times the
 // row's beta). Only the tiles on the diagonal, the ragged last tile, and every tile of a masked
 // call need this (the kernels skip it elsewhere).
-SSA_DEVICE float apply_mask(const LogitCtx& c, float l2, int row, int col, float mask_mult) {
-  bool ok = row < c.len_q && col < c.len_k && (!c.causal || col <= row);
-  if (c.mask_kind != kMaskNone && ok) {
-    const int64_t off = static_cast<int64_t>(row) * c.mask_sm + static_cast<int64_t>(col) * c.mask_sn;
-    if (c.mask_kind == kMaskBool) {
-      ok = static_cast<const uint8_t*>(c.mask)[off] != 0;
+SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int row, int col,
+                            float mask_mult) {
+  bool ok = row < p.len_q && col < p.len_k && (!p.causal || col <= row);
+  if (p.mask_kind != kMaskNone && ok) {
+    const int64_t off = c.batch * p.mask_sb + c.head * p.mask_sh + static_cast<int64_t>(row) * p.mask_sm +
+                        static_cast<int64_t>(col) * p.mask_sn;
+    if (p.mask_kind == kMaskBool) {
+      ok = static_cast<const uint8_t*>(p.mask)[off] != 0;
     } else {
-      l2 += static_cast<const float*>(c.mask)[off] * mask_mult;
+      l2 += static_cast<const float*>(p.mask)[off] * mask_mult;
     }
   }
   return ok ? l2 : neg_inf();

@@ -27,12 +27,12 @@ constexpr int padded_head_dim(int d) {
 
 // forward and statistics pass: BM query rows (4 warps), BN keys per step
 constexpr int fwd_block_m(int d) { return d <= 128 ? 128 : 64; }
-constexpr int fwd_block_n(int d) { return d <= 96 ? 64 : 32; }
+constexpr int fwd_block_n(int d) { return d <= 64 ? 64 : 32; }
 constexpr int fwd_warps(int) { return 4; }
 
 // dQ kernel (also delta, the adaptive-temperature g and the db/dn partials)
 constexpr int dq_block_m(int d) { return d <= 128 ? 64 : 32; }
-constexpr int dq_block_n(int d) { return d <= 64 ? 64 : 32; }
+constexpr int dq_block_n(int d) { return d <= 64 ? 64 : d <= 128 ? 32 : 16; }
 constexpr int dq_warps(int d) { return dq_block_m(d) / 16; }
 
 // dK/dV kernel: BN keys (16 per warp strip), BM queries per step. At D = 256 the dK and dV

@@ -15,17 +15,7 @@
 // through a small per-warp shared-memory buffer between the two GEMMs instead of registers.
 #pragma once
 
-#ifdef __CUDACC_RTC__
-// NVRTC (used to compile the sm_70 path with CUDA 12 wheels, tests/test_csrc_compile.py) has
-// no <cstdint>.
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef long long int64_t;
-typedef unsigned long long uint64_t;
-#else
-#include <cstdint>
-#endif
+#include "int_types.h"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -7,7 +7,7 @@ JIT-compiles the same sources once with ``torch.utils.cpp_extension.load`` (cach
 ``BackendUnavailableError`` saying why it cannot.
 
 What the kernels run (anything else raises ``BackendUnavailableError``, see :func:`supports`):
-float16 (sm_75+) and bfloat16 (sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64,
+float16 (sm_70+) and bfloat16 (sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64,
 96, 128, 256, others zero-padded); any strides (copies are made where the head dim is not
 contiguous, not a multiple of 8, or rows are not 16-byte aligned); boolean or additive masks of
 any strides; causal; GQA; softmax or SSA logits, fixed or adaptive temperature. The backward is
@@ -158,8 +158,8 @@ def _device_reason(device: Optional[torch.device]) -> Optional[str]:
     if not torch.cuda.is_available():
         return "no CUDA device is available (torch.cuda.is_available() is False)"
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (7, 5):
-        return f"the GPU is sm_{major}{minor}; the CUDA kernels need sm_75 or newer (ldmatrix, mma.sync)"
+    if (major, minor) < (7, 0):
+        return f"the GPU is sm_{major}{minor}; the CUDA kernels need sm_70 or newer (mma.sync)"
     return None
 
 
@@ -178,7 +178,7 @@ def _reason(device: Optional[torch.device]) -> Optional[str]:
 
 
 def is_available() -> bool:
-    """True when a CUDA device (sm_75+) is present and the extension is built or buildable.
+    """True when a CUDA device (sm_70+) is present and the extension is built or buildable.
     Cheap (no build, no kernel launch) and never raises."""
     try:
         return _reason(None) is None
@@ -213,14 +213,18 @@ def _padded_head_dim(d: int) -> int:
     return -1
 
 
-def _smem_bytes(d: int, adaptive: bool) -> int:
-    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h)."""
+def _smem_bytes(d: int, adaptive: bool, sm70: bool = False) -> int:
+    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h;
+    ``sm70``: the Volta code path's extra per-warp buffers)."""
     row = (d + 8) * 2
-    fwd = (64 + 2 * (64 if d <= 128 else 32)) * row
-    dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
-    dq = (2 * dq_m + 3 * dq_n) * row
+    fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
+    fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
+    dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32 if d <= 128 else 16)
+    dq = (2 * dq_m + 3 * dq_n) * row + ((dq_m // 16) * 16 * (dq_n + 8) * 2 if sm70 else 0)
     kv_n, kv_m = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
-    dkdv = (2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+    kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
+    dkdv = ((2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+            + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
     return max(fwd, dq, dkdv)
 
 
@@ -241,7 +245,7 @@ def supports(query, key, value, adaptive: bool = False) -> Optional[str]:
     if query.shape[0] > 65535 or query.shape[1] > 65535:
         return "batch and heads must each be at most 65535"
     optin = getattr(torch.cuda.get_device_properties(query.device), "shared_memory_per_block_optin", None)
-    need = _smem_bytes(_padded_head_dim(d), adaptive)
+    need = _smem_bytes(_padded_head_dim(d), adaptive, sm70=(major, minor) < (7, 5))
     if optin and need > optin:
         return (f"head dim {d} needs {need} bytes of shared memory per block, this GPU allows {optin} "
                 "(see docs/cuda.md)")

@@ -113,7 +113,10 @@ class Emulator:
 
     # ---- the extension's interface (csrc/api.cpp), on CPU tensors -------------------------
 
+    # A negative scale is applied as |scale| to -q, as csrc/api.cpp does (the kernels take scale >= 0).
+
     def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0):
+        q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         o = torch.full((B, H, Lq, v.shape[-1]), float("nan"), dtype=q.dtype)
         lse = torch.full((B, H, Lq), float("nan"))
@@ -122,6 +125,7 @@ class Emulator:
         return o, lse
 
     def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0):
+        q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         ent, lse_l = torch.full((B, H, Lq), float("nan")), torch.full((B, H, Lq), float("nan"))
         self._run(1, q, k, q, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent}, mask,
@@ -130,6 +134,8 @@ class Emulator:
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
             scale, causal, group, stream=0):
+        negated = scale < 0
+        q, scale = (-q, -scale) if negated else (q, scale)
         B, H, Lq, D = q.shape
         nan = float("nan")
         dq, dk, dv = (torch.full(t.shape, nan, dtype=t.dtype) for t in (q, k, v))
@@ -142,7 +148,7 @@ class Emulator:
         if b is not None:
             stats.update(db_part=parts[0], dn_part=parts[1])
         self._run(2, q, k, v, o, dout, (dq, dk, dv), stats, mask, mask_kind, b, n, scale, causal, group)
-        return dq, dk, dv, parts[0], parts[1]
+        return (-dq if negated else dq), dk, dv, parts[0], parts[1]
 
     # ---- what backend="cuda" computes --------------------------------------------------------
 
