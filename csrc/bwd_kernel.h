@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   constexpr int kDT = kD / 8;
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  if (kernel_unsupported<T, kD>()) {
     __trap();
   } else {
 #endif
@@ -356,7 +356,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
   enum { kLse = 0, kDelta = 1, kBeta = 2, kLseL = 3, kEnt = 4, kG = 5 };
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  // (each architecture runs one strip split per variant, traits.h dkdv_split_for)
+  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
     __trap();
   } else {
 #endif
@@ -441,7 +442,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
     constexpr bool kCheck = decltype(check)::value;
     const int buf = t & 1;
     const bool has_next = t + 1 < num_t;
-    if (has_next) {
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
       load_q(t + 1, buf ^ 1);
       cp_async_commit();
       load_stats(t + 1, buf ^ 1);
@@ -463,44 +464,66 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
     gemm_nt<T, 1, kBlockM, kD, kS, kS>(s, sKw, sQt, lane);   // S^T = K Q^T
     gemm_nt<T, 1, kBlockM, kD, kS, kS>(dp, sVw, sdO, lane);  // dP^T = V dO^T
 
+    // Elementwise, then dV += P^T dO, per 16-query chunk kk: each chunk's scores die before the
+    // next chunk's are processed (with all of them live, ptxas interleaved the elementwise code
+    // with the dV GEMM and the adaptive variants spilled on sm_70 / sm_75).
     float db_unused = 0.0f, dn_unused = 0.0f;
+    uint32_t da[1][kBlockM / 16][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int lq = Frag::col(lane, mt) + (i & 1);  // query within the step
-        RowStats r;
-        r.lse2 = stat[kLse * kBlockM + lq];
-        r.delta = stat[kDelta * kBlockM + lq];
-        if (kAdaptive) {
-          r.beta = stat[kBeta * kBlockM + lq];
-          r.lse_l2 = stat[kLseL * kBlockM + lq];
-          r.ent = stat[kEnt * kBlockM + lq];
-          r.g = stat[kG * kBlockM + lq];
-        } else {
-          r.beta = 1.0f;
-          r.lse_l2 = r.ent = r.g = 0.0f;
+      for (int mt = 2 * kk; mt < 2 * kk + 2; ++mt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int lq = Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
+          RowStats r;
+          r.lse2 = stat[kLse * kBlockM + lq];
+          r.delta = stat[kDelta * kBlockM + lq];
+          if (kAdaptive) {
+            r.beta = stat[kBeta * kBlockM + lq];
+            r.lse_l2 = stat[kLseL * kBlockM + lq];
+            r.ent = stat[kEnt * kBlockM + lq];
+            r.g = stat[kG * kBlockM + lq];
+          } else {
+            r.beta = 1.0f;
+            r.lse_l2 = r.ent = r.g = 0.0f;
+          }
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi) {
+            const int i = c + 2 * hi;
+            float pp;
+            dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
+                                                               hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
+            s[0][mt][i] = pp;
+          }
         }
-        float pp;
-        dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
-                                                           i < 2 ? c_lo : c_hi, r, pp, db_unused, dn_unused);
-        s[0][mt][i] = pp;
       }
+      uint32_t pa[1][1][4];
+      pa[0][0][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+      pa[0][0][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+      pa[0][0][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+      pa[0][0][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+      da[0][kk][0] = pack2<T>(dp[0][2 * kk][0], dp[0][2 * kk][1]);
+      da[0][kk][1] = pack2<T>(dp[0][2 * kk][2], dp[0][2 * kk][3]);
+      da[0][kk][2] = pack2<T>(dp[0][2 * kk + 1][0], dp[0][2 * kk + 1][1]);
+      da[0][kk][3] = pack2<T>(dp[0][2 * kk + 1][2], dp[0][2 * kk + 1][3]);
+      gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
     }
 
-    uint32_t pa[1][kBlockM / 16][4];
-    acc_to_frag<T, kBlockM>(pa[0], s[0]);
-    gemm_rn<T, 1, kDC, kBlockM, kS>(dv_acc, pa, sdO + col0, lane, scratch);  // dV += P^T dO
-
     __syncthreads();  // every warp is done with dO_t
-    if (has_next) {
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
       load_do(t + 1);
       cp_async_commit();
     }
-    uint32_t da[1][kBlockM / 16][4];
-    acc_to_frag<T, kBlockM>(da[0], dp[0]);
     gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
     __syncthreads();  // every warp is done with Q_t and stats_t
+    if (!SSA_FLASH_ASYNC_COPIES && has_next) {
+      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
+      load_q(t + 1, buf ^ 1);
+      load_stats(t + 1, buf ^ 1);
+      load_do(t + 1);
+      cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
+    }
   };
   // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
   // ragged key block every step needs the checks.

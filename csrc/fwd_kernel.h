@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   constexpr int kDT = kD / 8;       // n8 tiles of an output strip
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  if (kernel_unsupported<T, kD>()) {
     __trap();
   } else {
 #endif
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   auto step = [&](int j, auto check) {
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
-    load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+    load_tile<kBlockN, kD, kS, kNThreads, !kCheck>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
     cp_async_commit();
     cp_async_wait<1>();  // Q and K_j have landed
     __syncthreads();
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   constexpr int kNT = kBlockN / 8;
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  if (kernel_unsupported<T, kD>()) {
     __trap();
   } else {
 #endif

@@ -25,8 +25,10 @@ inline std::string cuda_error(const char* what, cudaError_t err) {
 // block; an error message, or an empty string.
 inline std::string device_info(int& arch, int& max_optin) {
 #ifdef SSA_FLASH_EMULATE
-#ifdef SSA_FLASH_EMULATE_SM70
+#if defined(SSA_FLASH_EMULATE_SM70)
   arch = 700;
+#elif defined(SSA_FLASH_EMULATE_SM75)
+  arch = 750;
 #else
   arch = 800;
 #endif
@@ -117,6 +119,16 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t s
                       : (adaptive ? attn_bwd_dq_kernel<Tr, false, true> : attn_bwd_dq_kernel<Tr, false, false>);
     std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
     if (!err.empty()) return err;
+  }
+  if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {
+    int arch = 0, max_optin = 0;
+    if (device_info(arch, max_optin).empty() && dkdv_split_for(D, adaptive, false, arch) == 2) {
+      using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
+      const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
+      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive);
+      auto kernel = ssa ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, false, true>;
+      return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
+    }
   }
   using Tr = DkdvTraits<D, T>;
   const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);

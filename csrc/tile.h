@@ -14,12 +14,25 @@ namespace ssa_flash {
 // Rows [row0, row0 + kRows) and columns [0, kHeadDim) of a row-major global matrix with row
 // stride `stride` (unit column stride), into shared memory with row stride kStride. Rows >= len
 // and columns >= cols (a multiple of 8) are zero-filled. 16-byte cp.async per 8 elements.
-template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+// kInRange: the caller knows rows [row0, row0 + kRows) are all < len (interior key blocks), so no
+// row predicate or fallback address is needed.
+template <int kRows, int kHeadDim, int kStride, int kNThreads, bool kInRange = false, typename T>
 SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int len, int cols,
                           int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kTotal = kRows * kChunks;
-  if constexpr (kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
+  if constexpr (kInRange && kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
+    constexpr int kStep = kNThreads / kChunks;
+    const int r0 = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    T* dst = smem + r0 * kStride + col;
+    const T* src = gmem + static_cast<int64_t>(row0 + r0) * stride + col;
+    const bool col_ok = col < cols;
+#pragma unroll
+    for (int it = 0; it < kTotal / kNThreads; ++it) {
+      cp_async_16(dst + it * kStep * kStride, col_ok ? src + it * kStep * stride : gmem, col_ok);
+    }
+  } else if constexpr (kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
     // Each thread copies the same column chunk of rows r0, r0 + kStep, ...: one shared and one
     // global base address plus constant offsets (few registers, which the forward at D = 128
     // needs: per-copy addresses were being spilled).

@@ -39,8 +39,10 @@ constexpr int dq_warps(int d) { return dq_block_m(d) / 16; }
 // accumulators of a 16-key strip (2 x 16 x 256 floats, 256 registers per thread) do not fit, so
 // two warps share each strip, each accumulating half of the columns (both compute the strip's
 // scores: the S^T and dP^T GEMMs are duplicated, the dK/dV GEMMs are not).
+// (32 queries per step at every head dim: 64 at D <= 64 spilled in the adaptive variants on
+// sm_70 / sm_75)
 constexpr int dkdv_block_n(int d) { return d <= 128 ? 64 : 32; }
-constexpr int dkdv_block_m(int d) { return d <= 64 ? 64 : 32; }
+constexpr int dkdv_block_m(int) { return 32; }
 constexpr int dkdv_col_split(int d) { return d <= 128 ? 1 : 2; }
 constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16 * dkdv_col_split(d); }
 
@@ -97,5 +99,14 @@ template <int D, typename T>
 using DqTraits = KernelTraits<D, dq_block_m(D), dq_block_n(D), dq_warps(D), T>;
 template <int D, typename T>
 using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
+// sm_75 runs the adaptive float16 dK/dV kernels at D = 96 and 128 with two warps per key strip
+// (kSplit = 2, 8 warps): with one, they spill there (sm_75's m16n8k8 pairs and synchronous
+// copies); launch_impl.h picks this by architecture, and other architectures never run it.
+template <int D, typename T>
+using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_block_n(D) / 16 * 2, T, 2>;
+// Warps per key strip of the dK/dV kernel that runs on architecture `arch` (100 major + 10 minor).
+constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
+  return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
+}
 
 }  // namespace ssa_flash

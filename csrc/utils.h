@@ -30,6 +30,17 @@
 #define SSA_FLASH_SM70 0
 #endif
 
+// cp.async (sm_80+): copies land in shared memory without passing through registers, so kernels
+// issue the next tile's loads early to overlap them with compute. Without it (sm_70, sm_75, and
+// their emulations) a copy is a load into registers and a store, and loads issued early hold
+// registers across the GEMMs (the dK/dV kernel spilled): kernels then issue them late.
+#if defined(SSA_FLASH_EMULATE_SM70) || defined(SSA_FLASH_EMULATE_SM75) || \
+    (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+#define SSA_FLASH_ASYNC_COPIES 0
+#else
+#define SSA_FLASH_ASYNC_COPIES 1
+#endif
+
 #ifdef SSA_FLASH_EMULATE
 // CPU emulation of the CUDA execution model for testing without a GPU (csrc/emu/).
 #include "emu/emu_runtime.h"
@@ -60,6 +71,19 @@ struct ElemInfo<__nv_bfloat16> {
   static constexpr bool kIsBF16 = true;
   static constexpr int kMinArch = 800;
 };
+
+// Kernels the host never launches on the architecture being compiled: bfloat16 below sm_80, and
+// head dims above 128 on sm_75 (their tiles exceed its 64 KiB of shared memory; launch_impl.h
+// refuses them). Their bodies become a trap: less code, and no register pressure (spills) from
+// code that cannot run.
+template <typename T, int kHeadDim>
+SSA_DEVICE constexpr bool kernel_unsupported() {
+#if defined(__CUDA_ARCH__)
+  return ElemInfo<T>::kMinArch > __CUDA_ARCH__ || (kHeadDim > 128 && __CUDA_ARCH__ >= 750 && __CUDA_ARCH__ < 800);
+#else
+  return false;
+#endif
+}
 
 // Two floats rounded to the 16-bit type, packed into one b32 register (first in the low half).
 template <typename T>

@@ -221,7 +221,7 @@ def _smem_bytes(d: int, adaptive: bool, sm70: bool = False) -> int:
     fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
     dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32 if d <= 128 else 16)
     dq = (2 * dq_m + 3 * dq_n) * row + ((dq_m // 16) * 16 * (dq_n + 8) * 2 if sm70 else 0)
-    kv_n, kv_m = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
+    kv_n, kv_m = (64 if d <= 128 else 32), 32
     kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
     dkdv = ((2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
             + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
