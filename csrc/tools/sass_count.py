@@ -247,10 +247,11 @@ def compile_cubin(cu: Path, arch: str, out: Path, head_dims=(128,), extra=()) ->
 def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
     """(short name, LoopSpec) of one of our kernels from its demangled name, reading the tile
     sizes from the KernelTraits template arguments <D, BM, BN, warps, T, ...>."""
-    m = re.search(r"ssa_flash::(attn_\w+)<ssa_flash::KernelTraits<(\d+), (\d+), (\d+), (\d+), (\w+)", demangled)
+    m = re.search(r"ssa_flash::(attn_\w+)<ssa_flash::KernelTraits<(\d+), (\d+), (\d+), (\d+), (\w+), (\d+)", demangled)
     if not m:
         return None
     kern, d, bm, bn, warps, elem = m.group(1), *map(int, m.group(2, 3, 4, 5)), m.group(6)
+    split = int(m.group(7))
     flags = re.findall(r"(true|false)", demangled.split(">", 1)[1])
     variant = kern
     if kern in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel") and len(flags) >= 2:
@@ -258,6 +259,8 @@ def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
     elif kern == "attn_stats_kernel" and flags:
         variant += "[ssa]" if flags[0] == "true" else "[softmax]"
     variant += f" D={d} {'fp16' if 'half' in elem else 'bf16'}"
+    if kern == "attn_bwd_dkdv_kernel" and split > 1 and d <= 128:
+        variant += " (sm_75 split)"
     return variant, LoopSpec(block_m=bm, block_n=bn, threads=32 * warps)
 
 
