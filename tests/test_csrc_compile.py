@@ -463,3 +463,40 @@ def test_tile_table_matches_python(tmp_path):
     for d in (1, 8, 33, 59, 111, 129, 200, 256):
         assert cuda._padded_head_dim(d) in (32, 64, 96, 128, 256) and cuda._padded_head_dim(d) >= d
     assert cuda._padded_head_dim(257) == -1
+
+
+def test_sass_count_loop_counts():
+    """csrc/tools/sass_count.py's counting function on a hand-written SASS listing: the main loop
+    is the innermost backward-branch loop with tensor-core instructions (ties: the smallest), and
+    its instructions are counted per score element, MUFU by kind, LDSM per HMMA."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ssa_flash_sass_count", CSRC / "tools" / "sass_count.py")
+    sc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sc  # (dataclasses look their module up)
+    spec.loader.exec_module(sc)
+    lines = [
+        "MOV R1, c[0x0][0x28]",            # 0x00
+        "HMMA.16816.F32 R4, R8, R12, RZ",  # 0x10 (outside every loop)
+        "LDSM.16.M88.4 R8, [R2]",          # 0x20  checked loop 0x20..0x60
+        "HMMA.16816.F32 R4, R8, R12, R4",  # 0x30
+        "MUFU.LG2 R5, R5",                 # 0x40
+        "MUFU.EX2 R5, R5",                 # 0x50
+        "@P0 BRA 0x20",                    # 0x60
+        "LDSM.16.M88.4 R8, [R2]",          # 0x70  interior loop 0x70..0xa0
+        "HMMA.16816.F32 R4, R8, R12, R4",  # 0x80
+        "MUFU.EX2 R5, R5",                 # 0x90
+        "@P1 BRA 0x70",                    # 0xa0
+        "@P2 BRA 0x20",                    # 0xb0  outer loop around both: not a main loop
+        "EXIT",                            # 0xc0
+    ]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(lines))
+    spec16 = sc.LoopSpec(block_m=16, block_n=8, threads=32)
+    main = sc.count_loop(sass, spec16)
+    assert main["loop"] == [0x70, 0xA0]
+    assert main["instructions"] == 4 and main["per_element"] == 1.0
+    assert main["mufu"] == {"EX2": 1} and main["mma"] == 1 and main["ldmatrix_per_mma"] == 1.0
+    checked = sc.count_loop(sass, sc.LoopSpec(block_m=16, block_n=8, threads=32, rank=1))
+    assert checked["loop"] == [0x20, 0x60] and checked["instructions"] == 5
+    assert checked["mufu"] == {"EX2": 1, "LG2": 1} and checked["mufu_per_element"] == 0.5
+    assert sc.count_loop(sass, sc.LoopSpec(block_m=16, block_n=8, threads=32, rank=2)) is None
