@@ -266,7 +266,7 @@ def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> i
 
     The forward and the dQ kernel keep the hardware exp2 / reciprocal unless
     ``SSA_FLASH_POLY_EXP2=1``: there the polynomial lowers the bound (forward D=64 bf16 sm_90:
-    0.129 -> 0.114 clock per element) but raises SSA's instructions per element past the audit's
+    0.127 -> 0.102 clock per element) but raises SSA's instructions per element past the audit's
     gates (1.5x softmax's in the forward, 2.0x in the backward; bench/NOTES.md). A GPU
     measurement should decide."""
     if FORCE_POLY_EXP2 is not None:
