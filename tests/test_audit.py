@@ -428,6 +428,22 @@ def test_synthetic_resources_spills_and_serialisation():
     assert on_a100["fits"] is False  # 163 KB per block there
 
 
+def test_interior_loop_is_the_one_without_boundary_code():
+    """The interior loop is identified by the absence of the kernels' ``# audit: boundary-only``
+    lines, not by being the cheapest (the polynomial exp2 makes an interior loop longer than a
+    boundary one); without that information, the cheapest."""
+    def lp(total, marked):
+        return {"per_element": {"total": total}, "boundary_code": marked}
+
+    loops = [lp(19.1, True), lp(19.3, False), lp(18.8, True)]
+    assert analyse.assign_roles(loops) == 1
+    assert [x["role"] for x in loops] == ["boundary1", "interior", "boundary2"]
+    loops = [lp(12.0, False), lp(10.0, False)]
+    assert analyse.assign_roles(loops) == 1  # ambiguous: the cheapest
+    lines = analyse.boundary_marker_lines()
+    assert {name for name, _ in lines} >= {"common.py", "forward.py", "backward.py", "entropy.py"}
+
+
 def test_nested_and_split_loops():
     """Main loops are the innermost loops with MMA: an outer loop around two MMA loops (interior
     and boundary) is not one; a spin-wait loop without MMA inside a loop does not hide it."""

@@ -84,8 +84,9 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
@@ -257,7 +258,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_stat = row_base + offs_m
         if BOUNDARY:
-            row_ok = offs_m < Lq
+            row_ok = offs_m < Lq  # audit: boundary-only
             q = tl.load(q_ptrs + start_m * stride_qm, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
             do = tl.load(do_ptrs + start_m * stride_dom, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)

@@ -121,7 +121,7 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
         q_idx = offs_q[:, None]
         k_idx = offs_k[None, :]
     if BOUNDARY:
-        admissible = (q_idx < Lq) & (k_idx < Lk)
+        admissible = (q_idx < Lq) & (k_idx < Lk)  # audit: boundary-only
         if CAUSAL:
             admissible = admissible & (k_idx <= q_idx)
     if MASK_KIND != 0:

@@ -29,8 +29,9 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
