@@ -19,7 +19,8 @@ import torch
 from .. import reference as spec_code
 from .spec import AttentionSpec, TemperatureState, acc_dtype
 
-__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
+           "backward_given_g"]
 
 NAME = "reference"
 
@@ -81,6 +82,22 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
 
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)
+
+
+# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
+
+
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, dbeta_only=True)
+
+
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+                     spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=g)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbeta_only=False):
     z, l, allowed = _rows(q, k, mask, b, n, spec)
     acc = z.dtype
     beta = temp.beta if spec.adaptive else None
@@ -98,7 +115,9 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
     l0 = l.masked_fill(~allowed, 0.0)
     if spec.adaptive:
         dbeta = (ds * l0).sum(-1)
-        g = dbeta * temp.dbeta_dh
+        if dbeta_only:
+            return dbeta
+        g = dbeta * temp.dbeta_dh if g is None else g.to(acc)
         p = spec_code._masked_softmax(l, allowed)
         logp = (l - temp.lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)
         dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
