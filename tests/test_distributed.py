@@ -137,16 +137,32 @@ def _module_checks(rank, world, causal):
     for name in ("b_raw", "n_raw"):
         _close(f"DDP d{name}", getattr(attn, name).grad, getattr(ref, name).grad / world, 10 * TOL)
 
+    # FSDP2 (fully_shard): b_raw, n_raw sharded over the ranks, gradients reduce-scattered (averaged)
+    from torch.distributed.fsdp import fully_shard
+
+    attn = sfd.RingSSAttention(2, b0, n0, is_causal=causal, backend="reference").double()
+    fully_shard(attn)
+    (attn(ql, kl, vl) * dl).sum().backward()
+    for name in ("b_raw", "n_raw"):
+        _close(f"FSDP d{name}", getattr(attn, name).grad.full_tensor(), getattr(ref, name).grad / world, 10 * TOL)
+
     # without a wrapper, reduce_param_grads=True: every rank gets the whole gradient
     attn = sfd.RingSSAttention(2, b0, n0, is_causal=causal, backend="reference", reduce_param_grads=True).double()
     (attn(ql, kl, vl) * dl).sum().backward()
     for name in ("b_raw", "n_raw"):
         _close(f"d{name}", getattr(attn, name).grad, getattr(ref, name).grad, 10 * TOL)
     assert attn.state_dict().keys() == ref.state_dict().keys()
+    chunk = 2  # 8 positions in 2 * world chunks: zig-zag (r, 2W-1-r) when causal
+    expected = [p for c in (rank, 2 * world - 1 - rank) for p in range(c * chunk, (c + 1) * chunk)]
+    assert sfd.shard_positions(8, is_causal=True).tolist() == expected
+    assert sfd.shard_positions(8).tolist() == list(range(rank * 4, rank * 4 + 4))
 
 
 @needs_gloo
-def test_ring_module_under_ddp():
+def test_ring_module_under_ddp_and_fsdp():
+    """RingSSAttention (causal, 2 ranks) under DDP and FSDP2: b, n gradients scaled like every
+    other parameter's (averaged over the ranks); on its own with reduce_param_grads=True: the
+    whole gradient on every rank. The same state dict as SSAttention."""
     spawn(_module_checks, 2, True)
 
 
@@ -233,3 +249,27 @@ def test_not_initialised():
         sfd.ring_attention(x, x, x)
     with pytest.raises(ValueError, match="group: torch.distributed is not initialised"):
         sfd.shard_sequence(x)
+
+
+@needs_gloo
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_rank_equals_unsharded(single_rank_group, causal):
+    """A ring of one rank (no communication) is the unsharded attention of the public functions
+    (Triton kernels where they run, else the reference), b and n given as numbers."""
+    import ssa_flash
+
+    backend = "triton" if (torch.cuda.is_available() or INTERPRETER) else "reference"
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    out = sfd.ring_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, adaptive_temperature=True, backend=backend)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, adaptive_temperature=True,
+                                  backend=backend)
+    grads_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    _close("out", out, ref)
+    for name, ours, theirs in zip("qkv", grads, grads_ref):
+        _close(f"d{name}", ours, theirs)
+    with torch.no_grad():
+        _close("out (no grad)", sfd.ring_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend),
+               ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend))
+    assert sfd.shard_positions(8, is_causal=causal).tolist() == list(range(8))
