@@ -207,6 +207,15 @@ def test_merge_identities_and_empty_rows():
     out0, lse0 = P.empty_output(q, 2)
     out1, _ = P.merge_outputs(out0, lse0, *attend(la, va))
     torch.testing.assert_close(out1, attend(la, va)[0], rtol=0, atol=0)
+    P.merge_outputs_(out0, lse0, *attend(la, va))  # in place, rows of a larger accumulator too
+    P.merge_outputs_(out0, lse0, *attend(lb, vb))
+    torch.testing.assert_close(out0, out, rtol=0, atol=1e-15)
+    torch.testing.assert_close(lse0, lse, rtol=0, atol=0)
+    big_out, big_lse = P.empty_output(torch.zeros(1, 1, 7, 2, dtype=torch.float64), 2)
+    P.merge_outputs_(big_out[:, :, 2:5], big_lse[:, :, 2:5], *attend(la, va))
+    P.merge_outputs_(big_out[:, :, 2:5], big_lse[:, :, 2:5], *attend(lb, vb))
+    torch.testing.assert_close(big_out[:, :, 2:5], out, rtol=0, atol=1e-15)
+    assert (big_out[:, :, :2] == 0).all() and (big_lse[:, :, 5:] == float("-inf")).all()
 
 
 def test_key_shard_interface_and_backend_resolution():

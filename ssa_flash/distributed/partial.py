@@ -55,7 +55,7 @@ from ..errors import BackendUnavailableError
 
 __all__ = ["RowStats", "Visibility", "causal_pair", "resolve_backend", "empty_row_stats",
            "partial_entropy", "merge_entropy", "temperature_state", "partial_forward",
-           "empty_output", "merge_outputs", "partial_dbeta", "partial_backward"]
+           "empty_output", "merge_outputs", "merge_outputs_", "partial_dbeta", "partial_backward"]
 
 
 class RowStats(NamedTuple):
@@ -183,6 +183,17 @@ def merge_outputs(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) ->
     wa = torch.exp(lse_a - ref).unsqueeze(-1)
     wb = torch.exp(lse_b - ref).unsqueeze(-1)
     return wa * out_a.to(acc) + wb * out_b.to(acc), lse
+
+
+def merge_outputs_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """:func:`merge_outputs` in place: ``(out, lse)`` (accumulation dtype, views allowed, e.g.
+    rows of a larger accumulator) become the merge of themselves with ``(part_out, part_lse)``.
+    Allocates one temporary of ``part_out``'s size in the accumulation dtype."""
+    new = torch.logaddexp(lse, part_lse)
+    ref = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    out.add_(part_out * torch.exp(part_lse - ref).unsqueeze(-1))
+    lse.copy_(new)
 
 
 # --------------------------------------------------------------------------------------------

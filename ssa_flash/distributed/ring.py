@@ -231,9 +231,7 @@ def _ring_forward(cfg: _Config, q, k, v, b, n):
         beta = _rows(temp.beta, qs) if spec.adaptive else None
         part_out, part_lse = P.partial_forward(_rows(q, qs), _rows(shard[0], ks), _rows(shard[1], ks), b, n,
                                                beta, dataclasses.replace(spec, causal=diag), backend)
-        merged_out, merged_lse = P.merge_outputs(_rows(out, qs), _rows(lse, qs), part_out, part_lse)
-        _rows(out, qs).copy_(merged_out)
-        _rows(lse, qs).copy_(merged_lse)
+        P.merge_outputs_(_rows(out, qs), _rows(lse, qs), part_out, part_lse)
 
     ring.circulate([k, v], visit)
     return out.to(q.dtype), lse, temp
