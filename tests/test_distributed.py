@@ -64,23 +64,38 @@ def _case(mode, causal, world, hkv, chunk=5, Hq=2, D=8, seed=0):
     return (q, k, v, dout, b, n), out.detach(), grads
 
 
-def _check_ring(rank, world, mode, causal, hkv, backend):
+LOW_TOL = {torch.float32: 2e-5, torch.float16: 1e-2}  # relative, against the float64 reference
+
+
+def _check_ring(rank, world, mode, causal, hkv, backend, dtype=torch.float64, bshd=False):
+    """``bshd``: the inputs are sharded in a (B, L, H, D) layout (``dim=1``) and transposed to
+    (B, H, L/W, D) views, so the ring gets non-contiguous shards."""
     (q, k, v, dout, b, n), out_ref, grads_ref = _case(mode, causal, world, hkv)
     shard = lambda t: sfd.shard_sequence(t, None, 2, causal)  # noqa: E731
-    ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
+    if bshd:
+        leaves = [sfd.shard_sequence(t.transpose(1, 2).contiguous(), None, 1, causal).to(dtype).requires_grad_()
+                  for t in (q, k, v)]
+        ql, kl, vl = (t.transpose(1, 2) for t in leaves)
+        assert not ql.is_contiguous()
+    else:
+        leaves = [shard(t).to(dtype).requires_grad_() for t in (q, k, v)]
+        ql, kl, vl = leaves
     bl, nl = b.clone().requires_grad_(), n.clone().requires_grad_()
     ssa = "ssa" in mode
     out = sfd.ring_attention(ql, kl, vl, None, causal, None, hkv != q.shape[1], ssa=ssa, b=bl, n=nl,
                              adaptive_temperature="adaptive" in mode, backend=backend)
-    (out * shard(dout)).sum().backward()
-    tag = f"rank {rank}/{world} {mode} causal={causal} hkv={hkv} {backend}"
-    _close(f"{tag}: out", out, shard(out_ref))
-    _close(f"{tag}: unshard(out)", sfd.unshard_sequence(out, None, 2, causal), out_ref)
-    for name, ours, ref in zip("qkv", (ql, kl, vl), grads_ref[:3]):
-        _close(f"{tag}: d{name}", ours.grad, shard(ref))
+    assert out.dtype == dtype
+    (out.double() * shard(dout)).sum().backward()
+    tol = TOL if dtype == torch.float64 else LOW_TOL[dtype]
+    tag = f"rank {rank}/{world} {mode} causal={causal} hkv={hkv} {backend} {dtype} bshd={bshd}"
+    _close(f"{tag}: out", out, shard(out_ref), tol)
+    _close(f"{tag}: unshard(out)", sfd.unshard_sequence(out, None, 2, causal), out_ref, tol)
+    for name, leaf, ref in zip("qkv", leaves, grads_ref[:3]):
+        grad = leaf.grad.transpose(1, 2) if bshd else leaf.grad
+        _close(f"{tag}: d{name}", grad, shard(ref), tol)
     if ssa:
         for name, ours, ref in zip("bn", (bl, nl), grads_ref[3:]):
-            _close(f"{tag}: d{name}", ours.grad, ref, 10 * TOL)
+            _close(f"{tag}: d{name}", ours.grad, ref, 10 * tol)
             every = [torch.empty_like(ours.grad) for _ in range(world)]
             dist.all_gather(every, ours.grad)
             assert all(torch.equal(x, every[0]) for x in every), f"{tag}: d{name} differs between ranks"
@@ -89,16 +104,19 @@ def _check_ring(rank, world, mode, causal, hkv, backend):
 
 
 def _ring_cases(rank, world, cases):
-    for mode, causal, hkv, backend in cases:
-        _check_ring(rank, world, mode, causal, hkv, backend)
+    for case in cases:
+        _check_ring(rank, world, *case)
 
 
 @needs_gloo
 @needs_kernels
 def test_ring_triton_two_ranks():
-    """2 ranks, Triton kernels (interpreter on the CPU): every variant, causal and not; GQA in
-    half of the cases."""
+    """2 ranks, Triton kernels (interpreter on the CPU): every variant, causal and not, float64;
+    GQA in half of the cases; then float32 on non-contiguous (B, L, H, D)-sharded inputs and
+    float16, SSA + adaptive, causal."""
     cases = [(mode, causal, 1 if causal else 2, "triton") for mode in MODES for causal in (False, True)]
+    cases += [("ssa_adaptive", True, 1, "triton", torch.float32, True),
+              ("ssa_adaptive", True, 2, "triton", torch.float16)]
     spawn(_ring_cases, 2, cases)
 
 
