@@ -246,6 +246,8 @@ def test_errors_name_the_argument(single_rank_group):
         sfd.ring_attention(x[:, :, :5], x[:, :, :5], x[:, :, :5], is_causal=True, backend="reference")
     with pytest.raises(ValueError, match="is_causal.*query length 6, key length 4"):
         sfd.ring_attention(x, x[:, :, :4], x[:, :, :4], is_causal=True, backend="reference")
+    with pytest.raises(ValueError, match=r"query must have 4 dims \(B, H, L/W, D\)"):
+        sfd.ring_attention(x[0], x[0], x[0])
     with pytest.raises(TypeError, match="adaptive_temperature"):
         sfd.ring_attention(x, x, x, adaptive_temperature=1)
     with pytest.raises(ValueError, match="b must"):

@@ -310,8 +310,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, b, n, *temp = ctx.saved_tensors
         temp = TemperatureState(*temp) if cfg.spec.adaptive else None
         dq, dk, dv, db, dn = _ring_backward(cfg, dout, q, k, v, out, lse, b, n, temp)
-        if b is not None and cfg.reduce_param_grads and cfg.ring.world > 1 and (
-                ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
+        # whether or not b, n need gradients here: every rank must make the same collective calls
+        if b is not None and cfg.reduce_param_grads and cfg.ring.world > 1:
             both = torch.stack([db, dn])
             dist.all_reduce(both, group=cfg.ring.group)  # the same sum on every rank
             db, dn = both[0], both[1]
@@ -364,6 +364,10 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
     ops._check_bool("adaptive_temperature", adaptive_temperature)
     ops._check_bool("reduce_param_grads", reduce_param_grads)
     group = _resolve_group(group)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        ops._check_tensor(name, x)
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, H, L/W, D), got shape {tuple(x.shape)}")
     gqa = ops._check_qkv(query, key, value, enable_gqa)
     scale = ops._check_common(0.0, is_causal, scale, query.shape[-1], False)
     lq, lk = query.shape[2], key.shape[2]
