@@ -24,8 +24,11 @@ from attn_testing import INTERPRETER, MODES
 from dist_harness import spawn
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETER),
-                                   reason="needs CUDA or TRITON_INTERPRET=1")
+# The ranks here hold CPU tensors (gloo), so the Triton kernels run only through the interpreter.
+# GPU / NCCL runs are not part of this suite (docs/distributed.md).
+needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="multi-process tests run the Triton kernels on CPU "
+                                       "tensors: needs TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-10
 
 
@@ -109,7 +112,7 @@ def _ring_cases(rank, world, cases):
 
 
 @needs_gloo
-@needs_kernels
+@needs_interpreter
 def test_ring_triton_two_ranks():
     """2 ranks, Triton kernels (interpreter on the CPU): every variant, causal and not, float64;
     GQA in half of the cases; then float32 on non-contiguous (B, L, H, D)-sharded inputs and
@@ -127,7 +130,7 @@ def test_ring_four_ranks():
     the interpreter's cost on 4 processes), SSA + adaptive not causal with GQA, and one causal
     SSA + adaptive case through the Triton kernels where they run."""
     cases = [(mode, True, 2, "reference") for mode in MODES] + [("ssa_adaptive", False, 1, "reference")]
-    if torch.cuda.is_available() or INTERPRETER:
+    if INTERPRETER:
         cases.append(("ssa_adaptive", True, 1, "triton"))
     spawn(_ring_cases, 4, cases)
 
@@ -280,16 +283,19 @@ def test_one_rank_equals_unsharded(single_rank_group, causal):
 
     backend = "triton" if (torch.cuda.is_available() or INTERPRETER) else "reference"
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
+    tol = TOL if dtype == torch.float64 else LOW_TOL[dtype]
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
+               for _ in range(3))
     out = sfd.ring_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, adaptive_temperature=True, backend=backend)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     ref = ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, adaptive_temperature=True,
                                   backend=backend)
     grads_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
-    _close("out", out, ref)
+    _close("out", out, ref, tol)
     for name, ours, theirs in zip("qkv", grads, grads_ref):
-        _close(f"d{name}", ours, theirs)
+        _close(f"d{name}", ours, theirs, tol)
     with torch.no_grad():
         _close("out (no grad)", sfd.ring_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend),
-               ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend))
-    assert sfd.shard_positions(8, is_causal=causal).tolist() == list(range(8))
+               ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend), tol)
+    assert sfd.shard_positions(8, is_causal=causal).tolist() == list(range(8))  # one rank: no communication
