@@ -34,14 +34,14 @@ so the backward keeps the sign of ``n`` and of the scale in the logit coefficien
 kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring attention) cannot get
 ``dbeta`` from one launch: it reads each shard's partial ``dbeta`` out of ``G`` (a launch with
 ``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
-row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The ``db``/``dn`` partials are reduced in a fixed order afterwards,
-so the backward is deterministic.
+row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The
+``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
 """
 import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, boundary_logits, combine_scale, interior_end, safe_row_max,
-                     ssa_log_weight, fast_recip)
+                     ssa_log_weight, ssa_reciprocal)
 
 
 @triton.jit
@@ -77,7 +77,8 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                    SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+                   ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
     ADAPTIVE also ``dbeta`` and the entropy-term sums."""
@@ -99,8 +100,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
         else:
             x = s
-        masked = BOUNDARY or MASK_KIND != 0
-        if masked:
+        if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
             if ADAPTIVE:
@@ -115,7 +115,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         dl = p * (dp - delta[:, None])
         if ADAPTIVE:
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
                 dbeta += tl.sum(dl * tl.where(admissible, l2, 0.0), 1)
                 log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
@@ -127,7 +127,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                 ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None])
             dl = dl * beta[:, None]
         if SSA:
-            r = fast_recip(u, FAST_MATH)
+            r = ssa_reciprocal(u, x, BLOCK_M, BLOCK_N, FAST_MATH, POLY_EXP2)
             ds = dl * r
             dn_acc += tl.sum(dl * x, 1)
             if ADAPTIVE:
@@ -158,6 +158,7 @@ def attention_bwd_dq_kernel(
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
     G_GIVEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -216,12 +217,12 @@ def attention_bwd_dq_kernel(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         0, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2)
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0)
 
     if ADAPTIVE:
         if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
@@ -252,7 +253,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                        SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
     (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
     this head's ``ds_scale`` applied (heads of a GQA group differ in it)."""
@@ -281,7 +283,6 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
         else:
             x = st
-        masked = BOUNDARY or MASK_KIND != 0
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
@@ -289,11 +290,11 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
             l2 = x * coef
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                      stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
             pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
-        elif masked:
+        elif BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
             pt = tl.exp2(l2 - lse2[None, :])
@@ -302,7 +303,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
         dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if ADAPTIVE:
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
                 log_p2 = tl.where(admissible, l2 - lse_l2[None, :], 0.0)
                 ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :]), 0.0)
@@ -317,7 +318,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
         else:
             ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
         if SSA:
-            ds = ds * fast_recip(u, FAST_MATH)
+            ds = ds * ssa_reciprocal(u, x, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
@@ -338,6 +339,7 @@ def attention_bwd_dkdv_kernel(
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
@@ -383,17 +385,17 @@ def attention_bwd_dkdv_kernel(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, Lq),
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, Lq,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0)
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale

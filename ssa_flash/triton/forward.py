@@ -9,7 +9,7 @@ loop runs first over the interior key blocks (no index checks), then over the bo
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, combine_scale, head_coefficients,
+from .common import (LN2, LOG2E, boundary_logits, exp2_half_poly, combine_scale, head_coefficients,
                      interior_end, safe_row_max, tile_logit_input)
 
 
@@ -20,7 +20,8 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                     BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -50,7 +51,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
             # logit and its shift fuse into one multiply-add per element.
             m_new = tl.maximum(m_i, tl.max(x, 1) * coef)
             m_safe = m_new  # finite: every element of an interior tile is admissible
-            p = tl.exp2(x * coef[:, None] - m_safe[:, None])
+            p = exp2_half_poly(x * coef[:, None] - m_safe[:, None], BLOCK_M, BLOCK_N, POLY_EXP2)
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC)
@@ -70,6 +71,7 @@ def attention_fwd_kernel(
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+    POLY_EXP2: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     # Heaviest (last, under CAUSAL) query blocks first; consecutive programs share K/V in L2.
@@ -113,11 +115,13 @@ def attention_fwd_kernel(
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, 0, mid,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
-        SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+        SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+        BLOCK_M, POLY_EXP2)
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, mid, hi,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
-        SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH)
+        SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+        BLOCK_M, 0)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
