@@ -31,8 +31,11 @@ so the backward keeps the sign of ``n`` and of the scale in the logit coefficien
 ``g_i = dbeta_i * dbeta/dH_i`` needs ``dbeta_i = sum_j dS'_ij l_ij`` over the whole row before any
 ``dl`` is known. Kernel 1 owns whole rows, so it accumulates the ``beta dS'`` part and the
 ``P (log P + H)`` part of every row-sum separately and combines them with ``g`` at the end;
-kernel 2 then reads ``g``. The ``db``/``dn`` partials are reduced in a fixed order afterwards,
-so the backward is deterministic.
+kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring attention) cannot get
+``dbeta`` from one launch: it reads each shard's partial ``dbeta`` out of ``G`` (a launch with
+``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
+row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The
+``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
 """
 import triton
 import triton.language as tl
@@ -157,6 +160,7 @@ def attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr,
+    G_GIVEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -222,9 +226,12 @@ def attention_bwd_dq_kernel(
         BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0)
 
     if ADAPTIVE:
-        # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
-        g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
-        tl.store(G + row_stat, g, mask=row_ok)
+        if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
+            g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
+        else:
+            # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
+            g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
+            tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
         dn_acc = dn_acc - g * dn_ent
     if SSA:

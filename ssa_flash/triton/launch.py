@@ -338,11 +338,16 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
 
 
 def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
-             spec: AttentionSpec):
+             spec: AttentionSpec, *, g: Optional[torch.Tensor] = None, dbeta_only: bool = False):
     """Gradients ``(dq, dk, dv, db, dn)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax.
 
     ``dlse`` (or None) is the gradient reaching the returned LSE: since ``d lse_i / d S'_ij = P'_ij``
     it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``).
+
+    For callers holding a shard of the keys (adaptive only; see :func:`row_dbeta`): ``g``
+    ``(B, Hq, Lq)`` is the temperature gradient ``g_i = dbeta_i * dbeta/dH_i`` of whole rows, used
+    instead of the one computed from the keys given; ``dbeta_only`` runs the dQ kernel alone and
+    returns its ``g`` (``temp.dbeta_dh`` of ones makes that the partial ``dbeta``).
     """
     B, H, Lq, D = q.shape
     HKV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -360,8 +365,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
-        g = _stat_tensor(q)
+        g_given = g is not None
+        g = _stat_tensor(q) if g is None else g.to(acc_torch).contiguous()
     else:
+        g_given = False
+        if g is not None or dbeta_only:
+            raise ValueError("g and dbeta_only are for the adaptive temperature only")
         beta = lse_l = ent = dbeta_dh = g = q
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
@@ -380,9 +389,14 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *ms,
                 H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
 
+    dq_consts = dict(consts, HAS_DLSE=dlse is not None,
+                     POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
+    if g_given:  # only then: the default specialisations' constexprs stay as they were
+        dq_consts["G_GIVEN"] = True
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
-            dict(consts, HAS_DLSE=dlse is not None,
-                 POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq")), q.device, head_block, q.dtype)
+            dq_consts, q.device, head_block, q.dtype)
+    if dbeta_only:
+        return g
 
     def dkdv_args(blk):
         return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
@@ -396,3 +410,14 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, db, dn
+
+
+def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    """``dbeta_i = sum_j dS'_ij l_ij`` ``(B, Hq, Lq)`` over the keys given (adaptive only), for a
+    caller holding a shard of the keys: ``o``, ``lse`` and ``temp`` are those of whole rows, so
+    the shards' results sum to the whole row's ``dbeta``. One launch of the dQ kernel with
+    ``dbeta/dH = 1`` (its other outputs are discarded)."""
+    if not spec.adaptive:
+        raise ValueError("row_dbeta is for the adaptive temperature only")
+    ones = TemperatureState(temp.beta, temp.lse_l, temp.entropy, torch.ones_like(temp.dbeta_dh))
+    return backward(do, q, k, v, o, lse, dlse, mask, b, n, ones, spec, dbeta_only=True)
