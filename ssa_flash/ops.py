@@ -406,6 +406,8 @@ def _check_packed_qkv(query, key, value, enable_gqa: bool) -> int:
         _check_tensor(name, x)
         if x.dim() != 3:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim), got shape {tuple(x.shape)}")
+    if value.shape[:2] != key.shape[:2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same rows and heads")
     # the dense checks on (1, H, total, D) views: dtypes, devices, head dims, heads, GQA
     return _check_qkv(*(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)), enable_gqa)
 
@@ -452,8 +454,6 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
                     ("deterministic", deterministic)):
         _check_bool(name, x)
     group = _check_packed_qkv(query, key, value, enable_gqa)
-    if key.shape[0] != value.shape[0]:
-        raise ValueError(f"key and value must have the same number of rows, got {key.shape[0]} and {value.shape[0]}")
     cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, query.device)
     cu_k = _check_index_tensor("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], query.device)
     max_seqlen_q = _check_int("max_seqlen_q", max_seqlen_q, minimum=1)
