@@ -250,3 +250,19 @@ def test_forward_only():
     q.requires_grad_()
     out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, backend="triton")
     assert not out.requires_grad
+
+
+def test_torch_compile_fullgraph():
+    """One graph through a decoding step, the in-place cache write included."""
+    q, k_cache, v_cache, (k_new, v_new) = cache_inputs(1, Lnew=1, seed=6)
+    lengths = seqlens(11, 0, 30)
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        return ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new, is_causal=True,
+                                                enable_gqa=True, num_splits=2, backend="triton")
+
+    k1, v1, k2, v2 = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    eager = step(q, k1, v1, k_new, v_new)
+    compiled = torch.compile(step, fullgraph=True)(q, k2, v2, k_new, v_new)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, k_cache)
