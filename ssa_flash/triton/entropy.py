@@ -123,7 +123,7 @@ def row_entropy_kernel(
     row_out = row_base
     if SPLIT:
         lo, mid, hi = split_key_range(lo, mid, hi, BLOCK_N)
-        row_out += tl.program_id(1) * stat_stride_s
+        row_out += tl.program_id(1).to(tl.int64) * stat_stride_s
     m_i, lam, kc = _stats_key_blocks(
         m_i, lam, kc, q, k_ptrs, mask_base, pos_m, lo, mid, stride_kn, stride_mask_m, stride_mask_n,
         pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,

@@ -2,8 +2,9 @@
 row ``l2`` (softmax or SSA log-weights, optionally multiplied by a per-row temperature ``beta``).
 
 One program handles BLOCK_M queries of one (batch element or packed sequence, query head), or
-with ``SPLIT`` (split-KV decoding) a share of their keys (see ``common.py`` for ``VARLEN``). It writes the output and the
-natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the backward needs. The key
+with ``SPLIT`` (split-KV decoding) a share of their keys (``VARLEN``: see ``common.py``). It
+writes the output and the natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the
+backward needs. The key
 loop runs first over the interior key blocks (no index checks), then over the boundary ones
 (the ragged end, the causal diagonal); see ``common.py``.
 """
@@ -149,8 +150,9 @@ def attention_fwd_kernel(
     row_out = row_base
     if SPLIT:  # this program's share of the keys; partial results go to split slots
         lo, mid, hi = split_key_range(lo, mid, hi, BLOCK_N)
-        o_base += tl.program_id(1) * stride_os
-        row_out += tl.program_id(1) * stat_stride_s
+        split = tl.program_id(1).to(tl.int64)
+        o_base += split * stride_os
+        row_out += split * stat_stride_s
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, lo, mid,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,

@@ -21,7 +21,7 @@ def _split_weights(LSE_PART, row, stat_stride_s, num_splits, BLOCK_S: tl.constex
     natural-log LSE of the row, the partial LSEs, and which split slots exist."""
     offs_s = tl.arange(0, BLOCK_S)
     ok = offs_s < num_splits
-    lse_s = tl.load(LSE_PART + offs_s * stat_stride_s + row, mask=ok, other=float("-inf")).to(ACC)
+    lse_s = tl.load(LSE_PART + offs_s.to(tl.int64) * stat_stride_s + row, mask=ok, other=float("-inf")).to(ACC)
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     e = tl.where(lse_s == float("-inf"), 0.0, tl.exp(lse_s - m_safe))
@@ -50,7 +50,7 @@ def merge_output_kernel(
     w, lse, lse_s, ok = _split_weights(LSE_PART, row, stat_stride_s, num_splits, BLOCK_S, ACC)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_DV)
-    parts = tl.load(O_PART + offs_s[:, None] * stride_ps + off_b * stride_pb + off_h * stride_ph + i * stride_pm
+    parts = tl.load(O_PART + offs_s[:, None].to(tl.int64) * stride_ps + off_b * stride_pb + off_h * stride_ph + i * stride_pm
                     + offs_d[None, :] * stride_pd, mask=ok[:, None] & (offs_d[None, :] < DV), other=0.0)
     out = tl.sum(w[:, None] * parts.to(ACC), 0)
     tl.store(O + off_b * stride_ob + off_h * stride_oh + i * stride_om + offs_d * stride_od,
@@ -66,7 +66,7 @@ def merge_entropy_kernel(ENT_PART, LSE_PART, ENT, LSE, num_splits, stat_stride_s
     row = tl.program_id(0).to(tl.int64)
     w, lse, lse_s, ok = _split_weights(LSE_PART, row, stat_stride_s, num_splits, BLOCK_S, ACC)
     offs_s = tl.arange(0, BLOCK_S)
-    ent_s = tl.load(ENT_PART + offs_s * stat_stride_s + row, mask=ok, other=0.0).to(ACC)
+    ent_s = tl.load(ENT_PART + offs_s.to(tl.int64) * stat_stride_s + row, mask=ok, other=0.0).to(ACC)
     term = tl.where(w > 0.0, w * (ent_s + lse - lse_s), 0.0)
     tl.store(ENT + row, tl.sum(term, 0))
     tl.store(LSE + row, lse)
