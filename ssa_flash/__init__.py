@@ -11,9 +11,11 @@ from .errors import BackendUnavailableError
 from .ops import (
     adaptive_temperature_attention,
     attention_entropy,
+    attention_with_kvcache,
     available_backends,
     softmax_attention,
     ssa_attention,
+    varlen_attention,
 )
 
 __version__ = "0.1.0"
@@ -23,6 +25,8 @@ __all__ = [
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
     "available_backends",
     "BackendUnavailableError",
     "reference",

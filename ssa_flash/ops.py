@@ -27,6 +27,8 @@ __all__ = [
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
     "available_backends",
     "BackendUnavailableError",
 ]
@@ -331,3 +333,274 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
         else:
             ent = autograd.row_entropy(query, key, b, n, mask, backend, spec)
     return ent.squeeze(0) if unbatched else ent
+
+
+# --------------------------------------------------------------------------------------------
+# Packed variable-length batches and KV-cache decoding (DESIGN.md 1.5)
+
+
+def _check_int(name: str, x, *, minimum: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def _check_window_and_dropout(dropout_p, window_size) -> None:
+    """Dropout and sliding windows are accepted by the signatures of the packed and KV-cache
+    functions but not implemented for them yet (DESIGN.md 1.5)."""
+    dropout_p = _check_number("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if dropout_p != 0.0:
+        raise ValueError("dropout_p != 0 is not implemented for packed batches (varlen_attention) yet; pass 0.0")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if any(w < -1 for w in window_size):
+        raise ValueError(f"window_size bounds must be >= -1 (-1: unbounded), got {tuple(window_size)}")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError("window_size other than (-1, -1) is not implemented for packed batches and KV "
+                         "caches yet")
+
+
+def _check_index_tensor(name: str, x, length: Optional[int], device) -> Tensor:
+    """An int32, 1-D, contiguous tensor on ``device`` (of ``length`` entries if given)."""
+    _check_tensor(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {x.dtype}")
+    if x.dim() != 1 or (length is not None and x.shape[0] != length):
+        want = f"({length},)" if length is not None else "1-D"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if x.device != torch.device(device):
+        raise ValueError(f"{name} is on {x.device} but query is on {device}")
+    return x
+
+
+def _host_checkable(*tensors) -> bool:
+    """Values may be read for validation only where that costs no device sync and no graph break."""
+    return all(t.device.type == "cpu" for t in tensors) and not torch.compiler.is_compiling()
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must have batch + 1 >= 1 entries")
+    if not _host_checkable(cu):
+        return
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the number of rows ({total}), got "
+                         f"{values[0]} ... {values[-1]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"{name} must be non-decreasing")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is less than the longest sequence in {name} ({max(lengths)})")
+
+
+def _check_packed_qkv(query, key, value, enable_gqa: bool) -> int:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, x)
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim), got shape {tuple(x.shape)}")
+    if value.shape[:2] != key.shape[:2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same rows and heads")
+    # the dense checks on (1, H, total, D) views: dtypes, devices, head dims, heads, GQA
+    return _check_qkv(*(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)), enable_gqa)
+
+
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                     enable_gqa: bool = False, *, ssa: bool = True, b: Scalar = 1.0, n: Scalar = 1.5,
+                     adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
+                     threshold: float = DEFAULT_THRESHOLD, window_size: Tuple[int, int] = (-1, -1),
+                     return_lse: bool = False, backend: str = "auto", deterministic: bool = False):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's ``varlen``
+    layout): no padding, no mask.
+
+    Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending to key/value rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule of :func:`ssa_attention` applied inside
+    the sequence (``is_causal``: key ``j`` visible to query ``i`` iff ``j <= i``, positions counted
+    from the sequence's start, SDPA's top-left alignment). Sequences may be empty; a query row with
+    no key gets 0 and zero gradients.
+
+    Args:
+        query: ``(total_q, Hq, D)``; key: ``(total_k, Hkv, D)``; value: ``(total_k, Hkv, Dv)``; any strides.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` contiguous cumulative offsets, on the
+            tensors' device, starting at 0 and ending at ``total_q`` / ``total_k``.
+        max_seqlen_q, max_seqlen_k: ints > 0, at least the longest sequence (they size the kernel
+            grid). Values of ``cu_seqlens_*`` are checked on the CPU only (reading them on a GPU
+            would synchronise): on a GPU, inconsistent offsets or a too small ``max_seqlen`` leave
+            rows uncomputed.
+        dropout_p, window_size: accepted for the DESIGN.md 1.5 signature; only 0.0 and (-1, -1)
+            are implemented for packed batches so far (ValueError otherwise).
+        is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic:
+            as in :func:`ssa_attention`; ``b``, ``n`` are used only with ``ssa=True``.
+        ssa: SSA logits (True) or softmax logits (False).
+        backend: "auto", "triton" or "reference" ("cuda": the CUDA C++ backend does not implement
+            packed batches; ``auto`` never picks it for them).
+
+    Returns:
+        ``out (total_q, Hq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (Hq, total_q)``
+        (float32, float64 for float64 inputs; ``-inf`` on rows with no key). Differentiable in
+        query, key, value, b and n (and through ``lse``).
+    """
+    for name, x in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("ssa", ssa),
+                    ("adaptive_temperature", adaptive_temperature), ("return_lse", return_lse),
+                    ("deterministic", deterministic)):
+        _check_bool(name, x)
+    group = _check_packed_qkv(query, key, value, enable_gqa)
+    cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, query.device)
+    cu_k = _check_index_tensor("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], query.device)
+    max_seqlen_q = _check_int("max_seqlen_q", max_seqlen_q, minimum=1)
+    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k, minimum=1)
+    _check_cu_seqlens("cu_seqlens_q", cu_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
+    _check_cu_seqlens("cu_seqlens_k", cu_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
+    _check_window_and_dropout(dropout_p, window_size)
+    scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
+    heads = query.shape[1]
+    if ssa:
+        b = _check_head_param("b", b, heads, query)
+        n = _check_head_param("n", n, heads, query)
+    else:
+        b = n = None
+    if adaptive_temperature:
+        poly, threshold = _check_poly(poly, threshold)
+    else:
+        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
+                         poly=poly, threshold=threshold, deterministic=deterministic,
+                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k)
+    backend = _resolve_backend(backend, query, key, value, spec)
+    if backend == "reference" or query.numel() == 0 or key.shape[0] == 0 or value.shape[-1] == 0:
+        out, lse = reference.varlen_attention(
+            query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, scale, group > 1,
+            ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
+            return_lse=True)
+    else:
+        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec)
+    return (out, lse) if return_lse else out
+
+
+def _check_cache(query, k_cache, v_cache, key, value, enable_gqa: bool) -> int:
+    group = _check_qkv(query, k_cache, v_cache, enable_gqa)
+    if (key is None) != (value is None):
+        raise ValueError("give both key and value (new rows for the cache) or neither")
+    if key is not None:
+        for name, x, cache in (("key", key, k_cache), ("value", value, v_cache)):
+            _check_tensor(name, x)
+            if x.dtype != cache.dtype:
+                raise TypeError(f"{name} must have the cache's dtype {cache.dtype}, got {x.dtype}")
+            if x.device != cache.device:
+                raise ValueError(f"{name} is on {x.device} but the cache is on {cache.device}")
+            if (x.dim() != 4 or x.shape[:2] != cache.shape[:2] or x.shape[3] != cache.shape[3]
+                    or x.shape[2] > cache.shape[2]):
+                raise ValueError(f"{name} must have shape (B, Hkv, Lnew, d) = ({cache.shape[0]}, {cache.shape[1]}, "
+                                 f"Lnew <= {cache.shape[2]}, {cache.shape[3]}), got {tuple(x.shape)}")
+        if key.shape[2] != value.shape[2]:
+            raise ValueError(f"key and value must have the same number of new rows, got {key.shape[2]} and {value.shape[2]}")
+    return group
+
+
+def _append_to_cache(cache: Tensor, new: Tensor, cache_seqlens: Tensor) -> None:
+    """Writes ``new (B, H, Lnew, d)`` into ``cache`` at rows ``cache_seqlens[b] + [0, Lnew)``, in
+    place, without reading ``cache_seqlens`` on the host."""
+    B, H, Lnew, d = new.shape
+    rows = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lnew, device=cache.device)
+    cache.scatter_(2, rows[:, None, :, None].expand(B, H, Lnew, d), new)
+
+
+def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                           key: Optional[Tensor] = None, value: Optional[Tensor] = None, *,
+                           is_causal: bool = False, scale: Optional[float] = None,
+                           enable_gqa: bool = False, ssa: bool = True, b: Scalar = 1.0,
+                           n: Scalar = 1.5, adaptive_temperature: bool = False,
+                           poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
+                           window_size: Tuple[int, int] = (-1, -1), return_lse: bool = False,
+                           cache_leftpad: Optional[Tensor] = None, num_splits: int = 0,
+                           backend: str = "auto"):
+    """Attention of a few queries over a KV cache (decoding), with the keys split across programs.
+
+    Batch element ``b`` of ``k_cache``/``v_cache`` holds ``cache_seqlens[b]`` valid rows. If ``key``
+    and ``value`` are given, they are first written into the caches in place at rows
+    ``cache_seqlens[b] : cache_seqlens[b] + Lnew`` and attended too (the caches then hold
+    ``cache_len = cache_seqlens[b] + Lnew`` valid rows; ``cache_seqlens`` itself is not changed).
+    ``is_causal`` is bottom-right aligned, as in every KV-cache API: query ``i`` of ``Lq`` is at
+    position ``cache_len - Lq + i`` and sees the rows up to it.
+
+    Forward only: the output carries no gradient (use :func:`ssa_attention` or
+    :func:`varlen_attention` to train).
+
+    Split-KV: when ``B * Hq * ceil(Lq / 16)`` programs would leave a GPU's SMs idle (decoding at small
+    batch), each row's keys are shared among several programs whose partial results are merged by
+    their log-sum-exps (also the adaptive temperature's entropy statistics); the heuristic fills one
+    wave of the GPU's SMs with splits of at least 4 key tiles each (``ssa_flash.triton.launch.
+    num_splits_heuristic``). ``num_splits`` forces a split count (1: no split; 0: the heuristic).
+
+    Args:
+        query: ``(B, Hq, Lq, D)``; k_cache: ``(B, Hkv, Lcache, D)``; v_cache: ``(B, Hkv, Lcache, Dv)``.
+        cache_seqlens: int32 ``(B,)`` on the query's device. Values are checked on the CPU only
+            (``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + Lnew <= Lcache``); on a GPU the kernels
+            clamp to the cache (never read outside it), but rows written past the cache's end fail.
+        key, value: ``(B, Hkv, Lnew, D)`` / ``(B, Hkv, Lnew, Dv)``, or None.
+        cache_leftpad: int32 ``(B,)`` or None: rows before ``cache_leftpad[b]`` are not attended
+            (left padding of a batch of prompts); positions still count from row 0.
+        window_size: only (-1, -1) is implemented (ValueError otherwise).
+        is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold: as in
+            :func:`varlen_attention`.
+        backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
+
+    Returns:
+        ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Lq)``. A batch
+        element with no row to attend (or a query row seeing none) gets 0 and ``lse = -inf``.
+    """
+    for name, x in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("ssa", ssa),
+                    ("adaptive_temperature", adaptive_temperature), ("return_lse", return_lse)):
+        _check_bool(name, x)
+    group = _check_cache(query, k_cache, v_cache, key, value, enable_gqa)
+    B, Lcache = query.shape[0], k_cache.shape[2]
+    seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, B, query.device)
+    if cache_leftpad is not None:
+        _check_index_tensor("cache_leftpad", cache_leftpad, B, query.device)
+    num_splits = _check_int("num_splits", num_splits, minimum=0)
+    lnew = 0 if key is None else key.shape[2]
+    if _host_checkable(seqlens):
+        lengths = seqlens.tolist()
+        if any(x < 0 or x + lnew > Lcache for x in lengths):
+            raise ValueError(f"cache_seqlens must be in [0, Lcache - Lnew] = [0, {Lcache - lnew}], got {lengths}")
+        if cache_leftpad is not None and any(p < 0 or p > x + lnew for p, x in zip(cache_leftpad.tolist(), lengths)):
+            raise ValueError("cache_leftpad must be in [0, cache_seqlens + Lnew] for every batch element")
+    _check_window_and_dropout(0.0, window_size)
+    scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
+    heads = query.shape[1]
+    if ssa:
+        b = _check_head_param("b", b, heads, query)
+        n = _check_head_param("n", n, heads, query)
+    else:
+        b = n = None
+    if adaptive_temperature:
+        poly, threshold = _check_poly(poly, threshold)
+    else:
+        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    used = seqlens if lnew == 0 else seqlens + lnew
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
+                         poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
+                         num_splits=num_splits)
+    backend = _resolve_backend(backend, query, k_cache, v_cache, spec)
+    with torch.no_grad():
+        if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
+            out, lse = reference.attention_with_kvcache(
+                query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
+                enable_gqa=group > 1, ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature,
+                poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad)
+        else:
+            if key is not None:
+                _append_to_cache(k_cache, key, seqlens)
+                _append_to_cache(v_cache, value, seqlens)
+            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec)
+    return (out, lse) if return_lse else out

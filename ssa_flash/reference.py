@@ -14,6 +14,9 @@ Equations (see DESIGN.md, section 1):
 * weights       ``P = softmax(l)``; a row with no admissible key gets ``P = 0``
 * adaptive      ``H = -sum P log P``; ``beta = max(poly(H), 1) if H > threshold else 1``;
                 weights ``softmax(beta * l)`` (Velickovic et al. 2025, Fig. 4)
+* packed batch  ``varlen_attention``: each sequence on its own, concatenated (DESIGN.md 1.5)
+* KV cache      ``attention_with_kvcache``: each batch element over its valid cache rows,
+                bottom-right causal alignment
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ __all__ = [
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
     "ssa_logits",
     "DEFAULT_POLY",
     "DEFAULT_THRESHOLD",
@@ -149,3 +154,87 @@ def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, e
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
     logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n)
     return _entropy(logits, allowed)
+
+
+def _no_dropout_or_window(dropout_p, window_size):
+    if dropout_p != 0.0:
+        raise ValueError("dropout_p != 0 is not implemented for packed batches and KV caches yet")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError("window_size is not implemented for packed batches and KV caches yet")
+
+
+def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, ssa, b, n, adaptive, poly, threshold):
+    """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys; no key: 0, -inf."""
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if k.shape[2] == 0:
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1])) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
+        return out, torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _attend(q, k, v, mask, 0.0, is_causal, scale, enable_gqa, True,
+                   b=b if ssa else None, n=n if ssa else None, adaptive=adaptive, poly=poly,
+                   threshold=threshold)
+
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                     dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, ssa=True,
+                     b: Scalar = 1.0, n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
+                     threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False, **_ignored):
+    """Packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``, ``value
+    (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending
+    to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule (causality top-left, as in
+    ``ssa_attention``) applied inside the sequence. ``ssa=False``: softmax logits. Returns ``out
+    (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``. The ``max_seqlen_*`` are
+    not needed here. Each sequence runs on its own (a loop), differentiably."""
+    _no_dropout_or_window(dropout_p, window_size)
+    cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    outs, lses = [], []
+    for s in range(len(cq) - 1):
+        if cq[s + 1] == cq[s]:
+            continue
+        q_s = query[cq[s]:cq[s + 1]].transpose(0, 1).unsqueeze(0)
+        k_s = key[ck[s]:ck[s + 1]].transpose(0, 1).unsqueeze(0)
+        v_s = value[ck[s]:ck[s + 1]].transpose(0, 1).unsqueeze(0)
+        o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal, scale, enable_gqa, ssa, b, n,
+                               adaptive_temperature, poly, threshold)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = torch.cat(outs) if outs else query.new_zeros((0, query.shape[1], value.shape[-1]))
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros((query.shape[1], 0), dtype=lse_dtype, device=query.device)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, value=None, *,
+                           is_causal=False, scale=None, enable_gqa=False, ssa=True, b: Scalar = 1.0,
+                           n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
+                           threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
+                           cache_leftpad=None, **_ignored):
+    """Attention of ``query (B, Hq, Lq, D)`` over a KV cache ``(B, Hkv, Lcache, D)`` of which batch
+    element ``b`` holds ``cache_seqlens[b]`` valid rows. New ``key``/``value`` ``(B, Hkv, Lnew, D)``
+    are first written into the caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew``
+    and attended too. With ``cache_leftpad`` (B,) rows before ``cache_leftpad[b]`` are not attended.
+    ``is_causal`` is bottom-right: query ``i`` is at cache position ``cache_len - Lq + i`` (``cache_len
+    = cache_seqlens[b] + Lnew``) and sees the rows up to it. Returns ``out (B, Hq, Lq, Dv)`` (and
+    ``lse (B, Hq, Lq)``); a batch element with no row to attend gets 0 (lse -inf)."""
+    _no_dropout_or_window(0.0, window_size)
+    lengths = [int(x) for x in cache_seqlens.tolist()]
+    starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
+    if key is not None:
+        for i, length in enumerate(lengths):
+            k_cache[i, :, length:length + key.shape[2]] = key[i]
+            v_cache[i, :, length:length + value.shape[2]] = value[i]
+        lengths = [length + key.shape[2] for length in lengths]
+    outs, lses = [], []
+    Lq = query.shape[2]
+    for i, (start, end) in enumerate(zip(starts, lengths)):
+        k_s, v_s = k_cache[i:i + 1, :, start:end], v_cache[i:i + 1, :, start:end]
+        mask = None
+        if is_causal:
+            mask = torch.arange(end - start, device=query.device)[None, :] <= (
+                torch.arange(Lq, device=query.device)[:, None] + (end - start - Lq))
+        o, lse = _one_sequence(query[i:i + 1], k_s, v_s, mask, False, scale, enable_gqa, ssa, b, n,
+                               adaptive_temperature, poly, threshold)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) if return_lse else out

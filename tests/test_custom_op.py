@@ -81,13 +81,21 @@ def count_launches(monkeypatch):
 
 def test_schema_carries_the_spec():
     """Every op ends with the backend name and the AttentionSpec fields, in field order."""
-    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic"]
+    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic",
+                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_k", "k_start",
+                 "num_splits"]
     for op in (torch.ops.ssa_flash.attn_fwd, torch.ops.ssa_flash.attn_bwd, torch.ops.ssa_flash.row_entropy):
         names = [a.name for a in op.default._schema.arguments]
         assert names[-len(spec_args) - 1:] == ["backend"] + spec_args, names
+        types = {a.name: str(a.type) for a in op.default._schema.arguments}
+        assert types["cu_seqlens_q"] == types["seqused_k"] == "Optional[Tensor]", types
     spec = AttentionSpec(scale=0.25, causal=True, group=2, adaptive=True, poly=(1, 2.5), threshold=0.1)
-    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False)
+    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False, None, None, 0, 0, None, None, 0)
     assert AttentionSpec.from_op_args(spec.op_args()) == spec
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    packed = AttentionSpec(scale=0.25, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3)
+    back = AttentionSpec.from_op_args(packed.op_args())
+    assert back.cu_seqlens_q is cu and back == packed and hash(back) == hash(packed)
 
 
 def _fwd_args(variant, dtype, backend):

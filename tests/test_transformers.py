@@ -41,7 +41,8 @@ def tokens(batch, length, seed=0):
 
 @contextlib.contextmanager
 def reference_attention(calls):
-    """Routes "ssa" to the naive reference (same per-module b, n), counting the calls."""
+    """Routes "ssa" to the naive reference (same per-module b, n) with transformers' materialised
+    masks, counting the calls."""
 
     def fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
         calls.append(module)
@@ -53,6 +54,8 @@ def reference_attention(calls):
         return out.transpose(1, 2).contiguous(), None
 
     ssa_hf.AttentionInterface.register(ssa_hf.ATTN_IMPLEMENTATION, fn)
+    if ssa_hf.AttentionMaskInterface is not None:  # materialised (B, 1, Lq, Lk) masks, as sdpa
+        ssa_hf.AttentionMaskInterface.register(ssa_hf.ATTN_IMPLEMENTATION, ssa_hf.sdpa_mask)
     try:
         yield
     finally:
@@ -224,3 +227,132 @@ def test_attention_dropout_is_refused_in_training():
     model.train()
     with pytest.raises(NotImplementedError, match="attn_pdrop"):
         model(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Padded batches without materialised masks, and the decode kernel in generation
+
+
+@contextlib.contextmanager
+def padding_free(enabled):
+    previous = ssa_hf.PADDING_FREE
+    ssa_hf.PADDING_FREE = enabled
+    try:
+        yield
+    finally:
+        ssa_hf.PADDING_FREE = previous
+
+
+@pytest.fixture
+def kernel_layouts(monkeypatch):
+    """Records (layout kind, mask given) of every Triton forward launch."""
+    from ssa_flash.triton import launch
+
+    seen = []
+    fwd = launch.forward
+
+    def forward(q, k, v, mask, b, n, beta, spec, layout=None):
+        seen.append((type(layout).__name__ if layout is not None else "dense", mask is not None))
+        return fwd(q, k, v, mask, b, n, beta, spec, layout)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    return seen
+
+
+def padded_batch(batch, length, lengths, left, seed=0):
+    x = tokens(batch, length, seed)
+    mask = torch.zeros_like(x)
+    for i, n in enumerate(lengths):
+        if left:
+            mask[i, length - n:] = 1
+        else:
+            mask[i, :n] = 1
+    return x, mask
+
+
+def build(arch, seed=0):
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(gpt2_config())
+    else:
+        model = transformers.LlamaForCausalLM(llama_config())
+    model = ssa_hf.enable_ssa(model.to(DEVICE).eval())
+    randomise_ssa(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("left", [True, False])
+def test_padded_batch_is_padding_free(arch, left, kernel_layouts):
+    """A padded batch runs the packed kernels (no mask reaches them) and gives the logits of the
+    materialised-mask path at every real token; the training gradients of b and n agree too."""
+    model = build(arch)
+    x, attn_mask = padded_batch(3, 9, [9, 4, 1], left)
+    keep = attn_mask.bool()
+    with torch.no_grad():
+        fast = model(x, attention_mask=attn_mask).logits
+        assert kernel_layouts and all(kind == "Packed" and not has_mask for kind, has_mask in kernel_layouts)
+        kernel_layouts.clear()
+        with padding_free(False):
+            masked = model(x, attention_mask=attn_mask).logits
+        assert kernel_layouts and all(kind == "dense" and has_mask for kind, has_mask in kernel_layouts)
+        calls = []
+        with reference_attention(calls):
+            ref = model(x, attention_mask=attn_mask).logits
+    torch.testing.assert_close(fast[keep], masked[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+    labels = x.masked_fill(~keep, -100)
+    grads = []
+    for enabled in (True, False):
+        model.zero_grad()
+        with padding_free(enabled):
+            model(x, attention_mask=attn_mask, labels=labels).loss.backward()
+        grads.append([p.grad.clone() for m in ssa_modules(model) for p in (m.b_raw, m.n_raw)])
+    for g_fast, g_masked in zip(*grads):
+        assert torch.isfinite(g_fast).all() and (g_fast != 0).any()
+        torch.testing.assert_close(g_fast, g_masked, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_uses_decode_kernel(arch, cache, kernel_layouts):
+    """Greedy generation of a left-padded batch with SSA: the decoding steps run the split-KV
+    KV-cache kernel (on transformers' cache after its update: the non-writing form) and generate
+    the tokens of the path without it (materialised masks, dense kernels)."""
+    model = build(arch, seed=1)
+    x, attn_mask = padded_batch(2, 6, [6, 3], left=True, seed=1)
+    kw = dict(attention_mask=attn_mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        fast = model.generate(x, **kw)
+        kinds = {kind for kind, _ in kernel_layouts}
+        assert "KVCache" in kinds and "Packed" in kinds, kinds  # prompt packed, steps from the cache
+        assert not any(has_mask for _, has_mask in kernel_layouts)
+        kernel_layouts.clear()
+        with padding_free(False):
+            slow = model.generate(x, **kw)
+        assert {kind for kind, _ in kernel_layouts} == {"dense"}
+        calls = []
+        with reference_attention(calls):
+            ref = model.generate(x, **kw)
+    assert fast.shape == (2, 11)
+    assert torch.equal(fast, slow) and torch.equal(fast, ref)
+
+
+def test_decode_kernel_matches_masked_logits():
+    """One decoding step over a left-padded cache: the split-KV kernel's logits equal the
+    materialised-mask path's (a stronger check than equal greedy tokens)."""
+    model = build("llama", seed=2)
+    x, attn_mask = padded_batch(2, 7, [7, 2], left=True, seed=2)
+    with torch.no_grad():
+        out = model(x, attention_mask=attn_mask, use_cache=True)
+        step = tokens(2, 1, seed=3)
+        mask2 = torch.cat([attn_mask, torch.ones_like(step)], dim=1)
+        import copy
+        cache2 = copy.deepcopy(out.past_key_values)
+        fast = model(step, attention_mask=mask2, past_key_values=out.past_key_values).logits
+        with padding_free(False):
+            masked = model(step, attention_mask=mask2, past_key_values=cache2).logits
+    torch.testing.assert_close(fast, masked, atol=1e-5, rtol=1e-5)

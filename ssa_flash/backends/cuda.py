@@ -311,6 +311,9 @@ def _smem_bytes(d: int, adaptive: bool, sm70: bool = False) -> int:
 
 
 def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+    if spec.packed or spec.kv_cache:
+        return ("the CUDA C++ kernels do not implement packed variable-length batches or KV-cache "
+                "decoding (varlen_attention, attention_with_kvcache): use backend='triton'")
     why = _device_reason(q.device)
     if why is not None:
         return why

@@ -18,6 +18,14 @@ Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
 * ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``, any strides, one dtype among
   float16 / bfloat16 / float32 / float64 (each backend says which it takes, see ``supports``);
   ``Hq = group * Hkv``; ``B * Hq * Lq > 0``, ``Lk > 0``, ``D > 0``, ``Dv > 0``.
+* Packed variable-length batch (``spec.cu_seqlens_q`` given, ``varlen_attention``): ``q (total_q, Hq, D)``,
+  ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``, outputs ``(total_q, Hq, Dv)`` and per-row
+  statistics ``(Hq, total_q)``; no mask. Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+  of q attending to rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k, v, every rule applied inside it.
+* KV cache (``spec.seqused_k`` given, ``attention_with_kvcache``): dense layouts, but batch element
+  ``b`` attends only key rows ``[k_start[b], seqused_k[b])`` and ``causal`` is bottom-right (query
+  ``i`` of ``Lq`` is at key position ``seqused_k[b] - Lq + i``); forward and ``row_entropy`` only.
+  Backends that do not implement a layout say so in ``supports``.
 * ``mask``: None, or a bool (True = attend) / floating (added to the logit row) tensor expanded,
   as a view with zero strides where broadcast, to ``(B, Hq, Lq, Lk)``.
 * ``b``, ``n``: None for softmax logits, or ``(Hq,)`` contiguous tensors in the accumulation dtype
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
@@ -39,9 +47,11 @@ from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
 __all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype"]
 
-# Python field type -> torch.library schema type. Tensor-valued options (a Philox seed/offset that
-# must live on the device for CUDA-graph capture, cu_seqlens) would be "Optional[Tensor]" ->
-# "Tensor?"; the autograd formula would then have to save them with save_for_backward.
+# Python field type -> torch.library schema type. Tensor-valued options (cu_seqlens, a KV cache's
+# lengths; a Philox seed/offset that must live on the device for CUDA-graph capture) are
+# "Optional[Tensor]" -> "Tensor?": declare them with ``field(default=None, compare=False)`` (they are
+# data, like q, k, v: not part of a spec's equality or hash); the autograd formula saves them with
+# save_for_backward (``ssa_flash.autograd``).
 _SCHEMA_TYPES = {
     float: "float",
     int: "int",
@@ -49,6 +59,7 @@ _SCHEMA_TYPES = {
     str: "str",
     Tuple[float, ...]: "float[]",
     Tuple[int, ...]: "int[]",
+    Optional[Tensor]: "Tensor?",
 }
 
 
@@ -78,9 +89,35 @@ class AttentionSpec:
     """the temperature is 1 on rows whose entropy is at most this"""
     deterministic: bool = False
     """bitwise reproducible backward (every backend today is deterministic whatever this says)"""
+    cu_seqlens_q: Optional[Tensor] = field(default=None, compare=False)
+    """packed variable-length batch: int32 ``(batch + 1,)`` offsets of each sequence's query rows
+    (tensors are then ``(total, H, D)``, see the module docstring); None: dense"""
+    cu_seqlens_k: Optional[Tensor] = field(default=None, compare=False)
+    """packed variable-length batch: int32 ``(batch + 1,)`` offsets of each sequence's key rows"""
+    max_seqlen_q: int = 0
+    """packed variable-length batch: at least the longest sequence's query count (sizes the grid)"""
+    max_seqlen_k: int = 0
+    """packed variable-length batch: at least the longest sequence's key count"""
+    seqused_k: Optional[Tensor] = field(default=None, compare=False)
+    """KV cache: int32 ``(B,)``, batch element ``b`` attends key rows below ``seqused_k[b]`` only, with
+    bottom-right causality; forward only. None: every key row"""
+    k_start: Optional[Tensor] = field(default=None, compare=False)
+    """KV cache: int32 ``(B,)`` first key row attended per batch element (left padding); None: 0"""
+    num_splits: int = 0
+    """KV cache: programs sharing each query block's keys (split-KV); 0: the backend decides"""
 
     def __post_init__(self):
         object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
+
+    @property
+    def packed(self) -> bool:
+        """A packed variable-length batch (``varlen_attention``)."""
+        return self.cu_seqlens_q is not None
+
+    @property
+    def kv_cache(self) -> bool:
+        """Per-batch key lengths of a KV cache (``attention_with_kvcache``): forward only."""
+        return self.seqused_k is not None
 
     @classmethod
     def schema(cls) -> str:

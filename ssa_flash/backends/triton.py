@@ -1,7 +1,8 @@
 """The Triton backend: :class:`~ssa_flash.backends.spec.Backend` over ``ssa_flash.triton.launch``.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
-was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256. The
+was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
+packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts. The
 backward is deterministic always (per-block partial sums of db/dn reduced in a fixed order).
 Triton is imported on first use, so the package works without it.
 """
@@ -60,21 +61,32 @@ def _spec(launch, spec: AttentionSpec, b):
                                 ssa=b is not None, adaptive=bool(spec.adaptive))
 
 
+def _layout(launch, spec: AttentionSpec):
+    """The kernels' layout: packed sequences, a KV cache, or None (dense)."""
+    if spec.packed:
+        return launch.Packed(spec.cu_seqlens_q, spec.cu_seqlens_k, int(spec.max_seqlen_q), int(spec.max_seqlen_k))
+    if spec.kv_cache:
+        return launch.KVCache(spec.seqused_k, spec.k_start, int(spec.num_splits))
+    return None
+
+
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     launch = _launch()
-    return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b))
+    return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b), _layout(launch, spec))
 
 
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     launch = _launch()
-    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b))
+    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b),
+                          _layout(launch, spec))
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     launch = _launch()
     ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
-    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b))
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b),
+                           _layout(launch, spec))
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys

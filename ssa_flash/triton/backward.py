@@ -40,8 +40,8 @@ row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, combine_scale, interior_end, safe_row_max,
-                     ssa_log_weight, ssa_reciprocal)
+from .common import (LN2, LOG2E, boundary_logits, combine_scale, interior_end, packed_extent,
+                     safe_row_max, ssa_log_weight, ssa_reciprocal)
 
 
 @triton.jit
@@ -155,11 +155,12 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
+    CU_Q, CU_K, stat_stride_h,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
+    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr,
     G_GIVEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -169,6 +170,20 @@ def attention_bwd_dq_kernel(
     off_h = bh % H
     off_kv = off_h // GROUP
 
+    # where this program's sequence lies (common.py, VARLEN: dense or packed); q, dO, O and dQ
+    # share the packed layout, K and V the key one
+    q_row0 = off_b * 0  # first packed row of the sequence (0: dense)
+    k_row0 = off_b * 0
+    q_bstride = off_b  # batch index times the batch strides (dense), 0 (packed)
+    row_base = bh * Lq
+    if VARLEN == 1:
+        q_row0, Lq = packed_extent(CU_Q, off_b)
+        k_row0, Lk = packed_extent(CU_K, off_b)
+        if m_block * BLOCK_M >= Lq:
+            return
+        q_bstride = off_b * 0
+        row_base = off_h * stat_stride_h + q_row0
+
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -176,13 +191,13 @@ def attention_bwd_dq_kernel(
     qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
 
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + q_bstride * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=qd_ok, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+    do = tl.load(DO + q_bstride * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=vd_ok, other=0.0)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+    o = tl.load(O + q_bstride * stride_ob + q_row0 * stride_om + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                 mask=vd_ok, other=0.0)
-    row_stat = bh * Lq + offs_m
+    row_stat = row_base + offs_m
     delta = tl.sum(do.to(ACC) * o.to(ACC), 1)
     if HAS_DLSE:  # d lse_i / d S'_ij = P'_ij: a gradient on the LSE only shifts delta
         delta -= tl.load(DLSE + row_stat, mask=row_ok, other=0.0).to(ACC)
@@ -206,8 +221,8 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     dq_ent = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
 
-    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = K + q_bstride * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + q_bstride * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
@@ -243,7 +258,7 @@ def attention_bwd_dq_kernel(
         tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
         tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
     dq = dq * ds_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(DQ + q_bstride * stride_dqb + q_row0 * stride_dqm + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_ok)
 
 
@@ -337,10 +352,11 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale_hi, scale_lo,
+    CU_Q, CU_K, stat_stride_h,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
+    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
@@ -349,15 +365,25 @@ def attention_bwd_dkdv_kernel(
     off_kv = bhkv % HKV
 
     start_n = n_block * BLOCK_N
+    # where this program's sequence lies (common.py, VARLEN: dense or packed)
+    q_row0 = off_b * 0
+    k_row0 = off_b * 0
+    b_idx = off_b  # multiplies the batch strides: 0 when packed
+    if VARLEN == 1:
+        q_row0, Lq = packed_extent(CU_Q, off_b)
+        k_row0, Lk = packed_extent(CU_K, off_b)
+        if start_n >= Lk:
+            return
+        b_idx = off_b * 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < Lk
     kd_ok = col_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = col_ok[:, None] & (offs_dv[None, :] < DV)
-    k = tl.load(K + off_b * stride_kb + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(K + b_idx * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kd_ok, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(V + b_idx * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=vd_ok, other=0.0)
     scale = combine_scale(scale_hi, scale_lo, ACC)
 
@@ -377,10 +403,13 @@ def attention_bwd_dkdv_kernel(
     offs_mb = tl.arange(0, BLOCK_M)
     for g_idx in range(0, GROUP):
         off_h = off_kv * GROUP + g_idx
-        row_base = (off_b * H + off_h) * Lq
+        if VARLEN == 1:
+            row_base = off_h * stat_stride_h + q_row0
+        else:
+            row_base = (off_b * H + off_h) * Lq
         cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
-        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
+        q_ptrs = Q + b_idx * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = DO + b_idx * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
         mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, Lq),
@@ -400,7 +429,7 @@ def attention_bwd_dkdv_kernel(
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale
-    tl.store(DK + off_b * stride_dkb + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(DK + b_idx * stride_dkb + k_row0 * stride_dkn + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kd_ok)
-    tl.store(DV_OUT + off_b * stride_dvb + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+    tl.store(DV_OUT + b_idx * stride_dvb + k_row0 * stride_dvn + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
              dv.to(DV_OUT.dtype.element_ty), mask=vd_ok)

@@ -17,6 +17,22 @@ Tiles come in two kinds, chosen at compile time (``BOUNDARY``): interior tiles l
 sequences and, under ``CAUSAL``, wholly on or below the diagonal, so they need no index checks;
 boundary tiles (ragged ends, the causal diagonal) check every element. An attention mask applies
 to every tile. ``MASK_KIND``: 0 none, 1 boolean (True = attend), 2 additive float.
+
+Where a program's sequence lies is the ``VARLEN`` switch (resolved in each kernel's prologue, before
+any loop; the loops see only ``Lq``, ``Lk`` and the query positions ``offs_m``):
+
+* ``VARLEN_NONE``: dense ``(B, H, L, D)`` tensors, every batch element has ``Lq`` queries, ``Lk`` keys.
+* ``VARLEN_PACKED``: a packed batch. Tensors are ``(total, H, D)``, passed to the kernels as
+  ``(1, H, total, D)`` views; sequence ``s`` owns query rows ``cu_q[s]:cu_q[s+1]`` and key rows
+  ``cu_k[s]:cu_k[s+1]``, read from ``CU_Q``/``CU_K``; per-row statistics are ``(H, total_q)``.
+  The grid is sized by the longest sequence; programs past their sequence's end return at once.
+* ``VARLEN_CACHE`` / ``VARLEN_CACHE_START``: a KV cache. Batch element ``b`` attends key rows
+  ``[start_b, min(seqused_k[b], Lk))`` (``start_b`` read from ``CU_K`` with ``_START``, else 0), and
+  causality is bottom-right: query ``i`` is at key position ``Lk_b - Lq + i``. The kernels hand the
+  loops shifted query positions ``offs_m + (Lk_b - Lq)`` and the bound ``Lq + (Lk_b - Lq)``, so the
+  loops' ``k <= q`` and ``q < Lq`` checks are the bottom-right rule unchanged. With ``SPLIT`` the keys
+  are shared among ``tl.num_programs(1)`` programs, each writing a partial result that
+  ``splitkv.py`` merges by log-sum-exp.
 """
 import triton
 import triton.language as tl
@@ -27,6 +43,11 @@ LN2 = tl.constexpr(0.6931471805599453)
 MASK_NONE = 0
 MASK_BOOL = 1
 MASK_ADD = 2
+
+VARLEN_NONE = 0
+VARLEN_PACKED = 1
+VARLEN_CACHE = 2
+VARLEN_CACHE_START = 3
 
 
 @triton.jit
@@ -234,3 +255,37 @@ def safe_row_max(m):
 def interior_end(start, length, BLOCK: tl.constexpr):
     """The end of the full blocks of ``[start, length)`` (a multiple of BLOCK past ``start``)."""
     return start + ((length - start) // BLOCK) * BLOCK
+
+
+@triton.jit
+def packed_extent(CU_SEQLENS, off_b):
+    """``(start, length)`` of packed sequence ``off_b``: ``start`` (int64) is its first row in the
+    packed tensor, ``length`` (int32) its number of rows."""
+    start = tl.load(CU_SEQLENS + off_b)
+    return start.to(tl.int64), tl.load(CU_SEQLENS + off_b + 1) - start
+
+
+@triton.jit
+def cache_key_extent(K_START, SEQUSED_K, off_b, Lk, HAS_START: tl.constexpr):
+    """``(start, length)`` of the keys batch element ``off_b`` attends in a KV cache of ``Lk`` rows:
+    rows ``[start, end)`` with ``end = min(seqused_k[b], Lk)`` and ``start = min(k_start[b], end)``
+    (0 without ``HAS_START``); clamped so that no row outside the cache is ever read."""
+    end = tl.minimum(tl.maximum(tl.load(SEQUSED_K + off_b), 0), Lk)
+    if HAS_START:
+        start = tl.minimum(tl.maximum(tl.load(K_START + off_b), 0), end)
+    else:
+        start = end * 0
+    return start.to(tl.int64), end - start
+
+
+@triton.jit
+def split_key_range(lo, mid, hi, BLOCK_N: tl.constexpr):
+    """This program's share ``(lo, mid, hi)`` of the key blocks ``[lo, hi)`` (interior up to ``mid``)
+    when ``tl.num_programs(1)`` programs split them (split-KV decoding): contiguous runs of
+    ``cdiv(blocks, splits)`` blocks, the last ones possibly empty (``lo >= hi``)."""
+    split = tl.program_id(1)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), tl.num_programs(1)) * BLOCK_N
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(hi, s_lo + per_split)
+    s_mid = tl.maximum(s_lo, tl.minimum(mid, s_hi))
+    return s_lo, s_mid, s_hi
