@@ -118,9 +118,10 @@ def _head_block(d: int) -> int:
 
 
 def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
-                     masked: bool = False):
+                     masked: bool = False, adaptive: bool = False):
     """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
-    None: the interpreter), best first; ``masked``: the launch reads an attention mask. Under the
+    None: the interpreter), best first; ``masked``: the launch reads an attention mask;
+    ``adaptive``: the adaptive temperature's backward (more live tiles per element). Under the
     interpreter small blocks make the tests cross block boundaries at small lengths. On a GPU the
     candidates that fit the shared memory and registers are timed once (see ``_launch``)."""
     if arch is None:
@@ -144,19 +145,31 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
         else:
             cands = [Blocks(64, 32, 4, 2)]
     elif kernel == "bwd_dq":
+        # with the adaptive temperature the dQ kernel carries a second dQ accumulator (the
+        # entropy term's) and more row statistics: smaller tiles keep it out of local memory
         if head_block <= 64:
-            cands = [Blocks(64, 64, 4, 2) if hopper else Blocks(64, 32, 4, 2), Blocks(64, 64, 4, 2)]
+            if adaptive:
+                cands = [Blocks(64, 32, 4, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            else:
+                cands = [Blocks(64, 64, 4, 2) if hopper else Blocks(64, 32, 4, 2), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            if adaptive:
+                cands = [Blocks(128, 16, 8, 2) if hopper else Blocks(16, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            else:
+                cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 1)]
     else:  # bwd_dkdv: n = keys per program (the M dimension), m = queries per step
         # The dK, dV accumulators and the K, V operands stay in registers for the whole program:
         # few queries per step is what fits 255 registers without spilling.
         if head_block <= 64:
-            cands = [Blocks(32, 128, 8, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(16, 128, 8, 2) if adaptive and not hopper else Blocks(32, 128, 8, 2),
+                     Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(16, 128, 8, 2), Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
+            if adaptive:
+                cands = [Blocks(16, 64, 4, 2) if hopper else Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
+            else:
+                cands = [Blocks(16, 128, 8, 2), Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(32, 64, 4, 1)]
     if wide:
@@ -269,7 +282,8 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
     if name.endswith("_decode"):
         cands = _decode_candidates(arch, head_block, dtype)
     else:
-        cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0)
+        cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0,
+                                 adaptive=bool(consts.get("ADAPTIVE", False)))
     if _capture is not None:
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
