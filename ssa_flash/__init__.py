@@ -12,6 +12,7 @@ from .ops import (
     adaptive_temperature_attention,
     attention_entropy,
     available_backends,
+    dropout_mask,
     softmax_attention,
     ssa_attention,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "dropout_mask",
     "available_backends",
     "BackendUnavailableError",
     "reference",

@@ -11,9 +11,14 @@ Equations (see DESIGN.md, section 1):
 * logits        ``z = scale * q k^T``
 * SSA           ``phi(z) = n * sgn(z) * log1p(b |z|)``, i.e. weights ``(1 + b|z|)^(sgn(z) n)``
 * logit row     ``l = phi(z) + mask``  (``phi = identity`` for softmax attention)
+* admissible    key ``j`` for query ``i``: ``j <= i`` if causal, ``i - left <= j <= i + right``
+                for ``window_size = (left, right)`` (-1: that side unbounded), the boolean mask
 * weights       ``P = softmax(l)``; a row with no admissible key gets ``P = 0``
 * adaptive      ``H = -sum P log P``; ``beta = max(poly(H), 1) if H > threshold else 1``;
                 weights ``softmax(beta * l)`` (Velickovic et al. 2025, Fig. 4)
+* dropout       final weights ``P * M / (1 - p)`` with the keep mask ``M`` (0 if ``p = 1``);
+                the LSE is the undropped row's. ``M`` is :func:`dropout_keep_mask`, the kernels'
+                Philox mask, unless a mask is given (``dropout_mask=``)
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from torch import Tensor
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD, polyval
 
 __all__ = [
+    "dropout_keep_mask",
+    "draw_dropout_rng",
     "ssa_attention",
     "softmax_attention",
     "adaptive_temperature_attention",
@@ -47,13 +54,97 @@ def ssa_logits(z: Tensor, b: Tensor, n: Tensor) -> Tensor:
     return n * torch.where(z >= 0, torch.log1p(b * z.clamp(min=0)), -torch.log1p(b * (-z).clamp(min=0)))
 
 
+# --------------------------------------------------------------------------------------------
+# Dropout bits: Philox4x32-10, written with int64 tensor ops (every product below 2^49)
+
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: Tensor, m: int):
+    """``(hi, lo)`` 32-bit halves of ``a * m`` for int64 ``a`` in [0, 2^32) and ``m < 2^32``."""
+    t = a * (m & 0xFFFF)
+    u = a * (m >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: int):
+    """Philox4x32-10 (Salmon et al., SC 2011; Random123's ``philox4x32_R(10)``) of the counter
+    words ``c0..c3`` (int64 tensors holding uint32 values) under the key ``(k0, k1)``."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(c0, 0xD2511F53)
+        hi1, lo1 = _mulhilo32(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def dropout_keep_threshold(p: float) -> int:
+    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): an element is kept iff its 32-bit
+    word is below ``2 keep31``, i.e. with probability ``1 - p`` to within 2^-32."""
+    return min(int(round((1.0 - float(p)) * 2.0**31)), 2**31 - 1)
+
+
+def dropout_keep_mask(seed: int, offset: int, shape, dropout_p: float, device=None) -> Tensor:
+    """The dropout keep-mask ``(B, H, Lq, Lk)`` (bool) of the kernels for ``(seed, offset)``:
+    element ``(b, h, i, j)`` is kept iff word ``j % 4`` of Philox4x32-10 with key ``seed`` (64
+    bits: low word first) and counter ``(j // 4, i, h, (b + offset) mod 2^32)`` is below
+    ``2 * dropout_keep_threshold(dropout_p)``. A function of the indices only, not of any tiling.
+    O(B H Lq Lk) memory: for tests."""
+    B, H, Lq, Lk = (int(x) for x in shape)
+    seed, offset = int(seed), int(offset)
+    G = (Lk + 3) // 4
+    ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
+    full = (B, H, Lq, G)
+    c0 = ar(G).view(1, 1, 1, G).expand(full)
+    c1 = ar(Lq).view(1, 1, Lq, 1).expand(full)
+    c2 = ar(H).view(1, H, 1, 1).expand(full)
+    c3 = ((ar(B) + offset) & _M32).view(B, 1, 1, 1).expand(full)
+    words = philox4x32_10(c0, c1, c2, c3, seed & _M32, (seed >> 32) & _M32)
+    r = torch.stack(words, dim=-1).reshape(B, H, Lq, 4 * G)[..., :Lk]
+    return r < 2 * dropout_keep_threshold(dropout_p)
+
+
+def draw_dropout_rng(device) -> Tensor:
+    """The ``(seed, offset)`` pair (int64 tensor ``(2,)`` on ``device``) of one dropout call, drawn
+    from torch's default generator for ``device``, so ``torch.manual_seed`` before a call decides
+    its mask. Drawn on the device (no host synchronisation; inside a CUDA graph each replay draws
+    anew)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def _apply_dropout(probs: Tensor, dropout_p: float, keep: Tensor) -> Tensor:
+    """``probs * keep / (1 - dropout_p)``, zeros for ``dropout_p = 1`` (still differentiable)."""
+    if dropout_p >= 1.0:
+        return probs * 0.0
+    return torch.where(keep, probs * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
 def _per_head(x: Scalar, heads: int, like: Tensor) -> Tensor:
     """A Python number or a tensor broadcastable to ``(heads,)``, as a ``(1, heads, 1, 1)`` tensor."""
     x = torch.as_tensor(x, dtype=like.dtype, device=like.device)
     return x.to(like.dtype).expand(heads).reshape(1, heads, 1, 1)
 
 
-def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=None):
+def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
+    """``(Lq, Lk)`` bool: ``i - left <= j <= i + right`` for ``window_size = (left, right)``, a
+    side of -1 being unbounded (top-left aligned, like ``is_causal``)."""
+    left, right = window_size
+    i = torch.arange(lq, device=device).view(lq, 1)
+    j = torch.arange(lk, device=device).view(1, lk)
+    band = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if left >= 0:
+        band = band & (j >= i - left)
+    if right >= 0:
+        band = band & (j <= i + right)
+    return band
+
+
+def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=None,
+                window_size=(-1, -1)):
     """The logit rows ``l = phi(z) + mask`` (B, Hq, Lq, Lk) and the admissible set as a boolean."""
     hq, hk = query.shape[-3], key.shape[-3]
     if enable_gqa and hq != hk:
@@ -65,6 +156,8 @@ def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=N
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device)
     if is_causal:
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device).tril()
+    if tuple(window_size) != (-1, -1):
+        allowed = allowed & window_band(lq, lk, window_size, z.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
@@ -98,15 +191,22 @@ def _adaptive_beta(logits, allowed, poly, threshold):
 
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD):
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p != 0 is not implemented")
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n)
+            b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
+            window_size=(-1, -1), dropout_mask=None):
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
+                                  window_size)
     if adaptive:
         beta = _adaptive_beta(logits, allowed, poly, threshold).unsqueeze(-1)
         # zero the inadmissible entries before scaling: d(beta * -inf)/d beta would be NaN
         logits = (beta * logits.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
     probs = _masked_softmax(logits, allowed)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            seed, offset = draw_dropout_rng(query.device).tolist()
+            shape4 = (1,) * (4 - probs.dim()) + tuple(probs.shape)  # unbatched inputs: B = 1
+            dropout_mask = dropout_keep_mask(seed, offset, shape4, dropout_p,
+                                             query.device).view(probs.shape)
+        probs = _apply_dropout(probs, dropout_p, dropout_mask)
     hq, hk = query.shape[-3], value.shape[-3]
     if enable_gqa and hq != hk:
         value = value.repeat_interleave(hq // hk, dim=-3)
@@ -117,35 +217,47 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     return out, torch.logsumexp(logits.to(lse_dtype), dim=-1)
 
 
+# Every function below takes SDPA's arguments plus ``window_size=(left, right)`` (see
+# ``window_band``) and ``dropout_mask``: None (with ``dropout_p > 0``: the kernels' Philox mask for a
+# (seed, offset) drawn by ``draw_dropout_rng``, as the kernels do) or a bool tensor broadcastable to
+# ``(B, Hq, Lq, Lk)``, True = kept.
+
+
 def softmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                      scale=None, enable_gqa=False, *, return_lse=False, **_ignored):
+                      scale=None, enable_gqa=False, *, return_lse=False, window_size=(-1, -1),
+                      dropout_mask=None, **_ignored):
     """Plain softmax attention (what SDPA computes), except that empty rows give 0, not NaN."""
-    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                   window_size=window_size, dropout_mask=dropout_mask)
 
 
 def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, *, b: Scalar = 1.0, n: Scalar = 1.5,
                   adaptive_temperature=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                  return_lse=False, **_ignored):
+                  return_lse=False, window_size=(-1, -1), dropout_mask=None, **_ignored):
     """SSA attention: weights ``(1 + b|z|)^(sgn(z) n)`` normalised over keys; ``b``, ``n`` per head."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, b=b, n=n, adaptive=adaptive_temperature, poly=poly,
-                   threshold=threshold)
+                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask)
 
 
 def adaptive_temperature_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                    is_causal=False, scale=None, enable_gqa=False, *,
                                    poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                                   return_lse=False, **_ignored):
+                                   return_lse=False, window_size=(-1, -1), dropout_mask=None,
+                                   **_ignored):
     """Softmax attention with the entropy-driven temperature of "Softmax is not Enough"."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   return_lse, adaptive=True, poly=poly, threshold=threshold)
+                   return_lse, adaptive=True, poly=poly, threshold=threshold,
+                   window_size=window_size, dropout_mask=dropout_mask)
 
 
 def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                      *, b: Optional[Scalar] = None, n: Optional[Scalar] = None) -> Tensor:
+                      *, b: Optional[Scalar] = None, n: Optional[Scalar] = None,
+                      window_size=(-1, -1)) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given."""
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n)
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
+                                  window_size)
     return _entropy(logits, allowed)

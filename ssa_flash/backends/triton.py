@@ -1,7 +1,8 @@
 """The Triton backend: :class:`~ssa_flash.backends.spec.Backend` over ``ssa_flash.triton.launch``.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
-was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256. The
+was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dropout
+(Philox bits generated in the kernels, regenerated in the backward) and windows. The
 backward is deterministic always (per-block partial sums of db/dn reduced in a fixed order).
 Triton is imported on first use, so the package works without it.
 """
@@ -14,7 +15,8 @@ import torch
 
 from .spec import AttentionSpec, TemperatureState
 
-__all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+__all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
+           "dropout_mask"]
 
 NAME = "triton"
 MAX_HEAD_DIM = 256
@@ -56,7 +58,9 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
 
 def _spec(launch, spec: AttentionSpec, b):
     return launch.AttentionSpec(scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
-                                ssa=b is not None, adaptive=bool(spec.adaptive))
+                                ssa=b is not None, adaptive=bool(spec.adaptive),
+                                dropout_p=float(spec.dropout_p), rng=spec.dropout_rng,
+                                window_left=int(spec.window_left), window_right=int(spec.window_right))
 
 
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
@@ -74,3 +78,10 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
     launch = _launch()
     ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b))
+
+
+def dropout_mask(rng, shape, dropout_p: float):
+    """The kernels' dropout keep-mask ``(B, H, Lq, Lk)`` (bool) for the ``(seed, offset)`` tensor
+    ``rng``, materialised by a kernel calling the same mask function (not part of
+    :class:`~.spec.Backend`: tests and ``ssa_flash.dropout_mask``)."""
+    return _launch().dropout_mask(rng, shape, dropout_p)

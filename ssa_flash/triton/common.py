@@ -14,9 +14,16 @@ tile turns ``x`` into its weights with one fused multiply-add and one ``exp2`` p
 ``p = exp2(x * coef_row - m_row)``.
 
 Tiles come in two kinds, chosen at compile time (``BOUNDARY``): interior tiles lie inside the
-sequences and, under ``CAUSAL``, wholly on or below the diagonal, so they need no index checks;
-boundary tiles (ragged ends, the causal diagonal) check every element. An attention mask applies
-to every tile. ``MASK_KIND``: 0 none, 1 boolean (True = attend), 2 additive float.
+sequences and, under ``CAUSAL``, wholly on or below the diagonal (and, under ``WINDOW``, wholly
+inside the band ``i - left <= j <= i + right``), so they need no index checks; boundary tiles
+(ragged ends, the causal diagonal, the window's edges) check every element. Tiles wholly outside
+the causal triangle or the window are never visited (loop bounds). An attention mask applies to
+every tile. ``MASK_KIND``: 0 none, 1 boolean (True = attend), 2 additive float.
+
+Dropout (``DROPOUT``) keeps element ``(b, h, i, j)`` of the final weights iff a Philox4x32-10
+draw is below a threshold; see :func:`dropout_keep` for the exact function of (seed, offset,
+batch, head, query, key), which does not depend on the tiles, so every kernel (whatever its
+block sizes or orientation) regenerates the same mask.
 """
 import triton
 import triton.language as tl
@@ -107,9 +114,11 @@ def tile_logit_input(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.
 @triton.jit
 def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_mask_n,
                     mask_scale, BOUNDARY: tl.constexpr, CAUSAL: tl.constexpr,
-                    MASK_KIND: tl.constexpr, KEYS_FIRST: tl.constexpr):
+                    MASK_KIND: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                    win_left=0, win_right=0, WINDOW: tl.constexpr = False):
     """Applies what makes an element inadmissible to the logit tile ``l2``: ``-inf`` outside the
-    sequences and above the diagonal (``BOUNDARY`` tiles only), the attention mask (every tile).
+    sequences, above the diagonal and outside the window ``q - win_left <= k <= q + win_right``
+    (``BOUNDARY`` tiles only), the attention mask (every tile).
     The tile is (queries, keys), or (keys, queries) with ``KEYS_FIRST`` (the dK/dV kernel's
     transposed tiles). An additive mask (natural-log units) is multiplied by ``mask_scale``
     (``log2(e)``, times the query's temperature if any; broadcastable to the tile). Interior
@@ -124,6 +133,8 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
         admissible = (q_idx < Lq) & (k_idx < Lk)
         if CAUSAL:
             admissible = admissible & (k_idx <= q_idx)
+        if WINDOW:
+            admissible = admissible & (k_idx >= q_idx - win_left) & (k_idx <= q_idx + win_right)
     if MASK_KIND != 0:
         # int64: a materialised (Lq, Lk) mask passes 2^31 elements at Lq = Lk = 46341. Rows past
         # Lq (a ragged last query block) read row Lq - 1 and are never used.
@@ -185,3 +196,111 @@ def safe_row_max(m):
 def interior_end(start, length, BLOCK: tl.constexpr):
     """The end of the full blocks of ``[start, length)`` (a multiple of BLOCK past ``start``)."""
     return start + ((length - start) // BLOCK) * BLOCK
+
+
+@triton.jit
+def window_key_bounds(m0, hi, mid, win_left, win_right,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key-block ranges of the query block ``[m0, m0 + BLOCK_M)`` under a window (``WINDOW``
+    kernels): ``(lo, a, b, hi)`` with ``[lo, a)`` boundary blocks cut by the window's left edge,
+    ``[a, b)`` interior blocks and ``[b, hi)`` boundary blocks (right edge, diagonal, ragged end).
+    ``hi`` and ``mid`` (the end of the interior blocks) come in with the sequence end and causality
+    applied; blocks wholly outside ``m0 - win_left <= j < m0 + BLOCK_M + win_right`` are dropped.
+    Every bound but ``hi`` is a multiple of BLOCK_N (``win_left``, ``win_right`` >= 0; an
+    unbounded side is passed as a bound at least as long as the sequences)."""
+    hi = tl.minimum(hi, m0 + BLOCK_M + win_right)
+    lo = (tl.maximum(m0 - win_left, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    # interior: every row's band covers the block, i.e. j >= (last row) - left and
+    # j <= (first row) + right for all keys j of the block
+    mid = tl.minimum(mid, ((m0 + win_right + 1) // BLOCK_N) * BLOCK_N)
+    int_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - win_left, 0), BLOCK_N) * BLOCK_N
+    a = tl.minimum(tl.maximum(int_lo, lo), hi)
+    b = tl.maximum(a, tl.minimum(mid, hi))
+    return lo, a, b, hi
+
+
+@triton.jit
+def window_query_bounds(n0, lo, diag_end, int_end, Lq, win_left, win_right,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query-block ranges of the key block ``[n0, n0 + BLOCK_N)`` under a window (the dK/dV
+    kernel): ``(lo, d, e, hi)`` with ``[lo, d)`` boundary blocks (the window's right edge, the
+    causal diagonal, a ragged key block), ``[d, e)`` interior blocks and ``[e, hi)`` boundary
+    blocks (the left edge, the ragged end). ``lo``, ``diag_end``, ``int_end`` come in as without a
+    window; queries outside ``n0 - win_right <= i < n0 + BLOCK_N + win_left`` are dropped."""
+    lo = tl.maximum(lo, (tl.maximum(n0 - win_right, 0) // BLOCK_M) * BLOCK_M)
+    hi = tl.minimum(Lq, n0 + BLOCK_N + win_left)
+    hi = tl.maximum(hi, lo)
+    # interior: i >= (last key) - right and i <= (first key) + left for every query i of the block
+    d = tl.maximum(diag_end, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - win_right, 0), BLOCK_M) * BLOCK_M)
+    d = tl.minimum(tl.maximum(d, lo), hi)
+    e = tl.minimum(int_end, ((n0 + win_left + 1) // BLOCK_M) * BLOCK_M)
+    e = tl.maximum(d, tl.minimum(e, hi))
+    return lo, d, e, hi
+
+
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011)
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
+PHILOX_ROUNDS = tl.constexpr(10)
+
+
+@triton.jit
+def philox4x32(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counter ``(c0, c1, c2, c3)`` under the key ``(k0, k1)`` (uint32
+    tensors / scalars): four uint32 tensors, the same bits as Random123's ``philox4x32_R(10)`` and
+    cuRAND's Philox4_32_10. Each round is two 32x32->64 multiplies (IMAD.WIDE) and two 3-input
+    XORs (LOP3); the key schedule is per program (uniform registers)."""
+    for _ in tl.static_range(PHILOX_ROUNDS):
+        hi0 = tl.umulhi(c0, PHILOX_M0)
+        hi1 = tl.umulhi(c2, PHILOX_M1)
+        lo0 = tl.mul(c0, PHILOX_M0, sanitize_overflow=False)
+        lo1 = tl.mul(c2, PHILOX_M1, sanitize_overflow=False)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = tl.add(k0, PHILOX_W0, sanitize_overflow=False)
+        k1 = tl.add(k1, PHILOX_W1, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, offs_q, start_k, keep_below,
+                 BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """The dropout keep-mask of queries ``offs_q`` x keys ``[start_k, start_k + BLOCK_K)``: a
+    boolean tile (queries, keys), or (keys, queries) with ``KEYS_FIRST``.
+
+    Element (b, h, i, j) is kept iff ``r < keep_below`` where ``r`` is word ``j % 4`` of
+    Philox4x32-10 with key ``(seed_lo, seed_hi)`` (the 64-bit seed) and counter
+    ``(j // 4, i, h, (b + offset) mod 2^32)``; ``head_ctr = h``, ``batch_ctr = b + offset``
+    (uint32). One Philox evaluation serves four consecutive keys. Nothing here depends on the
+    tile shape (``start_k`` and BLOCK_K are multiples of 4), so kernels with different tiles agree.
+    ``ssa_flash.reference.dropout_keep_mask`` is the same function in PyTorch."""
+    BLOCK_Q: tl.constexpr = offs_q.shape[0]
+    G: tl.constexpr = BLOCK_K // 4
+    zero = tl.zeros((BLOCK_Q, G), dtype=tl.uint32)
+    c0 = zero + ((start_k // 4) + tl.arange(0, G)).to(tl.uint32)[None, :]
+    c1 = zero + offs_q.to(tl.uint32)[:, None]
+    r0, r1, r2, r3 = philox4x32(c0, c1, zero + head_ctr, zero + batch_ctr, seed_lo, seed_hi)
+    # keys 4g + t take word t: interleave the four (BLOCK_Q, G) tiles along the keys
+    even = tl.join(r0 < keep_below, r2 < keep_below)  # (BLOCK_Q, G, 2): words 0, 2
+    odd = tl.join(r1 < keep_below, r3 < keep_below)  # words 1, 3
+    keep = tl.reshape(tl.join(even, odd), (BLOCK_Q, BLOCK_K))
+    if KEYS_FIRST:
+        keep = tl.trans(keep)
+    return keep
+
+
+@triton.jit
+def dropout_state(RNG, off_b, off_h, keep31):
+    """Per-program dropout constants from the ``(2,)`` int64 tensor ``RNG = (seed, offset)``:
+    ``(seed_lo, seed_hi, head_ctr, batch_ctr, keep_below)`` as uint32 (see :func:`dropout_keep`;
+    ``keep_below = 2 * keep31``, ``keep31 = round((1 - p) 2^31)``)."""
+    seed = tl.load(RNG)
+    offset = tl.load(RNG + 1)
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    batch_ctr = ((off_b + offset) & 0xFFFFFFFF).to(tl.uint32)
+    head_ctr = off_h.to(tl.uint32)
+    keep_below = keep31.to(tl.uint32) * 2
+    return seed_lo, seed_hi, head_ctr, batch_ctr, keep_below

@@ -6,13 +6,15 @@ Per row it keeps the running max ``m``, ``lam = sum exp(l - m)`` and the centred
 This equals the paper's ``H = m + log(Lam) - K / Lam`` with ``K = sum exp(l - m) l``, without the
 cancellation between ``m`` and ``K / Lam`` when logits are large. In base-2 units when ``m``
 grows to ``m'``, with ``a = 2^(m - m')``: ``lam' = a lam``, ``kc' = a (kc + lam (m - m'))``.
-Interior key blocks first, then boundary ones, as in the forward.
+Interior key blocks first, then boundary ones, as in the forward (under ``WINDOW``, boundary
+blocks cut by the window's left edge first). Dropout does not enter: it acts on the final weights,
+after the temperature that these statistics decide.
 """
 import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, boundary_logits, combine_scale, head_coefficients,
-                     interior_end, safe_row_max, tile_logit_input)
+                     interior_end, safe_row_max, tile_logit_input, window_key_bounds)
 
 
 @triton.jit
@@ -21,7 +23,8 @@ def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
                       SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                       BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+                      ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                      win_left, win_right, WINDOW: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -35,7 +38,8 @@ def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
         x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base,
-                                 stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
+                                 stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
+                                 win_left, win_right, WINDOW)
             m_new = tl.maximum(m_i, tl.max(l2, 1))
             m_safe = safe_row_max(m_new)
             shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)  # lam is 0 while m_i is -inf
@@ -60,9 +64,11 @@ def row_entropy_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, Lq, Lk, D, GROUP, num_m_blocks, scale_hi, scale_lo,
+    win_left, win_right,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -90,14 +96,22 @@ def row_entropy_kernel(
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
         mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(m_block * BLOCK_M, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+        m_i, lam, kc = _stats_key_blocks(
+            m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, a, stride_kn, stride_mask_m, stride_mask_n,
+            Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+            DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
+    else:
+        a = 0
     m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, offs_m, 0, mid, stride_kn, stride_mask_m, stride_mask_n,
+        m_i, lam, kc, q, k_ptrs, mask_base, offs_m, a, mid, stride_kn, stride_mask_m, stride_mask_n,
         Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH)
+        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
     m_i, lam, kc = _stats_key_blocks(
         m_i, lam, kc, q, k_ptrs, mask_base, offs_m, mid, hi, stride_kn, stride_mask_m, stride_mask_n,
         Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH)
+        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
 
     empty = lam == 0.0
     safe_lam = tl.where(empty, 1.0, lam)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .common import MASK_ADD, MASK_BOOL, MASK_NONE
+from .dropout import dropout_mask_kernel
 from .entropy import row_entropy_kernel
 from .forward import attention_fwd_kernel
 
@@ -39,6 +40,10 @@ class AttentionSpec:
     group: int  # query heads per key/value head (GQA); 1 without GQA
     ssa: bool
     adaptive: bool
+    dropout_p: float = 0.0  # in [0, 1]; 0: the kernels compile without dropout
+    rng: Optional[torch.Tensor] = field(default=None, compare=False)  # (seed, offset) int64 (2,)
+    window_left: int = -1  # query i attends keys j >= i - window_left; -1: unbounded
+    window_right: int = -1  # ... and j <= i + window_right; -1: unbounded
 
 
 class TemperatureState(NamedTuple):
@@ -213,6 +218,34 @@ def _fast_math(q) -> bool:
     return on_gpu and q.dtype != torch.float64
 
 
+def keep_threshold(p: float) -> int:
+    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): the kernels keep an element iff its
+    32-bit Philox word is below ``2 keep31``, i.e. with probability ``keep31 / 2^31``, which is
+    ``1 - p`` to within 2^-32."""
+    return min(int(round((1.0 - p) * 2.0**31)), 2**31 - 1)
+
+
+def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
+    """The trailing runtime arguments of the attention kernels, ``(RNG, keep31, drop_scale_hi,
+    drop_scale_lo, win_left, win_right)``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
+    dropout or a window these are placeholders the kernels never read. An unbounded side of a
+    window is passed as ``Lq + Lk``, which no index difference reaches."""
+    dropout = spec.dropout_p > 0.0
+    if dropout:
+        if spec.rng is None:
+            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
+        p = float(spec.dropout_p)
+        drop_args = (spec.rng, keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
+    else:
+        drop_args = (q, 0, 1.0, 0.0)
+    window = spec.window_left >= 0 or spec.window_right >= 0
+    unbounded = Lq + Lk
+    left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
+    right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
+    win_args = (left, right) if window else (0, 0)
+    return (*drop_args, *win_args), dict(DROPOUT=dropout, WINDOW=window)
+
+
 def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
@@ -239,10 +272,13 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
     consts = _common_consts(q, spec, mask_kind)
+    feat_args, feat_consts = _feature_args(q, Lq, Lk, spec)
+    consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
 
     def args(blk):
         return (q, k, ent, lse_l, ssa_b, ssa_n, mask_t, *q.stride(), *k.stride(), *ms,
-                H, Lq, Lk, D, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale))
+                H, Lq, Lk, D, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale),
+                *feat_args[4:])
 
     _launch(row_entropy_kernel, "stats", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), args, consts,
             q.device, consts["BLOCK_D"], q.dtype)
@@ -259,12 +295,15 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     mask_t, mask_kind, ms = _mask_args(mask, q)
     consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+    feat_args, feat_consts = _feature_args(q, Lq, Lk, spec)
+    consts.update(feat_consts)
 
     def args(blk):
         return (q, k, v, o, lse, beta if spec.adaptive else q, b if spec.ssa else q,
                 n if spec.ssa else q, mask_t,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *ms,
-                H, Lq, Lk, D, DV, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale))
+                H, Lq, Lk, D, DV, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale),
+                *feat_args)
 
     _launch(attention_fwd_kernel, "fwd", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), args, consts,
             q.device, max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype)
@@ -290,6 +329,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     mask_t, mask_kind, ms = _mask_args(mask, q)
     consts = _common_consts(q, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+    feat_args, feat_consts = _feature_args(q, Lq, Lk, spec)
+    consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
@@ -311,7 +352,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         return (q, k, v, o, do, lse, dlse if dlse is not None else q, dq, delta, lse2, beta, lse_l, ent, dbeta_dh, g,
                 ssa_b, ssa_n, db_part, dn_part, mask_t,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *ms,
-                H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
+                H, Lq, Lk, D, DV, spec.group, num_m, *scale_args, *feat_args)
 
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
             dict(consts, HAS_DLSE=dlse is not None), q.device, head_block, q.dtype)
@@ -319,7 +360,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     def dkdv_args(blk):
         return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ms,
-                H, HKV, Lq, Lk, D, DV, spec.group, triton.cdiv(Lk, blk.n), *scale_args)
+                H, HKV, Lq, Lk, D, DV, spec.group, triton.cdiv(Lk, blk.n), *scale_args, *feat_args)
 
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(Lk, blk.n) * B * HKV,),
             dkdv_args, consts, q.device, head_block, q.dtype)
@@ -328,3 +369,20 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, db, dn
+
+
+def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
+    """The keep-mask ``(B, H, Lq, Lk)`` (bool, on ``rng``'s device) that the attention kernels
+    apply for the ``(seed, offset)`` tensor ``rng`` and ``dropout_p``, materialised by a kernel that
+    calls the same ``common.dropout_keep`` on tiles of its own size. For tests and inspection."""
+    B, H, Lq, Lk = (int(x) for x in shape)
+    out = torch.empty((B, H, Lq, Lk), device=rng.device, dtype=torch.uint8)
+    if out.numel() == 0:
+        return out.bool()
+    # tiles unlike any attention kernel's (which use 16 x 16 under the interpreter)
+    bm, bn = (32, 64) if _device_arch(rng.device) is None else (64, 128)
+    num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
+    dropout_mask_kernel[(num_m * num_n * B * H,)](
+        out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
+        BLOCK_M=bm, BLOCK_N=bn)
+    return out.bool()
