@@ -81,13 +81,17 @@ def count_launches(monkeypatch):
 
 def test_schema_carries_the_spec():
     """Every op ends with the backend name and the AttentionSpec fields, in field order."""
-    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic"]
+    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic",
+                 "dropout_p", "window_left", "window_right", "dropout_rng"]
     for op in (torch.ops.ssa_flash.attn_fwd, torch.ops.ssa_flash.attn_bwd, torch.ops.ssa_flash.row_entropy):
         names = [a.name for a in op.default._schema.arguments]
         assert names[-len(spec_args) - 1:] == ["backend"] + spec_args, names
     spec = AttentionSpec(scale=0.25, causal=True, group=2, adaptive=True, poly=(1, 2.5), threshold=0.1)
-    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False)
+    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False, 0.0, -1, -1, None)
     assert AttentionSpec.from_op_args(spec.op_args()) == spec
+    rng = torch.tensor([5, 7])
+    spec = AttentionSpec(scale=0.25, dropout_p=0.5, window_left=3, dropout_rng=rng)
+    assert AttentionSpec.from_op_args(spec.op_args()).dropout_rng is rng
 
 
 def _fwd_args(variant, dtype, backend):

@@ -228,8 +228,9 @@ def keep_threshold(p: float) -> int:
 def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
     """The trailing runtime arguments of the attention kernels, ``(RNG, keep31, drop_scale_hi,
     drop_scale_lo, win_left, win_right)``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
-    dropout or a window these are placeholders the kernels never read. An unbounded side of a
-    window is passed as ``Lq + Lk``, which no index difference reaches."""
+    dropout or a window they are None, which Triton turns into constants: the kernels then take
+    exactly the parameters they took before these features. An unbounded side of a window is
+    passed as ``Lq + Lk``, which no index difference reaches."""
     dropout = spec.dropout_p > 0.0
     if dropout:
         if spec.rng is None:
@@ -237,12 +238,12 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
         p = float(spec.dropout_p)
         drop_args = (spec.rng, keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
     else:
-        drop_args = (q, 0, 1.0, 0.0)
+        drop_args = (None, None, None, None)
     window = spec.window_left >= 0 or spec.window_right >= 0
     unbounded = Lq + Lk
     left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
     right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
-    win_args = (left, right) if window else (0, 0)
+    win_args = (left, right) if window else (None, None)
     return (*drop_args, *win_args), dict(DROPOUT=dropout, WINDOW=window)
 
 
