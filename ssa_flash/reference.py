@@ -86,21 +86,23 @@ def dropout_keep_threshold(p: float) -> int:
 
 def dropout_keep_mask(seed: int, offset: int, shape, dropout_p: float, device=None) -> Tensor:
     """The dropout keep-mask ``(B, H, Lq, Lk)`` (bool) of the kernels for ``(seed, offset)``:
-    element ``(b, h, i, j)`` is kept iff word ``j % 4`` of Philox4x32-10 with key ``seed`` (64
-    bits: low word first) and counter ``(j // 4, i, h, (b + offset) mod 2^32)`` is below
-    ``2 * dropout_keep_threshold(dropout_p)``. A function of the indices only, not of any tiling.
-    O(B H Lq Lk) memory: for tests."""
+    element ``(b, h, i, j)`` is kept iff word ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 with key
+    ``seed`` (64 bits, low word first) and counter ``(j // 2, (i // 16) 8 + i % 8, h,
+    (b + offset) mod 2^32)`` is below ``2 * dropout_keep_threshold(dropout_p)`` (one Philox
+    evaluation serves ``{i, i + 8} x {j, j + 1}``). A function of the indices only, not of any
+    tiling. O(B H Lq Lk) memory: for tests."""
     B, H, Lq, Lk = (int(x) for x in shape)
     seed, offset = int(seed), int(offset)
-    G = (Lk + 3) // 4
-    ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
-    full = (B, H, Lq, G)
-    c0 = ar(G).view(1, 1, 1, G).expand(full)
-    c1 = ar(Lq).view(1, 1, Lq, 1).expand(full)
-    c2 = ar(H).view(1, H, 1, 1).expand(full)
-    c3 = ((ar(B) + offset) & _M32).view(B, 1, 1, 1).expand(full)
-    words = philox4x32_10(c0, c1, c2, c3, seed & _M32, (seed >> 32) & _M32)
-    r = torch.stack(words, dim=-1).reshape(B, H, Lq, 4 * G)[..., :Lk]
+    i = torch.arange(Lq, dtype=torch.int64, device=device)
+    j = torch.arange(Lk, dtype=torch.int64, device=device)
+    full = (B, H, Lq, Lk)
+    c0 = (j // 2).view(1, 1, 1, Lk).expand(full)
+    c1 = ((i // 16) * 8 + i % 8).view(1, 1, Lq, 1).expand(full)
+    c2 = torch.arange(H, dtype=torch.int64, device=device).view(1, H, 1, 1).expand(full)
+    c3 = ((torch.arange(B, dtype=torch.int64, device=device) + offset) & _M32).view(B, 1, 1, 1).expand(full)
+    words = torch.stack(philox4x32_10(c0, c1, c2, c3, seed & _M32, (seed >> 32) & _M32), dim=-1)
+    lane = (((i >> 3) & 1).view(Lq, 1) + 2 * (j & 1).view(1, Lk)).expand(full)
+    r = words.gather(-1, lane.unsqueeze(-1)).squeeze(-1)
     return r < 2 * dropout_keep_threshold(dropout_p)
 
 

@@ -84,11 +84,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                   win_left, win_right, drop, drop_scale, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+                   win_left, win_right, drop, drop_scale, start_m,
+                   WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
     ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
-    (``drop``: ``common.dropout_state``'s tuple, ``drop_scale = r``)."""
+    (``drop``: ``common.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -124,8 +126,8 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         if DROPOUT:
             seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
-            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, offs_m, start_n, keep_below,
-                                BLOCK_N, False)
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, False, FAST_MATH)
             dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
         else:
             dl = p * (dp - delta[:, None])
@@ -240,7 +242,7 @@ def attention_bwd_dq_kernel(
             lo, a, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
             cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
             BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-            win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
+            win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
     else:
         a = 0
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
@@ -248,13 +250,13 @@ def attention_bwd_dq_kernel(
         a, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
         BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
+        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
         BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
+        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     if ADAPTIVE:
         # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
@@ -290,6 +292,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
     this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
     ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
     ``dP' = r M (dO V^T)``; ``drop`` is this head's ``common.dropout_state`` tuple."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -337,8 +340,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             pt = tl.exp2(x * coef - lse2[None, :])
         if DROPOUT:
             seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
-            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, offs_m, start_n, keep_below,
-                                offs_n.shape[0], True)
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, True, FAST_MATH)
             dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
             dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
             dpt = tl.where(keep, dpt, 0.0)  # times drop_scale, folded below

@@ -247,17 +247,36 @@ PHILOX_W1 = tl.constexpr(0xBB67AE85)
 PHILOX_ROUNDS = tl.constexpr(10)
 
 
+def _mul_wide_asm(m: int) -> str:
+    return "{ .reg .u64 t; mul.wide.u32 t, $2, %d; mov.b64 {$1, $0}, t; }" % m
+
+
+PHILOX_M0_ASM = tl.constexpr(_mul_wide_asm(PHILOX_M0.value))
+PHILOX_M1_ASM = tl.constexpr(_mul_wide_asm(PHILOX_M1.value))
+
+
 @triton.jit
-def philox4x32(c0, c1, c2, c3, k0, k1):
+def _mulhilo32(a, m: tl.constexpr, ASM: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``(hi, lo)``: the 32-bit halves of the product of the uint32 tile ``a`` and ``m``. On a GPU
+    one ``mul.wide.u32`` (IMAD.WIDE.U32); ptxas does not fuse the separate ``mul.hi``/``mul.lo``
+    of the portable form (and a 64-bit product in Triton would stop the layout propagation that
+    keeps ``dropout_keep`` free of data movement)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
+    else:
+        return tl.umulhi(a, m), tl.mul(a, m, sanitize_overflow=False)
+
+
+@triton.jit
+def philox4x32(c0, c1, c2, c3, k0, k1, FAST_MATH: tl.constexpr):
     """Philox4x32-10 of the counter ``(c0, c1, c2, c3)`` under the key ``(k0, k1)`` (uint32
     tensors / scalars): four uint32 tensors, the same bits as Random123's ``philox4x32_R(10)`` and
-    cuRAND's Philox4_32_10. Each round is two 32x32->64 multiplies (IMAD.WIDE) and two 3-input
-    XORs (LOP3); the key schedule is per program (uniform registers)."""
+    cuRAND's Philox4_32_10. Each round is two 32x32->64 multiplies (IMAD.WIDE.U32 on a GPU) and
+    two 3-input XORs (LOP3); the key schedule is per program (uniform registers)."""
     for _ in tl.static_range(PHILOX_ROUNDS):
-        hi0 = tl.umulhi(c0, PHILOX_M0)
-        hi1 = tl.umulhi(c2, PHILOX_M1)
-        lo0 = tl.mul(c0, PHILOX_M0, sanitize_overflow=False)
-        lo1 = tl.mul(c2, PHILOX_M1, sanitize_overflow=False)
+        hi0, lo0 = _mulhilo32(c0, PHILOX_M0, PHILOX_M0_ASM, FAST_MATH)
+        hi1, lo1 = _mulhilo32(c2, PHILOX_M1, PHILOX_M1_ASM, FAST_MATH)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = tl.add(k0, PHILOX_W0, sanitize_overflow=False)
         k1 = tl.add(k1, PHILOX_W1, sanitize_overflow=False)
@@ -265,30 +284,46 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, offs_q, start_k, keep_below,
-                 BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """The dropout keep-mask of queries ``offs_q`` x keys ``[start_k, start_k + BLOCK_K)``: a
-    boolean tile (queries, keys), or (keys, queries) with ``KEYS_FIRST``.
+def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_below,
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                 FAST_MATH: tl.constexpr):
+    """The dropout keep-mask of queries ``[start_q, start_q + BLOCK_Q)`` x keys
+    ``[start_k, start_k + BLOCK_K)``: a boolean tile (queries, keys), or (keys, queries) with
+    ``KEYS_FIRST``. ``start_q``, ``start_k``, BLOCK_Q and BLOCK_K are multiples of 16.
 
-    Element (b, h, i, j) is kept iff ``r < keep_below`` where ``r`` is word ``j % 4`` of
-    Philox4x32-10 with key ``(seed_lo, seed_hi)`` (the 64-bit seed) and counter
-    ``(j // 4, i, h, (b + offset) mod 2^32)``; ``head_ctr = h``, ``batch_ctr = b + offset``
-    (uint32). One Philox evaluation serves four consecutive keys. Nothing here depends on the
-    tile shape (``start_k`` and BLOCK_K are multiples of 4), so kernels with different tiles agree.
+    Element (b, h, i, j) is kept iff ``r < keep_below`` where ``r`` is word
+    ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 with key ``(seed_lo, seed_hi)`` (the 64-bit seed)
+    and counter ``(j // 2, (i // 16) 8 + i % 8, h, (b + offset) mod 2^32)``; ``head_ctr = h``,
+    ``batch_ctr = b + offset`` (uint32). One Philox evaluation serves the four elements
+    ``{i, i + 8} x {j, j + 1}`` (i with bit 3 clear, j even): exactly what one thread holds of
+    a tensor-core accumulator tile (queries x keys; mma.sync and wgmma alike: rows r and r + 8,
+    columns 2t and 2t + 1), so in the forward and dQ kernels the words reach their elements with
+    no data movement. The dK/dV kernel's transposed tiles hold them in other threads and pay a
+    layout conversion. Nothing depends on the tile shape, so kernels with different tiles agree.
     ``ssa_flash.reference.dropout_keep_mask`` is the same function in PyTorch."""
-    BLOCK_Q: tl.constexpr = offs_q.shape[0]
-    G: tl.constexpr = BLOCK_K // 4
-    zero = tl.zeros((BLOCK_Q, G), dtype=tl.uint32)
-    c0 = zero + ((start_k // 4) + tl.arange(0, G)).to(tl.uint32)[None, :]
-    c1 = zero + offs_q.to(tl.uint32)[:, None]
-    r0, r1, r2, r3 = philox4x32(c0, c1, zero + head_ctr, zero + batch_ctr, seed_lo, seed_hi)
-    # keys 4g + t take word t: interleave the four (BLOCK_Q, G) tiles along the keys
-    even = tl.join(r0 < keep_below, r2 < keep_below)  # (BLOCK_Q, G, 2): words 0, 2
-    odd = tl.join(r1 < keep_below, r3 < keep_below)  # words 1, 3
-    keep = tl.reshape(tl.join(even, odd), (BLOCK_Q, BLOCK_K))
+    HQ: tl.constexpr = BLOCK_Q // 2
+    HK: tl.constexpr = BLOCK_K // 2
+    # Counter words of the half tile (x' = (x // 16) 8 + x % 8 runs over start / 2 + [0, B / 2))
+    # from one flat arange: no broadcast in the chain, so the compiler can place the whole
+    # Philox computation in the layout the joins below need.
+    flat = tl.arange(0, HQ * HK).to(tl.uint32)
     if KEYS_FIRST:
-        keep = tl.trans(keep)
-    return keep
+        c0 = tl.reshape(flat // HQ, (HK, HQ)) + (start_k // 2).to(tl.uint32)
+        c1 = tl.reshape(flat % HQ, (HK, HQ)) + (start_q // 2).to(tl.uint32)
+    else:
+        c0 = tl.reshape(flat % HK, (HQ, HK)) + (start_k // 2).to(tl.uint32)
+        c1 = tl.reshape(flat // HK, (HQ, HK)) + (start_q // 2).to(tl.uint32)
+    zero = c0 * 0
+    r0, r1, r2, r3 = philox4x32(c0, c1, zero + head_ctr, zero + batch_ctr, seed_lo, seed_hi, FAST_MATH)
+    # words: r0 (i, j), r1 (i + 8, j), r2 (i, j + 1), r3 (i + 8, j + 1). tl.join adds the
+    # fastest register dim: the outer join over bit0(j), the accumulators' first register bit.
+    t = tl.join(tl.join(r0 < keep_below, r1 < keep_below), tl.join(r2 < keep_below, r3 < keep_below))
+    if KEYS_FIRST:  # t[j', i', u, s] -> [j', s, a, u, x]
+        t = tl.reshape(t, (HK, BLOCK_Q // 16, 8, 2, 2))
+        return tl.reshape(tl.permute(t, (0, 4, 1, 3, 2)), (BLOCK_K, BLOCK_Q))
+    else:  # t[i', j', u, s] -> [a, u, x, j', s]
+        t = tl.reshape(t, (BLOCK_Q // 16, 8, HK, 2, 2))
+        return tl.reshape(tl.permute(t, (0, 3, 1, 2, 4)), (BLOCK_Q, BLOCK_K))
 
 
 @triton.jit

@@ -26,10 +26,12 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                    win_left, win_right, drop, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+                    win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
-    is :func:`~.common.dropout_state`'s tuple (unused without DROPOUT)."""
+    is :func:`~.common.dropout_state`'s tuple and ``start_m`` the first query (unused without
+    DROPOUT)."""
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -62,8 +64,8 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
-            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, offs_m, start_n, keep_below,
-                                BLOCK_N, False)
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, False, FAST_MATH)
             p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
@@ -138,19 +140,19 @@ def attention_fwd_kernel(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, a,
             stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
             SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-            win_left, win_right, drop, WINDOW, DROPOUT)
+            win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
     else:
         a = 0
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, a, mid,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
         SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        win_left, win_right, drop, WINDOW, DROPOUT)
+        win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, mid, hi,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
         SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        win_left, win_right, drop, WINDOW, DROPOUT)
+        win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum

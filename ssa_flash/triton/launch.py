@@ -385,5 +385,5 @@ def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
     num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
     dropout_mask_kernel[(num_m * num_n * B * H,)](
         out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
-        BLOCK_M=bm, BLOCK_N=bn)
+        BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
     return out.bool()
