@@ -308,11 +308,11 @@ def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_b
     # Philox computation in the layout the joins below need.
     flat = tl.arange(0, HQ * HK).to(tl.uint32)
     if KEYS_FIRST:
-        c0 = tl.reshape(flat // HQ, (HK, HQ)) + (start_k // 2).to(tl.uint32)
-        c1 = tl.reshape(flat % HQ, (HK, HQ)) + (start_q // 2).to(tl.uint32)
+        c0 = tl.reshape(flat // HQ, (HK, HQ)) + tl.cast(start_k // 2, tl.uint32)
+        c1 = tl.reshape(flat % HQ, (HK, HQ)) + tl.cast(start_q // 2, tl.uint32)
     else:
-        c0 = tl.reshape(flat % HK, (HQ, HK)) + (start_k // 2).to(tl.uint32)
-        c1 = tl.reshape(flat // HK, (HQ, HK)) + (start_q // 2).to(tl.uint32)
+        c0 = tl.reshape(flat % HK, (HQ, HK)) + tl.cast(start_k // 2, tl.uint32)
+        c1 = tl.reshape(flat // HK, (HQ, HK)) + tl.cast(start_q // 2, tl.uint32)
     zero = c0 * 0
     r0, r1, r2, r3 = philox4x32(c0, c1, zero + head_ctr, zero + batch_ctr, seed_lo, seed_hi, FAST_MATH)
     # words: r0 (i, j), r1 (i + 8, j), r2 (i, j + 1), r3 (i + 8, j + 1). tl.join adds the
