@@ -89,11 +89,13 @@ def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str):
+def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
+                     dropout: bool = False):
     """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
     None: the interpreter), best first. Under the interpreter small blocks make the tests cross
     block boundaries at small lengths. On a GPU the first candidate that fits the shared memory
-    and registers is used (see ``_launch``)."""
+    and registers is used (see ``_launch``). ``dropout``: the specialisation generates dropout
+    bits, whose registers the dK/dV kernel's default tiles cannot spare."""
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
@@ -127,6 +129,15 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
             cands = [Blocks(32, 128, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(32, 64, 4, 1)]
+    if dropout and kernel == "bwd_dkdv" and head_block <= 128:
+        # The Philox words and the layout conversion of the keep bits (see common.dropout_keep)
+        # cost registers: the default tiles spill (sm_80, D=64: most of the loop). The largest
+        # tiles without spills in the static audit, except sm_80 D=128, where 16 queries per
+        # step cost 50% more instructions than the ~1 spill per element of 32.
+        if hopper:
+            cands = [Blocks(32, 64, 4, 2) if head_block <= 64 else Blocks(16, 128, 8, 2)] + cands
+        else:
+            cands = [Blocks(16, 64, 4, 2) if head_block <= 64 else Blocks(32, 64, 4, 2)] + cands
     if wide:
         cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
     return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
@@ -162,7 +173,7 @@ def _device_arch(device: torch.device) -> Optional[int]:
 def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
     """Launch ``kernel`` with the first block candidate that compiles within the GPU's resources."""
     arch = _capture_arch if _capture is not None else _device_arch(device)
-    cands = block_candidates(arch, head_block, dtype, name)
+    cands = block_candidates(arch, head_block, dtype, name, bool(consts.get("DROPOUT", False)))
     if _capture is not None:
         blk = cands[0]
         _capture.append(KernelLaunch(name, kernel, grid_fn(blk), tuple(args(blk)),
