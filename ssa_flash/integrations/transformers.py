@@ -2,7 +2,7 @@
 
     import ssa_flash.integrations.transformers as ssa_hf
 
-    config = GPT2Config(n_layer=4, n_head=4, n_embd=256, attn_pdrop=0.0)
+    config = GPT2Config(n_layer=4, n_head=4, n_embd=256)      # attn_pdrop=0.1: attention dropout
     model = ssa_hf.enable_ssa(GPT2LMHeadModel(config), b_init=1.0, n_init=1.5)
     ...train...
     model.save_pretrained(path)
@@ -82,18 +82,18 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     """transformers attention function (the ``AttentionInterface`` signature): query
     ``(B, Hq, Lq, D)``, key/value ``(B, Hkv, Lk, D)``, ``attention_mask`` None or a boolean /
     additive mask broadcastable to ``(B, Hq, Lq, Lk)``. Uses ``module.ssa`` (added by
-    :func:`enable_ssa`) for the per-head ``b``, ``n``. Returns ``(out (B, Lq, Hq, Dv), None)``:
-    attention weights are never materialised."""
+    :func:`enable_ssa`) for the per-head ``b``, ``n``. ``dropout`` is the attention dropout
+    probability, which transformers passes as 0 outside training (as to SDPA); it is applied to
+    the final weights in the kernels (the Triton and reference backends; ``backend="auto"`` picks
+    Triton for it on a GPU). A sliding window reaches this function inside ``attention_mask``
+    (transformers builds it into the mask). Returns ``(out (B, Lq, Hq, Dv), None)``: attention
+    weights are never materialised."""
     ssa = getattr(module, SUBMODULE, None)
     if not isinstance(ssa, SSAttention):
         raise RuntimeError(
             f"{type(module).__name__} has no SSA parameters (module.{SUBMODULE}): call "
             "ssa_flash.integrations.transformers.enable_ssa(model) instead of setting "
             f"attn_implementation={ATTN_IMPLEMENTATION!r} alone")
-    if dropout:
-        raise NotImplementedError(
-            f"attention dropout ({dropout}) is not implemented by ssa_flash: build the config with "
-            "attention dropout 0 (GPT-2: attn_pdrop=0.0; Llama: attention_dropout=0.0)")
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"ssa_flash's attention does not support {name!r}")
@@ -114,7 +114,7 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         # prefill into an empty static cache: the keys past q_len are not written yet
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = ssa(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
-              enable_gqa=query.shape[1] != key.shape[1])
+              enable_gqa=query.shape[1] != key.shape[1], dropout_p=float(dropout or 0.0))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -216,8 +216,8 @@ def enable_ssa(model: PreTrainedModel, b_init: float = 1.0, n_init: float = 1.5,
     softmax weights are not SSA weights: on a model loaded from a softmax checkpoint this changes
     what the model computes, and it needs training or fine-tuning with SSA.
 
-    Attention dropout is not supported: use configs with attention dropout 0 (GPT-2's
-    ``attn_pdrop`` defaults to 0.1; a training-mode forward with it raises).
+    The config's attention dropout (GPT-2's ``attn_pdrop``, Llama's ``attention_dropout``)
+    applies in training mode, as with SDPA.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable_ssa expects a transformers PreTrainedModel, got {type(model).__name__}")
@@ -231,11 +231,6 @@ def enable_ssa(model: PreTrainedModel, b_init: float = 1.0, n_init: float = 1.5,
         warnings.warn(
             f"enable_ssa on a model loaded from {model.config._name_or_path!r}: pretrained softmax "
             "weights are not SSA weights; the model must be trained or fine-tuned with SSA", stacklevel=2)
-    dropout = [getattr(model.config, name, 0.0) or 0.0 for name in ("attn_pdrop", "attention_dropout")]
-    if any(isinstance(p, numbers.Real) and p > 0 for p in dropout):
-        warnings.warn("the model's config has attention dropout > 0, which ssa_flash does not implement: "
-                      "a forward in training mode will raise (set attn_pdrop / attention_dropout to 0)",
-                      stacklevel=2)
     _apply(model, settings if previous is None else {**settings, **previous})
     return model
 
