@@ -413,9 +413,10 @@ def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, t
     dropout_p=p, dropout_mask=keep)`` then equals ``out``). ``backend``: ``"triton"`` runs a small
     kernel that calls the attention kernels' own mask function (on tiles of other sizes),
     ``"reference"`` the PyTorch Philox of ``ssa_flash.reference.dropout_keep_mask``, ``"auto"``
-    the first that runs on ``device``. Element ``(b, h, i, j)`` is kept iff word ``j % 4`` of
-    Philox4x32-10 (key: the seed; counter: ``(j // 4, i, h, (b + offset) mod 2^32)``) is below
-    ``2 round((1 - p) 2^31)``: a function of the indices alone, never of the kernels' tiles.
+    the first that runs on ``device``. Element ``(b, h, i, j)`` is kept iff word
+    ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 (key: the seed; counter: ``(j // 2,
+    (i // 16) 8 + i % 8, h, (b + offset) mod 2^32)``) is below ``2 round((1 - p) 2^31)``: a
+    function of the indices alone, never of the kernels' tiles.
     """
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 4:
         raise ValueError(f"shape must be (B, Hq, Lq, Lk), got {shape!r}")

@@ -301,6 +301,7 @@ def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_b
     no data movement. The dK/dV kernel's transposed tiles hold them in other threads and pay a
     layout conversion. Nothing depends on the tile shape, so kernels with different tiles agree.
     ``ssa_flash.reference.dropout_keep_mask`` is the same function in PyTorch."""
+    tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0, "dropout tiles: multiples of 16")
     HQ: tl.constexpr = BLOCK_Q // 2
     HK: tl.constexpr = BLOCK_K // 2
     # Counter words of the half tile (x' = (x // 16) 8 + x % 8 runs over start / 2 + [0, B / 2))
