@@ -7,8 +7,9 @@ Environment:
 * ``SSA_FLASH_BUILD_CUDA=1`` builds the extension or fails saying why; ``=0`` never builds it;
   unset: build it when possible, else install the pure-Python package (the CUDA backend then
   JIT-compiles the extension on first use, see ``ssa_flash/cuda.py``).
-* ``TORCH_CUDA_ARCH_LIST`` (default ``7.5;8.0;8.6;8.9;9.0``) and ``MAX_JOBS`` are honoured, as by
-  every torch extension build (ninja is used when installed).
+* ``TORCH_CUDA_ARCH_LIST`` (default ``7.5;8.0;8.6;8.9;9.0``, with ``7.0`` first when the toolkit's
+  nvcc still compiles for Volta, i.e. CUDA <= 12.x) and ``MAX_JOBS`` are honoured, as by every
+  torch extension build (ninja is used when installed).
 
 torch is needed at build time, so a CUDA build must not run in an isolated build environment:
 ``pip install --no-build-isolation .`` (an isolated build sees no torch and installs the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -77,10 +79,25 @@ def cuda_build_decision():
     return False, why
 
 
-def cuda_extension_kwargs():
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+def nvcc_supports(arch: str, cuda_home) -> bool:
+    """Whether the toolkit's nvcc compiles for compute_<arch> (CUDA 13 dropped sm_70)."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else shutil.which("nvcc")
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, TypeError):
+        return False
+    return f"compute_{arch}" in out.split()
 
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+
+def default_archs(cuda_home) -> str:
+    return ("7.0;" if nvcc_supports("70", cuda_home) else "") + DEFAULT_ARCHS
+
+
+def cuda_extension_kwargs():
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = default_archs(CUDA_HOME)
     sources = [os.path.relpath(p, HERE) for p in csrc_files(("*.cu", "*.cpp"))]
     ext = CUDAExtension(
         name="ssa_flash._C",

@@ -8,6 +8,7 @@
 // also compiles against the headers of a CPU-only torch (the CI compile check).
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -103,15 +104,25 @@ void fill_shape(ssa_flash::AttnShape& s, const Tensor& q, const Tensor& k, int64
   }
 }
 
+// The kernels take scale >= 0 (params.h: the forward's row max is taken on raw scores); a
+// negative scale is applied as |scale| to -q (a copy; the caller negates dq back).
+Tensor nonnegative_scale(const Tensor& q, double& scale) {
+  TORCH_CHECK(std::isfinite(scale), "ssa_flash: scale must be finite, got ", scale);
+  if (scale >= 0) return q;
+  scale = -scale;
+  return q.neg().contiguous();
+}
+
 void raise_if(const std::string& err) { TORCH_CHECK(err.empty(), "ssa_flash CUDA kernel: ", err); }
 
 bool is_bf16(const Tensor& q) { return q.scalar_type() == at::kBFloat16; }
 
-std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
+std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                                int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
                                const optional<Tensor>& beta, double scale, bool causal, int64_t group,
                                int64_t stream_handle) {
-  check_qkv_like(q, "query", q);
+  check_qkv_like(q_in, "query", q_in);
+  const Tensor q = nonnegative_scale(q_in, scale);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
   TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
@@ -139,10 +150,11 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   return {o, lse};
 }
 
-std::tuple<Tensor, Tensor> stats(const Tensor& q, const Tensor& k, const optional<Tensor>& mask, int64_t mask_kind,
-                                 const optional<Tensor>& b, const optional<Tensor>& n, double scale, bool causal,
-                                 int64_t group, int64_t stream_handle) {
-  check_qkv_like(q, "query", q);
+std::tuple<Tensor, Tensor> stats(const Tensor& q_in, const Tensor& k, const optional<Tensor>& mask,
+                                 int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
+                                 double scale, bool causal, int64_t group, int64_t stream_handle) {
+  check_qkv_like(q_in, "query", q_in);
+  const Tensor q = nonnegative_scale(q_in, scale);
   check_qkv_like(k, "key", q);
   ssa_flash::FwdParams p{};
   fill_shape(p, q, k, q.size(3), mask, mask_kind, b, n, scale, causal, group);
@@ -163,12 +175,14 @@ std::tuple<Tensor, Tensor> stats(const Tensor& q, const Tensor& k, const optiona
 // Returns dq, dk, dv (padded head dims, like the inputs) and the (B, H, num_m_blocks) partial
 // sums of db and dn (empty tensors for softmax); the caller sums the partials over (0, 2).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
-    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+    const Tensor& dout, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
     const optional<Tensor>& dlse, const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
     const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
     int64_t stream_handle) {
-  check_qkv_like(q, "query", q);
+  check_qkv_like(q_in, "query", q_in);
+  const bool negated = scale < 0;
+  const Tensor q = nonnegative_scale(q_in, scale);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
   check_qkv_like(o, "out", q);
@@ -226,6 +240,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   raise_if(is_bf16(q) ? ssa_flash::run_bwd_bf16(p, ssa, adaptive, stream)
                       : ssa_flash::run_bwd_fp16(p, ssa, adaptive, stream));
+  if (negated) dq.neg_();
   return {dq, dk, dv, db_part, dn_part};
 }
 

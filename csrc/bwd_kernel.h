@@ -39,40 +39,51 @@ struct RowStats {
 SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
-// respect to z, before the scale), accumulating the SSA partials db / n and dn * n / ln 2.
-template <bool kSSA, bool kAdaptive>
-SSA_DEVICE float score_grad(const LogitCtx& ctx, float s, float dp, int row, int col,
+// respect to z / scale's dot product, before the final scale), accumulating the SSA partials
+// db / (n scale) and dn / ln 2 (per-head factors applied once at the end; no division by n, so
+// n = 0 gives finite gradients). kCheck: bounds, causality and masks (see apply_mask).
+template <bool kSSA, bool kAdaptive, bool kCheck>
+SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
-  float z, phi2;
-  const float l2 = logit2<kSSA>(ctx, s, row, col, z, phi2);
-  const float s2 = kAdaptive ? l2 * r.beta : l2;
-  const float pp = ex2(s2 - r.lse2);
+  float t, u;
+  float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
+  if (kCheck) l2 = apply_mask(p, ctx, l2, row, col, kLog2e);
+  const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
   p_out = pp;
   float dl = pp * (dp - r.delta);
   if (kAdaptive) {
-    const bool adm = l2 != neg_inf();
-    const float lp2 = adm ? l2 - r.lse_l2 : 0.0f;
-    const float ent_term = adm ? ex2(lp2) * (lp2 * kLn2 + r.ent) : 0.0f;
+    float ent_term;
+    if (kCheck) {
+      const bool adm = l2 != neg_inf();
+      const float lp2 = adm ? l2 - r.lse_l2 : 0.0f;
+      ent_term = adm ? ex2(lp2) * fmaf(lp2, kLn2, r.ent) : 0.0f;
+    } else {
+      const float lp2 = l2 - r.lse_l2;
+      ent_term = ex2(lp2) * fmaf(lp2, kLn2, r.ent);
+    }
     dl = dl * r.beta - r.g * ent_term;
   }
   if (kSSA) {
-    // db, dn are accumulated without their per-head factors n and ln2 / n (applied once at the end)
-    const float inv_u = __fdividef(1.0f, 1.0f + ctx.b * fabsf(z));
-    db += dl * z * inv_u;
-    dn += dl * phi2;
-    dl *= ctx.n * ctx.b * inv_u;
+    // dz = dl n b / (1 + b|z|); db = sum dl n z / (1 + b|z|); dn = sum dl sgn(z) log1p(b|z|)
+    const float w = dl * rcp(u);
+    db = fmaf(w, s, db);
+    dn = fmaf(dl, t, dn);
+    dl = w * ctx.nb;
   }
   return dl;
 }
 
 // dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible.
-template <bool kSSA>
-SSA_DEVICE float dbeta_term(const LogitCtx& ctx, float s, float dp, int row, int col,
+template <bool kSSA, bool kCheck>
+SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
-  float z, phi2;
-  const float l2 = logit2<kSSA>(ctx, s, row, col, z, phi2);
-  if (l2 == neg_inf()) return 0.0f;
-  const float pp = ex2(l2 * r.beta - r.lse2);
+  float t, u;
+  float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
+  if (kCheck) {
+    l2 = apply_mask(p, ctx, l2, row, col, kLog2e);
+    if (l2 == neg_inf()) return 0.0f;
+  }
+  const float pp = ex2(fmaf(l2, r.beta, -r.lse2));
   return pp * (dp - r.delta) * l2 * kLn2;
 }
 
@@ -81,7 +92,7 @@ SSA_DEVICE float dbeta_term(const LogitCtx& ctx, float s, float dp, int row, int
 //   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
 //   dQ += dS K_j
 template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -93,7 +104,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
   constexpr int kDT = kD / 8;
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  if (kernel_unsupported<T, kD>()) {
     __trap();
   } else {
 #endif
@@ -106,6 +117,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  T* scratch = sV + kBlockN * kS + warp * gemm_rn_scratch_elems<1, kBlockN>();
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y;
   const int bb = blockIdx.z;
@@ -119,8 +131,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
   const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + h * p.do_sh;
   const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
   const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
-  const int r_lo = m0 + warp * 16 + (lane >> 2);
-  const int r_hi = r_lo + 8;
+  const int r_lo = m0 + warp * 16 + Frag::row(lane);
+  const int r_hi = r_lo + Frag::kHi;
   const bool ok_lo = r_lo < p.len_q, ok_hi = r_hi < p.len_q;
 
   load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
@@ -151,17 +163,17 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
   cp_async_wait<0>();
   __syncthreads();
 
-  // delta = rowsum(dO * O) - dlse: the quad of a row splits its columns in chunks of 8.
+  // delta = rowsum(dO * O) - dlse: the 4 lanes of a row split its columns in chunks of 8.
   {
-    const int lr = warp * 16 + (lane >> 2);
+    const int lr = warp * 16 + Frag::row(lane);
     float d_lo = 0.0f, d_hi = 0.0f;
-    for (int c = (lane & 3) * 8; c < p.dim_v; c += 32) {
+    for (int c = Frag::rank(lane) * 8; c < p.dim_v; c += 32) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = half ? r_hi : r_lo;
         if (row >= p.len_q) continue;
         const uint4 ov = *reinterpret_cast<const uint4*>(o + row * p.o_sm + c);
-        const uint4 dv = *reinterpret_cast<const uint4*>(sdO + (lr + 8 * half) * kS + c);
+        const uint4 dv = *reinterpret_cast<const uint4*>(sdO + (lr + Frag::kHi * half) * kS + c);
         const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w};
         const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
         float acc = 0.0f;
@@ -183,7 +195,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
     }
     st_lo.delta = d_lo;
     st_hi.delta = d_hi;
-    if ((lane & 3) == 0) {
+    if (Frag::rank(lane) == 0) {
       if (ok_lo) p.delta[stat0 + r_lo] = d_lo;
       if (ok_hi) p.delta[stat0 + r_hi] = d_hi;
     }
@@ -191,10 +203,11 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
   const T* sQw = sQ + warp * 16 * kS;
   const T* sdOw = sdO + warp * 16 * kS;
 
-  float dq_acc[kDT][4];
+  float dq_acc[1][kDT][4];
   zero(dq_acc);
   float db_part = 0.0f, dn_part = 0.0f;
 
@@ -205,7 +218,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
     load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
     cp_async_commit();
 
-    for (int j = 0; j < num_n; ++j) {
+    auto step = [&](int j, auto check) {
+      constexpr bool kCheck = decltype(check)::value;
       const int n0 = j * kBlockN;
       const bool has_next = j + 1 < num_n;
       const T* sKj = sK + (j & 1) * kBlockN * kS;
@@ -219,20 +233,20 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
       }
       __syncthreads();  // K_j, V_j visible to every warp
 
-      float s[kNT][4], dp[kNT][4];
+      float s[1][kNT][4], dp[1][kNT][4];
       zero(s);
       zero(dp);
-      gemm_nt<T, kBlockN, kD, kS, kS>(s, sQw, sKj, lane);
-      gemm_nt<T, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
+      gemm_nt<T, 1, kBlockN, kD, kS, kS>(s, sQw, sKj, lane);
+      gemm_nt<T, 1, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
 
       if (kAdaptive && pass == 0) {
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const int col = n0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-            if (i < 2) dbeta_lo += dbeta_term<kSSA>(ctx, s[nt][i], dp[nt][i], r_lo, col, st_lo);
-            else dbeta_hi += dbeta_term<kSSA>(ctx, s[nt][i], dp[nt][i], r_hi, col, st_hi);
+            const int col = n0 + Frag::col(lane, nt) + (i & 1);
+            if (i < 2) dbeta_lo += dbeta_term<kSSA, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
+            else dbeta_hi += dbeta_term<kSSA, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
           }
         }
       } else {
@@ -240,10 +254,10 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
         for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const int col = n0 + nt * 8 + (lane & 3) * 2 + (i & 1);
+            const int col = n0 + Frag::col(lane, nt) + (i & 1);
             float pp;
-            s[nt][i] = score_grad<kSSA, kAdaptive>(ctx, s[nt][i], dp[nt][i], i < 2 ? r_lo : r_hi,
-                                                   col, i < 2 ? st_lo : st_hi, pp, db_part, dn_part);
+            s[0][nt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
+                                                              col, i < 2 ? st_lo : st_hi, pp, db_part, dn_part);
           }
         }
       }
@@ -254,17 +268,20 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
         cp_async_commit();
       }
       if (!kAdaptive || pass == 1) {
-        uint32_t da[kBlockN / 16][4];
-        acc_to_frag<T, kBlockN>(da, s);
-        gemm_rn<T, kD, kBlockN, kS>(dq_acc, da, sKj, lane);
+        uint32_t da[1][kBlockN / 16][4];
+        acc_to_frag<T, kBlockN>(da[0], s[0]);
+        gemm_rn<T, 1, kD, kBlockN, kS>(dq_acc, da, sKj, lane, scratch);
       }
       __syncthreads();  // every warp is done with K_j
-    }
+    };
+    int j = 0;
+    for (; j < n_full; ++j) step(j, Bool<false>());
+    for (; j < num_n; ++j) step(j, Bool<true>());
 
     if (kAdaptive && pass == 0) {
       st_lo.g = quad_sum(dbeta_lo) * dbdh_lo;
       st_hi.g = quad_sum(dbeta_hi) * dbdh_hi;
-      if ((lane & 3) == 0) {
+      if (Frag::rank(lane) == 0) {
         if (ok_lo) p.g[stat0 + r_lo] = st_lo.g;
         if (ok_hi) p.g[stat0 + r_hi] = st_hi.g;
       }
@@ -275,14 +292,14 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
   T* dq = static_cast<T*>(p.dq) + bb * p.dq_sb + h * p.dq_sh;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
-    const int col = dt * 8 + (lane & 3) * 2;
+    const int col = Frag::col(lane, dt);
     if (col < p.dim) {
       if (ok_lo)
         *reinterpret_cast<uint32_t*>(dq + r_lo * p.dq_sm + col) =
-            pack2<T>(dq_acc[dt][0] * p.scale, dq_acc[dt][1] * p.scale);
+            pack2<T>(dq_acc[0][dt][0] * p.scale, dq_acc[0][dt][1] * p.scale);
       if (ok_hi)
         *reinterpret_cast<uint32_t*>(dq + r_hi * p.dq_sm + col) =
-            pack2<T>(dq_acc[dt][2] * p.scale, dq_acc[dt][3] * p.scale);
+            pack2<T>(dq_acc[0][dt][2] * p.scale, dq_acc[0][dt][3] * p.scale);
     }
   }
 
@@ -305,8 +322,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
         dn += s_red[kNWarps + w];
       }
       const int64_t idx = (static_cast<int64_t>(bb) * p.heads + h) * gridDim.x + m_block;
-      p.db_part[idx] = db * ctx.n;
-      p.dn_part[idx] = dn * (kLn2 / ctx.n);
+      p.db_part[idx] = db * (ctx.n * p.scale);
+      p.dn_part[idx] = dn * kLn2;
     }
   }
 #if defined(__CUDA_ARCH__)
@@ -323,7 +340,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dq_kernel(const BwdPar
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T | dV += P^T dO_t | issue dO_{t+1} |
 //   dK += dS^T Q_t
 template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;  // queries per step
   constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
@@ -339,7 +356,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
   enum { kLse = 0, kDelta = 1, kBeta = 2, kLseL = 3, kEnt = 4, kG = 5 };
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  // (each architecture runs one strip split per variant, traits.h dkdv_split_for)
+  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
     __trap();
   } else {
 #endif
@@ -409,20 +427,22 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
   }
   cp_async_commit();
 
-  float dk_acc[kDT][4], dv_acc[kDT][4];
+  float dk_acc[1][kDT][4], dv_acc[1][kDT][4];
   zero(dk_acc);
   zero(dv_acc);
   const int strip = warp / kSplit;
   const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
   const T* sKw = sK + strip * 16 * kS;
   const T* sVw = sV + strip * 16 * kS;
-  const int c_lo = n0 + strip * 16 + (lane >> 2);  // this thread's two key rows
-  const int c_hi = c_lo + 8;
+  T* scratch = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM) + warp * gemm_rn_scratch_elems<1, kBlockM>();
+  const int c_lo = n0 + strip * 16 + Frag::row(lane);  // this thread's two key rows
+  const int c_hi = c_lo + Frag::kHi;
 
-  for (int t = 0; t < num_t; ++t) {
+  auto step = [&](int t, auto check) {
+    constexpr bool kCheck = decltype(check)::value;
     const int buf = t & 1;
     const bool has_next = t + 1 < num_t;
-    if (has_next) {
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
       load_q(t + 1, buf ^ 1);
       cp_async_commit();
       load_stats(t + 1, buf ^ 1);
@@ -438,50 +458,84 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
     const T* sQt = sQ + buf * kBlockM * kS;
     const float* stat = sStat + buf * kNStat * kBlockM;
 
-    float s[kMT][4], dp[kMT][4];
+    float s[1][kMT][4], dp[1][kMT][4];
     zero(s);
     zero(dp);
-    gemm_nt<T, kBlockM, kD, kS, kS>(s, sKw, sQt, lane);   // S^T = K Q^T
-    gemm_nt<T, kBlockM, kD, kS, kS>(dp, sVw, sdO, lane);  // dP^T = V dO^T
+    gemm_nt<T, 1, kBlockM, kD, kS, kS>(s, sKw, sQt, lane);   // S^T = K Q^T
+    gemm_nt<T, 1, kBlockM, kD, kS, kS>(dp, sVw, sdO, lane);  // dP^T = V dO^T
 
+    // Elementwise, then dV += P^T dO, per 16-query chunk kk: each chunk's scores die before the
+    // next chunk's are processed (with all of them live, ptxas interleaved the elementwise code
+    // with the dV GEMM and the adaptive variants spilled on sm_70 / sm_75).
     float db_unused = 0.0f, dn_unused = 0.0f;
+    uint32_t da[1][kBlockM / 16][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int lq = mt * 8 + (lane & 3) * 2 + (i & 1);  // query within the step
-        RowStats r;
-        r.lse2 = stat[kLse * kBlockM + lq];
-        r.delta = stat[kDelta * kBlockM + lq];
-        if (kAdaptive) {
-          r.beta = stat[kBeta * kBlockM + lq];
-          r.lse_l2 = stat[kLseL * kBlockM + lq];
-          r.ent = stat[kEnt * kBlockM + lq];
-          r.g = stat[kG * kBlockM + lq];
-        } else {
-          r.beta = 1.0f;
-          r.lse_l2 = r.ent = r.g = 0.0f;
+      for (int mt = 2 * kk; mt < 2 * kk + 2; ++mt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int lq = Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
+          RowStats r;
+          r.lse2 = stat[kLse * kBlockM + lq];
+          r.delta = stat[kDelta * kBlockM + lq];
+          if (kAdaptive) {
+            r.beta = stat[kBeta * kBlockM + lq];
+            r.lse_l2 = stat[kLseL * kBlockM + lq];
+            r.ent = stat[kEnt * kBlockM + lq];
+            r.g = stat[kG * kBlockM + lq];
+          } else {
+            r.beta = 1.0f;
+            r.lse_l2 = r.ent = r.g = 0.0f;
+          }
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi) {
+            const int i = c + 2 * hi;
+            float pp;
+            dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
+                                                               hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
+            s[0][mt][i] = pp;
+          }
         }
-        float pp;
-        dp[mt][i] = score_grad<kSSA, kAdaptive>(ctx, s[mt][i], dp[mt][i], mm + lq,
-                                                i < 2 ? c_lo : c_hi, r, pp, db_unused, dn_unused);
-        s[mt][i] = pp;
       }
+      uint32_t pa[1][1][4];
+      pa[0][0][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+      pa[0][0][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+      pa[0][0][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+      pa[0][0][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+      da[0][kk][0] = pack2<T>(dp[0][2 * kk][0], dp[0][2 * kk][1]);
+      da[0][kk][1] = pack2<T>(dp[0][2 * kk][2], dp[0][2 * kk][3]);
+      da[0][kk][2] = pack2<T>(dp[0][2 * kk + 1][0], dp[0][2 * kk + 1][1]);
+      da[0][kk][3] = pack2<T>(dp[0][2 * kk + 1][2], dp[0][2 * kk + 1][3]);
+      gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
     }
 
-    uint32_t pa[kBlockM / 16][4];
-    acc_to_frag<T, kBlockM>(pa, s);
-    gemm_rn<T, kDC, kBlockM, kS>(dv_acc, pa, sdO + col0, lane);  // dV += P^T dO
-
     __syncthreads();  // every warp is done with dO_t
-    if (has_next) {
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
       load_do(t + 1);
       cp_async_commit();
     }
-    uint32_t da[kBlockM / 16][4];
-    acc_to_frag<T, kBlockM>(da, dp);
-    gemm_rn<T, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane);  // dK += dS^T Q
+    gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
     __syncthreads();  // every warp is done with Q_t and stats_t
+    if (!SSA_FLASH_ASYNC_COPIES && has_next) {
+      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
+      load_q(t + 1, buf ^ 1);
+      load_stats(t + 1, buf ^ 1);
+      load_do(t + 1);
+      cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
+    }
+  };
+  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
+  // ragged key block every step needs the checks.
+  const bool all_checked = p.mask_kind != kMaskNone || n0 + kBlockN > p.len_k;
+  const int n_diag = all_checked ? tiles_per_head
+                                 : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
+                                            : 0;
+  for (int head = 0; head < p.group; ++head) {
+    const int t0 = head * tiles_per_head;
+    int i = 0;
+    for (; i < n_diag; ++i) step(t0 + i, Bool<true>());
+    for (; i < tiles_per_head; ++i) step(t0 + i, Bool<false>());
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
 
@@ -489,20 +543,20 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_bwd_dkdv_kernel(const BwdP
   T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
-    const int col = col0 + dt * 8 + (lane & 3) * 2;
+    const int col = col0 + Frag::col(lane, dt);
     if (col < p.dim) {
       if (c_lo < p.len_k)
         *reinterpret_cast<uint32_t*>(dk + c_lo * p.dk_sm + col) =
-            pack2<T>(dk_acc[dt][0] * p.scale, dk_acc[dt][1] * p.scale);
+            pack2<T>(dk_acc[0][dt][0] * p.scale, dk_acc[0][dt][1] * p.scale);
       if (c_hi < p.len_k)
         *reinterpret_cast<uint32_t*>(dk + c_hi * p.dk_sm + col) =
-            pack2<T>(dk_acc[dt][2] * p.scale, dk_acc[dt][3] * p.scale);
+            pack2<T>(dk_acc[0][dt][2] * p.scale, dk_acc[0][dt][3] * p.scale);
     }
     if (col < p.dim_v) {
       if (c_lo < p.len_k)
-        *reinterpret_cast<uint32_t*>(dv + c_lo * p.dv_sm + col) = pack2<T>(dv_acc[dt][0], dv_acc[dt][1]);
+        *reinterpret_cast<uint32_t*>(dv + c_lo * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][0], dv_acc[0][dt][1]);
       if (c_hi < p.len_k)
-        *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[dt][2], dv_acc[dt][3]);
+        *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][2], dv_acc[0][dt][3]);
     }
   }
 #if defined(__CUDA_ARCH__)

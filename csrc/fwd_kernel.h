@@ -18,21 +18,27 @@ namespace ssa_flash {
 // acc = running sum of 2^(l2 - m) v. Writes o = acc / l and lse = (m + log2 l) * ln 2 (natural
 // log, -inf for rows with no admissible key, whose output is 0).
 //
+// Each warp owns kMS 16-row strips (two where registers allow: each K/V fragment then feeds two
+// strips). Key blocks [0, n_full) need no bounds, causal or mask work and run a loop of their
+// own; the rest (the diagonal under causal, the ragged last block, every block of a masked call)
+// run the checked loop.
+//
 // Pipeline per key block j (K and V single-buffered, each load overlapping a GEMM):
 //   issue V_j | wait K_j | S = Q K_j^T, softmax | wait V_j | issue K_{j+1} | O += P V_j
 template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
   constexpr int kNThreads = Tr::kNThreads;
+  constexpr int kMS = Tr::kMS;      // 16-row strips per warp
   constexpr int kNT = kBlockN / 8;  // n8 tiles of a score strip
   constexpr int kDT = kD / 8;       // n8 tiles of an output strip
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  if (kernel_unsupported<T, kD>()) {
     __trap();
   } else {
 #endif
@@ -44,6 +50,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  T* scratch = sV + kBlockN * kS + warp * gemm_rn_scratch_elems<kMS, kBlockN>();
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y;
   const int bb = blockIdx.z;
@@ -56,81 +63,109 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
   const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
   const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
 
-  // this thread's two accumulator rows
-  const int r_lo = m0 + warp * 16 + (lane >> 2);
-  const int r_hi = r_lo + 8;
-  float beta_lo = 1.0f, beta_hi = 1.0f;
-  if (kAdaptive) {
-    if (r_lo < p.len_q) beta_lo = p.beta[stat0 + r_lo];
-    if (r_hi < p.len_q) beta_hi = p.beta[stat0 + r_hi];
+  // this thread's rows: row0 + 16 ms + Frag::kHi hi, for strip ms, hi = 0 / 1 (computed where
+  // needed rather than kept: at D = 128 every register counts)
+  const int row0 = m0 + warp * kMS * 16 + Frag::row(lane);
+  float beta[kMS][2];  // adaptive temperature of each row (1 without)
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int r = row0 + ms * 16 + hi * Frag::kHi;
+      beta[ms][hi] = kAdaptive && r < p.len_q ? p.beta[stat0 + r] : 1.0f;
+    }
   }
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
 
   load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
 
-  float acc_o[kDT][4];
+  float acc_o[kMS][kDT][4];
   zero(acc_o);
-  float m_lo = neg_inf(), m_hi = neg_inf();
-  float l_lo = 0.0f, l_hi = 0.0f;
-  const T* sQw = sQ + warp * 16 * kS;
+  float m_run[kMS][2], l_run[kMS][2];
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms) {
+    m_run[ms][0] = m_run[ms][1] = neg_inf();
+    l_run[ms][0] = l_run[ms][1] = 0.0f;
+  }
+  const T* sQw = sQ + warp * kMS * 16 * kS;
 
-  for (int j = 0; j < num_n; ++j) {
+  auto step = [&](int j, auto check) {
+    constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
-    load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+    load_tile<kBlockN, kD, kS, kNThreads, !kCheck>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
     cp_async_commit();
     cp_async_wait<1>();  // Q and K_j have landed
     __syncthreads();
 
-    float s[kNT][4];
+    float s[kMS][kNT][4];
     zero(s);
-    gemm_nt<T, kBlockN, kD, kS, kS>(s, sQw, sK, lane);
+    gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK, lane);
 
-    float mx_lo = neg_inf(), mx_hi = neg_inf();
+    uint32_t pa[kMS][kBlockN / 16][4];
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
+    for (int ms = 0; ms < kMS; ++ms) {
+      // Softmax on interior blocks keeps the raw scores: the row max is taken on them and
+      // scaled once per row, and the exponent is one FFMA, 2^(s c - m) (FlashAttention-2's trick;
+      // needs c > 0, i.e. scale > 0, which the binding guarantees by negating q otherwise).
+      constexpr bool kRaw = !kSSA && !kCheck;
+      float mult[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = i < 2 ? r_lo : r_hi;
-        const int col = n0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-        float z, phi2;
-        float l2 = logit2<kSSA>(ctx, s[nt][i], row, col, z, phi2);
-        if (kAdaptive) l2 *= i < 2 ? beta_lo : beta_hi;
-        s[nt][i] = l2;
-        if (i < 2) mx_lo = fmaxf(mx_lo, l2);
-        else mx_hi = fmaxf(mx_hi, l2);
+      for (int hi = 0; hi < 2; ++hi) mult[hi] = row_mult<kSSA>(ctx, beta[ms][hi]);
+      float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int hi = i >> 1;
+          if (kRaw) {
+            mx[hi] = fmaxf(mx[hi], s[ms][nt][i]);
+            continue;
+          }
+          float t, u;
+          float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], mult[hi], t, u);
+          if (kCheck)
+            l2 = apply_mask(p, ctx, l2, row0 + ms * 16 + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
+                            kAdaptive ? kLog2e * beta[ms][hi] : kLog2e);
+          s[ms][nt][i] = l2;
+          mx[hi] = fmaxf(mx[hi], l2);
+        }
       }
-    }
-    const float mn_lo = fmaxf(m_lo, quad_max(mx_lo));
-    const float mn_hi = fmaxf(m_hi, quad_max(mx_hi));
-    const float ms_lo = safe_max(mn_lo), ms_hi = safe_max(mn_hi);
-    const float alpha_lo = ex2(m_lo - ms_lo), alpha_hi = ex2(m_hi - ms_hi);
-    float sum_lo = 0.0f, sum_hi = 0.0f;
+      float alpha[2], ms_[2];
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      s[nt][0] = ex2(s[nt][0] - ms_lo);
-      s[nt][1] = ex2(s[nt][1] - ms_lo);
-      s[nt][2] = ex2(s[nt][2] - ms_hi);
-      s[nt][3] = ex2(s[nt][3] - ms_hi);
-      sum_lo += s[nt][0] + s[nt][1];
-      sum_hi += s[nt][2] + s[nt][3];
-    }
-    l_lo = l_lo * alpha_lo + sum_lo;
-    l_hi = l_hi * alpha_hi + sum_hi;
-    m_lo = mn_lo;
-    m_hi = mn_hi;
+      for (int hi = 0; hi < 2; ++hi) {
+        const float mq = quad_max(mx[hi]);
+        const float mn = fmaxf(m_run[ms][hi], kRaw ? mq * mult[hi] : mq);
+        // unchecked tiles have finite logits, so mn is finite
+        ms_[hi] = kCheck ? safe_max(mn) : mn;
+        alpha[hi] = ex2(m_run[ms][hi] - ms_[hi]);
+        m_run[ms][hi] = mn;
+      }
+      float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      acc_o[dt][0] *= alpha_lo;
-      acc_o[dt][1] *= alpha_lo;
-      acc_o[dt][2] *= alpha_hi;
-      acc_o[dt][3] *= alpha_hi;
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int hi = i >> 1;
+          s[ms][nt][i] = ex2(kRaw ? fmaf(s[ms][nt][i], mult[hi], -ms_[hi]) : s[ms][nt][i] - ms_[hi]);
+          sum[hi] += s[ms][nt][i];
+        }
+      }
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) l_run[ms][hi] = l_run[ms][hi] * alpha[hi] + sum[hi];
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        acc_o[ms][dt][0] *= alpha[0];
+        acc_o[ms][dt][1] *= alpha[0];
+        acc_o[ms][dt][2] *= alpha[1];
+        acc_o[ms][dt][3] *= alpha[1];
+      }
+      acc_to_frag<T, kBlockN>(pa[ms], s[ms]);
     }
-    uint32_t pa[kBlockN / 16][4];
-    acc_to_frag<T, kBlockN>(pa, s);
 
     cp_async_wait<0>();  // V_j has landed
     __syncthreads();     // and every warp is done with K_j
@@ -138,30 +173,32 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
       load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       cp_async_commit();
     }
-    gemm_rn<T, kD, kBlockN, kS>(acc_o, pa, sV, lane);
+    gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
     __syncthreads();  // every warp is done with V_j
-  }
+  };
+  int j = 0;
+  for (; j < n_full; ++j) step(j, Bool<false>());
+  for (; j < num_n; ++j) step(j, Bool<true>());
 
-  l_lo = quad_sum(l_lo);
-  l_hi = quad_sum(l_hi);
-  const float inv_lo = l_lo == 0.0f ? 0.0f : 1.0f / l_lo;
-  const float inv_hi = l_hi == 0.0f ? 0.0f : 1.0f / l_hi;
   T* o = static_cast<T*>(p.o) + bb * p.o_sb + h * p.o_sh;
 #pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) {
-    const int col = dt * 8 + (lane & 3) * 2;
-    if (col < p.dim_v) {
-      if (r_lo < p.len_q)
-        *reinterpret_cast<uint32_t*>(o + r_lo * p.o_sm + col) =
-            pack2<T>(acc_o[dt][0] * inv_lo, acc_o[dt][1] * inv_lo);
-      if (r_hi < p.len_q)
-        *reinterpret_cast<uint32_t*>(o + r_hi * p.o_sm + col) =
-            pack2<T>(acc_o[dt][2] * inv_hi, acc_o[dt][3] * inv_hi);
+  for (int ms = 0; ms < kMS; ++ms) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const float l = quad_sum(l_run[ms][hi]);
+      const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+      const int r = row0 + ms * 16 + hi * Frag::kHi;
+      if (r < p.len_q) {
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          const int col = Frag::col(lane, dt);
+          if (col < p.dim_v)
+            *reinterpret_cast<uint32_t*>(o + r * p.o_sm + col) =
+                pack2<T>(acc_o[ms][dt][2 * hi] * inv, acc_o[ms][dt][2 * hi + 1] * inv);
+        }
+        if (Frag::rank(lane) == 0) p.lse[stat0 + r] = l == 0.0f ? neg_inf() : (m_run[ms][hi] + log2f(l)) * kLn2;
+      }
     }
-  }
-  if ((lane & 3) == 0) {
-    if (r_lo < p.len_q) p.lse[stat0 + r_lo] = l_lo == 0.0f ? neg_inf() : (m_lo + log2f(l_lo)) * kLn2;
-    if (r_hi < p.len_q) p.lse[stat0 + r_hi] = l_hi == 0.0f ? neg_inf() : (m_hi + log2f(l_hi)) * kLn2;
   }
 #if defined(__CUDA_ARCH__)
   }
@@ -175,17 +212,18 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_fwd_kernel(const FwdParams
 // so per-thread partials rescale the same way and are summed over the quad at the end.
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
 template <typename Tr, bool kSSA>
-__global__ void __launch_bounds__(Tr::kNThreads) attn_stats_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
   constexpr int kNThreads = Tr::kNThreads;
+  constexpr int kMS = Tr::kMS;
   constexpr int kNT = kBlockN / 8;
 
 #if defined(__CUDA_ARCH__)
-  if (ElemInfo<T>::kMinArch > __CUDA_ARCH__) {
+  if (kernel_unsupported<T, kD>()) {
     __trap();
   } else {
 #endif
@@ -205,22 +243,32 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_stats_kernel(const FwdPara
   const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
   const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
   const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const float mult = row_mult<kSSA>(ctx, 1.0f);
   const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
-  const int r_lo = m0 + warp * 16 + (lane >> 2);
-  const int r_hi = r_lo + 8;
+  int row[kMS][2];
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms)
+    for (int hi = 0; hi < 2; ++hi) row[ms][hi] = m0 + (warp * kMS + ms) * 16 + Frag::row(lane) + hi * Frag::kHi;
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
 
   load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
 
-  float m_lo = neg_inf(), m_hi = neg_inf();
-  float lam_lo = 0.0f, lam_hi = 0.0f, kc_lo = 0.0f, kc_hi = 0.0f;
-  const T* sQw = sQ + warp * 16 * kS;
+  float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms)
+    for (int hi = 0; hi < 2; ++hi) {
+      m_run[ms][hi] = neg_inf();
+      lam[ms][hi] = kc[ms][hi] = 0.0f;
+    }
+  const T* sQw = sQ + warp * kMS * 16 * kS;
 
-  for (int j = 0; j < num_n; ++j) {
+  auto step = [&](int j, auto check) {
+    constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
     if (j + 1 < num_n) {
       load_tile<kBlockN, kD, kS, kNThreads>(sK + ((j + 1) & 1) * kBlockN * kS, k, p.k_sm,
@@ -232,69 +280,70 @@ __global__ void __launch_bounds__(Tr::kNThreads) attn_stats_kernel(const FwdPara
     }
     __syncthreads();
 
-    float s[kNT][4];
+    float s[kMS][kNT][4];
     zero(s);
-    gemm_nt<T, kBlockN, kD, kS, kS>(s, sQw, sK + (j & 1) * kBlockN * kS, lane);
+    gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK + (j & 1) * kBlockN * kS, lane);
 
-    float mx_lo = neg_inf(), mx_hi = neg_inf();
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
+    for (int ms = 0; ms < kMS; ++ms) {
+      float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = i < 2 ? r_lo : r_hi;
-        const int col = n0 + nt * 8 + (lane & 3) * 2 + (i & 1);
-        float z, phi2;
-        const float l2 = logit2<kSSA>(ctx, s[nt][i], row, col, z, phi2);
-        s[nt][i] = l2;
-        if (i < 2) mx_lo = fmaxf(mx_lo, l2);
-        else mx_hi = fmaxf(mx_hi, l2);
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float t, u;
+          float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], mult, t, u);
+          if (kCheck) l2 = apply_mask(p, ctx, l2, row[ms][i >> 1], n0 + Frag::col(lane, nt) + (i & 1), kLog2e);
+          s[ms][nt][i] = l2;
+          mx[i >> 1] = fmaxf(mx[i >> 1], l2);
+        }
       }
-    }
-    const float mn_lo = fmaxf(m_lo, quad_max(mx_lo));
-    const float mn_hi = fmaxf(m_hi, quad_max(mx_hi));
-    const float ms_lo = safe_max(mn_lo), ms_hi = safe_max(mn_hi);
-    const float sh_lo = m_lo == neg_inf() ? 0.0f : m_lo - ms_lo;  // lam is 0 while m is -inf
-    const float sh_hi = m_hi == neg_inf() ? 0.0f : m_hi - ms_hi;
-    const float a_lo = ex2(sh_lo), a_hi = ex2(sh_hi);
-    kc_lo = a_lo * (kc_lo + lam_lo * sh_lo);
-    kc_hi = a_hi * (kc_hi + lam_hi * sh_hi);
-    lam_lo *= a_lo;
-    lam_hi *= a_hi;
+      float ms_[2];
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
+      for (int hi = 0; hi < 2; ++hi) {
+        const float mn = fmaxf(m_run[ms][hi], quad_max(mx[hi]));
+        ms_[hi] = kCheck ? safe_max(mn) : mn;
+        const float sh = m_run[ms][hi] == neg_inf() ? 0.0f : m_run[ms][hi] - ms_[hi];  // lam is 0 while m is -inf
+        const float a = ex2(sh);
+        kc[ms][hi] = a * (kc[ms][hi] + lam[ms][hi] * sh);
+        lam[ms][hi] *= a;
+        m_run[ms][hi] = mn;
+      }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float l2 = s[nt][i];
-        const float c = l2 == neg_inf() ? 0.0f : l2 - (i < 2 ? ms_lo : ms_hi);
-        const float e = l2 == neg_inf() ? 0.0f : ex2(c);
-        if (i < 2) {
-          lam_lo += e;
-          kc_lo += e * c;
-        } else {
-          lam_hi += e;
-          kc_hi += e * c;
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float l2 = s[ms][nt][i];
+          float c = l2 - ms_[i >> 1], e;
+          if (kCheck) {
+            c = l2 == neg_inf() ? 0.0f : c;
+            e = l2 == neg_inf() ? 0.0f : ex2(c);
+          } else {
+            e = ex2(c);
+          }
+          lam[ms][i >> 1] += e;
+          kc[ms][i >> 1] += e * c;
         }
       }
     }
-    m_lo = mn_lo;
-    m_hi = mn_hi;
     __syncthreads();  // every warp is done with this K buffer before it is refilled
-  }
+  };
+  int j = 0;
+  for (; j < n_full; ++j) step(j, Bool<false>());
+  for (; j < num_n; ++j) step(j, Bool<true>());
 
-  lam_lo = quad_sum(lam_lo);
-  lam_hi = quad_sum(lam_hi);
-  kc_lo = quad_sum(kc_lo);
-  kc_hi = quad_sum(kc_hi);
-  if ((lane & 3) == 0) {
-    if (r_lo < p.len_q) {
-      const bool empty = lam_lo == 0.0f;
-      p.entropy[stat0 + r_lo] = empty ? 0.0f : (log2f(lam_lo) - kc_lo / lam_lo) * kLn2;
-      p.lse[stat0 + r_lo] = empty ? neg_inf() : (m_lo + log2f(lam_lo)) * kLn2;
-    }
-    if (r_hi < p.len_q) {
-      const bool empty = lam_hi == 0.0f;
-      p.entropy[stat0 + r_hi] = empty ? 0.0f : (log2f(lam_hi) - kc_hi / lam_hi) * kLn2;
-      p.lse[stat0 + r_hi] = empty ? neg_inf() : (m_hi + log2f(lam_hi)) * kLn2;
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms) {
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const float l = quad_sum(lam[ms][hi]);
+      const float kcs = quad_sum(kc[ms][hi]);
+      const int r = row[ms][hi];
+      if (Frag::rank(lane) == 0 && r < p.len_q) {
+        const bool empty = l == 0.0f;
+        p.entropy[stat0 + r] = empty ? 0.0f : (log2f(l) - kcs / l) * kLn2;
+        p.lse[stat0 + r] = empty ? neg_inf() : (m_run[ms][hi] + log2f(l)) * kLn2;
+      }
     }
   }
 #if defined(__CUDA_ARCH__)

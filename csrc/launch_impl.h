@@ -21,6 +21,32 @@ inline std::string cuda_error(const char* what, cudaError_t err) {
   return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
 }
 
+// The current device's architecture (major * 100 + minor * 10) and opt-in shared memory per
+// block; an error message, or an empty string.
+inline std::string device_info(int& arch, int& max_optin) {
+#ifdef SSA_FLASH_EMULATE
+#if defined(SSA_FLASH_EMULATE_SM70)
+  arch = 700;
+#elif defined(SSA_FLASH_EMULATE_SM75)
+  arch = 750;
+#else
+  arch = 800;
+#endif
+  max_optin = 256 * 1024;
+  return std::string();
+#else
+  int dev = 0, major = 0, minor = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return cuda_error("querying the device", err);
+  arch = major * 100 + minor * 10;
+  return std::string();
+#endif
+}
+
 // Checks the device can run element type T and `smem` bytes of dynamic shared memory, raises the
 // kernel's shared-memory limit when above the 48 KiB default, launches.
 template <typename T, typename Params>
@@ -30,18 +56,13 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
   (void)stream;
   return ssa_emu::launch(kernel, name, grid, threads, smem, p);  // csrc/emu: CPU emulation
 #else
-  int dev = 0, major = 0, minor = 0, max_optin = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (err != cudaSuccess) return cuda_error("querying the device", err);
-  const int arch = major * 100 + minor * 10;
+  int arch = 0, max_optin = 0;
+  std::string why = device_info(arch, max_optin);
+  if (!why.empty()) return why;
   if (arch < ElemInfo<T>::kMinArch) {
     return std::string(ElemInfo<T>::kIsBF16 ? "bfloat16" : "float16") + " kernels need sm_" +
            std::to_string(ElemInfo<T>::kMinArch / 10) + " or newer, this device is sm_" +
-           std::to_string(major) + std::to_string(minor);
+           std::to_string(arch / 10);
   }
   if (grid.y > 65535 || grid.z > 65535) {
     return std::string(name) + ": heads and batch must each be at most 65535";
@@ -51,6 +72,7 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
            " bytes of shared memory per block, this device allows " + std::to_string(max_optin) +
            " (see docs/cuda.md, tile sizes)";
   }
+  cudaError_t err;
   if (smem > 48 * 1024) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cuda_error(name, err);
@@ -62,11 +84,17 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
 #endif
 }
 
+// Whether the current device runs the sm_70 code path (whose kernels need extra shared memory).
+inline bool device_is_sm70() {
+  int arch = 0, max_optin = 0;
+  return device_info(arch, max_optin).empty() && arch < 750;
+}
+
 template <typename T, int D>
 std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = fwd_smem_bytes(D, sizeof(T));
+  const int smem = fwd_smem_bytes(D, sizeof(T), device_is_sm70());
   auto kernel = ssa ? (adaptive ? attn_fwd_kernel<Tr, true, true> : attn_fwd_kernel<Tr, true, false>)
                     : (adaptive ? attn_fwd_kernel<Tr, false, true> : attn_fwd_kernel<Tr, false, false>);
   return launch<T>(kernel, "attn_fwd_kernel", grid, Tr::kNThreads, smem, stream, p);
@@ -86,15 +114,25 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t s
   {
     using Tr = DqTraits<D, T>;
     const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-    const int smem = dq_smem_bytes(D, sizeof(T));
+    const int smem = dq_smem_bytes(D, sizeof(T), device_is_sm70());
     auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true> : attn_bwd_dq_kernel<Tr, true, false>)
                       : (adaptive ? attn_bwd_dq_kernel<Tr, false, true> : attn_bwd_dq_kernel<Tr, false, false>);
     std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
     if (!err.empty()) return err;
   }
+  if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {
+    int arch = 0, max_optin = 0;
+    if (device_info(arch, max_optin).empty() && dkdv_split_for(D, adaptive, false, arch) == 2) {
+      using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
+      const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
+      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive);
+      auto kernel = ssa ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, false, true>;
+      return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
+    }
+  }
   using Tr = DkdvTraits<D, T>;
   const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive);
+  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, device_is_sm70());
   auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
                     : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
   return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);

@@ -10,7 +10,7 @@
 //    (zero strides for broadcast dims), already expanded to (B, H, Lq, Lk).
 #pragma once
 
-#include <cstdint>
+#include "int_types.h"
 
 namespace ssa_flash {
 
@@ -20,7 +20,7 @@ struct AttnShape {
   int batch, heads, heads_kv, group;  // group = heads / heads_kv (GQA)
   int len_q, len_k;
   int dim, dim_v;                     // actual head dims (multiples of 8)
-  float scale;                        // softmax scale applied to q.k
+  float scale;                        // softmax scale applied to q.k, >= 0 (api.cpp negates q otherwise)
   bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
   int mask_kind;
   const void* mask;                   // uint8 or float32, see mask_kind

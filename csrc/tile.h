@@ -14,35 +14,88 @@ namespace ssa_flash {
 // Rows [row0, row0 + kRows) and columns [0, kHeadDim) of a row-major global matrix with row
 // stride `stride` (unit column stride), into shared memory with row stride kStride. Rows >= len
 // and columns >= cols (a multiple of 8) are zero-filled. 16-byte cp.async per 8 elements.
-template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+// kInRange: the caller knows rows [row0, row0 + kRows) are all < len (interior key blocks), so no
+// row predicate or fallback address is needed.
+template <int kRows, int kHeadDim, int kStride, int kNThreads, bool kInRange = false, typename T>
 SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int len, int cols,
                           int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kTotal = kRows * kChunks;
-  constexpr int kIters = (kTotal + kNThreads - 1) / kNThreads;
+  if constexpr (kInRange && kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
+    constexpr int kStep = kNThreads / kChunks;
+    const int r0 = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    T* dst = smem + r0 * kStride + col;
+    const T* src = gmem + static_cast<int64_t>(row0 + r0) * stride + col;
+    const bool col_ok = col < cols;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int c = it * kNThreads + tid;
-    if (kTotal % kNThreads != 0 && c >= kTotal) break;
-    const int r = c / kChunks;
-    const int col = (c % kChunks) * 8;
-    const int grow = row0 + r;
-    const bool ok = grow < len && col < cols;
-    const T* src = ok ? gmem + static_cast<int64_t>(grow) * stride + col : gmem;
-    cp_async_16(smem + r * kStride + col, src, ok);
+    for (int it = 0; it < kTotal / kNThreads; ++it) {
+      cp_async_16(dst + it * kStep * kStride, col_ok ? src + it * kStep * stride : gmem, col_ok);
+    }
+  } else if constexpr (kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
+    // Each thread copies the same column chunk of rows r0, r0 + kStep, ...: one shared and one
+    // global base address plus constant offsets (few registers, which the forward at D = 128
+    // needs: per-copy addresses were being spilled).
+    constexpr int kStep = kNThreads / kChunks;
+    const int r0 = tid / kChunks;
+    const int col = (tid % kChunks) * 8;
+    T* dst = smem + r0 * kStride + col;
+    const T* src = gmem + static_cast<int64_t>(row0 + r0) * stride + col;
+    const bool col_ok = col < cols;
+#pragma unroll
+    for (int it = 0; it < kTotal / kNThreads; ++it) {
+      const bool ok = col_ok && row0 + r0 + it * kStep < len;
+      cp_async_16(dst + it * kStep * kStride, ok ? src + it * kStep * stride : gmem, ok);
+    }
+  } else {
+    constexpr int kIters = (kTotal + kNThreads - 1) / kNThreads;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int c = it * kNThreads + tid;
+      if (kTotal % kNThreads != 0 && c >= kTotal) break;
+      const int r = c / kChunks;
+      const int col = (c % kChunks) * 8;
+      const int grow = row0 + r;
+      const bool ok = grow < len && col < cols;
+      const T* src = ok ? gmem + static_cast<int64_t>(grow) * stride + col : gmem;
+      cp_async_16(smem + r * kStride + col, src, ok);
+    }
   }
 }
 
 // ------------------------------------------------------------------------------------------
-// Warp GEMMs on 16-row strips. Accumulator element (nt, i) of a strip is at
-//   row = 16-row strip base + lane / 4 + 8 * (i / 2),   col = 8 * nt + 2 * (lane % 4) + (i % 2).
+// Warp GEMMs on kMS 16-row strips (consecutive in shared memory) per warp: each B fragment read
+// from shared memory is used by kMS strips, which is what 32 rows per warp buys (FlashAttention-2).
+// Accumulators: float[kMS][kN / 8][4], element (ms, nt, i) at strip ms, the row and column that
+// struct Frag (utils.h) gives.
+//
+// sm_70 tiles a strip with mma.m8n8k4: quad pair q computes rows 8 (q % 2) .. +8 of the n8 tiles
+// 2p + q / 2, p = 0 .. kN / 16 - 1 (the accumulators of tiles 2p and 2p + 1 of a lane are the
+// two halves of one m8n8 result); every operand is one 8-byte shared-memory load per lane.
 
-// acc (16 x kN) += A (16 x kK) * B^T, A: shared rows (the warp's strip, row stride kStrideA),
-// B: shared [kN][kK] (row stride kStrideB), i.e. both operands stored with k contiguous.
+// acc (16 x kN per strip) += A (16 x kK) * B^T, A: shared rows (row stride kStrideA), B: shared
+// [kN][kK] (row stride kStrideB), i.e. both operands stored with k contiguous.
 // Used for Q K^T, dO V^T, K Q^T, V dO^T.
-template <typename T, int kN, int kK, int kStrideA, int kStrideB>
-SSA_DEVICE void gemm_nt(float (&acc)[kN / 8][4], const T* sA, const T* sB, int lane) {
+template <typename T, int kMS, int kN, int kK, int kStrideA, int kStrideB>
+SSA_DEVICE void gemm_nt(float (&acc)[kMS][kN / 8][4], const T* sA, const T* sB, int lane) {
   static_assert(kN % 16 == 0 && kK % 16 == 0, "gemm_nt: 16-multiples only");
+#if SSA_FLASH_SM70
+  const int q = (lane >> 2) & 3, tq = (lane & 3) + 4 * (lane >> 4);
+  const T* a_ptr = sA + (8 * (q & 1) + tq) * kStrideA;
+  const T* b_ptr = sB + (8 * (q >> 1) + tq) * kStrideB;
+#pragma unroll
+  for (int k0 = 0; k0 < kK; k0 += 4) {
+    uint2 a[kMS];
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) a[ms] = *reinterpret_cast<const uint2*>(a_ptr + ms * 16 * kStrideA + k0);
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; nt += 2) {
+      const uint2 b = *reinterpret_cast<const uint2*>(b_ptr + nt * 8 * kStrideB + k0);
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) mma_884<false>(acc[ms][nt], acc[ms][nt + 1], a[ms].x, a[ms].y, b.x, b.y);
+    }
+  }
+#else
   // A 16x16 block: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (8-15, 8-15)
   const T* a_ptr = sA + (lane & 15) * kStrideA + (lane >> 4) * 8;
   // B, two n8 tiles: matrices (n 0-7, k 0-7) = b0, (n 0-7, k 8-15) = b1 of the first tile,
@@ -50,24 +103,73 @@ SSA_DEVICE void gemm_nt(float (&acc)[kN / 8][4], const T* sA, const T* sB, int l
   const T* b_ptr = sB + ((lane & 7) + ((lane >> 4) << 3)) * kStrideB + ((lane >> 3) & 1) * 8;
 #pragma unroll
   for (int k0 = 0; k0 < kK; k0 += 16) {
-    uint32_t a[4];
-    ldmatrix_x4(a, a_ptr + k0);
+    uint32_t a[kMS][4];
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) ldmatrix_x4(a[ms], a_ptr + ms * 16 * kStrideA + k0);
 #pragma unroll
     for (int nt = 0; nt < kN / 8; nt += 2) {
       uint32_t b[4];
       ldmatrix_x4(b, b_ptr + nt * 8 * kStrideB + k0);
-      mma_16816<T>(acc[nt], a, b[0], b[1]);
-      mma_16816<T>(acc[nt + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) {
+        mma_16816<T>(acc[ms][nt], a[ms], b[0], b[1]);
+        mma_16816<T>(acc[ms][nt + 1], a[ms], b[2], b[3]);
+      }
     }
   }
+#endif
 }
 
-// acc (16 x kN) += A (16 x kK, register fragments) * B, B: shared [kK][kN] (row stride kStrideB),
-// n contiguous, read transposed by ldmatrix.trans. Used for P V, dS K, P^T dO, dS^T Q.
-template <typename T, int kN, int kK, int kStrideB>
-SSA_DEVICE void gemm_rn(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], const T* sB,
-                        int lane) {
+// Shared memory the sm_70 path of gemm_rn needs per warp (elements): the A operand, re-laid out.
+template <int kMS, int kK>
+constexpr int gemm_rn_scratch_elems() {
+  return SSA_FLASH_SM70 ? kMS * 16 * (kK + 8) : 0;
+}
+
+// acc (16 x kN per strip) += A (16 x kK, register fragments, see acc_to_frag) * B, B: shared
+// [kK][kN] (row stride kStrideB), n contiguous. Used for P V, dS K, P^T dO, dS^T Q. On sm_75+ B
+// is read transposed by ldmatrix.trans; on sm_70 the m8n8k4 A fragment (one row, 4 consecutive
+// k) is not what the accumulator layout gives a lane, so A goes through `scratch` (this warp's
+// gemm_rn_scratch_elems() elements of shared memory; unused on sm_75+).
+template <typename T, int kMS, int kN, int kK, int kStrideB>
+SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][kK / 16][4], const T* sB,
+                        int lane, T* scratch) {
   static_assert(kN % 16 == 0 && kK % 16 == 0, "gemm_rn: 16-multiples only");
+#if SSA_FLASH_SM70
+  constexpr int kSS = kK + 8;
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms) {
+    T* lo = scratch + (ms * 16 + Frag::row(lane)) * kSS;
+    T* hi = lo + Frag::kHi * kSS;
+#pragma unroll
+    for (int kk = 0; kk < kK / 16; ++kk) {
+      const int c0 = Frag::col(lane, 2 * kk), c1 = Frag::col(lane, 2 * kk + 1);
+      *reinterpret_cast<uint32_t*>(lo + c0) = a[ms][kk][0];
+      *reinterpret_cast<uint32_t*>(hi + c0) = a[ms][kk][1];
+      *reinterpret_cast<uint32_t*>(lo + c1) = a[ms][kk][2];
+      *reinterpret_cast<uint32_t*>(hi + c1) = a[ms][kk][3];
+    }
+  }
+  syncwarp();
+  const int q = (lane >> 2) & 3;
+  const T* a_ptr = scratch + (8 * (q & 1) + (lane & 3) + 4 * (lane >> 4)) * kSS;
+  // ".row" B: lane holds k = lane % 4 of the k4 step, columns 4 (lane / 16) .. +4 of its n8 tile
+  const T* b_ptr = sB + (lane & 3) * kStrideB + 8 * (q >> 1) + 4 * (lane >> 4);
+#pragma unroll
+  for (int k0 = 0; k0 < kK; k0 += 4) {
+    uint2 av[kMS];
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) av[ms] = *reinterpret_cast<const uint2*>(a_ptr + ms * 16 * kSS + k0);
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; nt += 2) {
+      const uint2 b = *reinterpret_cast<const uint2*>(b_ptr + k0 * kStrideB + nt * 8);
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) mma_884<true>(acc[ms][nt], acc[ms][nt + 1], av[ms].x, av[ms].y, b.x, b.y);
+    }
+  }
+  syncwarp();  // every lane has read the scratch before it is written again
+#else
+  (void)scratch;
   // matrices (k 0-7, n 0-7) = b0, (k 8-15, n 0-7) = b1 of the first n8 tile, then the second
   const T* b_ptr = sB + (lane & 15) * kStrideB + (lane >> 4) * 8;
 #pragma unroll
@@ -76,13 +178,18 @@ SSA_DEVICE void gemm_rn(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4]
     for (int nt = 0; nt < kN / 8; nt += 2) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, b_ptr + kk * 16 * kStrideB + nt * 8);
-      mma_16816<T>(acc[nt], a[kk], b[0], b[1]);
-      mma_16816<T>(acc[nt + 1], a[kk], b[2], b[3]);
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) {
+        mma_16816<T>(acc[ms][nt], a[ms][kk], b[0], b[1]);
+        mma_16816<T>(acc[ms][nt + 1], a[ms][kk], b[2], b[3]);
+      }
     }
   }
+#endif
 }
 
-// The accumulators of a 16 x kN strip, rounded to T, as the A fragments of kN / 16 blocks.
+// The accumulators of a 16 x kN strip, rounded to T, as the A fragments of kN / 16 blocks
+// (m16n8k16 layout; on sm_70 gemm_rn places them by struct Frag).
 template <typename T, int kN>
 SSA_DEVICE void acc_to_frag(uint32_t (&a)[kN / 16][4], const float (&acc)[kN / 8][4]) {
 #pragma unroll
@@ -100,61 +207,100 @@ SSA_DEVICE void zero(float (&acc)[kN][4]) {
   for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 }
 
-// ------------------------------------------------------------------------------------------
-// Logits
+template <int kMS, int kN>
+SSA_DEVICE void zero(float (&acc)[kMS][kN][4]) {
+#pragma unroll
+  for (int ms = 0; ms < kMS; ++ms) zero(acc[ms]);
+}
 
-// What the logit transform needs for one (batch, query head).
+// A compile-time bool for generic lambdas (no <type_traits> under NVRTC).
+template <bool B>
+struct Bool {
+  static constexpr bool value = B;
+};
+
+// ------------------------------------------------------------------------------------------
+// Logits, in base-2 units: l2 = phi(z) log2(e) + mask log2(e), z = scale * s for the raw dot
+// product s. Softmax: l2 = s * (scale log2 e). SSA: phi(z) log2(e) = n sgn(s) log2(1 + b scale |s|),
+// computed as n * xor_sign(lg2(fma(b scale, |s|, 1)), s): one FFMA, one MUFU.LG2, one LOP3, one
+// FMUL, no division. lg2.approx is accurate to an absolute 2^-22 or so on [1, inf), and softmax
+// is shift-invariant, so only this absolute error (times n) matters, also where b|z| is tiny and
+// 1 + b|z| rounds (log1p's usual concern is relative error, which the weights never see).
+
+// What the logit transform needs for one (batch, query head). The mask fields are read from the
+// kernel parameters where needed (apply_mask) rather than kept in registers: the forward at
+// D = 128 has none to spare.
 struct LogitCtx {
-  float scale, b, n;
-  int len_q, len_k;
-  bool causal;
-  int mask_kind;
-  const void* mask;  // already offset to (batch, head)
-  int64_t mask_sm, mask_sn;
+  float c;   // multiplies |s| or s: scale * b (SSA) or scale * log2(e) (softmax)
+  float n;   // SSA exponent n (0 for softmax)
+  float nb;  // d phi / dz at 0 (SSA: n b), for the backward
+  int batch, head;
 };
 
 SSA_DEVICE LogitCtx make_logit_ctx(const AttnShape& p, int batch, int head, bool ssa) {
   LogitCtx c;
-  c.scale = p.scale;
-  c.b = ssa ? p.ssa_b[head] : 0.0f;
-  c.n = ssa ? p.ssa_n[head] : 0.0f;
-  c.len_q = p.len_q;
-  c.len_k = p.len_k;
-  c.causal = p.causal;
-  c.mask_kind = p.mask_kind;
-  c.mask_sm = p.mask_sm;
-  c.mask_sn = p.mask_sn;
-  const int64_t off = batch * p.mask_sb + head * p.mask_sh;
-  c.mask = p.mask_kind == kMaskBool  ? static_cast<const void*>(static_cast<const uint8_t*>(p.mask) + off)
-           : p.mask_kind == kMaskAdd ? static_cast<const void*>(static_cast<const float*>(p.mask) + off)
-                                     : nullptr;
+  if (ssa) {
+    const float b = p.ssa_b[head], n = p.ssa_n[head];
+    c.c = p.scale * b;
+    c.n = n;
+    c.nb = n * b;
+  } else {
+    c.c = p.scale * kLog2e;
+    c.n = c.nb = 0.0f;
+  }
+  c.batch = batch;
+  c.head = head;
   return c;
 }
 
-// One logit from the raw dot product s = q.k of query `row`, key `col`:
-//   z = scale * s;  phi2 = phi(z) * log2(e) (finite, no mask), phi(z) = n sgn(z) log1p(b|z|) for SSA;
-//   returns l2 = (phi(z) + mask) * log2(e), or -inf where the key is not admissible (out of
-//   range, after the query under causal, masked out).
+// The multiplier of a row's logits (before masks): c (softmax) or n (SSA), times the row's
+// adaptive temperature beta where there is one, so beta costs nothing per element.
 template <bool kSSA>
-SSA_DEVICE float logit2(const LogitCtx& c, float s, int row, int col, float& z, float& phi2) {
-  z = s * c.scale;
+SSA_DEVICE float row_mult(const LogitCtx& c, float beta) {
+  return (kSSA ? c.n : c.c) * beta;
+}
+
+// Base-2 logit of raw dot product s, before masks, times the row multiplier `mult`
+// (row_mult): softmax s * mult, SSA mult * t with t = sgn(s) log2(1 + c|s|), returned in `t`
+// (the backward's dn needs it; u = 1 + c|s| too).
+template <bool kSSA>
+SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, float& u) {
   if (kSSA) {
-    const float t = log2_1p(c.b * fabsf(z));
-    phi2 = c.n * (z >= 0.0f ? t : -t);
+    u = fmaf(c.c, fabsf(s), 1.0f);
+    t = xor_sign(lg2(u), s);
+    return mult * t;
   } else {
-    phi2 = z * kLog2e;
+    t = u = 0.0f;
+    return s * mult;
   }
-  bool ok = row < c.len_q && col < c.len_k && (!c.causal || col <= row);
-  float l2 = phi2;
-  if (c.mask_kind != kMaskNone && ok) {
-    const int64_t off = static_cast<int64_t>(row) * c.mask_sm + static_cast<int64_t>(col) * c.mask_sn;
-    if (c.mask_kind == kMaskBool) {
-      ok = static_cast<const uint8_t*>(c.mask)[off] != 0;
+}
+
+// l2 where key `col` is admissible for query `row`, else -inf: out of range (rows past the
+// queries are -inf too: the mask is not read there), after the query under causal, masked out;
+// additive masks are added (times `mask_mult`, log2(e) times the
+// row's beta). Only the tiles on the diagonal, the ragged last tile, and every tile of a masked
+// call need this (the kernels skip it elsewhere).
+SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int row, int col,
+                            float mask_mult) {
+  bool ok = row < p.len_q && col < p.len_k && (!p.causal || col <= row);
+  if (p.mask_kind != kMaskNone && ok) {
+    const int64_t off = c.batch * p.mask_sb + c.head * p.mask_sh + static_cast<int64_t>(row) * p.mask_sm +
+                        static_cast<int64_t>(col) * p.mask_sn;
+    if (p.mask_kind == kMaskBool) {
+      ok = static_cast<const uint8_t*>(p.mask)[off] != 0;
     } else {
-      l2 += static_cast<const float*>(c.mask)[off] * kLog2e;
+      l2 += static_cast<const float*>(p.mask)[off] * mask_mult;
     }
   }
   return ok ? l2 : neg_inf();
+}
+
+// Number of leading key blocks of size kBlockN that need no masking for query rows
+// [row0, row0 + rows): fully inside the keys and, under causal, at or below the first row.
+SSA_DEVICE int interior_key_blocks(const AttnShape& p, int row0, int block_n) {
+  if (p.mask_kind != kMaskNone) return 0;
+  const int end = p.causal ? min(p.len_k, row0 + 1) : p.len_k;
+  return end / block_n;
 }
 
 }  // namespace ssa_flash

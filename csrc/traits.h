@@ -1,9 +1,15 @@
 // Tile sizes per kernel and head dim. Plain constexpr: included by the kernels and by the host
 // binding (which sizes the db/dn partial-sum buffers with dq_block_m).
 //
-// Every kernel gives each warp a 16-row strip of the tile it owns (query rows in the forward,
-// statistics and dQ kernels; key rows in the dK/dV kernel). Shared-memory rows are padded by 8
-// elements (16 bytes), which makes the 8 row addresses of each ldmatrix fall in distinct banks.
+// Every kernel gives each warp kMS 16-row strips of the tile it owns (query rows in the forward,
+// statistics and dQ kernels; key rows in the dK/dV kernel). The forward and statistics kernels
+// use two strips (32 rows per warp, 128-row tiles) up to D = 128: every K / V fragment a warp
+// reads from shared memory then feeds two m16 strips, halving ldmatrix traffic per mma
+// (FlashAttention-2's 128 x N tiles with 4 warps); at D = 128 the key block is 32 so that the
+// output (128 registers) and scores fit without spills and the 52 KiB tile fits sm_75's 64 KiB.
+// The backward kernels keep one strip per warp: their dQ or dK/dV accumulators plus two score
+// tiles leave no registers for a second strip. Shared-memory rows are padded by 8 elements
+// (16 bytes), which makes the 8 row addresses of each ldmatrix fall in distinct banks.
 //
 // Shared memory (16-bit elements, padded rows of P = D + 8):
 //   forward      Q + K + V            (BM + 2 BN) P        K, V single-buffered, loads overlapped
@@ -20,38 +26,54 @@ constexpr int padded_head_dim(int d) {
 }
 
 // forward and statistics pass: BM query rows (4 warps), BN keys per step
-constexpr int fwd_block_m(int) { return 64; }
-constexpr int fwd_block_n(int d) { return d <= 128 ? 64 : 32; }
+constexpr int fwd_block_m(int d) { return d <= 128 ? 128 : 64; }
+constexpr int fwd_block_n(int d) { return d <= 64 ? 64 : 32; }
 constexpr int fwd_warps(int) { return 4; }
 
 // dQ kernel (also delta, the adaptive-temperature g and the db/dn partials)
 constexpr int dq_block_m(int d) { return d <= 128 ? 64 : 32; }
-constexpr int dq_block_n(int d) { return d <= 64 ? 64 : 32; }
+constexpr int dq_block_n(int d) { return d <= 64 ? 64 : d <= 128 ? 32 : 16; }
 constexpr int dq_warps(int d) { return dq_block_m(d) / 16; }
 
 // dK/dV kernel: BN keys (16 per warp strip), BM queries per step. At D = 256 the dK and dV
 // accumulators of a 16-key strip (2 x 16 x 256 floats, 256 registers per thread) do not fit, so
 // two warps share each strip, each accumulating half of the columns (both compute the strip's
 // scores: the S^T and dP^T GEMMs are duplicated, the dK/dV GEMMs are not).
+// (32 queries per step at every head dim: 64 at D <= 64 spilled in the adaptive variants on
+// sm_70 / sm_75)
 constexpr int dkdv_block_n(int d) { return d <= 128 ? 64 : 32; }
-constexpr int dkdv_block_m(int d) { return d <= 64 ? 64 : 32; }
+constexpr int dkdv_block_m(int) { return 32; }
 constexpr int dkdv_col_split(int d) { return d <= 128 ? 1 : 2; }
 constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16 * dkdv_col_split(d); }
 
 constexpr int smem_row(int d) { return d + 8; }
 
-constexpr int fwd_smem_bytes(int d, int elem_bytes) {
+// sm_70 only: per-warp shared memory through which P / dS reach the second GEMM (tile.h,
+// gemm_rn), 16 rows per strip of the warp, K + 8 elements each (K = the GEMM's reduction size).
+constexpr int sm70_scratch_bytes(int warps, int strips, int k, int elem_bytes) {
+  return warps * strips * 16 * (k + 8) * elem_bytes;
+}
+
+constexpr int fwd_strips(int d) { return fwd_block_m(d) / (16 * fwd_warps(d)); }
+
+// Shared memory of each kernel; `sm70` adds the gemm_rn scratch of the sm_70 code path.
+constexpr int fwd_smem_bytes(int d, int elem_bytes, bool sm70 = false) {
+  return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes +
+         (sm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0);
+}
+constexpr int stats_smem_bytes(int d, int elem_bytes) {
   return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes;
 }
-constexpr int stats_smem_bytes(int d, int elem_bytes) { return fwd_smem_bytes(d, elem_bytes); }
-constexpr int dq_smem_bytes(int d, int elem_bytes) {
-  return (2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes;
+constexpr int dq_smem_bytes(int d, int elem_bytes, bool sm70 = false) {
+  return (2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes +
+         (sm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0);
 }
 // per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
 constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
-constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive) {
+constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, bool sm70 = false) {
   return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
-         2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4;
+         2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
+         (sm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
 }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_, int kColSplit_ = 1>
@@ -63,6 +85,9 @@ struct KernelTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = 32 * kNWarps_;
+  // 16-row strips per warp (forward, statistics and dQ kernels; the dK/dV kernel has its own
+  // strip arithmetic)
+  static constexpr int kMS = kBlockM_ / (16 * kNWarps_) > 0 ? kBlockM_ / (16 * kNWarps_) : 1;
   static constexpr int kStride = smem_row(kHeadDim_);  // shared-memory row stride, elements
   static_assert(kHeadDim % 16 == 0, "head dim must be a multiple of 16");
   static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0, "tiles are made of 16x16 mma blocks");
@@ -74,5 +99,14 @@ template <int D, typename T>
 using DqTraits = KernelTraits<D, dq_block_m(D), dq_block_n(D), dq_warps(D), T>;
 template <int D, typename T>
 using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
+// sm_75 runs the adaptive float16 dK/dV kernels at D = 96 and 128 with two warps per key strip
+// (kSplit = 2, 8 warps): with one, they spill there (sm_75's m16n8k8 pairs and synchronous
+// copies); launch_impl.h picks this by architecture, and other architectures never run it.
+template <int D, typename T>
+using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_block_n(D) / 16 * 2, T, 2>;
+// Warps per key strip of the dK/dV kernel that runs on architecture `arch` (100 major + 10 minor).
+constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
+  return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
+}
 
 }  // namespace ssa_flash

@@ -1,5 +1,5 @@
-// Warp-level building blocks: cp.async, ldmatrix, mma.sync (m16n8k16, f32 accumulate), fast
-// exp2/log2, and the fragment layouts they imply. No torch here.
+// Warp-level building blocks: cp.async, ldmatrix, mma.sync (m16n8k16 / m16n8k8 / m8n8k4, f32
+// accumulate), fast exp2/log2, and the fragment layouts they imply. No torch here.
 //
 // Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
 // lane = threadIdx.x % 32, g = lane / 4 (group), t = lane % 4 (thread in group):
@@ -9,14 +9,36 @@
 //   C/D (16x8, f32): c0, c1: (g, 2t..2t+1)   c2, c3: (g+8, 2t..2t+1)
 // So the accumulators of two adjacent n8 tiles of a 16-row strip, rounded to 16 bits, are exactly
 // the A fragment of a 16x16 block: the softmax P (and dS) never leave registers (FlashAttention-2).
+//
+// sm_70 (Volta) has only mma.m8n8k4, a quad-pair instruction (see tile.h for how a 16-row strip
+// is tiled with it); its accumulators follow another layout (struct Frag below), and P / dS go
+// through a small per-warp shared-memory buffer between the two GEMMs instead of registers.
 #pragma once
 
+#include "int_types.h"
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cstdint>
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
-#error "ssa_flash CUDA kernels need sm_75 or newer (ldmatrix, mma.sync); see docs/cuda.md"
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+#error "ssa_flash CUDA kernels need sm_70 or newer (mma.sync); see docs/cuda.md"
+#endif
+
+// The Volta code path: mma.m8n8k4, plain shared-memory loads (no ldmatrix, no cp.async).
+#if defined(SSA_FLASH_EMULATE_SM70) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750)
+#define SSA_FLASH_SM70 1
+#else
+#define SSA_FLASH_SM70 0
+#endif
+
+// cp.async (sm_80+): copies land in shared memory without passing through registers, so kernels
+// issue the next tile's loads early to overlap them with compute. Without it (sm_70, sm_75, and
+// their emulations) a copy is a load into registers and a store, and loads issued early hold
+// registers across the GEMMs (the dK/dV kernel spilled): kernels then issue them late.
+#if defined(SSA_FLASH_EMULATE_SM70) || defined(SSA_FLASH_EMULATE_SM75) || \
+    (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
+#define SSA_FLASH_ASYNC_COPIES 0
+#else
+#define SSA_FLASH_ASYNC_COPIES 1
 #endif
 
 #ifdef SSA_FLASH_EMULATE
@@ -41,7 +63,7 @@ struct ElemInfo;
 template <>
 struct ElemInfo<__half> {
   static constexpr bool kIsBF16 = false;
-  static constexpr int kMinArch = 750;
+  static constexpr int kMinArch = 700;
 };
 
 template <>
@@ -49,6 +71,19 @@ struct ElemInfo<__nv_bfloat16> {
   static constexpr bool kIsBF16 = true;
   static constexpr int kMinArch = 800;
 };
+
+// Kernels the host never launches on the architecture being compiled: bfloat16 below sm_80, and
+// head dims above 128 on sm_75 (their tiles exceed its 64 KiB of shared memory; launch_impl.h
+// refuses them). Their bodies become a trap: less code, and no register pressure (spills) from
+// code that cannot run.
+template <typename T, int kHeadDim>
+SSA_DEVICE constexpr bool kernel_unsupported() {
+#if defined(__CUDA_ARCH__)
+  return ElemInfo<T>::kMinArch > __CUDA_ARCH__ || (kHeadDim > 128 && __CUDA_ARCH__ >= 750 && __CUDA_ARCH__ < 800);
+#else
+  return false;
+#endif
+}
 
 // Two floats rounded to the 16-bit type, packed into one b32 register (first in the low half).
 template <typename T>
@@ -87,7 +122,10 @@ using ssa_emu::ex2;
 using ssa_emu::ldmatrix_x4;
 using ssa_emu::ldmatrix_x4_trans;
 using ssa_emu::lg2;
+using ssa_emu::rcp;
 using ssa_emu::mma_1688_f16;
+using ssa_emu::mma_884;
+using ssa_emu::syncwarp;
 #else
 // ------------------------------------------------------------------------------------------
 // Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
@@ -103,14 +141,18 @@ SSA_DEVICE float lg2(float x) {
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+SSA_DEVICE float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 #endif  // SSA_FLASH_EMULATE
 
-// log2(1 + x) for x >= 0, accurate also where 1 + x rounds to 1: log2(u) * x / (u - 1) with
-// u = fl(1 + x) cancels the rounding error of u (Goldberg). Same as the Triton kernels' log2_1p.
-SSA_DEVICE float log2_1p(float x) {
-  float u = 1.0f + x;
-  float d = u - 1.0f;
-  return d == 0.0f ? x * kLog2e : lg2(u) * __fdividef(x, d);
+// x with its sign flipped where s is negative: sgn(s) * x in one LOP3 (also for s = -0, whose
+// x is 0 in every use here).
+SSA_DEVICE float xor_sign(float x, float s) {
+  return __int_as_float(__float_as_int(x) ^ (__float_as_int(s) & 0x80000000));
 }
 
 SSA_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
@@ -119,16 +161,45 @@ SSA_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
 // instead of NaN for -inf logits.
 SSA_DEVICE float safe_max(float m) { return m == neg_inf() ? 0.0f : m; }
 
-// Reductions over the 4 threads of a quad (they hold the same accumulator rows).
+// ------------------------------------------------------------------------------------------
+// Where the accumulators of a 16-row strip live. A strip of N columns is held as float[N / 8][4];
+// element (nt, i) of lane `lane` is at
+//     row = Frag::row(lane) + Frag::kHi * (i / 2),   col = Frag::col(lane, nt) + (i % 2),
+// so every thread holds two rows, in pairs of adjacent columns (one packed b32 operand each).
+// The four lanes holding the same rows differ in the bits kRowLanes0 and kRowLanes1;
+// Frag::rank(lane) numbers them 0..3.
+struct Frag {
+#if SSA_FLASH_SM70
+  // mma.m8n8k4: quad pair q = (lane / 4) % 4 owns rows 8 (q % 2) .. +8 and the n8 tiles of
+  // parity q / 2 (tile.h); inside its 8x8 tile lane (t = lane % 4, h = lane / 16) holds
+  // rows t % 2 + 2 v1 + 4 h, columns 2 (t / 2) + v0 + 4 v2 (PTX ISA, m8n8k4 f32 accumulators)
+  // as element (tile 2p + v2, i = v0 + 2 v1).
+  static constexpr int kHi = 2;
+  static constexpr int kRowLanes0 = 2, kRowLanes1 = 8;
+  static SSA_DEVICE int row(int lane) { return (lane & 1) + 4 * (lane >> 4) + 8 * ((lane >> 2) & 1); }
+  static SSA_DEVICE int col(int lane, int nt) {
+    return 8 * (nt & ~1) + 8 * ((lane >> 3) & 1) + 4 * (nt & 1) + 2 * ((lane >> 1) & 1);
+  }
+  static SSA_DEVICE int rank(int lane) { return ((lane >> 1) & 1) | (((lane >> 3) & 1) << 1); }
+#else
+  static constexpr int kHi = 8;
+  static constexpr int kRowLanes0 = 1, kRowLanes1 = 2;
+  static SSA_DEVICE int row(int lane) { return lane >> 2; }
+  static SSA_DEVICE int col(int lane, int nt) { return 8 * nt + 2 * (lane & 3); }
+  static SSA_DEVICE int rank(int lane) { return lane & 3; }
+#endif
+};
+
+// Reductions over the 4 lanes that hold the same accumulator rows.
 SSA_DEVICE float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  x += __shfl_xor_sync(0xffffffffu, x, Frag::kRowLanes0);
+  x += __shfl_xor_sync(0xffffffffu, x, Frag::kRowLanes1);
   return x;
 }
 
 SSA_DEVICE float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, Frag::kRowLanes0));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, Frag::kRowLanes1));
   return x;
 }
 
@@ -198,6 +269,42 @@ SSA_DEVICE void mma_1688_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(b0));
 }
+
+// ------------------------------------------------------------------------------------------
+// mma.sync m8n8k4 (sm_70), f16 inputs, f32 accumulators, in place. A warp computes four
+// independent 8x8x4 products, one per quad pair (lanes 4q..4q+3 and 16+4q..16+4q+3). In each,
+// lane (t = lane % 4, h = lane / 16) gives A row t + 4h, k = 0..3 (a0: k 0-1, a1: k 2-3) and B
+// column t + 4h, k = 0..3 (".col" B, k contiguous: b0 k 0-1, b1 k 2-3) or B row k = t, columns
+// 4h..4h+3 (".row" B, n contiguous: b0 n 4h..4h+1, b1 n 4h+2..4h+3); it receives the
+// accumulators c[v], v = v0 + 2 v1 + 4 v2, at row t % 2 + 2 v1 + 4 h, column 2 (t / 2) + v0 + 4 v2
+// (PTX ISA, "Matrix fragments for mma.m8n8k4"): c[0..3] in c_lo, c[4..7] in c_hi.
+template <bool kRowB>
+SSA_DEVICE void mma_884(float (&c_lo)[4], float (&c_hi)[4], uint32_t a0, uint32_t a1, uint32_t b0,
+                        uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+  if constexpr (kRowB) {
+    asm volatile(
+        "mma.sync.aligned.m8n8k4.row.row.f32.f16.f16.f32 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %11}, {%0, %1, %2, %3, %4, %5, %6, %7};\n"
+        : "+f"(c_lo[0]), "+f"(c_lo[1]), "+f"(c_lo[2]), "+f"(c_lo[3]), "+f"(c_hi[0]), "+f"(c_hi[1]),
+          "+f"(c_hi[2]), "+f"(c_hi[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9}, {%10, %11}, {%0, %1, %2, %3, %4, %5, %6, %7};\n"
+        : "+f"(c_lo[0]), "+f"(c_lo[1]), "+f"(c_lo[2]), "+f"(c_lo[3]), "+f"(c_hi[0]), "+f"(c_hi[1]),
+          "+f"(c_hi[2]), "+f"(c_hi[3])
+        : "r"(a0), "r"(a1), "r"(b0), "r"(b1));
+  }
+#else
+  // only the sm_70 code path (tile.h) calls this, and only in sm_70 device code
+  (void)c_lo; (void)c_hi; (void)a0; (void)a1; (void)b0; (void)b1;
+  __trap();
+#endif
+}
+
+SSA_DEVICE void syncwarp() { __syncwarp(); }
 #endif  // !SSA_FLASH_EMULATE
 
 // sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products, (a0, a1) x b0 for

@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))
 NVCC = shutil.which("nvcc")
-ARCHS = os.environ.get("SSA_FLASH_COMPILE_ARCHS", "80 90a").split()
+ARCHS = os.environ.get("SSA_FLASH_COMPILE_ARCHS", "75 80 90a").split()
 TIMEOUT_S = 900
+NVRTC_HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 def _torch_includes():
@@ -79,6 +80,35 @@ def _nvcc(args, cwd=CSRC):
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
+def _nvrtc_sm70(out_dir, head_dim):
+    """(rc, output, seconds) of csrc/tools/nvrtc_build.py for sm_70 and one head dim, or None
+    when the CUDA 12 wheels are not installed."""
+    tool = CSRC / "tools" / "nvrtc_build.py"
+    check = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import nvrtc_build; "
+                            "print(nvrtc_build.missing_reason() or '')", str(tool.parent)],
+                           capture_output=True, text=True)
+    if check.returncode != 0 or check.stdout.strip():
+        return None
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(tool), "--arch", "70", "--head-dim", str(head_dim), "--out", str(out_dir)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def _spills(output: str):
+    """Kernels of ours that ptxas -v reports spilling: ['kernel (arch): N bytes', ...]."""
+    found, kernel = [], None
+    for line in output.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for '(\w+)'", line)
+        if m:
+            kernel = f"{m.group(1)} ({m.group(2)})"
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and kernel and "ssa_flash" in kernel and (int(m.group(1)) or int(m.group(2))):
+            found.append(f"{kernel}: {m.group(1)} bytes spill stores, {m.group(2)} bytes spill loads")
+    return found
+
+
 def _own_warnings(output: str):
     """Compiler warnings that point into csrc/ (toolkit and torch headers are not ours)."""
     return [line for line in output.splitlines()
@@ -113,14 +143,21 @@ def jobs(tmp_path_factory):
     its tests run while nvcc works), the .cu files (one nvcc each, both architectures, slowest
     first), the binding."""
     out_dir = tmp_path_factory.mktemp("csrc_objs")
-    common = ["-c", f"-std={_cxx_std()}", "-O3", "--expt-relaxed-constexpr", *_gencode(), "-I", str(CSRC)]
+    common = ["-c", f"-std={_cxx_std()}", "-O3", "--expt-relaxed-constexpr", *_gencode(), "-I", str(CSRC),
+              "-Xptxas", "-v"]
     # the same flags as a torch extension build
     common += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
     pool = concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1))
     futures = {"emulator": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu")),
                "emulator_sm75": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu75"),
-                                            head_dims=(64, 128), sm75=True)}
+                                            head_dims=(64, 128), sm75=True),
+               "emulator_sm70": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu70"),
+                                            head_dims=(64, 128, 256), sm70=True)}
+    # sm_70 through the CUDA 12.9 wheels (NVRTC + ptxas), one process per head dim
+    nvrtc_dir = tmp_path_factory.mktemp("nvrtc")
+    for d in NVRTC_HEAD_DIMS:
+        futures[f"nvrtc_sm70_d{d}"] = pool.submit(_nvrtc_sm70, nvrtc_dir / f"d{d}", d)
     for cu in sorted(CU_FILES, key=lambda p: not p.name.startswith("bwd")):
         futures[cu.name] = pool.submit(_nvcc, [*common, cu.name, "-o", str(out_dir / (cu.stem + ".o"))])
     binding = _binding_args(out_dir / "api.o")
@@ -172,6 +209,11 @@ def emu_lib_sm75(jobs):
     return _emu_built(jobs, "emulator_sm75")
 
 
+@pytest.fixture(scope="module")
+def emu_lib_sm70(jobs):
+    return _emu_built(jobs, "emulator_sm70")
+
+
 def _emu_built(jobs, name):
     built, why = jobs[name].result()
     if built is None:
@@ -181,12 +223,12 @@ def _emu_built(jobs, name):
     return built
 
 
-def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa):
+def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale=None):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if b is not None:
         b, n = b.detach().requires_grad_(), n.detach().requires_grad_()
     out, lse = call(reference, mode, q, k, v, b, n, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
-                    return_lse=True)
+                    return_lse=True, scale=scale)
     loss = (out.double() * dout.double()).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dlse.double()).sum()
@@ -199,7 +241,8 @@ def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa
 
 
 def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=None, dtype=torch.float16,
-              causal=False, mask=None, with_dlse=False, lazy=False, seed=1, transpose=False):
+              causal=False, mask=None, with_dlse=False, lazy=False, seed=1, transpose=False, n_value=None,
+              scale=None):
     harness, lib = emu_lib
     at, reference = _import_testing()
     Hkv, Lk, Dv = Hkv or Hq, Lk or Lq, Dv or D
@@ -215,20 +258,23 @@ def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=No
     b = n = None
     if "ssa" in mode:
         b, n = (t.detach() for t in at.head_params(Hq, device="cpu"))
+        if n_value is not None:
+            n = torch.as_tensor(n_value, dtype=n.dtype).expand(Hq).clone()
     emu = harness.Emulator(lib, lazy_copies=lazy, seed=seed)
     full_mask = None if mask is None else mask.expand(B, Hq, Lq, Lk)
     ours = emu.attention(q, k, v, mask=full_mask, b=b, n=n, causal=causal, group=Hq // Hkv,
-                         adaptive="adaptive" in mode, dout=dout, dlse=dlse)
-    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv)
+                         adaptive="adaptive" in mode, dout=dout, dlse=dlse, scale=scale)
+    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv, scale)
 
 
 def _emu_check(emu_lib, mode, **kw):
     at, reference = _import_testing()
-    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa) = _emu_case(emu_lib, mode, **kw)
-    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa)
+    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale) = _emu_case(emu_lib, mode, **kw)
+    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale)
     d64 = lambda t: None if t is None else t.double()  # noqa: E731
     gmask = mask if mask is None or mask.dtype == torch.bool else mask.double()
-    gold = _ref_run(reference, at.call, mode, d64(q), d64(k), d64(v), d64(b), d64(n), dout, dlse, gmask, causal, gqa)
+    gold = _ref_run(reference, at.call, mode, d64(q), d64(k), d64(v), d64(b), d64(n), dout, dlse, gmask, causal, gqa,
+                    scale)
     floor = at.FLOORS[q.dtype]
     finite = torch.isfinite(gold["lse"])
     assert torch.equal(torch.isfinite(ours["lse"]), finite), "lse: -inf exactly on the rows with no admissible key"
@@ -291,6 +337,45 @@ def test_emulated_sm75_path(emu_lib_sm75, mode, D):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_emulated_sm70_path(emu_lib_sm70, mode, D):
+    """The Volta code path: mma.m8n8k4 (emulated from the PTX ISA's quad-pair fragment layout),
+    its accumulator layout, P / dS through per-warp shared memory, synchronous copies."""
+    mask = torch.rand(1, 1, 77, 100, generator=torch.Generator().manual_seed(7)) > 0.2
+    _emu_check(emu_lib_sm70, mode, B=1, Hq=4, Hkv=2, Lq=77, Lk=100, D=D, causal=True, mask=mask,
+               with_dlse=True, lazy=False)
+    # interior (unmasked) key blocks, several query blocks, odd head dim
+    _emu_check(emu_lib_sm70, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5)
+
+
+@pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_ssa_n_zero(emu_lib, mode, causal):
+    """n = 0: SSA weights are uniform over the admissible keys; gradients (dn included, which
+    must not divide by n) are finite and match the reference."""
+    ours = _emu_check(emu_lib, mode, B=1, Hq=2, Lq=140, Lk=150, D=64, causal=causal, n_value=0.0,
+                      with_dlse=True)
+    if not causal:
+        _, (q, k, v, *_rest) = _emu_case(emu_lib, mode, B=1, Hq=2, Lq=140, Lk=150, D=64, n_value=0.0)
+        uniform = v.double().mean(dim=2, keepdim=True).expand(-1, -1, q.shape[2], -1)
+        torch.testing.assert_close(ours["out"].double(), uniform, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_negative_scale(emu_lib, mode):
+    """A negative scale (the kernels take |scale| on -q, as the binding does)."""
+    _emu_check(emu_lib, mode, B=1, Hq=2, Lq=140, Lk=150, D=32, causal=True, scale=-0.3, with_dlse=True)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "ssa"])
+def test_emulated_interior_blocks_many(emu_lib, mode):
+    """Long enough for several interior key blocks in every kernel (non-causal and causal), the
+    checked loop only on the diagonal and the ragged end."""
+    _emu_check(emu_lib, mode, B=1, Hq=2, Hkv=1, Lq=300, Lk=330, D=32, causal=False, lazy=True)
+    _emu_check(emu_lib, mode, B=1, Hq=2, Hkv=1, Lq=300, Lk=330, D=32, causal=True, lazy=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_emulated_schedule_independent(emu_lib, mode):
     """Other thread orders and cp.async completion points give bitwise the same results."""
     kw = dict(B=1, Hq=2, Lq=90, Lk=100, D=64, causal=True, with_dlse=True)
@@ -315,6 +400,22 @@ def test_cu_compiles(cu_results, name):
     assert rc == 0, f"nvcc failed on {name} ({seconds:.0f}s):\n{output[-20000:]}"
     warnings = _own_warnings(output)
     assert not warnings, f"{name}: compiler warnings in csrc/:\n" + "\n".join(warnings[:50])
+    spills = _spills(output)
+    assert not spills, f"{name}: register spills ({' '.join(ARCHS)}):\n" + "\n".join(spills)
+
+
+@pytest.mark.parametrize("head_dim", NVRTC_HEAD_DIMS)
+def test_sm70_compiles_with_cuda12_wheels(jobs, head_dim):
+    """The Volta (mma.m8n8k4) code path of every float16 kernel, compiled to sm_70 SASS by the
+    CUDA 12.9 NVRTC and ptxas from PyPI (CUDA 13's nvcc has no sm_70): no errors, no spills."""
+    res = jobs[f"nvrtc_sm70_d{head_dim}"].result()
+    if res is None:
+        pytest.skip("CUDA 12 wheels (nvidia-cuda-nvrtc-cu12, -nvcc-cu12, -runtime-cu12) not installed")
+    rc, output, seconds = res
+    assert rc == 0, f"sm_70 build failed ({seconds:.0f}s):\n{output[-20000:]}"
+    assert "mma.sync.aligned.m8n8k4" in (Path(output.split("cubin: ")[-1].strip()).with_suffix(".ptx")).read_text()
+    spills = _spills(output)
+    assert not spills, "register spills on sm_70:\n" + "\n".join(spills)
 
 
 def test_binding_compiles(jobs):
@@ -343,20 +444,59 @@ def test_tile_table_matches_python(tmp_path):
         "int main() {\n"
         "  for (int d : {32, 64, 96, 128, 256})\n"
         "    for (int a : {0, 1}) {\n"
-        "      int m = fwd_smem_bytes(d, 2);\n"
-        "      if (stats_smem_bytes(d, 2) > m) m = stats_smem_bytes(d, 2);\n"
-        "      if (dq_smem_bytes(d, 2) > m) m = dq_smem_bytes(d, 2);\n"
-        "      if (dkdv_smem_bytes(d, 2, a) > m) m = dkdv_smem_bytes(d, 2, a);\n"
-        '      std::printf("%d %d %d\\n", d, a, m);\n'
+        "      for (int v : {0, 1}) {\n"
+        "        int m = fwd_smem_bytes(d, 2, v);\n"
+        "        if (stats_smem_bytes(d, 2) > m) m = stats_smem_bytes(d, 2);\n"
+        "        if (dq_smem_bytes(d, 2, v) > m) m = dq_smem_bytes(d, 2, v);\n"
+        "        if (dkdv_smem_bytes(d, 2, a, v) > m) m = dkdv_smem_bytes(d, 2, a, v);\n"
+        '        std::printf("%d %d %d %d\\n", d, a, v, m);\n'
+        "      }\n"
         "    }\n}\n")
     rc, output, _ = _nvcc(["-x", "c++", "-std=c++17", "-I", str(CSRC), str(prog), "-o", str(tmp_path / "dump")],
                           cwd=tmp_path)
     assert rc == 0, output
     lines = subprocess.run([str(tmp_path / "dump")], capture_output=True, text=True, check=True).stdout.split("\n")
     for line in filter(None, lines):
-        d, a, m = map(int, line.split())
-        assert cuda._smem_bytes(d, bool(a)) == m, f"head dim {d}, adaptive {a}: traits.h {m}"
+        d, a, v, m = map(int, line.split())
+        assert cuda._smem_bytes(d, bool(a), sm70=bool(v)) == m, f"head dim {d}, adaptive {a}, sm70 {v}: traits.h {m}"
         assert cuda._padded_head_dim(d) == d
     for d in (1, 8, 33, 59, 111, 129, 200, 256):
         assert cuda._padded_head_dim(d) in (32, 64, 96, 128, 256) and cuda._padded_head_dim(d) >= d
     assert cuda._padded_head_dim(257) == -1
+
+
+def test_sass_count_loop_counts():
+    """csrc/tools/sass_count.py's counting function on a hand-written SASS listing: the main loop
+    is the innermost backward-branch loop with tensor-core instructions (ties: the smallest), and
+    its instructions are counted per score element, MUFU by kind, LDSM per HMMA."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ssa_flash_sass_count", CSRC / "tools" / "sass_count.py")
+    sc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sc  # (dataclasses look their module up)
+    spec.loader.exec_module(sc)
+    lines = [
+        "MOV R1, c[0x0][0x28]",            # 0x00
+        "HMMA.16816.F32 R4, R8, R12, RZ",  # 0x10 (outside every loop)
+        "LDSM.16.M88.4 R8, [R2]",          # 0x20  checked loop 0x20..0x60
+        "HMMA.16816.F32 R4, R8, R12, R4",  # 0x30
+        "MUFU.LG2 R5, R5",                 # 0x40
+        "MUFU.EX2 R5, R5",                 # 0x50
+        "@P0 BRA 0x20",                    # 0x60
+        "LDSM.16.M88.4 R8, [R2]",          # 0x70  interior loop 0x70..0xa0
+        "HMMA.16816.F32 R4, R8, R12, R4",  # 0x80
+        "MUFU.EX2 R5, R5",                 # 0x90
+        "@P1 BRA 0x70",                    # 0xa0
+        "@P2 BRA 0x20",                    # 0xb0  outer loop around both: not a main loop
+        "EXIT",                            # 0xc0
+    ]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(lines))
+    spec16 = sc.LoopSpec(block_m=16, block_n=8, threads=32)
+    main = sc.count_loop(sass, spec16)
+    assert main["loop"] == [0x70, 0xA0]
+    assert main["instructions"] == 4 and main["per_element"] == 1.0
+    assert main["mufu"] == {"EX2": 1} and main["mma"] == 1 and main["ldmatrix_per_mma"] == 1.0
+    checked = sc.count_loop(sass, sc.LoopSpec(block_m=16, block_n=8, threads=32, rank=1))
+    assert checked["loop"] == [0x20, 0x60] and checked["instructions"] == 5
+    assert checked["mufu"] == {"EX2": 1, "LG2": 1} and checked["mufu_per_element"] == 0.5
+    assert sc.count_loop(sass, sc.LoopSpec(block_m=16, block_n=8, threads=32, rank=2)) is None

@@ -194,6 +194,31 @@ def test_scalar_and_large_ssa_params(mode):
     check(mode, q, k, v, b=b, n=n)
 
 
+@pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ssa_n_zero(mode, causal):
+    """n = 0: uniform weights, finite gradients (dn does not divide by n)."""
+    q, k, v = make_qkv(B=1, Hq=2, Lq=200, Lk=170, D=64, dtype=torch.float16)
+    b = torch.tensor([1.0, 0.5], device=q.device, requires_grad=True)
+    n = torch.zeros(2, device=q.device, requires_grad=True)
+    check(mode, q, k, v, b=b, n=n, is_causal=causal)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_negative_scale(mode):
+    """The kernels take |scale| on -q when the scale is negative (csrc/api.cpp)."""
+    q, k, v = make_qkv(B=1, Hq=2, Lq=150, Lk=140, D=64, dtype=torch.float16)
+    check(mode, q, k, v, scale=-0.2, is_causal=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_interior_key_blocks(mode):
+    """Long rows: most key blocks run the kernels' unmasked interior loop."""
+    q, k, v = make_qkv(B=1, Hq=2, Lq=700, Lk=650, D=128, dtype=torch.float16)
+    check(mode, q, k, v)
+    check(mode, q, k, v, is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ssa", [False, True])
 def test_entropy(dtype, ssa):

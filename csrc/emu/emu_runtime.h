@@ -40,7 +40,7 @@
 
 namespace ssa_emu {
 
-enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma, kMma8 };
+enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync };
 
 struct Slot {
   int kind;
@@ -154,6 +154,13 @@ inline float shfl_xor(float v, int off) {
 
 inline float ex2(float x) { return std::exp2(x); }
 inline float lg2(float x) { return std::log2(x); }
+inline float rcp(float x) { return 1.0f / x; }
+
+// __syncwarp(): a synchronisation point like the others (every lane of the warp arrives first).
+inline void syncwarp() {
+  deposit(kWarpSync);
+  finish_round();
+}
 
 inline void do_copy(const Copy& c) {
   if (c.pred) std::memcpy(c.dst, c.src, 16);
@@ -295,6 +302,49 @@ inline void mma_1688_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
   }
 }
 
+// mma.sync.aligned.m8n8k4.row.{col,row}.f32.f16.f16.f32 (sm_70): four independent 8x8x4
+// products, quad pair q made of lanes 4q..4q+3 ("low", h = 0) and 16+4q..16+4q+3 ("high",
+// h = 1). PTX ISA, "Matrix fragments for mma.m8n8k4 with .f16", for lane t = lane % 4:
+//   A (row-major): row t + 4h, col (k) = i for a_i, i = 0..3 (a0 = {a_0, a_1}, a1 = {a_2, a_3})
+//   B .col: row (k) = i, col t + 4h;  B .row: row (k) = t, col i + 4h
+//   C/D (f32): c_i at row X + 4h, col (t & 2) + (i & 1) + (i & 4), X = (t & 1) + (i & 2)
+// c_0..c_3 are c_lo, c_4..c_7 c_hi.
+template <bool kRowB>
+inline void mma_884(float (&c_lo)[4], float (&c_hi)[4], uint32_t a0, uint32_t a1, uint32_t b0,
+                    uint32_t b1) {
+  Slot& s = deposit(kMma884);
+  s.a[0] = a0;
+  s.a[1] = a1;
+  s.b[0] = b0;
+  s.b[1] = b1;
+  const int par = finish_round();
+  const int lane = lane_id();
+  const int q = (lane >> 2) & 3;
+  float A[8][4], B[4][8];
+  for (int h = 0; h < 2; ++h) {
+    for (int t = 0; t < 4; ++t) {
+      const Slot& o = lane_slot(16 * h + 4 * q + t, par);
+      const uint16_t av[4] = {static_cast<uint16_t>(o.a[0] & 0xffff), static_cast<uint16_t>(o.a[0] >> 16),
+                              static_cast<uint16_t>(o.a[1] & 0xffff), static_cast<uint16_t>(o.a[1] >> 16)};
+      const uint16_t bv[4] = {static_cast<uint16_t>(o.b[0] & 0xffff), static_cast<uint16_t>(o.b[0] >> 16),
+                              static_cast<uint16_t>(o.b[1] & 0xffff), static_cast<uint16_t>(o.b[1] >> 16)};
+      for (int i = 0; i < 4; ++i) {
+        A[t + 4 * h][i] = to_float<__half>(av[i]);
+        if (kRowB) B[t][i + 4 * h] = to_float<__half>(bv[i]);
+        else B[i][t + 4 * h] = to_float<__half>(bv[i]);
+      }
+    }
+  }
+  const int t = lane & 3, h = lane >> 4;
+  for (int i = 0; i < 8; ++i) {
+    const int row = (t & 1) + (i & 2) + 4 * h;
+    const int col = (t & 2) + (i & 1) + (i & 4);
+    float acc = 0.0f;
+    for (int k = 0; k < 4; ++k) acc += A[row][k] * B[k][col];
+    (i < 4 ? c_lo[i] : c_hi[i - 4]) += acc;
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Launch: blocks one after the other, threads as fibers.
 
@@ -340,6 +390,12 @@ inline float ssa_emu_int_as_float(int i) {
 }
 #define __int_as_float(i) ssa_emu_int_as_float(i)
 #define __fdividef(a, b) ((a) / (b))
+inline int ssa_emu_float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+#define __float_as_int(f) ssa_emu_float_as_int(f)
 using std::min;
 
 namespace ssa_flash {

@@ -50,21 +50,23 @@ def cuda_include_dir() -> Optional[Path]:
 
 
 def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str = "-O1",
-          sm75: bool = False) -> Path:
+          sm75: bool = False, sm70: bool = False) -> Path:
     """Compiles csrc/emu/emu_main.cpp (and through it every kernel) for the host; returns the
     shared library. ``head_dims`` limits the instantiated head dims (compile time); ``sm75``
     emulates the Turing code path (fp16 m16n8k16 as two m16n8k8; use eager copies, as sm_75's
-    synchronous loads)."""
+    synchronous loads); ``sm70`` the Volta one (mma.m8n8k4 from plain shared-memory loads, the
+    sm_70 accumulator layout, P / dS through per-warp shared memory; fp16 only)."""
     inc = cuda_include_dir()
     if inc is None:
         raise RuntimeError("CUDA headers (cuda_fp16.h) not found")
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no host C++ compiler")
-    out = Path(out_dir) / ("libssa_emu_sm75.so" if sm75 else "libssa_emu.so")
+    out = Path(out_dir) / ("libssa_emu_sm75.so" if sm75 else "libssa_emu_sm70.so" if sm70 else "libssa_emu.so")
     defs = [f"-DSSA_FLASH_HEAD_DIM_{d}={int(d in head_dims)}" for d in (32, 64, 96, 128, 256)]
     cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
            *defs, *(["-DSSA_FLASH_EMULATE_SM75"] if sm75 else []),
+           *(["-DSSA_FLASH_EMULATE_SM70"] if sm70 else []),
            "-I", str(CSRC), "-I", str(inc), str(HERE / "emu_main.cpp"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -111,7 +113,10 @@ class Emulator:
 
     # ---- the extension's interface (csrc/api.cpp), on CPU tensors -------------------------
 
+    # A negative scale is applied as |scale| to -q, as csrc/api.cpp does (the kernels take scale >= 0).
+
     def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0):
+        q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         o = torch.full((B, H, Lq, v.shape[-1]), float("nan"), dtype=q.dtype)
         lse = torch.full((B, H, Lq), float("nan"))
@@ -120,6 +125,7 @@ class Emulator:
         return o, lse
 
     def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0):
+        q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         ent, lse_l = torch.full((B, H, Lq), float("nan")), torch.full((B, H, Lq), float("nan"))
         self._run(1, q, k, q, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent}, mask,
@@ -128,6 +134,8 @@ class Emulator:
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
             scale, causal, group, stream=0):
+        negated = scale < 0
+        q, scale = (-q, -scale) if negated else (q, scale)
         B, H, Lq, D = q.shape
         nan = float("nan")
         dq, dk, dv = (torch.full(t.shape, nan, dtype=t.dtype) for t in (q, k, v))
@@ -140,7 +148,7 @@ class Emulator:
         if b is not None:
             stats.update(db_part=parts[0], dn_part=parts[1])
         self._run(2, q, k, v, o, dout, (dq, dk, dv), stats, mask, mask_kind, b, n, scale, causal, group)
-        return dq, dk, dv, parts[0], parts[1]
+        return (-dq if negated else dq), dk, dv, parts[0], parts[1]
 
     # ---- what backend="cuda" computes --------------------------------------------------------
 

@@ -295,14 +295,18 @@ def _padded_head_dim(d: int) -> int:
     return -1
 
 
-def _smem_bytes(d: int, adaptive: bool) -> int:
-    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h)."""
+def _smem_bytes(d: int, adaptive: bool, sm70: bool = False) -> int:
+    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h;
+    ``sm70``: the Volta code path's extra per-warp buffers)."""
     row = (d + 8) * 2
-    fwd = (64 + 2 * (64 if d <= 128 else 32)) * row
-    dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
-    dq = (2 * dq_m + 3 * dq_n) * row
-    kv_n, kv_m = (64 if d <= 128 else 32), (64 if d <= 64 else 32)
-    dkdv = (2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+    fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
+    fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
+    dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32 if d <= 128 else 16)
+    dq = (2 * dq_m + 3 * dq_n) * row + ((dq_m // 16) * 16 * (dq_n + 8) * 2 if sm70 else 0)
+    kv_n, kv_m = (64 if d <= 128 else 32), 32
+    kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
+    dkdv = ((2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+            + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
     return max(fwd, dq, dkdv)
 
 
@@ -343,7 +347,7 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
     major, minor, optin = _capability(q.device)
     if q.dtype == torch.bfloat16 and major < 8:
         return f"bfloat16 needs sm_80 or newer, this GPU is sm_{major}{minor}"
-    need = _smem_bytes(_padded_head_dim(d), spec.adaptive)
+    need = _smem_bytes(_padded_head_dim(d), spec.adaptive, sm70=(major, minor) < (7, 5))
     if optin and need > optin:
         return (f"head dim {d} needs {need} bytes of shared memory per block, this GPU allows {optin} "
                 "(see docs/cuda.md)")

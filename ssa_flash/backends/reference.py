@@ -19,7 +19,8 @@ import torch
 from .. import reference as spec_code
 from .spec import AttentionSpec, TemperatureState, acc_dtype
 
-__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
+           "backward_given_g"]
 
 NAME = "reference"
 
@@ -66,6 +67,15 @@ def _keep(shape, spec: AttentionSpec, device):
     return spec_code.dropout_keep_mask(seed, offset, shape, spec.dropout_p, device)
 
 
+def _weights(s, allowed, lse):
+    """``exp(s - lse)`` on admissible entries, else 0: the weights of rows whose log-sum-exp is
+    ``lse`` (of all the keys, which may be more than those of ``s``); rows with ``lse = -inf``
+    (no admissible key) get 0."""
+    lse = lse.to(s.dtype).unsqueeze(-1)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(s - lse).masked_fill(~allowed, 0.0)
+
+
 def _group_sum(x, group: int):
     """``(B, Hq, L, d)`` -> ``(B, Hkv, L, d)``: sums the query heads sharing a key/value head."""
     if group == 1:
@@ -93,11 +103,28 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
 
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)
+
+
+# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
+
+
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, dbeta_only=True)
+
+
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+                     spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=g)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbeta_only=False):
     z, l, allowed = _rows(q, k, mask, b, n, spec)
     acc = z.dtype
     beta = temp.beta if spec.adaptive else None
     s = _tempered(l, allowed, beta)
-    p_s = spec_code._masked_softmax(s, allowed)  # P' = softmax(beta * l)
+    # P' = softmax(beta * l) normalised by the given lse: the whole row's, also for a key shard
+    p_s = _weights(s, allowed, lse)
     do, o = dout.to(acc), out.to(acc)
     va = v.to(acc)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
@@ -116,8 +143,10 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
     l0 = l.masked_fill(~allowed, 0.0)
     if spec.adaptive:
         dbeta = (ds * l0).sum(-1)
-        g = dbeta * temp.dbeta_dh
-        p = spec_code._masked_softmax(l, allowed)
+        if dbeta_only:
+            return dbeta
+        g = dbeta * temp.dbeta_dh if g is None else g.to(acc)
+        p = _weights(l, allowed, temp.lse_l)  # P = softmax(l), the whole row's
         logp = (l - temp.lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)
         dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
     else:

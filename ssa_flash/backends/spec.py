@@ -10,6 +10,9 @@
 * :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
 * :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton``,
   ``.cuda``, ``.reference``).
+* :class:`KeyShardTemperature`: two more functions, optional, that a caller holding only a shard
+  of the keys needs for the adaptive temperature's backward (ring attention); the Triton and
+  reference backends provide them.
 
 Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
 
@@ -35,7 +38,8 @@ from torch import Tensor
 
 from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
-__all__ = ["AttentionSpec", "TemperatureState", "Backend", "acc_dtype", "TENSOR_FIELDS"]
+__all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
+           "TENSOR_FIELDS"]
 
 # Python field type -> torch.library schema type. Tensor-valued options (a Philox seed/offset that
 # must live on the device for CUDA-graph capture, cu_seqlens) would be "Optional[Tensor]" ->
@@ -172,3 +176,32 @@ class Backend(Protocol):
         ``lse`` are those ``forward`` returned (for a key shard: the global ones). ``db``, ``dn``
         are ``(Hq,)`` in the accumulation dtype, None for softmax; ``temp`` is given iff
         ``spec.adaptive``."""
+
+
+@runtime_checkable
+class KeyShardTemperature(Protocol):
+    """Optional functions of a backend module: the adaptive temperature's backward over a shard of
+    the keys (``spec.adaptive`` only; tensors as in :meth:`Backend.backward`).
+
+    DESIGN.md 1.3: ``g_i = dbeta_i * dbeta/dH_i`` with ``dbeta_i = sum_j dS'_ij l_ij`` over the
+    whole row, and every ``dl_ij`` needs ``g_i``. :meth:`Backend.backward` computes ``dbeta`` over
+    the keys it is given, which for a key shard is only part of the sum. A caller holding key
+    shards sums :meth:`row_dbeta` over them, forms ``g``, and calls :meth:`backward_given_g` on
+    each shard. ``out``, ``lse`` and ``temp`` are always those of whole rows (all keys).
+    """
+
+    def row_dbeta(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
+                  n: Optional[Tensor], temp: TemperatureState, spec: AttentionSpec) -> Tensor:
+        """``(B, Hq, Lq)``: ``sum_j dS'_ij l_ij`` over the keys given (``l`` the temperature-free
+        logit row, ``dS' = P' * (dout . v_j - delta_i)`` with ``P'`` from the whole row's
+        ``lse``); 0 on rows with no admissible key among them."""
+
+    def backward_given_g(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                         lse: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],
+                         b: Optional[Tensor], n: Optional[Tensor], temp: TemperatureState,
+                         g: Tensor, spec: AttentionSpec
+                         ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """:meth:`Backend.backward` with the temperature gradient ``g (B, Hq, Lq)`` (accumulation
+        dtype) given instead of computed from the keys given: the shard's ``(dq, dk, dv, db, dn)``
+        contributions, which sum over the shards to the whole backward's."""

@@ -16,7 +16,7 @@ import torch
 from .spec import AttentionSpec, TemperatureState
 
 __all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
-           "dropout_mask"]
+           "row_dbeta", "backward_given_g", "dropout_mask"]
 
 NAME = "triton"
 MAX_HEAD_DIM = 256
@@ -78,6 +78,22 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
     launch = _launch()
     ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b))
+
+
+# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
+
+
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    launch = _launch()
+    return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
+                            _spec(launch, spec, b))
+
+
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+                     spec: AttentionSpec):
+    launch = _launch()
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
+                           _spec(launch, spec, b), g=g)
 
 
 def dropout_mask(rng, shape, dropout_p: float):

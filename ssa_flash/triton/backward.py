@@ -39,14 +39,17 @@ so the backward keeps the sign of ``n`` and of the scale in the logit coefficien
 ``g_i = dbeta_i * dbeta/dH_i`` needs ``dbeta_i = sum_j dS'_ij l_ij`` over the whole row before any
 ``dl`` is known. Kernel 1 owns whole rows, so it accumulates the ``beta dS'`` part and the
 ``P (log P + H)`` part of every row-sum separately and combines them with ``g`` at the end;
-kernel 2 then reads ``g``. The ``db``/``dn`` partials are reduced in a fixed order afterwards,
-so the backward is deterministic.
+kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring attention) cannot get
+``dbeta`` from one launch: it reads each shard's partial ``dbeta`` out of ``G`` (a launch with
+``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
+row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The
+``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
 """
 import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, boundary_logits, combine_scale, dropout_keep, dropout_state,
-                     interior_end, safe_row_max, ssa_log_weight, fast_recip, window_key_bounds,
+                     interior_end, safe_row_max, ssa_log_weight, ssa_reciprocal, window_key_bounds,
                      window_query_bounds)
 
 
@@ -84,20 +87,21 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
                    win_left, win_right, drop, drop_scale, start_m,
                    WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
     ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
     (``drop``: ``common.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
-    BLOCK_M: tl.constexpr = offs_m.shape[0]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
@@ -109,8 +113,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
         else:
             x = s
-        masked = BOUNDARY or MASK_KIND != 0
-        if masked:
+        if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
                                  win_left, win_right, WINDOW)
@@ -132,7 +135,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
         else:
             dl = p * (dp - delta[:, None])
         if ADAPTIVE:
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
                 dbeta += tl.sum(dl * tl.where(admissible, l2, 0.0), 1)
                 log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
@@ -144,7 +147,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                 ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None])
             dl = dl * beta[:, None]
         if SSA:
-            r = fast_recip(u, FAST_MATH)
+            r = ssa_reciprocal(u, x, BLOCK_M, BLOCK_N, FAST_MATH, POLY_EXP2)
             ds = dl * r
             dn_acc += tl.sum(dl * x, 1)
             if ADAPTIVE:
@@ -176,7 +179,8 @@ def attention_bwd_dq_kernel(
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    DROPOUT: tl.constexpr, WINDOW: tl.constexpr,
+    POLY_EXP2: tl.constexpr,
+    G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -241,7 +245,7 @@ def attention_bwd_dq_kernel(
             dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
             lo, a, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
             cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+            BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
             win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
     else:
         a = 0
@@ -249,19 +253,22 @@ def attention_bwd_dq_kernel(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         a, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2,
         win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
         win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     if ADAPTIVE:
-        # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
-        g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
-        tl.store(G + row_stat, g, mask=row_ok)
+        if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
+            g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
+        else:
+            # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
+            g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
+            tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
         dn_acc = dn_acc - g * dn_ent
     if SSA:
@@ -285,6 +292,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr,
                        start_n, win_left, win_right, drop, drop_scale,
                        WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
@@ -292,14 +300,13 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
     this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
     ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
     ``dP' = r M (dO V^T)``; ``drop`` is this head's ``common.dropout_state`` tuple."""
-    BLOCK_N: tl.constexpr = offs_n.shape[0]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_stat = row_base + offs_m
         if BOUNDARY:
-            row_ok = offs_m < Lq
+            row_ok = offs_m < Lq  # audit: boundary-only
             q = tl.load(q_ptrs + start_m * stride_qm, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
             do = tl.load(do_ptrs + start_m * stride_dom, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)
@@ -318,7 +325,6 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
         else:
             x = st
-        masked = BOUNDARY or MASK_KIND != 0
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
@@ -326,12 +332,12 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
             l2 = x * coef
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                      stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
                                      win_left, win_right, WINDOW)
             pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
-        elif masked:
+        elif BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
                                  win_left, win_right, WINDOW)
@@ -349,7 +355,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
             dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if ADAPTIVE:
-            if masked:
+            if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
                 log_p2 = tl.where(admissible, l2 - lse_l2[None, :], 0.0)
                 ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :]), 0.0)
@@ -373,7 +379,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             else:
                 ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
         if SSA:
-            ds = ds * fast_recip(u, FAST_MATH)
+            ds = ds * ssa_reciprocal(u, x, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
@@ -395,7 +401,7 @@ def attention_bwd_dkdv_kernel(
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    DROPOUT: tl.constexpr, WINDOW: tl.constexpr,
+    POLY_EXP2: tl.constexpr, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
@@ -451,19 +457,19 @@ def attention_bwd_dkdv_kernel(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, hi),
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
             start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2,
             start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, hi,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
             start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
 
     if not SSA and not ADAPTIVE:

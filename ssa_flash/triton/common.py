@@ -130,7 +130,7 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
         q_idx = offs_q[:, None]
         k_idx = offs_k[None, :]
     if BOUNDARY:
-        admissible = (q_idx < Lq) & (k_idx < Lk)
+        admissible = (q_idx < Lq) & (k_idx < Lk)  # audit: boundary-only
         if CAUSAL:
             admissible = admissible & (k_idx <= q_idx)
         if WINDOW:
@@ -154,6 +154,55 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
     if BOUNDARY or MASK_KIND == 1:
         l2 = tl.where(admissible, l2, float("-inf"))
     return l2
+
+
+@triton.jit
+def exp2_poly(x, DEGREE: tl.constexpr):
+    """``2^x`` for ``x <= 0`` on the FMA pipe instead of the MUFU unit: round ``x`` to ``j + f``
+    (``|f| <= 1/2``) with the 1.5 * 2^23 trick, a minimax polynomial for ``2^f`` (relative error
+    7.5e-5 at degree 3, 2.6e-6 at degree 4), and ``j`` added to the exponent bits.
+    ``x`` is clamped at -126 so the exponent cannot wrap (the result is then ~1e-38)."""
+    x = tl.maximum(x, -126.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    if DEGREE == 3:
+        p = f * 0.05517165928821365 + 0.2426111583127199
+        p = p * f + 0.6932609904728981
+        p = p * f + 0.9999280714625878
+    else:
+        p = f * 0.009570100784094435 + 0.055917865312126704
+        p = p * f + 0.24024744899936581
+        p = p * f + 0.6931218141369884
+        p = p * f + 0.9999992614102138
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_half_poly(arg, ROWS: tl.constexpr, COLS: tl.constexpr, POLY_EXP2: tl.constexpr):
+    """``exp2(arg)`` of a (ROWS, COLS) tile with ``arg <= 0``: with ``POLY_EXP2`` (a degree),
+    every other column on the FMA pipe (:func:`exp2_poly`) and the rest on the MUFU unit.
+    Neighbouring columns sit in one thread's registers in the matmul layouts, so the split and
+    the join move no data (checked in the audit: no shared-memory traffic appears)."""
+    if POLY_EXP2 != 0:
+        a_hw, a_poly = tl.split(tl.reshape(arg, (ROWS, COLS // 2, 2)))
+        return tl.reshape(tl.join(tl.exp2(a_hw), exp2_poly(a_poly, POLY_EXP2)), (ROWS, COLS))
+    else:
+        return tl.exp2(arg)
+
+
+@triton.jit
+def ssa_reciprocal(u, x, ROWS: tl.constexpr, COLS: tl.constexpr, FAST_MATH: tl.constexpr,
+                   POLY_EXP2: tl.constexpr):
+    """``1 / u`` of SSA's ``u = 1 + b|z|`` (``x = sgn(s) log2(u)``, already computed): with
+    ``POLY_EXP2``, every other column is ``2^-|x|`` on the FMA pipe, the rest ``rcp.approx``."""
+    if POLY_EXP2 != 0:
+        u_hw, _ = tl.split(tl.reshape(u, (ROWS, COLS // 2, 2)))
+        _, x_poly = tl.split(tl.reshape(x, (ROWS, COLS // 2, 2)))
+        r = tl.join(fast_recip(u_hw, FAST_MATH), exp2_poly(-tl.abs(x_poly), POLY_EXP2))
+        return tl.reshape(r, (ROWS, COLS))
+    else:
+        return fast_recip(u, FAST_MATH)
 
 
 @triton.jit

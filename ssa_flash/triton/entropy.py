@@ -29,7 +29,8 @@ def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
         else:

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from .common import (LN2, LOG2E, boundary_logits, combine_scale, dropout_keep, dropout_state,
-                     head_coefficients, interior_end, safe_row_max, tile_logit_input,
-                     window_key_bounds)
+                     exp2_half_poly, head_coefficients, interior_end, safe_row_max,
+                     tile_logit_input, window_key_bounds)
 
 
 @triton.jit
@@ -26,19 +26,20 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
                     win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
     is :func:`~.common.dropout_state`'s tuple and ``start_m`` the first query (unused without
     DROPOUT)."""
-    BLOCK_M: tl.constexpr = offs_m.shape[0]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
@@ -59,7 +60,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
             # logit and its shift fuse into one multiply-add per element.
             m_new = tl.maximum(m_i, tl.max(x, 1) * coef)
             m_safe = m_new  # finite: every element of an interior tile is admissible
-            p = tl.exp2(x * coef[:, None] - m_safe[:, None])
+            p = exp2_half_poly(x * coef[:, None] - m_safe[:, None], BLOCK_M, BLOCK_N, POLY_EXP2)
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
@@ -85,7 +86,7 @@ def attention_fwd_kernel(
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    DROPOUT: tl.constexpr, WINDOW: tl.constexpr,
+    POLY_EXP2: tl.constexpr = 0, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     """Output and LSE of one query block (module docstring). Dropout: ``RNG`` the ``(seed,
     offset)`` int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split
@@ -140,19 +141,19 @@ def attention_fwd_kernel(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, a,
             stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
             SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-            win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
+            BLOCK_M, 0, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
     else:
         a = 0
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, a, mid,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
         SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
+        BLOCK_M, POLY_EXP2, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
     acc, l_i, m_i = _fwd_key_blocks(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, mid, hi,
         stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
         SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
+        BLOCK_M, 0, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum

@@ -90,12 +90,13 @@ def _head_block(d: int) -> int:
 
 
 def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
-                     dropout: bool = False):
+                     masked: bool = False, dropout: bool = False):
     """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
-    None: the interpreter), best first. Under the interpreter small blocks make the tests cross
-    block boundaries at small lengths. On a GPU the first candidate that fits the shared memory
-    and registers is used (see ``_launch``). ``dropout``: the specialisation generates dropout
-    bits, whose registers the dK/dV kernel's default tiles cannot spare."""
+    None: the interpreter), best first; ``masked``: the launch reads an attention mask;
+    ``dropout``: the specialisation generates dropout bits, whose registers the dK/dV kernel's
+    default tiles cannot spare. Under the interpreter small blocks make the tests cross block
+    boundaries at small lengths. On a GPU the candidates that fit the shared memory and registers
+    are timed once (see ``_launch``)."""
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
@@ -108,7 +109,10 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
     hopper = arch >= 90
     if kernel in ("fwd", "stats"):
         if head_block <= 64:
-            cands = [Blocks(128, 64, 4, 3), Blocks(64, 64, 4, 2)]
+            # 8 warps on 128 x 128 tiles keep the interior at ~7 instructions per element; with
+            # a mask (more live values) 64 x 64 tiles are what compiles without spills
+            cands = ([Blocks(64, 64, 4, 3), Blocks(128, 128, 8, 3)] if masked
+                     else [Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 3)])
         elif head_block <= 128:
             cands = [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)]
         else:
@@ -117,16 +121,16 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
         if head_block <= 64:
             cands = [Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(128, 64, 8, 2) if hopper else Blocks(64, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(64, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 1)]
     else:  # bwd_dkdv: n = keys per program (the M dimension), m = queries per step
+        # The dK, dV accumulators and the K, V operands stay in registers for the whole program:
+        # few queries per step is what fits 255 registers without spilling.
         if head_block <= 64:
-            cands = [Blocks(64, 128, 8, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(32, 128, 8, 2) if hopper else Blocks(64, 128, 8, 2), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            # dK, dV accumulators (2 x 128 x 128 fp32) and the K, V operands stay in registers:
-            # 32 queries per step is what fits 255 registers without spilling
-            cands = [Blocks(32, 128, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(16, 128, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(32, 64, 4, 1)]
     if dropout and kernel == "bwd_dkdv" and head_block <= 128:
@@ -170,32 +174,66 @@ def _device_arch(device: torch.device) -> Optional[int]:
     return 10 * major + minor
 
 
+def _autotuning() -> bool:
+    return os.environ.get("SSA_FLASH_AUTOTUNE", "1") not in ("", "0")
+
+
+def _timed(run) -> float:
+    """Median milliseconds of ``run()`` after warm-up (``triton.testing.do_bench``)."""
+    return float(triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"))
+
+
 def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
-    """Launch ``kernel`` with the first block candidate that compiles within the GPU's resources."""
+    """Launch ``kernel`` with the best block configuration for this GPU.
+
+    The first time a specialisation meets a problem size (bucketed by the power of two of its
+    program count), every candidate of :func:`block_candidates` that fits the GPU's resources is
+    timed on the real arguments and the fastest is kept (all kernels of the family are idempotent:
+    they only write their outputs). ``SSA_FLASH_AUTOTUNE=0``, CUDA-graph capture and the
+    interpreter take the first candidate that fits instead."""
     arch = _capture_arch if _capture is not None else _device_arch(device)
-    cands = block_candidates(arch, head_block, dtype, name, bool(consts.get("DROPOUT", False)))
+    cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0,
+                             dropout=bool(consts.get("DROPOUT", False)))
     if _capture is not None:
         blk = cands[0]
         _capture.append(KernelLaunch(name, kernel, grid_fn(blk), tuple(args(blk)),
                                      dict(consts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
         return blk
-    key = (name, device, head_block, dtype, tuple(sorted(consts.items())))
+    bucket = triton.next_power_of_2(max(1, grid_fn(cands[0])[0]))
+    key = (name, device, head_block, dtype, bucket, tuple(sorted(consts.items())))
     if key in _chosen_blocks:
         cands = [_chosen_blocks[key]]
-    last_err = None
-    for blk in cands:
+    tune = (arch is not None and len(cands) > 1 and _autotuning()
+            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    best, best_ms, last_err = None, float("inf"), None
+    for blk in dict.fromkeys(cands):  # de-duplicated, in order
         grid = grid_fn(blk)
         if grid[0] > _MAX_GRID:
             raise ValueError(f"ssa_flash: problem too large for one launch ({grid[0]} programs)")
         extra = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+        blk_args = args(blk)
+
+        def run(blk=blk, grid=grid, blk_args=blk_args, extra=extra):
+            kernel[grid](*blk_args, **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+
         try:
-            kernel[grid](*args(blk), **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+            run()
         except triton.runtime.errors.OutOfResources as err:  # too much shared memory / registers
             last_err = err
             continue
-        _chosen_blocks[key] = blk
-        return blk
-    raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
+        if not tune:
+            _chosen_blocks[key] = blk
+            return blk
+        ms = _timed(run)
+        if ms < best_ms:
+            best, best_ms = blk, ms
+    if best is None:
+        raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
+    if best != blk:  # leave the outputs of the chosen configuration (some depend on the tiles)
+        extra = {"num_warps": best.warps, "num_stages": best.stages}
+        kernel[grid_fn(best)](*args(best), **consts, BLOCK_M=best.m, BLOCK_N=best.n, **extra)
+    _chosen_blocks[key] = best
+    return best
 
 
 def _check_offsets(*tensors):
@@ -258,6 +296,34 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
     return (*drop_args, *win_args), dict(DROPOUT=dropout, WINDOW=window)
 
 
+# Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
+FORCE_POLY_EXP2: Optional[int] = None
+
+
+def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> int:
+    """Degree of the polynomial ``exp2`` (``common.exp2_poly``) that computes half of the interior
+    tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
+    the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
+    audit's bound says it pays: SSA (two MUFU ops per element in the forward, LG2 and EX2; three
+    in the backward, with RCP) at head dims <= 64, where the MUFU time (1/16 clock per op and
+    element on sm_80/sm_90) exceeds the tensor and the issue time; on a GPU with 16-bit inputs
+    (degree 3, relative error 7.5e-5, for bfloat16's 2^-9 rounding; degree 4, 2.6e-6, for
+    float16's 2^-11).
+
+    The forward and the dQ kernel keep the hardware exp2 / reciprocal unless
+    ``SSA_FLASH_POLY_EXP2=1``: there the polynomial lowers the bound (forward D=64 bf16 sm_90:
+    0.127 -> 0.102 clock per element) but raises SSA's instructions per element past the audit's
+    gates (1.5x softmax's in the forward, 2.0x in the backward; bench/NOTES.md). A GPU
+    measurement should decide."""
+    if FORCE_POLY_EXP2 is not None:
+        return FORCE_POLY_EXP2
+    if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
+        return 0
+    if not (_fast_math(q) and spec.ssa and head_block <= 64):
+        return 0
+    return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
+
+
 def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
@@ -306,7 +372,8 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     lse = _stat_tensor(q)
     mask_t, mask_kind, ms = _mask_args(mask, q)
     consts = _common_consts(q, spec, mask_kind, DV)
-    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV),
+                  POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
     feat_args, feat_consts = _feature_args(q, Lq, Lk, spec)
     consts.update(feat_consts)
 
@@ -323,11 +390,16 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
 
 
 def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
-             spec: AttentionSpec):
+             spec: AttentionSpec, *, g: Optional[torch.Tensor] = None, dbeta_only: bool = False):
     """Gradients ``(dq, dk, dv, db, dn)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax.
 
     ``dlse`` (or None) is the gradient reaching the returned LSE: since ``d lse_i / d S'_ij = P'_ij``
     it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``).
+
+    For callers holding a shard of the keys (adaptive only; see :func:`row_dbeta`): ``g``
+    ``(B, Hq, Lq)`` is the temperature gradient ``g_i = dbeta_i * dbeta/dH_i`` of whole rows, used
+    instead of the one computed from the keys given; ``dbeta_only`` runs the dQ kernel alone and
+    returns its ``g`` (``temp.dbeta_dh`` of ones makes that the partial ``dbeta``).
     """
     B, H, Lq, D = q.shape
     HKV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
@@ -344,10 +416,15 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     feat_args, feat_consts = _feature_args(q, Lq, Lk, spec)
     consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
+    consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
-        g = _stat_tensor(q)
+        g_given = g is not None
+        g = _stat_tensor(q) if g is None else g.to(acc_torch).contiguous()
     else:
+        g_given = False
+        if g is not None or dbeta_only:
+            raise ValueError("g and dbeta_only are for the adaptive temperature only")
         beta = lse_l = ent = dbeta_dh = g = q
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
@@ -366,8 +443,14 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *ms,
                 H, Lq, Lk, D, DV, spec.group, num_m, *scale_args, *feat_args)
 
+    dq_consts = dict(consts, HAS_DLSE=dlse is not None,
+                     POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
+    if g_given:  # only then: the default specialisations' constexprs stay as they were
+        dq_consts["G_GIVEN"] = True
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
-            dict(consts, HAS_DLSE=dlse is not None), q.device, head_block, q.dtype)
+            dq_consts, q.device, head_block, q.dtype)
+    if dbeta_only:
+        return g
 
     def dkdv_args(blk):
         return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
@@ -381,6 +464,17 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, db, dn
+
+
+def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    """``dbeta_i = sum_j dS'_ij l_ij`` ``(B, Hq, Lq)`` over the keys given (adaptive only), for a
+    caller holding a shard of the keys: ``o``, ``lse`` and ``temp`` are those of whole rows, so
+    the shards' results sum to the whole row's ``dbeta``. One launch of the dQ kernel with
+    ``dbeta/dH = 1`` (its other outputs are discarded)."""
+    if not spec.adaptive:
+        raise ValueError("row_dbeta is for the adaptive temperature only")
+    ones = TemperatureState(temp.beta, temp.lse_l, temp.entropy, torch.ones_like(temp.dbeta_dh))
+    return backward(do, q, k, v, o, lse, dlse, mask, b, n, ones, spec, dbeta_only=True)
 
 
 def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:

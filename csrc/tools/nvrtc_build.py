@@ -1,0 +1,131 @@
+"""Compiles the kernels for sm_70 (Volta) without a CUDA 12 toolkit: CUDA 13's nvcc refuses
+sm_70, so this drives the CUDA 12.9 compiler that PyPI wheels ship, NVRTC (CUDA C++ -> PTX,
+``nvidia-cuda-nvrtc-cu12``) and ptxas (PTX -> SASS, ``nvidia-cuda-nvcc-cu12``), with the
+toolkit headers of ``nvidia-cuda-runtime-cu12`` (cuda_fp16.h, ...)::
+
+    pip install "nvidia-cuda-nvrtc-cu12==12.9.*" "nvidia-cuda-nvcc-cu12==12.9.*" \\
+                "nvidia-cuda-runtime-cu12==12.9.*"
+    python csrc/tools/nvrtc_build.py --arch 70 [--head-dim 128] [--out DIR]
+
+It compiles one translation unit that explicitly instantiates every float16 kernel (bf16 needs
+sm_80) of the requested head dims, so ptxas checks every mma.m8n8k4 and every instantiation of
+the sm_70 code path, and reports registers and spills (``ptxas -v``). Used by
+tests/test_csrc_compile.py; ``csrc/tools/sass_count.py --arch 70`` uses it too.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+CSRC = Path(__file__).resolve().parent.parent
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def _wheel_dirs():
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+    except ImportError:
+        return []
+    return [Path(p) for p in getattr(nvidia, "__path__", [])]
+
+
+def find_wheels() -> Tuple[Optional[Path], Optional[Path], Optional[Path]]:
+    """(libnvrtc.so.12, ptxas, include dir) of the CUDA 12 wheels, None for what is missing."""
+    nvrtc = ptxas = include = None
+    for root in _wheel_dirs():
+        for cand in sorted((root / "cuda_nvrtc" / "lib").glob("libnvrtc.so.12*")):
+            nvrtc = nvrtc or cand
+        cand = root / "cuda_nvcc" / "bin" / "ptxas"
+        if cand.is_file():
+            ptxas = ptxas or cand
+        cand = root / "cuda_runtime" / "include"
+        if (cand / "cuda_fp16.h").is_file():
+            include = include or cand
+    return nvrtc, ptxas, include
+
+
+def missing_reason() -> Optional[str]:
+    nvrtc, ptxas, include = find_wheels()
+    what = [name for name, p in (("nvidia-cuda-nvrtc-cu12", nvrtc), ("nvidia-cuda-nvcc-cu12", ptxas),
+                                 ("nvidia-cuda-runtime-cu12", include)) if p is None]
+    return f"CUDA 12 wheels not installed: {', '.join(what)}" if what else None
+
+
+def instantiations(head_dims: Sequence[int] = HEAD_DIMS) -> str:
+    """The translation unit: every float16 kernel of the given head dims."""
+    lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', "namespace ssa_flash {"]
+    for d in head_dims:
+        for ssa in ("false", "true"):
+            for ad in ("false", "true"):
+                lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}>(const FwdParams);")
+                lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")
+                lines.append(f"template __global__ void attn_bwd_dkdv_kernel<DkdvTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")
+            lines.append(f"template __global__ void attn_stats_kernel<FwdTraits<{d}, __half>, {ssa}>(const FwdParams);")
+    lines.append("}  // namespace ssa_flash")
+    return "\n".join(lines) + "\n"
+
+
+def nvrtc_ptx(source: str, arch: str, include_dirs: List[Path], lib: Path) -> Tuple[Optional[str], str]:
+    """(PTX or None, log) of NVRTC compiling `source` for compute_<arch>."""
+    nv = ctypes.CDLL(str(lib))
+    prog = ctypes.c_void_p()
+    rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"ssa_flash_sm70.cu", 0, None, None)
+    if rc != 0:
+        return None, f"nvrtcCreateProgram failed ({rc})"
+    opts = [f"--gpu-architecture=compute_{arch}", "-std=c++17", "-default-device",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            *(f"-I{d}" for d in include_dirs)]
+    arr = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
+    rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nv.nvrtcGetProgramLog(prog, log)
+    log_text = log.value.decode(errors="replace")
+    ptx = None
+    if rc == 0:
+        nv.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        nv.nvrtcGetPTX(prog, buf)
+        ptx = buf.value.decode()
+    nv.nvrtcDestroyProgram(ctypes.byref(prog))
+    return ptx, log_text
+
+
+def build(out_dir, arch: str = "70", head_dims: Sequence[int] = HEAD_DIMS) -> Tuple[int, str, Optional[Path]]:
+    """(return code, NVRTC + ptxas output, cubin path) of compiling the fp16 kernels for sm_<arch>."""
+    nvrtc, ptxas, include = find_wheels()
+    why = missing_reason()
+    if why:
+        return 1, why, None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ptx, log = nvrtc_ptx(instantiations(head_dims), arch, [CSRC, include], nvrtc)
+    if ptx is None:
+        return 1, "NVRTC failed:\n" + log, None
+    ptx_path = out / f"ssa_flash_sm{arch}.ptx"
+    ptx_path.write_text(ptx)
+    cubin = out / f"ssa_flash_sm{arch}.cubin"
+    proc = subprocess.run([str(ptxas), f"-arch=sm_{arch}", "-O3", "-v", str(ptx_path), "-o", str(cubin)],
+                          capture_output=True, text=True)
+    return proc.returncode, log + proc.stdout + proc.stderr, cubin if proc.returncode == 0 else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="70")
+    ap.add_argument("--head-dim", type=int, action="append", dest="head_dims")
+    ap.add_argument("--out", default="build/nvrtc")
+    args = ap.parse_args(argv)
+    rc, log, cubin = build(args.out, args.arch, tuple(args.head_dims or HEAD_DIMS))
+    print(log)
+    print(f"cubin: {cubin}" if cubin else "failed")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
