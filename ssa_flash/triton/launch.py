@@ -114,23 +114,23 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
             cands = ([Blocks(64, 64, 4, 3), Blocks(128, 128, 8, 3)] if masked
                      else [Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 3)])
         elif head_block <= 128:
-            cands = [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(128, 64, 8, 3) if hopper else Blocks(128, 32, 8, 3), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 2)]
     elif kernel == "bwd_dq":
         if head_block <= 64:
-            cands = [Blocks(64, 64, 4, 2)]
+            cands = [Blocks(64, 64, 4, 2) if hopper else Blocks(64, 32, 4, 2), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(64, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 1)]
     else:  # bwd_dkdv: n = keys per program (the M dimension), m = queries per step
         # The dK, dV accumulators and the K, V operands stay in registers for the whole program:
         # few queries per step is what fits 255 registers without spilling.
         if head_block <= 64:
-            cands = [Blocks(32, 128, 8, 2) if hopper else Blocks(64, 128, 8, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(32, 128, 8, 2), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(16, 128, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(16, 128, 8, 2), Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(32, 64, 4, 1)]
     if dropout and kernel == "bwd_dkdv" and head_block <= 128:
