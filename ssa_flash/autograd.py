@@ -5,7 +5,8 @@ backend) and each with a fake (meta) implementation that only computes output sh
 the fields of :class:`~ssa_flash.backends.spec.AttentionSpec`, generated from it (today
 ``float scale, bool causal, int group, bool adaptive, float[] poly, float threshold,
 bool deterministic, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
-Tensor? seqused_k, Tensor? k_start, int num_splits``)::
+Tensor? seqused_k, Tensor? k_start, int num_splits, float dropout_p, int window_left, int window_right,
+Tensor? dropout_rng``)::
 
     ssa_flash::attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? b, Tensor? n, Tensor? mask,
                         str backend, SPEC)
@@ -31,10 +32,10 @@ statistics pass and the flash pass) is done here, once for all backends. ``attn_
 ``db``/``dn`` ``(Hq,)`` for SSA and empty ``(0,)`` for softmax; ``dout`` or ``dlse`` may be None
 (an unused output).
 
-``attn_fwd``'s autograd formula (``register_autograd``) saves the inputs, ``out``, ``lse`` and
-the statistics, and calls ``attn_bwd``; it accepts a gradient for ``lse`` (``return_lse=True``
-users may differentiate through it). Tensor-valued spec fields (``cu_seqlens_q``/``_k``, a KV cache's
-``seqused_k``/``k_start``: ``Tensor?`` in the schemas) are saved with ``save_for_backward``. The mask arrives as an expanded (stride-0) view of the
+``attn_fwd``'s autograd formula (``register_autograd``) saves the inputs, ``out``, ``lse``, the
+statistics and the spec's tensors (``cu_seqlens_q``/``_k``, a KV cache's ``seqused_k``/``k_start``, the
+dropout ``(seed, offset)``: the backward regenerates the same mask from it), and calls ``attn_bwd``; it accepts a gradient for ``lse`` (``return_lse=True``
+users may differentiate through it). The mask arrives as an expanded (stride-0) view of the
 user's mask and is passed on as is, never materialised.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch import Tensor
 from . import temperature
 from .backends import cuda as cuda_backend
 from .backends import get as get_backend
-from .backends.spec import AttentionSpec, TemperatureState, acc_dtype
+from .backends.spec import TENSOR_FIELDS, AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["attention", "row_entropy", "SPEC_SCHEMA"]
 
@@ -143,14 +144,13 @@ def _setup_context(ctx, inputs, output):
     out, lse, beta, lse_l, ent, dbeta_dh = output
     ctx.mark_non_differentiable(beta, lse_l, ent, dbeta_dh)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-    # tensor-valued spec fields (cu_seqlens) are saved like the inputs, the others kept as they are
-    ctx.spec_tensor_pos = tuple(i for i, a in enumerate(spec_args) if isinstance(a, Tensor))
+    # tensor-valued spec fields go through save_for_backward, the rest are plain attributes
     ctx.backend, ctx.has_b = backend, b is not None
-    ctx.spec_args = tuple(None if i in ctx.spec_tensor_pos else a for i, a in enumerate(spec_args))
+    ctx.spec_args = tuple(None if i in TENSOR_FIELDS else a for i, a in enumerate(spec_args))
     # a CPU emulation of the CUDA kernels (tests) must serve the backward too, wherever it runs
     ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
     ctx.save_for_backward(q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh,
-                          *(spec_args[i] for i in ctx.spec_tensor_pos))
+                          *(spec_args[i] for i in TENSOR_FIELDS))
 
 
 def _backward(ctx, dout, dlse, *_stat_grads):
@@ -159,7 +159,7 @@ def _backward(ctx, dout, dlse, *_stat_grads):
         return (None,) * n_inputs
     q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh, *spec_tensors = ctx.saved_tensors
     spec_args = list(ctx.spec_args)
-    for i, t in zip(ctx.spec_tensor_pos, spec_tensors):
+    for i, t in zip(TENSOR_FIELDS, spec_tensors):
         spec_args[i] = t
     spec = AttentionSpec.from_op_args(spec_args)
     if spec.kv_cache:

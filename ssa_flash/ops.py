@@ -29,6 +29,7 @@ __all__ = [
     "attention_entropy",
     "varlen_attention",
     "attention_with_kvcache",
+    "dropout_mask",
     "available_backends",
     "BackendUnavailableError",
 ]
@@ -119,13 +120,39 @@ def _check_common(dropout_p, is_causal, scale, head_dim: int, return_lse) -> flo
     dropout_p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p != 0 is not implemented by ssa_flash; pass dropout_p=0.0")
     _check_bool("is_causal", is_causal)
     _check_bool("return_lse", return_lse)
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     return _check_number("scale", scale)
+
+
+def _check_window(window_size) -> Tuple[int, int]:
+    """``window_size``: a pair ``(left, right)`` of ints >= -1 (-1: that side unbounded)."""
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {type(window_size).__name__}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {len(window_size)} values")
+    out = []
+    for side, x in zip(("left", "right"), window_size):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int, got {type(x).__name__}")
+        if x < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded), got {x}")
+        out.append(int(x))
+    return out[0], out[1]
+
+
+def _effective_window(window: Tuple[int, int], lq: int, lk: int, is_causal: bool) -> Tuple[int, int]:
+    """The window with every side that excludes nothing made -1: ``left >= Lq - 1`` (then
+    ``i - left <= 0``), ``right >= Lk - 1``, or ``right`` under ``is_causal`` (``j <= i`` is
+    tighter). ``(-1, -1)``: no window, and the kernels compile without one."""
+    left, right = window
+    if left >= max(lq - 1, 0):
+        left = -1
+    if right >= max(lk - 1, 0) or (is_causal and right >= 0):
+        right = -1
+    return left, right
 
 
 def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
@@ -197,8 +224,14 @@ def _degenerate(query: Tensor, key: Tensor, value: Tensor) -> bool:
     return query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0
 
 
+def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
+    """The kernels' keep mask for ``rng`` through the PyTorch Philox (the reference path)."""
+    seed, offset = rng.tolist()
+    return reference.dropout_keep_mask(seed, offset, shape, dropout_p, rng.device)
+
+
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, b, n,
-               adaptive, poly, threshold, backend, return_lse, deterministic):
+               adaptive, poly, threshold, backend, return_lse, deterministic, window_size):
     _check_bool("enable_gqa", enable_gqa)
     _check_bool("deterministic", deterministic)
     _check_tensor("query", query)
@@ -213,6 +246,8 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             attn_mask = attn_mask.unsqueeze(0)
     group = _check_qkv(query, key, value, enable_gqa)
     scale = _check_common(dropout_p, is_causal, scale, query.shape[-1], return_lse)
+    dropout_p = float(dropout_p)
+    left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
     ssa = b is not None
     if ssa:
@@ -222,13 +257,20 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         poly, threshold = _check_poly(poly, threshold)
     if not adaptive:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    # dropout bits: a (seed, offset) drawn from torch's generator for the device, on the device
+    rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
-                         threshold=threshold, deterministic=deterministic)
+                         threshold=threshold, deterministic=deterministic, dropout_p=dropout_p,
+                         window_left=left, window_right=right, dropout_rng=rng)
     backend = _resolve_backend(backend, query, key, value, spec)
 
     if backend == "reference" or _degenerate(query, key, value):
-        out, lse = reference._attend(query, key, value, mask, 0.0, is_causal, scale, group > 1, True,
-                                     b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold)
+        keep = None
+        if rng is not None:
+            keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
+        out, lse = reference._attend(query, key, value, mask, dropout_p, is_causal, scale, group > 1, True,
+                                     b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold,
+                                     window_size=(left, right), dropout_mask=keep)
     else:
         out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec)
     if unbatched:
@@ -241,7 +283,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
                   enable_gqa: bool = False, *, b: Scalar = 1.0, n: Scalar = 1.5,
                   adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                   threshold: float = DEFAULT_THRESHOLD, backend: str = "auto",
-                  return_lse: bool = False, deterministic: bool = False):
+                  return_lse: bool = False, deterministic: bool = False,
+                  window_size: Tuple[int, int] = (-1, -1)):
     """Scaled Signed Averaging attention, a drop-in for ``F.scaled_dot_product_attention``.
 
     Weights ``(1 + b|z|)^(sgn(z) n)`` of the logits ``z = scale * q.k``, normalised over the keys:
@@ -250,7 +293,13 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
     Args:
         query: ``(B, Hq, Lq, D)`` (or ``(Hq, Lq, D)``); key: ``(B, Hkv, Lk, D)``; value: ``(B, Hkv, Lk, Dv)``.
         attn_mask: bool (True = attend) or float (added to ``phi(z)``), broadcastable to (B, Hq, Lq, Lk).
-        dropout_p: must be 0 (dropout is not implemented).
+        dropout_p: in [0, 1]: SDPA's dropout on the final weights (after any temperature): each
+            kept with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; the LSE
+            is the undropped row's; 1 gives zeros. Applied whenever > 0 (pass 0 in eval mode, as
+            with SDPA). The bits come from a Philox generator in the kernels keyed by a (seed,
+            offset) drawn from torch's default generator for the device, so ``torch.manual_seed``
+            reproduces a call; :func:`dropout_mask` materialises the mask. Triton and reference
+            backends (the reference uses the same bits); not the CUDA C++ backend.
         is_causal: key j is visible to query i iff j <= i (SDPA's top-left alignment); combines
             with ``attn_mask`` when both are given.
         scale: defaults to ``1 / sqrt(D)``.
@@ -263,6 +312,11 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
             float32 (float64 for float64 inputs), ``-inf`` for rows with no admissible key.
         deterministic: bitwise reproducible backward. The Triton backend is deterministic always
             (no atomics: per-block partial sums reduced in a fixed order).
+        window_size: ``(left, right)`` local attention: query i attends key j only if
+            ``i - left <= j <= i + right`` (top-left aligned like ``is_causal``; -1: that side
+            unbounded; ``(-1, -1)``, the default: no window). Intersects with ``is_causal`` and
+            ``attn_mask`` (Mistral's sliding window W: ``is_causal=True, window_size=(W - 1, -1)``).
+            Key blocks outside the window are skipped. Triton and reference backends.
 
     Returns:
         ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)``. Rows with no admissible key
@@ -270,18 +324,20 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=b, n=n, adaptive=adaptive_temperature, poly=poly, threshold=threshold,
-                      backend=backend, return_lse=return_lse, deterministic=deterministic)
+                      backend=backend, return_lse=return_lse, deterministic=deterministic,
+                      window_size=window_size)
 
 
 def softmax_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                       dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                       enable_gqa: bool = False, *, backend: str = "auto", return_lse: bool = False,
-                      deterministic: bool = False):
+                      deterministic: bool = False, window_size: Tuple[int, int] = (-1, -1)):
     """Softmax attention through the same kernels: what SDPA computes (the baseline and a check),
     except that a row with no admissible key gives 0 instead of NaN. Arguments as ``ssa_attention``."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                      backend=backend, return_lse=return_lse, deterministic=deterministic)
+                      backend=backend, return_lse=return_lse, deterministic=deterministic,
+                      window_size=window_size)
 
 
 def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -289,23 +345,29 @@ def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
                                    is_causal: bool = False, scale: Optional[float] = None,
                                    enable_gqa: bool = False, *, poly: Sequence[float] = DEFAULT_POLY,
                                    threshold: float = DEFAULT_THRESHOLD, backend: str = "auto",
-                                   return_lse: bool = False, deterministic: bool = False):
+                                   return_lse: bool = False, deterministic: bool = False,
+                                   window_size: Tuple[int, int] = (-1, -1)):
     """Softmax attention with the adaptive temperature of "Softmax is not Enough": each row's
     logits ``l = z + mask`` are multiplied by ``beta = max(poly(H), 1)`` when the row's entropy
     ``H`` exceeds ``threshold`` (else 1). Two streamed passes, O(L) memory; the backward is the
-    exact derivative, through beta. Arguments as ``ssa_attention``; ``lse`` is that of ``beta * l``."""
+    exact derivative, through beta. Arguments as ``ssa_attention``; ``lse`` is that of ``beta * l``.
+    The entropy (hence beta) is that of the undropped row restricted to the window; dropout acts
+    on the final weights ``softmax(beta * l)``."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=None, n=None, adaptive=True, poly=poly, threshold=threshold,
-                      backend=backend, return_lse=return_lse, deterministic=deterministic)
+                      backend=backend, return_lse=return_lse, deterministic=deterministic,
+                      window_size=window_size)
 
 
 def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = None,
                       is_causal: bool = False, scale: Optional[float] = None,
                       enable_gqa: bool = False, *, b: Optional[Scalar] = None,
-                      n: Optional[Scalar] = None, backend: str = "auto") -> Tensor:
+                      n: Optional[Scalar] = None, backend: str = "auto",
+                      window_size: Tuple[int, int] = (-1, -1)) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``, in O(L) memory:
-    of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given.
-    Rows with no admissible key have entropy 0. Not differentiable (a diagnostic)."""
+    of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
+    over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
+    admit. Rows with no admissible key have entropy 0. Not differentiable (a diagnostic)."""
     _check_bool("enable_gqa", enable_gqa)
     _check_tensor("query", query)
     _check_tensor("key", key)
@@ -318,17 +380,19 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
             attn_mask = attn_mask.unsqueeze(0)
     group = _check_qkv(query, key, key, enable_gqa)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], False)
+    left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
     if b is not None:
         b = _check_head_param("b", b, query.shape[1], query)
         n = _check_head_param("n", n, query.shape[1], query)
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group)
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, window_left=left, window_right=right)
     backend = _resolve_backend(backend, query, key, key, spec)
     with torch.no_grad():
         if backend == "reference" or _degenerate(query, key, key):
-            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n)
+            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n,
+                                              window_size=(left, right))
             ent = ent.to(acc_dtype(query.dtype))
         else:
             ent = autograd.row_entropy(query, key, b, n, mask, backend, spec)
@@ -345,24 +409,6 @@ def _check_int(name: str, x, *, minimum: int) -> int:
     if x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
     return int(x)
-
-
-def _check_window_and_dropout(dropout_p, window_size) -> None:
-    """Dropout and sliding windows are accepted by the signatures of the packed and KV-cache
-    functions but not implemented for them yet (DESIGN.md 1.5)."""
-    dropout_p = _check_number("dropout_p", dropout_p)
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if dropout_p != 0.0:
-        raise ValueError("dropout_p != 0 is not implemented for packed batches (varlen_attention) yet; pass 0.0")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    if any(w < -1 for w in window_size):
-        raise ValueError(f"window_size bounds must be >= -1 (-1: unbounded), got {tuple(window_size)}")
-    if tuple(window_size) != (-1, -1):
-        raise ValueError("window_size other than (-1, -1) is not implemented for packed batches and KV "
-                         "caches yet")
 
 
 def _check_index_tensor(name: str, x, length: Optional[int], device) -> Tensor:
@@ -436,8 +482,11 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             grid). Values of ``cu_seqlens_*`` are checked on the CPU only (reading them on a GPU
             would synchronise): on a GPU, inconsistent offsets or a too small ``max_seqlen`` leave
             rows uncomputed.
-        dropout_p, window_size: accepted for the DESIGN.md 1.5 signature; only 0.0 and (-1, -1)
-            are implemented for packed batches so far (ValueError otherwise).
+        dropout_p: as in :func:`ssa_attention`; sequence ``s`` draws the bits of batch element
+            ``s``: ``ssa_flash.dropout_mask((batch, Hq, max_seqlen_q, max_seqlen_k), p)`` (same
+            seed) sliced to ``[s, :, :Lq_s, :Lk_s]`` is its keep mask.
+        window_size: ``(left, right)`` as in :func:`ssa_attention`, positions counted from each
+            sequence's start (top-left, like ``is_causal``).
         is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic:
             as in :func:`ssa_attention`; ``b``, ``n`` are used only with ``ssa=True``.
         ssa: SSA logits (True) or softmax logits (False).
@@ -460,8 +509,10 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k, minimum=1)
     _check_cu_seqlens("cu_seqlens_q", cu_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
     _check_cu_seqlens("cu_seqlens_k", cu_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
-    _check_window_and_dropout(dropout_p, window_size)
-    scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
+    scale = _check_common(dropout_p, is_causal, scale, query.shape[-1], return_lse)
+    dropout_p = float(dropout_p)
+    # a side that excludes nothing in the longest sequences excludes nothing in any
+    left, right = _effective_window(_check_window(window_size), max_seqlen_q, max_seqlen_k, is_causal)
     heads = query.shape[1]
     if ssa:
         b = _check_head_param("b", b, heads, query)
@@ -472,16 +523,21 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         poly, threshold = _check_poly(poly, threshold)
     else:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_k=max_seqlen_k)
+                         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
+                         window_right=right, dropout_rng=rng)
     backend = _resolve_backend(backend, query, key, value, spec)
     if backend == "reference" or query.numel() == 0 or key.shape[0] == 0 or value.shape[-1] == 0:
+        keep = None
+        if rng is not None:
+            keep = _dropout_keep(rng, (cu_q.shape[0] - 1, query.shape[1], max_seqlen_q, max_seqlen_k), dropout_p)
         out, lse = reference.varlen_attention(
-            query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, scale, group > 1,
+            query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, group > 1,
             ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
-            return_lse=True)
+            window_size=(left, right), return_lse=True, dropout_mask=keep)
     else:
         out, lse = autograd.attention(query, key, value, b, n, None, backend, spec)
     return (out, lse) if return_lse else out
@@ -550,7 +606,10 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         key, value: ``(B, Hkv, Lnew, D)`` / ``(B, Hkv, Lnew, Dv)``, or None.
         cache_leftpad: int32 ``(B,)`` or None: rows before ``cache_leftpad[b]`` are not attended
             (left padding of a batch of prompts); positions still count from row 0.
-        window_size: only (-1, -1) is implemented (ValueError otherwise).
+        window_size: ``(left, right)``, bottom-right aligned like ``is_causal``: query ``i`` sees
+            cache rows ``j`` with ``pos_i - left <= j <= pos_i + right``, ``pos_i = cache_len - Lq +
+            i`` (-1: that side unbounded); key blocks outside it are skipped (Mistral-style decoding
+            with a sliding window: ``is_causal=True, window_size=(W - 1, -1)``).
         is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold: as in
             :func:`varlen_attention`.
         backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
@@ -575,7 +634,7 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             raise ValueError(f"cache_seqlens must be in [0, Lcache - Lnew] = [0, {Lcache - lnew}], got {lengths}")
         if cache_leftpad is not None and any(p < 0 or p > x + lnew for p, x in zip(cache_leftpad.tolist(), lengths)):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + Lnew] for every batch element")
-    _check_window_and_dropout(0.0, window_size)
+    left, right = _check_window(window_size)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
     heads = query.shape[1]
     if ssa:
@@ -590,17 +649,67 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     used = seqlens if lnew == 0 else seqlens + lnew
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
-                         num_splits=num_splits)
+                         num_splits=num_splits, window_left=left, window_right=right)
     backend = _resolve_backend(backend, query, k_cache, v_cache, spec)
     with torch.no_grad():
         if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
             out, lse = reference.attention_with_kvcache(
                 query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
                 enable_gqa=group > 1, ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature,
-                poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad)
+                poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad,
+                window_size=(left, right))
         else:
             if key is not None:
                 _append_to_cache(k_cache, key, seqlens)
                 _append_to_cache(v_cache, value, seqlens)
             out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec)
     return (out, lse) if return_lse else out
+
+
+def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, torch.device] = "cpu",
+                 rng: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
+    """The dropout keep-mask that an attention call applies, as a bool tensor ``(B, Hq, Lq, Lk)``
+    (True = kept), for tests and inspection (O(B Hq Lq Lk) memory).
+
+    ``shape`` is ``(B, Hq, Lq, Lk)`` of the call (an unbatched call has ``B = 1``). ``rng`` is the
+    ``(seed, offset)`` int64 tensor ``(2,)``; None draws it from torch's default generator for
+    ``device`` exactly as an attention call does, so that::
+
+        torch.manual_seed(s); out = ssa_flash.ssa_attention(q, k, v, dropout_p=p)
+        torch.manual_seed(s); keep = ssa_flash.dropout_mask((B, Hq, Lq, Lk), p, device=q.device)
+
+    gives the mask ``out`` was computed with (``ssa_flash.reference.ssa_attention(q, k, v,
+    dropout_p=p, dropout_mask=keep)`` then equals ``out``). ``backend``: ``"triton"`` runs a small
+    kernel that calls the attention kernels' own mask function (on tiles of other sizes),
+    ``"reference"`` the PyTorch Philox of ``ssa_flash.reference.dropout_keep_mask``, ``"auto"``
+    the first that runs on ``device``. Element ``(b, h, i, j)`` is kept iff word
+    ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 (key: the seed; counter: ``(j // 2,
+    (i // 16) 8 + i % 8, h, (b + offset) mod 2^32)``) is below ``2 round((1 - p) 2^31)``: a
+    function of the indices alone, never of the kernels' tiles.
+    """
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 4:
+        raise ValueError(f"shape must be (B, Hq, Lq, Lk), got {shape!r}")
+    for x in shape:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+            raise ValueError(f"shape must hold 4 ints >= 0, got {tuple(shape)}")
+    p = _check_number("dropout_p", dropout_p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {p}")
+    if not isinstance(backend, str) or backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    device = torch.device(device) if rng is None else rng.device
+    if rng is None:
+        rng = reference.draw_dropout_rng(device)
+    else:
+        _check_tensor("rng", rng)
+        if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
+            raise ValueError(f"rng must be an int64 tensor of shape (2,) (seed, offset), got "
+                             f"{rng.dtype} of shape {tuple(rng.shape)}")
+    if backend == "auto":
+        backend = "triton" if backends.get("triton").unavailable_reason(device) is None else "reference"
+    if backend == "reference":
+        return _dropout_keep(rng, tuple(int(x) for x in shape), p)
+    why = backends.get("triton").unavailable_reason(device)
+    if why:
+        raise BackendUnavailableError(f"backend='triton' is unavailable: {why}")
+    return backends.get("triton").dropout_mask(rng, tuple(int(x) for x in shape), p)

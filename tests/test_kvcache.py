@@ -35,8 +35,9 @@ def kwargs_of(mode, b, n):
     return dict(ssa=ssa, b=b if ssa else 1.0, n=n if ssa else 1.5, adaptive_temperature="adaptive" in mode)
 
 
-def explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n):
-    """Each batch element on its own: keys [start, length), query i at position length - Lq + i."""
+def explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n, window=(-1, -1)):
+    """Each batch element on its own: keys [start, length), query i at position length - Lq + i,
+    seeing keys j with pos - left <= j <= pos + right under a window."""
     outs, lses = [], []
     Lq = q.shape[2]
     for i, (start, end) in enumerate(zip(starts, lengths)):
@@ -46,7 +47,15 @@ def explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n)
             lses.append(torch.full(q[i:i + 1].shape[:-1], float("-inf"), dtype=torch.float64, device=DEVICE))
             continue
         pos = torch.arange(Lq, device=DEVICE)[:, None] + (end - start - Lq)
-        mask = torch.arange(end - start, device=DEVICE)[None, :] <= pos if causal else None
+        j = torch.arange(end - start, device=DEVICE)[None, :]
+        mask = j <= pos if causal else None
+        if window != (-1, -1):
+            band = torch.ones_like(j <= pos)
+            if window[0] >= 0:
+                band = band & (j >= pos - window[0])
+            if window[1] >= 0:
+                band = band & (j <= pos + window[1])
+            mask = band if mask is None else mask & band
         kw = dict(return_lse=True, enable_gqa=True)
         if mode == "softmax":
             o, lse = reference.softmax_attention(q[i:i + 1], k, v, mask, **kw)
@@ -82,6 +91,32 @@ def test_matches_explicit_reference(mode, causal, lq):
     assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()  # empty cache: 0, never NaN
     if causal and lq == 3:  # cache of 2 rows, 3 queries: the first query sees nothing
         assert (out[1, :, 0] == 0).all() and (out[1, :, 1:] != 0).all()
+
+
+@pytest.mark.parametrize("mode", ["ssa", "softmax", "ssa_adaptive"])
+@pytest.mark.parametrize("causal,window", [(True, (5, -1)), (False, (20, 2))])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_window_bottom_right(mode, causal, window, splits):
+    """A sliding window over the cache, bottom-right aligned like causality (Mistral-style decoding:
+    causal, (W - 1, -1)), with left padding, split and unsplit, against the explicit reference
+    (and the package's reference); the window changes the result."""
+    q, k_cache, v_cache, _ = cache_inputs(3, seed=4)
+    b, n = head_params(HQ, dtype=torch.float64)
+    lengths, starts = [41, 30, 2], [0, 4, 0]
+    kw = dict(is_causal=causal, enable_gqa=True, return_lse=True, window_size=window, **kwargs_of(mode, b, n))
+    out, lse = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths), num_splits=splits,
+                                                cache_leftpad=seqlens(*starts), backend="triton", **kw)
+    ref_out, ref_lse = explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n, window)
+    pkg_out, _ = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths),
+                                                  cache_leftpad=seqlens(*starts), backend="reference", **kw)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(pkg_out, ref_out, atol=1e-10, rtol=1e-10)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-10, rtol=1e-10)
+    full = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths), cache_leftpad=seqlens(*starts),
+                                            backend="triton", **dict(kw, window_size=(-1, -1)))[0]
+    assert not torch.allclose(out[:2], full[:2])
 
 
 @pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive", "adaptive"])
@@ -237,7 +272,9 @@ def test_invalid_new_rows_and_options():
     with pytest.raises(ValueError, match="cache_leftpad"):
         ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, cache_leftpad=seqlens(9, 0, 0))
     with pytest.raises(ValueError, match="window_size"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=(8, 0))
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=(8, -3))
+    with pytest.raises(TypeError, match="window_size"):
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=8)
     with pytest.raises(ValueError, match="num_splits"):
         ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, num_splits=-1)
     with pytest.raises(BackendUnavailableError, match="KV-cache|cuda"):

@@ -217,16 +217,38 @@ def test_errors():
         bare(tokens(1, 4))
 
 
-def test_attention_dropout_is_refused_in_training():
-    with pytest.warns(UserWarning, match="dropout"):
-        model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_pdrop=0.1)))
-    x = tokens(1, 4)
+def test_attention_dropout_in_training(monkeypatch):
+    """GPT-2's default attention dropout: no warning, applied in training (transformers passes
+    it to the attention function), not in eval; torch.manual_seed reproduces a training step."""
+    import ssa_flash.nn
+
+    seen = []
+    orig = ssa_flash.nn.ssa_attention
+    monkeypatch.setattr(ssa_flash.nn, "ssa_attention",
+                        lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw.get("dropout_p")) or orig(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_pdrop=0.5)))
+    model.to(DEVICE)
+    x = tokens(1, 20)
     model.eval()
     with torch.no_grad():
-        model(x)
+        clean = model(x).logits
+        assert torch.equal(clean, model(x).logits)
+    assert seen == [0.0, 0.0]
     model.train()
-    with pytest.raises(NotImplementedError, match="attn_pdrop"):
-        model(x)
+    logits = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        out = model(x).logits
+        assert torch.isfinite(out).all()
+        logits.append(out)
+    assert seen[2:] == [0.5] * 3
+    assert torch.equal(logits[0], logits[1]) and not torch.equal(logits[0], logits[2])
+    assert not torch.allclose(logits[0], clean)
+    logits[0].sum().backward()
+    grads = [p.grad for m in ssa_modules(model) for p in (m.b_raw, m.n_raw)]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
 # --------------------------------------------------------------------------------------------

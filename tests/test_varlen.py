@@ -211,14 +211,69 @@ def test_invalid_arguments(change, error, match):
         ssa_flash.varlen_attention(*args, backend="triton")
 
 
-def test_dropout_and_window_not_yet_implemented():
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal,window", [(False, (3, 1)), (True, (4, -1))])
+def test_dropout_and_window_match_reference(mode, causal, window):
+    """Dropout (p = 0.3) and a window together, float64: outputs, LSE and every gradient against the
+    reference run sequence by sequence with the documented keep mask (sequence s: batch element s of
+    ``ssa_flash.dropout_mask((batch, Hq, max_seqlen_q, max_seqlen_k), p)``), for the same seed."""
+    q, k, v = packed_inputs(LENS_Q, LENS_K, q_scale=2.0, seed=5)
+    b, n = head_params(4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(6)
+    dout = torch.randn(q.shape[0], 4, 16, generator=g, dtype=torch.float64).to(DEVICE)
+    dlse = torch.randn(4, q.shape[0], generator=g, dtype=torch.float64).to(DEVICE)
+    kw = dict(is_causal=causal, enable_gqa=True, dropout_p=0.3, window_size=window)
+    torch.manual_seed(11)
+    ours = run_varlen(mode, q, k, v, b, n, LENS_Q, LENS_K, dout, dlse, "triton", **kw)
+    torch.manual_seed(11)
+    ref = run_varlen(mode, q, k, v, b, n, LENS_Q, LENS_K, dout, dlse, "reference", **kw)
+    torch.manual_seed(11)
+    keep = ssa_flash.dropout_mask((len(LENS_Q), 4, max(LENS_Q), max(LENS_K)), 0.3, device=DEVICE)
+    ssa = "ssa" in mode
+    explicit = reference.varlen_attention(
+        q, k, v, cu(LENS_Q), cu(LENS_K), dropout_p=0.3, is_causal=causal, enable_gqa=True, ssa=ssa,
+        b=b if ssa else 1.0, n=n if ssa else 1.5, adaptive_temperature="adaptive" in mode,
+        window_size=window, dropout_mask=keep)
+    assert 0.55 < keep.float().mean() < 0.85
+    torch.testing.assert_close(ours[0], ref[0], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(ours[0], explicit, atol=1e-10, rtol=1e-10)
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(ours[1]), finite)
+    torch.testing.assert_close(ours[1][finite], ref[1][finite], atol=1e-10, rtol=1e-10)
+    for name, grad in ours[2].items():
+        assert torch.isfinite(grad).all(), name
+        torch.testing.assert_close(grad, ref[2][name], atol=1e-9, rtol=1e-9, msg=f"d{name}")
+    # the window and the dropout both change the result
+    torch.manual_seed(11)
+    plain = run_varlen(mode, q, k, v, b, n, LENS_Q, LENS_K, dout, dlse, "triton", is_causal=causal, enable_gqa=True)
+    assert not torch.allclose(ours[0], plain[0])
+
+
+def test_dropout_window_gradcheck_float64():
+    """Full Jacobians of q, k, v, b, n at a fixed seed with dropout and a window (tiny sizes)."""
+    lens_q, lens_k = [3, 0, 2], [3, 1, 2]
+    q, k, v = packed_inputs(lens_q, lens_k, Hq=2, Hkv=1, D=2, q_scale=2.0, seed=7)
+    b, n = head_params(2, dtype=torch.float64)
+
+    def f(q, k, v, b, n):
+        torch.manual_seed(3)
+        return ssa_flash.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), 3, 3, enable_gqa=True, b=b, n=n,
+                                          dropout_p=0.4, window_size=(1, 0), backend="triton")
+
+    assert torch.autograd.gradcheck(f, (q, k, v, b, n), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_dropout_and_window_validation():
     args = _args()
     with pytest.raises(ValueError, match="dropout_p"):
-        ssa_flash.varlen_attention(*args, dropout_p=0.1)
+        ssa_flash.varlen_attention(*args, dropout_p=1.5)
     with pytest.raises(ValueError, match="window_size"):
-        ssa_flash.varlen_attention(*args, window_size=(4, 0))
+        ssa_flash.varlen_attention(*args, window_size=(-2, 0))
     with pytest.raises(TypeError, match="window_size"):
         ssa_flash.varlen_attention(*args, window_size=4)
+    torch.manual_seed(0)  # p = 1: every weight dropped, zeros (finite)
+    out = ssa_flash.varlen_attention(*args, dropout_p=1.0, backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_cuda_backend_refuses_packed_batches():

@@ -44,7 +44,8 @@ def _rows(q, k, mask, b, n, spec: AttentionSpec):
     qa, ka = q.to(acc), k.to(acc)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(acc)
-    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n)
+    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n,
+                                       (spec.window_left, spec.window_right))
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
     z = spec.scale * (qa @ kr.transpose(-2, -1))
     return z, l, allowed
@@ -60,6 +61,14 @@ def _tempered(l, allowed, beta):
         return l
     # zero the inadmissible entries first: beta * -inf is fine, but keep the masked value exact
     return (beta.unsqueeze(-1) * l.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
+
+
+def _keep(shape, spec: AttentionSpec, device):
+    """The dropout keep mask (the kernels' Philox mask for ``spec.dropout_rng``), or None."""
+    if spec.dropout_p <= 0:
+        return None
+    seed, offset = spec.dropout_rng.tolist()
+    return spec_code.dropout_keep_mask(seed, offset, shape, spec.dropout_p, device)
 
 
 def _weights(s, allowed, lse):
@@ -193,6 +202,9 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     _, l, allowed = _rows(q, k, mask, b, n, spec)
     s = _tempered(l, allowed, beta if spec.adaptive else None)
     p = spec_code._masked_softmax(s, allowed)
+    keep = _keep(p.shape, spec, p.device)
+    if keep is not None:
+        p = spec_code._apply_dropout(p, spec.dropout_p, keep)
     va = v.to(p.dtype)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
     return (p @ vr).to(q.dtype), _lse(s)
@@ -251,11 +263,17 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbe
     va = v.to(acc)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
 
-    dv = _group_sum(p_s.transpose(-2, -1) @ do, spec.group)
+    keep = _keep(p_s.shape, spec, p_s.device)
+    # dropout: out = (r M * P') V with r = 1 / (1 - p), so dV = (r M * P')^T dO, dP' = r M * (dO V^T)
+    p_kept = p_s if keep is None else spec_code._apply_dropout(p_s, spec.dropout_p, keep)
+    dv = _group_sum(p_kept.transpose(-2, -1) @ do, spec.group)
     delta = (do * o).sum(-1)
     if dlse is not None:  # d lse_i / d S'_ij = P'_ij
         delta = delta - dlse.to(acc)
-    ds = p_s * ((do @ vr.transpose(-2, -1)) - delta.unsqueeze(-1))  # dS', 0 where inadmissible
+    dp = do @ vr.transpose(-2, -1)
+    if keep is not None:
+        dp = spec_code._apply_dropout(dp, spec.dropout_p, keep)
+    ds = p_s * (dp - delta.unsqueeze(-1))  # dS', 0 where inadmissible
     l0 = l.masked_fill(~allowed, 0.0)
     if spec.adaptive:
         dbeta = (ds * l0).sum(-1)

@@ -5,7 +5,8 @@
   op schemas, :meth:`AttentionSpec.op_args` / :meth:`AttentionSpec.from_op_args` convert, so a new
   option (``dropout_p``, ``window_left``/``window_right``, ...) is one new field here plus its use
   in the backends: the ops, their fake implementations and the autograd formula pass it through
-  untouched.
+  untouched (tensor-valued fields, ``dropout_rng``, are saved for the backward with
+  ``save_for_backward``: see :data:`TENSOR_FIELDS`).
 * :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
 * :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton``,
   ``.cuda``, ``.reference``).
@@ -45,7 +46,8 @@ from torch import Tensor
 
 from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
-__all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype"]
+__all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
+           "TENSOR_FIELDS"]
 
 # Python field type -> torch.library schema type. Tensor-valued options (cu_seqlens, a KV cache's
 # lengths; a Philox seed/offset that must live on the device for CUDA-graph capture) are
@@ -105,6 +107,18 @@ class AttentionSpec:
     """KV cache: int32 ``(B,)`` first key row attended per batch element (left padding); None: 0"""
     num_splits: int = 0
     """KV cache: programs sharing each query block's keys (split-KV); 0: the backend decides"""
+    dropout_p: float = 0.0
+    """dropout probability in [0, 1] on the final weights (DESIGN.md 1.5); 0: no dropout"""
+    window_left: int = -1
+    """local attention: query ``i`` sees keys ``j >= i - window_left``; -1: unbounded"""
+    window_right: int = -1
+    """... and keys ``j <= i + window_right``; -1: unbounded (top-left alignment, like ``causal``)"""
+    dropout_rng: Optional[Tensor] = dataclasses.field(default=None, compare=False)
+    """with ``dropout_p > 0``: the int64 ``(2,)`` tensor ``(seed, offset)`` keying the Philox
+    dropout bits (``ssa_flash.reference.dropout_keep_mask`` defines the mask), on the inputs'
+    device. A tensor rather than two ints so that drawing it needs no host synchronisation, a
+    CUDA graph replays the draw (fresh bits every replay), and torch.compile traces the draw as
+    a random op instead of baking one seed into the graph."""
 
     def __post_init__(self):
         object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
@@ -134,6 +148,17 @@ class AttentionSpec:
     def from_op_args(cls, args: Sequence) -> "AttentionSpec":
         """Inverse of :meth:`op_args`."""
         return cls(*args)
+
+    @property
+    def window(self) -> bool:
+        """Whether a window bounds either side."""
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+TENSOR_FIELDS = tuple(i for i, (f, t) in enumerate(
+    (f, typing.get_type_hints(AttentionSpec)[f.name]) for f in dataclasses.fields(AttentionSpec))
+    if t == Optional[Tensor])
+"""Positions, in :meth:`AttentionSpec.op_args`, of the tensor-valued fields."""
 
 
 class TemperatureState(NamedTuple):

@@ -2,7 +2,8 @@
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
-packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts. The
+packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts; dropout
+(Philox bits generated in the kernels, regenerated in the backward) and windows. The
 backward is deterministic always (per-block partial sums of db/dn reduced in a fixed order).
 Triton is imported on first use, so the package works without it.
 """
@@ -16,7 +17,7 @@ import torch
 from .spec import AttentionSpec, TemperatureState
 
 __all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
-           "row_dbeta", "backward_given_g"]
+           "row_dbeta", "backward_given_g", "dropout_mask"]
 
 NAME = "triton"
 MAX_HEAD_DIM = 256
@@ -58,7 +59,9 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
 
 def _spec(launch, spec: AttentionSpec, b):
     return launch.AttentionSpec(scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
-                                ssa=b is not None, adaptive=bool(spec.adaptive))
+                                ssa=b is not None, adaptive=bool(spec.adaptive),
+                                dropout_p=float(spec.dropout_p), rng=spec.dropout_rng,
+                                window_left=int(spec.window_left), window_right=int(spec.window_right))
 
 
 def _layout(launch, spec: AttentionSpec):
@@ -103,3 +106,10 @@ def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Temperatur
     launch = _launch()
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
                            _spec(launch, spec, b), g=g)
+
+
+def dropout_mask(rng, shape, dropout_p: float):
+    """The kernels' dropout keep-mask ``(B, H, Lq, Lk)`` (bool) for the ``(seed, offset)`` tensor
+    ``rng``, materialised by a kernel calling the same mask function (not part of
+    :class:`~.spec.Backend`: tests and ``ssa_flash.dropout_mask``)."""
+    return _launch().dropout_mask(rng, shape, dropout_p)

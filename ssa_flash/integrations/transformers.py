@@ -2,7 +2,7 @@
 
     import ssa_flash.integrations.transformers as ssa_hf
 
-    config = GPT2Config(n_layer=4, n_head=4, n_embd=256, attn_pdrop=0.0)
+    config = GPT2Config(n_layer=4, n_head=4, n_embd=256)      # attn_pdrop=0.1: attention dropout
     model = ssa_hf.enable_ssa(GPT2LMHeadModel(config), b_init=1.0, n_init=1.5)
     ...train...
     model.save_pretrained(path)
@@ -115,18 +115,18 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     """transformers attention function (the ``AttentionInterface`` signature): query
     ``(B, Hq, Lq, D)``, key/value ``(B, Hkv, Lk, D)``, ``attention_mask`` None or a boolean /
     additive mask broadcastable to ``(B, Hq, Lq, Lk)``. Uses ``module.ssa`` (added by
-    :func:`enable_ssa`) for the per-head ``b``, ``n``. Returns ``(out (B, Lq, Hq, Dv), None)``:
-    attention weights are never materialised."""
+    :func:`enable_ssa`) for the per-head ``b``, ``n``. ``dropout`` is the attention dropout
+    probability, which transformers passes as 0 outside training (as to SDPA); it is applied to
+    the final weights in the kernels (the Triton and reference backends; ``backend="auto"`` picks
+    Triton for it on a GPU). A sliding window reaches this function inside ``attention_mask``
+    (transformers builds it into the mask). Returns ``(out (B, Lq, Hq, Dv), None)``: attention
+    weights are never materialised."""
     ssa = getattr(module, SUBMODULE, None)
     if not isinstance(ssa, SSAttention):
         raise RuntimeError(
             f"{type(module).__name__} has no SSA parameters (module.{SUBMODULE}): call "
             "ssa_flash.integrations.transformers.enable_ssa(model) instead of setting "
             f"attn_implementation={ATTN_IMPLEMENTATION!r} alone")
-    if dropout:
-        raise NotImplementedError(
-            f"attention dropout ({dropout}) is not implemented by ssa_flash: build the config with "
-            "attention dropout 0 (GPT-2: attn_pdrop=0.0; Llama: attention_dropout=0.0)")
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"ssa_flash's attention does not support {name!r}")
@@ -139,8 +139,10 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         is_causal = getattr(module, "is_causal", True)
     fast = _padding_free(ssa, query, key, value)
     if attention_mask is not None and attention_mask.dim() == 2:  # ssa_mask's padding mask
-        return _attend_padded(ssa, query, key, value, attention_mask, scaling, bool(is_causal), fast), None
-    if fast and attention_mask is None and q_len == 1 and kv_len > 1 and not _differentiable(ssa, query, key, value):
+        return _attend_padded(ssa, query, key, value, attention_mask, scaling, bool(is_causal), fast,
+                              float(dropout or 0.0)), None
+    if (fast and attention_mask is None and q_len == 1 and kv_len > 1 and not dropout
+            and not _differentiable(ssa, query, key, value)):
         # decoding without padding: every cached key is valid; keys split over programs
         B = query.shape[0]
         out = _decode(ssa, query, key, value, torch.full((B,), kv_len, dtype=torch.int32, device=query.device),
@@ -156,7 +158,7 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         # prefill into an empty static cache: the keys past q_len are not written yet
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = ssa(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
-              enable_gqa=query.shape[1] != key.shape[1])
+              enable_gqa=query.shape[1] != key.shape[1], dropout_p=float(dropout or 0.0))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -270,9 +272,9 @@ def _decode(ssa: SSAttention, query, key, value, cache_seqlens, cache_leftpad, s
         adaptive_temperature=ssa.adaptive_temperature, cache_leftpad=cache_leftpad, backend=ssa.backend)
 
 
-def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fast):
-    """Attention under a padding mask ``pm (B, kv_len)`` (from :func:`ssa_mask`); returns
-    ``(B, q_len, Hq, Dv)``."""
+def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fast, dropout_p=0.0):
+    """Attention under a padding mask ``pm (B, kv_len)`` (from :func:`ssa_mask`) with attention
+    dropout ``dropout_p``; returns ``(B, q_len, Hq, Dv)``."""
     B, H, q_len, _ = query.shape
     kv_len = key.shape[2]
     tokens = getattr(pm, _TOKENS_ATTR, pm.shape[-1])
@@ -287,18 +289,19 @@ def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fas
 
         out = varlen_attention(unpad(query), unpad(key), unpad(value), lay["cu"], lay["cu"],
                                max(lay["max_len"], 1), max(lay["max_len"], 1), is_causal=causal,
-                               scale=scaling, enable_gqa=gqa, b=ssa.b, n=ssa.n,
+                               scale=scaling, enable_gqa=gqa, b=ssa.b, n=ssa.n, dropout_p=dropout_p,
                                adaptive_temperature=ssa.adaptive_temperature, backend=ssa.backend)
         full = out.new_zeros((B * tokens, H, out.shape[-1])).index_copy(0, idx, out)
         return full.view(B, tokens, H, -1)
-    if fast and q_len < tokens and not _differentiable(ssa, query, key, value):
+    if fast and q_len < tokens and dropout_p == 0.0 and not _differentiable(ssa, query, key, value):
         lay = _padding_layout(pm, packed=False)
         if lay["contiguous_left"]:  # decoding a left-padded batch: split-KV over [first, tokens)
             seqlens = torch.full((B,), tokens, dtype=torch.int32, device=query.device)
             out = _decode(ssa, query, key, value, seqlens, lay["first"], scaling, causal)
             return out.transpose(1, 2).contiguous()
     mask = _mask_from_padding(pm, q_len, kv_len, tokens, causal)
-    out = ssa(query, key, value, attn_mask=mask, is_causal=False, scale=scaling, enable_gqa=gqa)
+    out = ssa(query, key, value, attn_mask=mask, is_causal=False, scale=scaling, enable_gqa=gqa,
+              dropout_p=dropout_p)
     return out.transpose(1, 2).contiguous()
 
 
@@ -400,8 +403,8 @@ def enable_ssa(model: PreTrainedModel, b_init: float = 1.0, n_init: float = 1.5,
     softmax weights are not SSA weights: on a model loaded from a softmax checkpoint this changes
     what the model computes, and it needs training or fine-tuning with SSA.
 
-    Attention dropout is not supported: use configs with attention dropout 0 (GPT-2's
-    ``attn_pdrop`` defaults to 0.1; a training-mode forward with it raises).
+    The config's attention dropout (GPT-2's ``attn_pdrop``, Llama's ``attention_dropout``)
+    applies in training mode, as with SDPA.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable_ssa expects a transformers PreTrainedModel, got {type(model).__name__}")
@@ -415,11 +418,6 @@ def enable_ssa(model: PreTrainedModel, b_init: float = 1.0, n_init: float = 1.5,
         warnings.warn(
             f"enable_ssa on a model loaded from {model.config._name_or_path!r}: pretrained softmax "
             "weights are not SSA weights; the model must be trained or fine-tuned with SSA", stacklevel=2)
-    dropout = [getattr(model.config, name, 0.0) or 0.0 for name in ("attn_pdrop", "attention_dropout")]
-    if any(isinstance(p, numbers.Real) and p > 0 for p in dropout):
-        warnings.warn("the model's config has attention dropout > 0, which ssa_flash does not implement: "
-                      "a forward in training mode will raise (set attn_pdrop / attention_dropout to 0)",
-                      stacklevel=2)
     _apply(model, settings if previous is None else {**settings, **previous})
     return model
 

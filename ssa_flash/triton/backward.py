@@ -18,6 +18,14 @@ the output weights:
     dQ   = ds K,   dK = ds^T Q,   dV = P'^T dO
     db   = sum dl * n z / (1 + b|z|) = (1/b) sum_i q_i . dQ_i,   dn = sum dl * sgn(z) log1p(b|z|)
 
+Dropout (``DROPOUT``, DESIGN.md 1.5): with ``M`` the keep mask (regenerated, see
+``common.dropout_keep``) and ``r = 1 / (1 - p)`` the output is ``(r M * P') V``, so
+``dV = (r M * P')^T dO`` and ``dP'`` becomes ``r M * (dO V^T)``; ``delta = rowsum(dO * O)`` is
+unchanged (FlashAttention-2's argument), and so is everything after ``dS'``.
+
+Under ``WINDOW`` the loops skip blocks outside the band and treat the blocks its edges cut as
+boundary blocks, as in the forward.
+
 The identity for ``db`` holds because the logits depend on ``b`` and ``q`` only through
 ``b z`` and ``sgn(z)``: scaling ``b`` is scaling ``q``. So ``db`` costs no work per element; the
 dQ kernel takes it from its dQ accumulator once per row (``n scale sum_d q dQ_unscaled``, no
@@ -40,8 +48,9 @@ row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, combine_scale, interior_end, packed_extent,
-                     safe_row_max, ssa_log_weight, ssa_reciprocal)
+from .common import (LN2, LOG2E, boundary_logits, combine_scale, dropout_keep, dropout_state,
+                     interior_end, packed_extent, safe_row_max, ssa_log_weight, ssa_reciprocal,
+                     window_key_bounds, window_query_bounds)
 
 
 @triton.jit
@@ -78,10 +87,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr):
+                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
+                   win_left, win_right, drop, drop_scale, start_m,
+                   WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
-    ADAPTIVE also ``dbeta`` and the entropy-term sums."""
+    ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
+    (``drop``: ``common.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -103,7 +115,8 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             x = s
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
-                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
+                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
+                                 win_left, win_right, WINDOW)
             if ADAPTIVE:
                 p = tl.exp2(l2 * beta[:, None] - lse2[:, None])
             else:
@@ -114,7 +127,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             else:
                 p = tl.exp2(x * coef - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
-        dl = p * (dp - delta[:, None])
+        if DROPOUT:
+            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, False, FAST_MATH)
+            dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
+        else:
+            dl = p * (dp - delta[:, None])
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
@@ -156,12 +175,13 @@ def attention_bwd_dq_kernel(
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
     CU_Q, CU_K, stat_stride_h,
+    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr,
-    G_GIVEN: tl.constexpr = False,
+    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
+    G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -224,21 +244,38 @@ def attention_bwd_dq_kernel(
     k_ptrs = K + q_bstride * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + q_bstride * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+    drop = (0, 0, 0, 0, 0)
+    drop_scale = 1.0
+    if DROPOUT:
+        drop = dropout_state(RNG, off_b, off_h, keep31)
+        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
         mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(m_block * BLOCK_M, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+        dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
+            dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+            lo, a, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+            cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+            BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
+            win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
+    else:
+        a = 0
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-        0, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+        a, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2)
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2,
+        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0)
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
+        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     if ADAPTIVE:
         if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
@@ -270,10 +307,14 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr):
+                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr,
+                       start_n, win_left, win_right, drop, drop_scale,
+                       WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
     (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
-    this head's ``ds_scale`` applied (heads of a GQA group differ in it)."""
+    this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
+    ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
+    ``dP' = r M (dO V^T)``; ``drop`` is this head's ``common.dropout_state`` tuple."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -308,16 +349,26 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             l2 = x * coef
             if BOUNDARY or MASK_KIND != 0:
                 l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
-                                     stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
+                                     stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
+                                     win_left, win_right, WINDOW)
             pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
         elif BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
-                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
+                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
+                                 win_left, win_right, WINDOW)
             pt = tl.exp2(l2 - lse2[None, :])
         else:
             pt = tl.exp2(x * coef - lse2[None, :])
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if DROPOUT:
+            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, True, FAST_MATH)
+            dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
+            dpt = tl.where(keep, dpt, 0.0)  # times drop_scale, folded below
+        else:
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
@@ -326,13 +377,22 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             else:
                 log_p2 = l2 - lse_l2[None, :]
                 ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :])
-            dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
+            if DROPOUT:
+                dl = pt * (dpt * drop_scale - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
+            else:
+                dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
             ds = dl * ds_scale
         elif SSA:
             # ds_scale folded into the subtraction: one multiply-add instead of an add
-            ds = pt * (dpt * ds_scale - (delta * ds_scale)[None, :])
+            if DROPOUT:
+                ds = pt * (dpt * (ds_scale * drop_scale) - (delta * ds_scale)[None, :])
+            else:
+                ds = pt * (dpt * ds_scale - (delta * ds_scale)[None, :])
         else:
-            ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
+            if DROPOUT:
+                ds = pt * (dpt * drop_scale - delta[None, :])
+            else:
+                ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
         if SSA:
             ds = ds * ssa_reciprocal(u, x, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
@@ -353,10 +413,11 @@ def attention_bwd_dkdv_kernel(
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale_hi, scale_lo,
     CU_Q, CU_K, stat_stride_h,
+    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr,
+    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
@@ -397,6 +458,13 @@ def attention_bwd_dkdv_kernel(
     if start_n + BLOCK_N > Lk:
         diag_end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
     int_end = interior_end(diag_end, tl.maximum(Lq, diag_end), BLOCK_M)
+    hi = Lq
+    if WINDOW:
+        lo, diag_end, int_end, hi = window_query_bounds(start_n, lo, diag_end, int_end, Lq, win_left,
+                                                        win_right, BLOCK_M, BLOCK_N)
+    drop_scale = 1.0
+    if DROPOUT:
+        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
@@ -411,24 +479,32 @@ def attention_bwd_dkdv_kernel(
         q_ptrs = Q + b_idx * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = DO + b_idx * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
         mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+        drop = (0, 0, 0, 0, 0)
+        if DROPOUT:
+            drop = dropout_state(RNG, off_b, off_h, keep31)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, Lq),
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, hi),
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
+            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2,
+            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, Lq,
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, hi,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
+            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale
+    if DROPOUT:
+        dv = dv * drop_scale
     tl.store(DK + b_idx * stride_dkb + k_row0 * stride_dkn + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kd_ok)
     tl.store(DV_OUT + b_idx * stride_dvb + k_row0 * stride_dvn + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,

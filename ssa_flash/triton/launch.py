@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -29,6 +29,7 @@ import triton.language as tl
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .common import (MASK_ADD, MASK_BOOL, MASK_NONE, VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE,
                      VARLEN_PACKED)
+from .dropout import dropout_mask_kernel
 from .entropy import row_entropy_kernel
 from .forward import attention_fwd_kernel
 from .splitkv import merge_entropy_kernel, merge_output_kernel
@@ -50,6 +51,10 @@ class AttentionSpec:
     group: int  # query heads per key/value head (GQA); 1 without GQA
     ssa: bool
     adaptive: bool
+    dropout_p: float = 0.0  # in [0, 1]; 0: the kernels compile without dropout
+    rng: Optional[torch.Tensor] = field(default=None, compare=False)  # (seed, offset) int64 (2,)
+    window_left: int = -1  # query i attends keys j >= i - window_left; -1: unbounded
+    window_right: int = -1  # ... and j <= i + window_right; -1: unbounded
 
 
 class Packed(NamedTuple):
@@ -118,12 +123,14 @@ def _head_block(d: int) -> int:
 
 
 def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
-                     masked: bool = False, adaptive: bool = False):
+                     masked: bool = False, adaptive: bool = False, dropout: bool = False):
     """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
     None: the interpreter), best first; ``masked``: the launch reads an attention mask;
-    ``adaptive``: the adaptive temperature's backward (more live tiles per element). Under the
-    interpreter small blocks make the tests cross block boundaries at small lengths. On a GPU the
-    candidates that fit the shared memory and registers are timed once (see ``_launch``)."""
+    ``adaptive``: the adaptive temperature's backward (more live tiles per element);
+    ``dropout``: the specialisation generates dropout bits, whose registers the dK/dV kernel's
+    default tiles cannot spare. Under the interpreter small blocks make the tests cross block
+    boundaries at small lengths. On a GPU the candidates that fit the shared memory and registers
+    are timed once (see ``_launch``)."""
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
@@ -172,6 +179,13 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
                 cands = [Blocks(16, 128, 8, 2), Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(32, 64, 4, 1)]
+    if dropout and kernel == "bwd_dkdv" and head_block <= 128 and not hopper:
+        # The Philox words and the layout conversion of the keep bits (see common.dropout_keep)
+        # cost registers. On sm_90 the default tiles still compile without spills; on sm_80 they
+        # spill (D=64: ~1.4, D=128: ~5 loads/stores per element, SSA). The static audit's choice:
+        # the largest tiles without spills at D=64; at D=128 32 x 64 (~1 spill per element),
+        # because the spill-free 16 x 64 costs 50% more instructions.
+        cands = [Blocks(16, 64, 4, 2) if head_block <= 64 else Blocks(32, 64, 4, 2)] + cands
     if wide:
         cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
     return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
@@ -283,7 +297,8 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
         cands = _decode_candidates(arch, head_block, dtype)
     else:
         cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0,
-                                 adaptive=bool(consts.get("ADAPTIVE", False)))
+                                 adaptive=bool(consts.get("ADAPTIVE", False)),
+                                 dropout=bool(consts.get("DROPOUT", False)))
     if _capture is not None:
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
@@ -357,6 +372,35 @@ def _fast_math(q) -> bool:
     the interpreter runs exact maths (it cannot run inline PTX)."""
     on_gpu = _capture is not None or (q.device.type == "cuda" and not interpreting())
     return on_gpu and q.dtype != torch.float64
+
+
+def keep_threshold(p: float) -> int:
+    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): the kernels keep an element iff its
+    32-bit Philox word is below ``2 keep31``, i.e. with probability ``keep31 / 2^31``, which is
+    ``1 - p`` to within 2^-32."""
+    return min(int(round((1.0 - p) * 2.0**31)), 2**31 - 1)
+
+
+def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
+    """The trailing runtime arguments of the attention kernels, ``(RNG, keep31, drop_scale_hi,
+    drop_scale_lo, win_left, win_right)``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
+    dropout or a window they are None, which Triton turns into constants: the kernels then take
+    exactly the parameters they took before these features. An unbounded side of a window is
+    passed as ``Lq + Lk``, which no index difference reaches."""
+    dropout = spec.dropout_p > 0.0
+    if dropout:
+        if spec.rng is None:
+            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
+        p = float(spec.dropout_p)
+        drop_args = (spec.rng, keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
+    else:
+        drop_args = (None, None, None, None)
+    window = spec.window_left >= 0 or spec.window_right >= 0
+    unbounded = Lq + Lk
+    left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
+    right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
+    win_args = (left, right) if window else (None, None)
+    return (*drop_args, *win_args), dict(DROPOUT=dropout, WINDOW=window)
 
 
 # Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
@@ -495,6 +539,8 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     ssa_n = n if spec.ssa else q
     consts = _common_consts(q4, spec, mask_kind)
     consts.update(VARLEN=lay.varlen)
+    feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
+    consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
     name = _kernel_name("stats", lay)
     state = {}
 
@@ -508,7 +554,8 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
                                                  torch.empty(shape, device=q.device, dtype=acc_torch))
         return (q4, k4, ent_out, lse_out, ssa_b, ssa_n, mask_t, *q4.stride(), *k4.stride(), *ms,
                 H, lay.Lq, lay.Lk, D, spec.group, triton.cdiv(lay.Lq, blk.m), *_split_scale(spec.scale),
-                lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, ent.numel() if splits > 1 else 0)
+                lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, ent.numel() if splits > 1 else 0,
+                *feat_args[4:])
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -541,6 +588,8 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
                   POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
     name = _kernel_name("fwd", lay)
     state = {}
+    feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
+    consts.update(feat_consts)
 
     def args(blk):
         splits = _splits(lay, blk.m, blk.n, H, q.device)
@@ -557,7 +606,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
                 *q4.stride(), *k4.stride(), *v4.stride(), *o_out.stride(), *ms,
                 H, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lq, blk.m), *_split_scale(spec.scale),
                 lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, stride_os,
-                lse.numel() if splits > 1 else 0)
+                lse.numel() if splits > 1 else 0, *feat_args)
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -610,6 +659,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     mask_t, mask_kind, ms = _mask_args(mask, q4)
     consts = _common_consts(q4, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen)
+    feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
+    consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
     if spec.adaptive:
@@ -639,7 +690,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         return (q4, k4, v4, o4, do4, lse, dlse if dlse is not None else q, dq4, delta, lse2, beta, lse_l, ent,
                 dbeta_dh, g, ssa_b, ssa_n, db_part, dn_part, mask_t,
                 *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(), *do4.stride(), *dq4.stride(), *ms,
-                H, lay.Lq, lay.Lk, D, DV, spec.group, num_m, *scale_args, *seq_args)
+                H, lay.Lq, lay.Lk, D, DV, spec.group, num_m, *scale_args, *seq_args,
+                *feat_args)
 
     dq_consts = dict(consts, HAS_DLSE=dlse is not None,
                      POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
@@ -653,7 +705,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     def dkdv_args(blk):
         return (q4, k4, v4, do4, lse2, delta, dk4, dv4, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
                 *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dk4.stride(), *dv4.stride(), *ms,
-                H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lk, blk.n), *scale_args, *seq_args)
+                H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lk, blk.n), *scale_args, *seq_args,
+                *feat_args)
 
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
             dkdv_args, consts, q.device, head_block, q.dtype)
@@ -673,3 +726,20 @@ def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spe
         raise ValueError("row_dbeta is for the adaptive temperature only")
     ones = TemperatureState(temp.beta, temp.lse_l, temp.entropy, torch.ones_like(temp.dbeta_dh))
     return backward(do, q, k, v, o, lse, dlse, mask, b, n, ones, spec, dbeta_only=True)
+
+
+def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
+    """The keep-mask ``(B, H, Lq, Lk)`` (bool, on ``rng``'s device) that the attention kernels
+    apply for the ``(seed, offset)`` tensor ``rng`` and ``dropout_p``, materialised by a kernel that
+    calls the same ``common.dropout_keep`` on tiles of its own size. For tests and inspection."""
+    B, H, Lq, Lk = (int(x) for x in shape)
+    out = torch.empty((B, H, Lq, Lk), device=rng.device, dtype=torch.uint8)
+    if out.numel() == 0:
+        return out.bool()
+    # tiles unlike any attention kernel's (which use 16 x 16 under the interpreter)
+    bm, bn = (32, 64) if _device_arch(rng.device) is None else (64, 128)
+    num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
+    dropout_mask_kernel[(num_m * num_n * B * H,)](
+        out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
+        BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
+    return out.bool()
