@@ -378,3 +378,25 @@ def test_decode_kernel_matches_masked_logits():
         with padding_free(False):
             masked = model(step, attention_mask=mask2, past_key_values=cache2).logits
     torch.testing.assert_close(fast, masked, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_batch_dropout_in_training(kernel_layouts):
+    """Attention dropout on a padded batch in training: the packed kernels run with it (no mask
+    reaches them), torch.manual_seed reproduces a step, and it changes the logits."""
+    torch.manual_seed(0)
+    model = ssa_hf.enable_ssa(transformers.LlamaForCausalLM(llama_config(attention_dropout=0.5)).to(DEVICE))
+    randomise_ssa(model)
+    x, attn_mask = padded_batch(3, 9, [9, 4, 2], left=False)
+    keep = attn_mask.bool()
+    model.eval()
+    with torch.no_grad():
+        clean = model(x, attention_mask=attn_mask).logits
+    model.train()
+    logits = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        logits.append(model(x, attention_mask=attn_mask).logits)
+    assert kernel_layouts and all(kind == "Packed" and not has_mask for kind, has_mask in kernel_layouts)
+    assert all(torch.isfinite(t[keep]).all() for t in logits)
+    assert torch.equal(logits[0][keep], logits[1][keep]) and not torch.equal(logits[0][keep], logits[2][keep])
+    assert not torch.allclose(logits[0][keep], clean[keep])
