@@ -161,7 +161,9 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
                 cands = [Blocks(64, 64, 4, 2) if hopper else Blocks(64, 32, 4, 2), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
             if adaptive:
-                cands = [Blocks(128, 16, 8, 2) if hopper else Blocks(16, 64, 4, 2), Blocks(64, 64, 4, 2)]
+                # with a mask one pipeline stage: two spill (132 B) and serialise wgmma (C7515)
+                cands = [Blocks(128, 16, 8, 1 if masked else 2) if hopper else Blocks(16, 64, 4, 2),
+                         Blocks(64, 64, 4, 2)]
             else:
                 cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
@@ -526,9 +528,30 @@ def _merge_block_s(splits: int) -> int:
     return max(2, triton.next_power_of_2(splits))
 
 
+# Rows whose length is not a multiple of 8 elements (odd head dims such as 59 or 111) cannot be
+# loaded as 16-byte vectors: every element goes through registers on its own and the main loops
+# spill at any useful tile size (static audit: 200-900 B per thread at D=111 on sm_80 and sm_90,
+# even with 32 x 32 tiles). Like FlashAttention, the host functions below zero-pad such head
+# dims to the next multiple of 8 (an O(L D) copy next to O(L^2 D) work; zero columns change
+# neither q . k nor the kept columns of the output) and slice the results. Not for a KV cache:
+# there the copy would be as large as the decoding step's own reads.
+HEAD_DIM_ALIGN = 8
+
+
+def _unaligned(layout, *tensors) -> bool:
+    return not isinstance(layout, KVCache) and any(t.shape[-1] % HEAD_DIM_ALIGN for t in tensors)
+
+
+def _pad_head(x):
+    pad = (-x.shape[-1]) % HEAD_DIM_ALIGN
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     """Entropy and log-sum-exp of ``softmax(l)`` per row, each ``(B, Hq, Lq)`` (packed: ``(Hq,
     total_q)``), O(L) memory."""
+    if _unaligned(layout, q):
+        return row_entropy(_pad_head(q), _pad_head(k), mask, b, n, spec, layout)
     lay = _resolve_layout(q, k, None, layout)
     q4, k4 = lay.q, lay.k
     _, H, _, D = q4.shape
@@ -571,6 +594,9 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
     """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``
     (packed: ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``)."""
+    if _unaligned(layout, q, v):
+        o, lse = forward(_pad_head(q), _pad_head(k), _pad_head(v), mask, b, n, beta, spec, layout)
+        return o[..., :v.shape[-1]].contiguous(), lse
     lay = _resolve_layout(q, k, v, layout)
     q4, k4, v4 = lay.q, lay.k, lay.v
     _, H, _, D = q4.shape
@@ -638,6 +664,14 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     """
     if isinstance(layout, KVCache):
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
+    if _unaligned(layout, q, v):
+        res = backward(_pad_head(do), _pad_head(q), _pad_head(k), _pad_head(v), _pad_head(o), lse, dlse, mask,
+                       b, n, temp, spec, layout, g=g, dbeta_only=dbeta_only)
+        if dbeta_only:
+            return res
+        dq, dk, dv, db, dn = res
+        D, DV = q.shape[-1], v.shape[-1]
+        return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), db, dn
     lay = _resolve_layout(q, k, v, layout)
     packed = lay.varlen == VARLEN_PACKED
     q4, k4, v4 = lay.q, lay.k, lay.v
