@@ -84,17 +84,17 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
 #endif
 }
 
-// Whether the current device runs the sm_70 code path (whose kernels need extra shared memory).
-inline bool device_is_sm70() {
+// The code path of the current device (traits.h; shared memory depends on it).
+inline int device_path() {
   int arch = 0, max_optin = 0;
-  return device_info(arch, max_optin).empty() && arch < 750;
+  return device_info(arch, max_optin).empty() ? code_path(arch) : kPathSm80;
 }
 
 template <typename T, int D>
 std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = fwd_smem_bytes(D, sizeof(T), device_is_sm70());
+  const int smem = fwd_smem_bytes(D, sizeof(T), device_path());
   auto kernel = ssa ? (adaptive ? attn_fwd_kernel<Tr, true, true> : attn_fwd_kernel<Tr, true, false>)
                     : (adaptive ? attn_fwd_kernel<Tr, false, true> : attn_fwd_kernel<Tr, false, false>);
   return launch<T>(kernel, "attn_fwd_kernel", grid, Tr::kNThreads, smem, stream, p);
@@ -114,7 +114,7 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t s
   {
     using Tr = DqTraits<D, T>;
     const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-    const int smem = dq_smem_bytes(D, sizeof(T), device_is_sm70());
+    const int smem = dq_smem_bytes(D, sizeof(T), device_path());
     auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true> : attn_bwd_dq_kernel<Tr, true, false>)
                       : (adaptive ? attn_bwd_dq_kernel<Tr, false, true> : attn_bwd_dq_kernel<Tr, false, false>);
     std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
@@ -125,14 +125,14 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t s
     if (device_info(arch, max_optin).empty() && dkdv_split_for(D, adaptive, false, arch) == 2) {
       using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive);
+      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75);
       auto kernel = ssa ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, false, true>;
       return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }
   using Tr = DkdvTraits<D, T>;
   const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, device_is_sm70());
+  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, device_path());
   auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
                     : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
   return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);

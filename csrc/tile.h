@@ -63,6 +63,82 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
   }
 }
 
+// In-range tile copies with a running global pointer, for interior loops that load one tile
+// after another (the forward's K and V blocks): each thread copies the same column chunk of rows
+// r0, r0 + kStep, ... of every tile (the mapping of load_tile), from a pointer it advances by a
+// tile per issue. Per 16-byte copy that is one 64-bit pointer increment instead of the row
+// index * stride products and predicates of load_tile (which ptxas did not hoist out of the key
+// loop: about 1.5 integer instructions per score element in the forward at D = 64). A thread
+// whose chunk lies beyond the head dim (`cols`) zero-fills from a pointer that never moves.
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+struct TileStream {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kStep = kNThreads / kChunks;
+  // Head dims whose chunks do not split evenly over the threads (D = 96 with 128 threads) use
+  // load_tile's general mapping, with a running row index.
+  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
+  const T* src;     // even: the thread's first chunk of the next tile; else the matrix
+  int64_t row_step; // even: elements between the thread's rows r0 and r0 + kStep (0 when it only
+                    // zero-fills); else the row stride
+  int dst;          // even: the thread's first chunk in shared memory, elements; else next row
+  int cols;         // else: the columns copied
+  bool ok;          // even: chunk inside the head dim
+
+  // Positions the stream at tile row `row0` of the matrix `gmem` (row stride `stride`).
+  SSA_DEVICE void init(const T* gmem, int64_t stride, int row0, int cols_, int tid) {
+    if constexpr (kEven) {
+      const int r0 = tid / kChunks;
+      const int col = (tid % kChunks) * 8;
+      ok = col < cols_;
+      row_step = ok ? kStep * stride : 0;
+      src = ok ? gmem + static_cast<int64_t>(row0 + r0) * stride + col : gmem;
+      dst = r0 * kStride + col;
+    } else {
+      src = gmem;
+      row_step = stride;
+      dst = row0;
+      cols = cols_;
+    }
+  }
+
+  // Copies the next tile (rows known to exist) into `smem`, then moves to the tile after it.
+  SSA_DEVICE void issue(T* smem, int tid) {
+    if constexpr (kEven) {
+      const T* s = src;
+#pragma unroll
+      for (int it = 0; it < kRows / kStep; ++it) {
+        cp_async_16(smem + dst + it * kStep * kStride, s, ok);
+        s += row_step;
+      }
+      src = s;
+    } else {
+      load_tile<kRows, kHeadDim, kStride, kNThreads, true>(smem, src, row_step, dst, dst + kRows, cols, tid);
+      dst += kRows;
+    }
+  }
+};
+
+// Flips the sign of the 16-bit elements this thread copied with load_tile (same mapping); the
+// caller has waited for its copies. Used on the Q tile of SSA heads with n < 0 (fwd_kernel.h).
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+SSA_DEVICE void negate_tile(T* smem, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kTotal = kRows * kChunks;
+  constexpr int kIters = (kTotal + kNThreads - 1) / kNThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int c = it * kNThreads + tid;
+    if (kTotal % kNThreads != 0 && c >= kTotal) break;
+    uint4* ptr = reinterpret_cast<uint4*>(smem + (c / kChunks) * kStride + (c % kChunks) * 8);
+    uint4 x = *ptr;
+    x.x ^= 0x80008000u;
+    x.y ^= 0x80008000u;
+    x.z ^= 0x80008000u;
+    x.w ^= 0x80008000u;
+    *ptr = x;
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Warp GEMMs on kMS 16-row strips (consecutive in shared memory) per warp: each B fragment read
 // from shared memory is used by kMS strips, which is what 32 rows per warp buys (FlashAttention-2).

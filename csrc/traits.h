@@ -56,24 +56,29 @@ constexpr int sm70_scratch_bytes(int warps, int strips, int k, int elem_bytes) {
 
 constexpr int fwd_strips(int d) { return fwd_block_m(d) / (16 * fwd_warps(d)); }
 
-// Shared memory of each kernel; `sm70` adds the gemm_rn scratch of the sm_70 code path.
-constexpr int fwd_smem_bytes(int d, int elem_bytes, bool sm70 = false) {
+// The code path of an architecture (100 major + 10 minor): sm_70 (mma.m8n8k4, no ldmatrix),
+// sm_75 (m16n8k8, no cp.async), sm_80+ (m16n8k16, cp.async). Shared memory depends on it.
+enum CodePath : int { kPathSm70 = 0, kPathSm75 = 1, kPathSm80 = 2 };
+constexpr int code_path(int arch) { return arch < 750 ? kPathSm70 : arch < 800 ? kPathSm75 : kPathSm80; }
+
+// Shared memory of each kernel on code path `path`: sm_70 adds the gemm_rn scratch.
+constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes +
-         (sm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0);
+         (path == kPathSm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0);
 }
 constexpr int stats_smem_bytes(int d, int elem_bytes) {
   return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes;
 }
-constexpr int dq_smem_bytes(int d, int elem_bytes, bool sm70 = false) {
+constexpr int dq_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return (2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes +
-         (sm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0);
+         (path == kPathSm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0);
 }
 // per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
 constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
-constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, bool sm70 = false) {
+constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
          2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
-         (sm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
+         (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
 }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_, int kColSplit_ = 1>

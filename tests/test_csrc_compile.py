@@ -242,16 +242,24 @@ def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa
 
 def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=None, dtype=torch.float16,
               causal=False, mask=None, with_dlse=False, lazy=False, seed=1, transpose=False, n_value=None,
-              scale=None):
+              scale=None, key_ramp=None, deterministic=False):
+    """``key_ramp``: per 64-key block, a multiple of a common direction added to the keys (and half
+    of it to every query), so that the row max of the logits jumps from block to block by chosen
+    amounts (the forward's conditional rescaling)."""
     harness, lib = emu_lib
     at, reference = _import_testing()
     Hkv, Lk, Dv = Hkv or Hq, Lk or Lq, Dv or D
     g = torch.Generator().manual_seed(0)
     if transpose:  # (B, L, H, D) storage, as model code produces
-        q = torch.randn(B, Lq, Hq, D, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+        q = torch.randn(B, Lq, Hq, D, generator=g, dtype=torch.float64).transpose(1, 2)
     else:
-        q = torch.randn(B, Hq, Lq, D, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64).to(dtype)
+        q = torch.randn(B, Hq, Lq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
+    if key_ramp is not None:
+        ramp = torch.tensor(key_ramp, dtype=torch.float64).repeat_interleave(64)[:Lk]
+        ramp = torch.cat([ramp, ramp[-1:].expand(Lk - ramp.numel())])
+        q, k = 0.3 * q + 0.5, 0.3 * k + ramp[:, None]
+    q, k = q.to(dtype), k.to(dtype)
     v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=torch.float64).to(dtype)
     dout = torch.randn(B, Hq, Lq, Dv, generator=g, dtype=torch.float64).to(dtype)
     dlse = torch.randn(B, Hq, Lq, generator=g) if with_dlse else None
@@ -263,7 +271,8 @@ def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=No
     emu = harness.Emulator(lib, lazy_copies=lazy, seed=seed)
     full_mask = None if mask is None else mask.expand(B, Hq, Lq, Lk)
     ours = emu.attention(q, k, v, mask=full_mask, b=b, n=n, causal=causal, group=Hq // Hkv,
-                         adaptive="adaptive" in mode, dout=dout, dlse=dlse, scale=scale)
+                         adaptive="adaptive" in mode, dout=dout, dlse=dlse, scale=scale,
+                         deterministic=deterministic)
     return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv, scale)
 
 
@@ -376,6 +385,16 @@ def test_emulated_interior_blocks_many(emu_lib, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_emulated_growing_row_max(emu_lib, mode):
+    """Logits whose row max jumps by more than the forward's rescaling slack (8 in base 2) at
+    some key blocks and not at others, so that the steady-state loop breaks out to the rescaling
+    step mid-row; SSA with one head of negative n (the forward negates that head's Q tile)."""
+    ramp = [0.05, 0.1, 5.0, 6.0, 500.0, 2.0] if "ssa" in mode else [0.0, 0.5, 3.0, 3.2, 6.0, 1.0]
+    _emu_check(emu_lib, mode, B=1, Hq=2, Hkv=1, Lq=130, Lk=400, D=32, key_ramp=ramp, lazy=True,
+               n_value=[1.5, -1.2] if "ssa" in mode else None)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_emulated_schedule_independent(emu_lib, mode):
     """Other thread orders and cp.async completion points give bitwise the same results."""
     kw = dict(B=1, Hq=2, Lq=90, Lk=100, D=64, causal=True, with_dlse=True)
@@ -444,7 +463,7 @@ def test_tile_table_matches_python(tmp_path):
         "int main() {\n"
         "  for (int d : {32, 64, 96, 128, 256})\n"
         "    for (int a : {0, 1}) {\n"
-        "      for (int v : {0, 1}) {\n"
+        "      for (int v : {0, 1, 2}) {\n"
         "        int m = fwd_smem_bytes(d, 2, v);\n"
         "        if (stats_smem_bytes(d, 2) > m) m = stats_smem_bytes(d, 2);\n"
         "        if (dq_smem_bytes(d, 2, v) > m) m = dq_smem_bytes(d, 2, v);\n"
@@ -458,7 +477,7 @@ def test_tile_table_matches_python(tmp_path):
     lines = subprocess.run([str(tmp_path / "dump")], capture_output=True, text=True, check=True).stdout.split("\n")
     for line in filter(None, lines):
         d, a, v, m = map(int, line.split())
-        assert cuda._smem_bytes(d, bool(a), sm70=bool(v)) == m, f"head dim {d}, adaptive {a}, sm70 {v}: traits.h {m}"
+        assert cuda._smem_bytes(d, bool(a), v) == m, f"head dim {d}, adaptive {a}, code path {v}: traits.h {m}"
         assert cuda._padded_head_dim(d) == d
     for d in (1, 8, 33, 59, 111, 129, 200, 256):
         assert cuda._padded_head_dim(d) in (32, 64, 96, 128, 256) and cuda._padded_head_dim(d) >= d

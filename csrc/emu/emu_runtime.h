@@ -40,7 +40,7 @@
 
 namespace ssa_emu {
 
-enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync };
+enum SyncKind : int { kBar = 1, kBarOr, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync };
 
 struct Slot {
   int kind;
@@ -139,6 +139,17 @@ inline const Slot& lane_slot(int lane, int parity) {
 inline void syncthreads() {
   deposit(kBar);
   finish_round();
+}
+
+// __syncthreads_or(pred): a barrier that also returns whether any thread of the block passed
+// a nonzero predicate.
+inline int syncthreads_or(int pred) {
+  Slot& s = deposit(kBarOr);
+  s.off = pred != 0;
+  const int par = finish_round();
+  for (const Fiber& f : block()->fibers)
+    if (f.slot[par].off) return 1;
+  return 0;
 }
 
 inline float shfl_xor(float v, int off) {
@@ -380,6 +391,7 @@ struct Builtin {
 #define blockIdx (::ssa_emu::Builtin::block_idx())
 #define gridDim (::ssa_emu::Builtin::grid_dim())
 #define __syncthreads() ::ssa_emu::syncthreads()
+#define __syncthreads_or(pred) ::ssa_emu::syncthreads_or(pred)
 #define __shfl_xor_sync(mask, v, off) ::ssa_emu::shfl_xor((v), (off))
 #define __trap() std::abort()
 

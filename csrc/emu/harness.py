@@ -153,20 +153,27 @@ class Emulator:
     # ---- what backend="cuda" computes --------------------------------------------------------
 
     def attention(self, q, k, v, mask=None, b=None, n=None, scale=None, causal=False, group=1,
-                  adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None):
-        """Forward and (if dout is given) backward on CPU tensors through the CUDA backend's own
-        autograd function (ssa_flash.cuda.CudaAttentionFunction) with this emulator as the
-        extension. Returns a dict: out, lse, and dq, dk, dv, db, dn (backward)."""
-        from ssa_flash import cuda as cuda_py
+                  adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None, deterministic=False):
+        """Forward and (if dout is given) backward on CPU tensors through the package's custom ops
+        with ``backend="cuda"`` and this emulator as the extension (what
+        ssa_flash.cuda.CudaAttentionFunction does, plus ``deterministic``). Returns a dict: out,
+        lse, and dq, dk, dv, db, dn (backward)."""
         from ssa_flash import temperature
+        from ssa_flash.autograd import attention
+        from ssa_flash.backends import cuda as backend
+        from ssa_flash.backends.spec import AttentionSpec
 
         poly = tuple(poly if poly is not None else temperature.DEFAULT_POLY)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         leaves = [t.detach().requires_grad_(dout is not None) if t is not None else None
                   for t in (q, k, v, b, n)]
-        out, lse = cuda_py.CudaAttentionFunction.apply(*leaves, mask, float(scale), bool(causal),
-                                                       int(group), bool(adaptive), poly,
-                                                       float(threshold), self)
+        spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group), adaptive=bool(adaptive),
+                             poly=poly, threshold=float(threshold), deterministic=bool(deterministic))
+        with backend.emulated(self):
+            why = backend.supports(q, k, v, spec)
+            if why is not None:
+                raise RuntimeError(f"backend='cuda' cannot run these inputs: {why}")
+            out, lse = attention(*leaves, mask, "cuda", spec)
         res = dict(out=out.detach(), lse=lse.detach())
         if dout is None:
             return res

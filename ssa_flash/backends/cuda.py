@@ -295,9 +295,17 @@ def _padded_head_dim(d: int) -> int:
     return -1
 
 
-def _smem_bytes(d: int, adaptive: bool, sm70: bool = False) -> int:
-    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h;
-    ``sm70``: the Volta code path's extra per-warp buffers)."""
+def _code_path(major: int, minor: int) -> int:
+    """csrc/traits.h's code_path: 0 sm_70, 1 sm_75, 2 sm_80+."""
+    arch = major * 100 + minor * 10
+    return 0 if arch < 750 else 1 if arch < 800 else 2
+
+
+def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
+    """Largest dynamic shared memory of the kernels for padded head dim d on code path ``path``
+    (0 sm_70, 1 sm_75, 2 sm_80+; mirrors csrc/traits.h: the Volta code path adds per-warp
+    buffers)."""
+    sm70 = path == 0
     row = (d + 8) * 2
     fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
     fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
@@ -326,7 +334,7 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
     major, minor, optin = _capability(q.device)
     if q.dtype == torch.bfloat16 and major < 8:
         return f"bfloat16 needs sm_80 or newer, this GPU is sm_{major}{minor}"
-    need = _smem_bytes(_padded_head_dim(d), spec.adaptive, sm70=(major, minor) < (7, 5))
+    need = _smem_bytes(_padded_head_dim(d), spec.adaptive, _code_path(major, minor))
     if optin and need > optin:
         return (f"head dim {d} needs {need} bytes of shared memory per block, this GPU allows {optin} "
                 "(see docs/cuda.md)")
