@@ -118,6 +118,55 @@ struct TileStream {
   }
 };
 
+// Tiles of kRows rows starting anywhere (the dK/dV kernel's Q and dO tiles: consecutive query
+// blocks of one head, then the next head), rows past the end zero-filled. The caller keeps a
+// running pointer to the thread's first chunk of the next tile (`src` = tile + off), so a copy
+// costs a 64-bit add, a compare and a select (load_tile recomputed row * stride products per
+// copy). Head dims whose chunks do not split evenly over the threads use load_tile (off = 0,
+// src = the tile).
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+struct TileLoader {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kStep = kNThreads / kChunks;
+  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
+  int64_t off;       // the thread's first chunk from the tile's first row, elements (0 if !kEven)
+  int64_t row_step;  // even: kStep rows; else the row stride
+  int r0;            // even: the thread's first row; else the columns copied
+  int dst;           // even: the thread's first chunk in shared memory, elements
+  bool ok;           // even: chunk inside the head dim
+
+  SSA_DEVICE void init(int64_t stride, int cols, int tid) {
+    if constexpr (kEven) {
+      r0 = tid / kChunks;
+      const int col = (tid % kChunks) * 8;
+      ok = col < cols;
+      off = static_cast<int64_t>(r0) * stride + col;
+      row_step = kStep * stride;
+      dst = r0 * kStride + col;
+    } else {
+      off = 0;
+      row_step = stride;
+      r0 = cols;
+    }
+  }
+
+  // Copies rows [0, kRows) of the tile whose thread pointer is `src` (rows >= rows_left are past
+  // the matrix's end: zero-filled, "read" from `valid`, any valid address).
+  SSA_DEVICE void issue(T* smem, const T* src, const T* valid, int rows_left, int tid) const {
+    if constexpr (kEven) {
+#pragma unroll
+      for (int it = 0; it < kRows / kStep; ++it) {
+        const bool in = ok && r0 + it * kStep < rows_left;
+        cp_async_16(smem + dst + it * kStep * kStride, in ? src : valid, in);
+        src += row_step;
+      }
+    } else {
+      (void)valid;
+      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, src, row_step, 0, rows_left, r0, tid);
+    }
+  }
+};
+
 // Flips the sign of the 16-bit elements this thread copied with load_tile (same mapping); the
 // caller has waited for its copies. Used on the Q tile of SSA heads with n < 0 (fwd_kernel.h).
 template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
@@ -261,6 +310,37 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
       }
     }
   }
+#endif
+}
+
+// The A fragments (as acc_to_frag makes them) of a 16 x kK block stored transposed in shared
+// memory: element (m, k) at sT[k * kStrideT + m], m contiguous. The fused backward keeps dS^T
+// (keys x queries, as its GEMMs produce it) and needs dS as the A operand of dQ = dS K. On
+// sm_75+ ldmatrix.trans reads each 8 x 8 block transposed: matrix i of the x4 is block
+// (m 0-7 / 8-15, k 0-7 / 8-15) = a_i, whose 8 stored rows (k) lanes 8i..8i+7 address. On sm_70
+// (no ldmatrix) each register is two 16-bit loads at the positions struct Frag gives, which is
+// the layout gemm_rn's sm_70 path expects from acc_to_frag.
+template <typename T, int kK, int kStrideT>
+SSA_DEVICE void load_frag_t(uint32_t (&a)[kK / 16][4], const T* sT, int lane) {
+#if SSA_FLASH_SM70
+  const int r = Frag::row(lane);
+  auto pair = [&](int m, int k) {
+    const uint16_t lo = *reinterpret_cast<const uint16_t*>(sT + k * kStrideT + m);
+    const uint16_t hi = *reinterpret_cast<const uint16_t*>(sT + (k + 1) * kStrideT + m);
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  };
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const int c0 = Frag::col(lane, 2 * kk), c1 = Frag::col(lane, 2 * kk + 1);
+    a[kk][0] = pair(r, c0);
+    a[kk][1] = pair(r + Frag::kHi, c0);
+    a[kk][2] = pair(r, c1);
+    a[kk][3] = pair(r + Frag::kHi, c1);
+  }
+#else
+  const T* ptr = sT + ((lane & 7) + ((lane >> 4) << 3)) * kStrideT + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) ldmatrix_x4_trans(a[kk], ptr + kk * 16 * kStrideT);
 #endif
 }
 

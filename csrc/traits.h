@@ -75,6 +75,10 @@ constexpr int dq_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
 }
 // per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
 constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
+// Rows of the backward's row-statistics workspace and fused dQ accumulator: len_q rounded up to
+// a multiple of every query tile (dQ kernel 64 or 32, dK/dV kernel 32), so that whole tiles are
+// copied and added without bounds checks.
+constexpr int bwd_stat_rows(int len_q) { return (len_q + 63) / 64 * 64; }
 constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
          2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
@@ -112,6 +116,31 @@ using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_bl
 // Warps per key strip of the dK/dV kernel that runs on architecture `arch` (100 major + 10 minor).
 constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
   return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
+}
+
+// The fused backward (attn_bwd_dkdv_kernel with kFused: five GEMMs per tile, dQ by fp32
+// atomics) runs for head dims up to 128, where the split of each architecture is one warp per
+// key strip and its tile fits the shared memory (not on sm_75 at D = 128: 66 KiB > 64 KiB; at
+// D = 256 the dK / dV accumulators already fill the registers); elsewhere, and whenever the
+// caller asks for a deterministic backward, the two-kernel path (dQ kernel, dK/dV kernel) runs.
+constexpr bool bwd_fused_for(int d, bool adaptive, bool bf16, int arch) {
+  return d <= 128 && dkdv_split_for(d, adaptive, bf16, arch) == 1 && (code_path(arch) != kPathSm75 || d <= 96);
+}
+// Shared memory of the fused kernel: the dK/dV kernel's, dS^T (BN x (BM + 8)), the db / dn sums
+// of the warps; on sm_70 the gemm_rn scratch serves the dQ GEMM too (reduction size BN).
+constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
+  return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
+         2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
+         dkdv_block_n(d) * (dkdv_block_m(d) + 8) * elem_bytes + 2 * dkdv_warps(d) * 4 +
+         (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1,
+                                                 dkdv_block_n(d) > dkdv_block_m(d) ? dkdv_block_n(d) : dkdv_block_m(d),
+                                                 elem_bytes)
+                            : 0);
+}
+// Shared memory of the fused backward's pre-pass (the dQ kernel with kPrep): delta only needs the
+// dO tile (after the unused Q tile); the adaptive dbeta pass needs the dQ kernel's tiles.
+constexpr int bwd_prep_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
+  return adaptive ? dq_smem_bytes(d, elem_bytes, path) : 2 * dq_block_m(d) * smem_row(d) * elem_bytes;
 }
 
 }  // namespace ssa_flash

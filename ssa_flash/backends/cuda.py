@@ -13,8 +13,11 @@ What the kernels run (anything else: :func:`supports` says why): float16 (sm_70+
 (sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64, 96, 128, 256, others
 zero-padded); any strides (copies are made where the head dim is not contiguous, not a multiple of
 8, or rows are not 16-byte aligned); boolean or additive masks of any strides; causal; GQA;
-softmax or SSA logits, fixed or adaptive temperature. The backward is always deterministic (no
-atomics: db/dn are per-block partial sums reduced in a fixed order).
+softmax or SSA logits, fixed or adaptive temperature. The backward is one fused kernel after a
+pre-pass (FlashAttention-2's five GEMMs per tile, dQ accumulated with float32 atomics) where the
+device and head dim allow it, and the two-kernel path (dQ kernel, dK/dV kernel, no atomics) with
+``deterministic=True`` or elsewhere; db/dn are per-block partial sums reduced in a fixed order
+either way.
 
 Testing without a GPU: inside ``with emulated(ext):`` CPU tensors run through ``ext``, any object
 with the extension's ``fwd``/``stats``/``bwd`` (``csrc/emu/harness.py``'s ``Emulator``: the real
@@ -435,7 +438,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
             _prep(dout.to(q.dtype), dv8), _prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
             bf, nf, beta, lse_l, ent, dbeta_dh, float(spec.scale), bool(spec.causal), int(spec.group),
-            _stream(q.device))
+            _stream(q.device), deterministic=bool(spec.deterministic))
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
