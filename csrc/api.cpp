@@ -176,19 +176,24 @@ std::tuple<Tensor, Tensor> stats(const Tensor& q_in, const Tensor& k, const opti
 // sums of db and dn (empty tensors for softmax); the caller sums the partials over (0, 2).
 // deterministic: the two-kernel path (bitwise reproducible); else the fused kernel where the
 // device and head dim allow it (launch.h, BwdPlan), whose dQ is accumulated with atomics.
+Tensor small_row_stride(const Tensor& t) { return t.stride(2) < (int64_t(1) << 26) ? t : t.contiguous(); }
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
-    const Tensor& dout, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+    const Tensor& dout_in, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
     const optional<Tensor>& dlse, const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
     const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
     int64_t stream_handle, bool deterministic) {
   check_qkv_like(q_in, "query", q_in);
+  check_qkv_like(dout_in, "grad_out", q_in);
   const bool negated = scale < 0;
-  const Tensor q = nonnegative_scale(q_in, scale);
+  // the backward kernels keep query-tile offsets in 32 bits (params.h): rows strides >= 2^26
+  // elements (a layout such as (L, B, H, D) with a huge B * H * D) are made contiguous
+  const Tensor q = small_row_stride(nonnegative_scale(q_in, scale));
+  const Tensor dout = small_row_stride(dout_in);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
   check_qkv_like(o, "out", q);
-  check_qkv_like(dout, "grad_out", q);
   TORCH_CHECK(o.sizes() == dout.sizes() && o.size(0) == q.size(0) && o.size(1) == q.size(1) &&
                   o.size(2) == q.size(2) && o.size(3) == v.size(3),
               "ssa_flash: out / grad_out shapes do not match");
@@ -206,8 +211,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   const bool ssa = p.ssa_b != nullptr;
   auto f32 = q.options().dtype(at::kFloat);
   const ssa_flash::BwdPlan plan =
-      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, adaptive, deterministic)
-                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, adaptive, deterministic);
+      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic)
+                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic);
   // the fused path accumulates dQ / scale in float32 with atomics (zeroed here; rows and columns
   // padded to whole tiles), converted below
   Tensor dq_accum = plan.fused ? at::zeros({q.size(0), q.size(1), plan.stat_rows, plan.accum_cols}, f32) : Tensor();

@@ -1,11 +1,18 @@
-// Backward kernels (DESIGN.md 1.2 and 1.3), two launches, no atomics; the same split as
-// ssa_flash/triton/backward.py:
+// Backward kernels (DESIGN.md 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
+// BwdPlan):
 //
+// Two kernels, no atomics (bitwise reproducible; deterministic=True, SSA, head dims above 64):
 // 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
-//    rowsum(dO * O) - dlse, dQ, the adaptive-temperature row gradient g, and per-block partial
-//    sums of db, dn (reduced in a fixed order on the host side: deterministic).
+//    rowsum(dO * O) - dlse and the adaptive-temperature row gradient g (into the row-statistics
+//    workspace), dQ, and per-block partial sums of db, dn (reduced in a fixed order on the host
+//    side: deterministic).
 // 2. attn_bwd_dkdv_kernel, grid (ceil(Lk / BN), Hkv, B), one CTA per key block of a key/value
 //    head: dK, dV, looping over the query heads of its GQA group and their query blocks.
+// Seven GEMMs per tile (S, dP, dQ; S^T, dP^T, dV, dK), nine with the adaptive temperature.
+//
+// Fused (deterministic=False, softmax logits, D <= 64): the dQ kernel as a pre-pass (kPrep: the
+// row statistics, and with the adaptive temperature g, whose dbeta needs whole rows), then
+// attn_bwd_fused_kernel: FlashAttention-2's five GEMMs per tile, dQ added with fp32 atomics.
 //
 // Per tile, with S' = beta * l and P' = softmax(S') the output weights (base-2 units inside):
 //     dS'  = P' * (dO V^T - delta)
@@ -99,8 +106,8 @@ SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, fl
 //   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
 //   dQ += dS K_j
 //
-// kPrep: the pre-pass of the fused backward instead (attn_bwd_dkdv_kernel with kFused): delta
-// only, and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
+// kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
+// (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
@@ -366,21 +373,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 // dK/dV kernel. Each warp owns 16 keys (at D = 256 two warps share them, each accumulating half
 // of the dK/dV columns, see traits.h); scores are computed transposed (S^T = K Q^T, keys x
 // queries) so that P^T and dS^T are A operands straight from registers. Query-row statistics
-// are copied from the workspace per query tile. Steps run over (group head, query block);
-// pipeline per step (Q and the statistics double-buffered, dO single):
+// are copied from the workspace to shared memory per query tile. Steps t run over (group head,
+// query block);
+// pipeline per step (Q double-buffered, dO single):
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T | dV += P^T dO_t | issue dO_{t+1} |
 //   dK += dS^T Q_t
-//
-// kFused: the whole backward in this kernel (FlashAttention-2's five GEMMs per tile: S, dP, dV,
-// dK, dQ) after a pre-pass for the row statistics (attn_bwd_dq_kernel with kPrep: delta, and
-// the adaptive g). Each step also stores dS^T to shared memory, and after the barrier that
-// follows the dV GEMMs every warp computes a 16-query x (D / column groups) part of
-// dQ_t = dS K_j (dS read transposed by load_frag_t, K from the tile this CTA holds), added with
-// fp32 atomics to p.dq_accum (padded to whole tiles, so without bounds checks; the binding
-// scales and converts it). The order of those adds across key blocks is the hardware's, so the
-// fused path is not bitwise reproducible; deterministic backwards run the two-kernel path. SSA
-// db / dn partial sums are per (batch, query head, key block), warps summed in a fixed order.
-template <typename Tr, bool kSSA, bool kAdaptive, bool kFused = false>
+template <typename Tr, bool kSSA, bool kAdaptive>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;  // queries per step
@@ -388,28 +386,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
   constexpr int kNThreads = Tr::kNThreads;
-  constexpr int kNWarps = Tr::kNWarps;
   constexpr int kMT = kBlockM / 8;
   constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
   constexpr int kDC = kD / kSplit;
   constexpr int kDT = kDC / 8;
   constexpr int kNStat = dkdv_stat_count(kAdaptive);
-  constexpr int kStatChunks = kBlockM * kNStat / 4;  // 16-byte copies of a tile's statistics
   static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
-  static_assert(kStatChunks <= kNThreads, "statistics: one copy per thread");
-  // fused dQ: warp w takes query strip w % kQS and column group w / kQS (kDQ columns), in chunks
-  // of kDQC columns (the accumulators of one chunk live at a time)
-  constexpr int kQS = kBlockM / 16;
-  constexpr int kDQ = kD / (kNWarps / kQS);
-  constexpr int kDQC = kDQ < 64 ? kDQ : 64;
-  constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
-  static_assert(!kFused || (kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0), "fused dQ split");
 
 #if defined(__CUDA_ARCH__)
-  // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and the fused
-  // kernel only where bwd_fused_for says)
-  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
-      (kFused && !bwd_fused_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))) {
+  // (each architecture runs one strip split per variant, traits.h dkdv_split_for)
+  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
     __trap();
   } else {
 #endif
@@ -418,10 +404,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
   T* sV = sK + kBlockN * kS;
   T* sQ = sV + kBlockN * kS;  // two buffers
   T* sdO = sQ + 2 * kBlockM * kS;
-  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kBlockM][kNStat]
-  // fused: dS^T [kBlockN][kSdS], then the db / dn sums of the warps [2][kNWarps]
-  T* sdS = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM);
-  float* sRed = reinterpret_cast<float*>(sdS + (kFused ? kBlockN * kSdS : 0));
+  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kNStat][kBlockM]
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -433,80 +416,73 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
 
   const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
   const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
-  const T* q_b = static_cast<const T*>(p.q) + bb * p.q_sb;
-  const T* do_b = static_cast<const T*>(p.dout) + bb * p.do_sb;
-  const int64_t head0 = static_cast<int64_t>(bb) * p.heads;  // (batch, head) index of head 0
 
   // Under causal, query blocks before this key block never see it.
   const int m_first = p.causal ? (n0 / kBlockM) * kBlockM : 0;
   const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
   const int num_t = tiles_per_head * p.group;
 
-  TileLoader<kBlockM, kD, kS, kNThreads, T> q_ld, do_ld;
-  q_ld.init(p.q_sm, p.dim, tid);
-  do_ld.init(p.do_sm, p.dim_v, tid);
-  // Where the copies of a step come from: the thread pointers of its Q and dO tiles (TileLoader),
-  // its rows of the statistics workspace (whole rows, always inside the workspace), and its
-  // rows left in the head. Steps advance these pointers (no index arithmetic in the loop).
-  struct Src {
-    const T* q;
-    const T* dout;
-    const float* ws;
-    int rows_left;
+  // Issues the loads of step t: Q (cp.async, caller commits), optionally dO, and the row stats
+  // (plain loads into shared memory, visible after the next barrier).
+  auto step_head = [&](int t) { return hk * p.group + t / tiles_per_head; };
+  auto step_m0 = [&](int t) { return m_first + (t % tiles_per_head) * kBlockM; };
+  auto load_q = [&](int t, int buf) {
+    const int hh = step_head(t);
+    const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + hh * p.q_sh;
+    load_tile<kBlockM, kD, kS, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, step_m0(t), p.len_q,
+                                          p.dim, tid);
   };
-  auto head_src = [&](int hh) {
-    Src s;
-    s.q = q_b + hh * p.q_sh + static_cast<int64_t>(m_first) * p.q_sm + q_ld.off;
-    s.dout = do_b + hh * p.do_sh + static_cast<int64_t>(m_first) * p.do_sm + do_ld.off;
-    s.ws = p.rowstat + ((head0 + hh) * p.stat_rows + m_first) * kNStat + 4 * tid;
-    s.rows_left = p.len_q - m_first;
-    return s;
+  auto load_do = [&](int t) {
+    const int hh = step_head(t);
+    const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + hh * p.do_sh;
+    load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, step_m0(t), p.len_q, p.dim_v, tid);
   };
-  const int64_t q_tile = static_cast<int64_t>(kBlockM) * p.q_sm, do_tile = static_cast<int64_t>(kBlockM) * p.do_sm;
-  auto load_q_stats = [&](const Src& src, int buf) {
-    q_ld.issue(sQ + buf * kBlockM * kS, src.q, q_b, src.rows_left, tid);
-    if (tid < kStatChunks) cp_async_16(sStat + buf * kNStat * kBlockM + 4 * tid, src.ws, true);
+  auto load_stats = [&](int t, int buf) {
+    // the workspace's rows of the step, transposed to [stat][row] (rows past len_q hold zeros)
+    const float* src = p.rowstat + ((static_cast<int64_t>(bb) * p.heads + step_head(t)) * p.stat_rows + step_m0(t)) * kNStat;
+    float* dst = sStat + buf * kNStat * kBlockM;
+    for (int i = tid; i < kBlockM; i += kNThreads) {
+#pragma unroll
+      for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
+    }
   };
-  auto load_do = [&](const Src& src) { do_ld.issue(sdO, src.dout, do_b, src.rows_left, tid); };
 
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
   load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
   if (num_t > 0) {
-    const Src first = head_src(hk * p.group);
-    load_q_stats(first, 0);
-    load_do(first);
+    load_q(0, 0);
+    load_do(0);
+    load_stats(0, 0);
   }
   cp_async_commit();
 
   float dk_acc[1][kDT][4], dv_acc[1][kDT][4];
   zero(dk_acc);
   zero(dv_acc);
-  float db_part = 0.0f, dn_part = 0.0f;  // fused SSA: this thread's db / dn sums of the current head
   const int strip = warp / kSplit;
   const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
   const T* sKw = sK + strip * 16 * kS;
   const T* sVw = sV + strip * 16 * kS;
-  T* scratch = reinterpret_cast<T*>(sRed + (kFused ? 2 * kNWarps : 0)) +
-               warp * gemm_rn_scratch_elems<1, (kFused && kBlockN > kBlockM ? kBlockN : kBlockM)>();
+  T* scratch = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM) + warp * gemm_rn_scratch_elems<1, kBlockM>();
   const int c_lo = n0 + strip * 16 + Frag::row(lane);  // this thread's two key rows
   const int c_hi = c_lo + Frag::kHi;
-  const int dq_strip = warp % kQS, dq_col0 = (warp / kQS) * kDQ;  // fused: this warp's part of dQ
-  // fused: this thread's first dQ accumulator element of a step, from the step's first row
-  const int dq_off = (dq_strip * 16 + Frag::row(lane)) * kD + dq_col0 + Frag::col(lane, 0);
 
-  // One step: query rows [mm, mm + kBlockM) of head hh, from buffer buf; `next` the next step's
-  // sources, if has_next; dq the step's first dQ accumulator element of this thread (fused).
-  auto step = [&](auto check, int hh, int mm, int buf, bool has_next, const Src& next, float* dq) {
+  auto step = [&](int t, auto check) {
     constexpr bool kCheck = decltype(check)::value;
+    const int buf = t & 1;
+    const bool has_next = t + 1 < num_t;
     if (SSA_FLASH_ASYNC_COPIES && has_next) {
-      load_q_stats(next, buf ^ 1);
+      load_q(t + 1, buf ^ 1);
       cp_async_commit();
+      load_stats(t + 1, buf ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
 
+    const int hh = step_head(t);
+    const int mm = step_m0(t);
     const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
     const T* sQt = sQ + buf * kBlockM * kS;
     const float* stat = sStat + buf * kNStat * kBlockM;
@@ -529,18 +505,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int lq = Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-          const float* st = stat + lq * kNStat;
           RowStats r;
-          const float2 ld = *reinterpret_cast<const float2*>(st);
-          r.lse2 = ld.x;
-          r.delta = ld.y;
+          r.lse2 = stat[kLse * kBlockM + lq];
+          r.delta = stat[kDelta * kBlockM + lq];
           if (kAdaptive) {
-            const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
-            const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
-            r.beta = bl.x;
-            r.lse_l2 = bl.y;
-            r.ent = eg.x;
-            r.g = eg.y;
+            r.beta = stat[kBeta * kBlockM + lq];
+            r.lse_l2 = stat[kLseL * kBlockM + lq];
+            r.ent = stat[kEnt * kBlockM + lq];
+            r.g = stat[kG * kBlockM + lq];
           } else {
             r.beta = 1.0f;
             r.lse_l2 = r.ent = r.g = 0.0f;
@@ -550,9 +522,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
             const int i = c + 2 * hi;
             float pp;
             dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
-                                                               hi ? c_hi : c_lo, r, pp,
-                                                               kFused ? db_part : db_unused,
-                                                               kFused ? dn_part : dn_unused);
+                                                               hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
             s[0][mt][i] = pp;
           }
         }
@@ -566,29 +536,298 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
       da[0][kk][1] = pack2<T>(dp[0][2 * kk][2], dp[0][2 * kk][3]);
       da[0][kk][2] = pack2<T>(dp[0][2 * kk + 1][0], dp[0][2 * kk + 1][1]);
       da[0][kk][3] = pack2<T>(dp[0][2 * kk + 1][2], dp[0][2 * kk + 1][3]);
-      if (kFused && warp % kSplit == 0) {
-        // dS^T for the dQ GEMM: rows = keys of this strip, columns = queries (pairs of adjacent
-        // queries per register, the accumulator layout)
-        T* row_lo = sdS + (strip * 16 + Frag::row(lane)) * kSdS;
-        T* row_hi = row_lo + Frag::kHi * kSdS;
-        *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk)) = da[0][kk][0];
-        *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk)) = da[0][kk][1];
-        *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk + 1)) = da[0][kk][2];
-        *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk + 1)) = da[0][kk][3];
-      }
       gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
     }
 
-    __syncthreads();  // every warp is done with dO_t (fused: and dS^T is complete)
+    __syncthreads();  // every warp is done with dO_t
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
+      load_do(t + 1);
+      cp_async_commit();
+    }
+    gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
+    __syncthreads();  // every warp is done with Q_t and stats_t
+    if (!SSA_FLASH_ASYNC_COPIES && has_next) {
+      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
+      load_q(t + 1, buf ^ 1);
+      load_stats(t + 1, buf ^ 1);
+      load_do(t + 1);
+      cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
+    }
+  };
+  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
+  // ragged key block every step needs the checks.
+  const bool all_checked = p.mask_kind != kMaskNone || n0 + kBlockN > p.len_k;
+  const int n_diag = all_checked ? tiles_per_head
+                                 : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
+                                            : 0;
+  for (int head = 0; head < p.group; ++head) {
+    const int t0 = head * tiles_per_head;
+    int i = 0;
+    for (; i < n_diag; ++i) step(t0 + i, Bool<true>());
+    for (; i < tiles_per_head; ++i) step(t0 + i, Bool<false>());
+  }
+  cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
+
+  T* dk = static_cast<T*>(p.dk) + bb * p.dk_sb + hk * p.dk_sh;
+  T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = col0 + Frag::col(lane, dt);
+    if (col < p.dim) {
+      if (c_lo < p.len_k)
+        *reinterpret_cast<uint32_t*>(dk + c_lo * p.dk_sm + col) =
+            pack2<T>(dk_acc[0][dt][0] * p.scale, dk_acc[0][dt][1] * p.scale);
+      if (c_hi < p.len_k)
+        *reinterpret_cast<uint32_t*>(dk + c_hi * p.dk_sm + col) =
+            pack2<T>(dk_acc[0][dt][2] * p.scale, dk_acc[0][dt][3] * p.scale);
+    }
+    if (col < p.dim_v) {
+      if (c_lo < p.len_k)
+        *reinterpret_cast<uint32_t*>(dv + c_lo * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][0], dv_acc[0][dt][1]);
+      if (c_hi < p.len_k)
+        *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][2], dv_acc[0][dt][3]);
+    }
+  }
+#if defined(__CUDA_ARCH__)
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// Fused backward (FlashAttention-2's five GEMMs per tile: S, dP, dV, dK, dQ), after the
+// pre-pass of the dQ kernel (kPrep: the row statistics, and the adaptive g). The dK/dV kernel's
+// layout: one CTA per key block of a key/value head, each warp owning 16 keys, scores computed
+// transposed (S^T = K Q^T, keys x queries) so that P^T and dS^T are A operands from registers;
+// steps over (group head, query block). Each step also stores dS^T to shared memory, and after
+// the barrier that follows the dV GEMMs every warp computes a 16-query x (D / column groups) part
+// of dQ_t = dS K_j (dS read transposed by load_frag_t, K from the tile this CTA holds), added with
+// fp32 atomics to p.dq_accum (padded to whole tiles, so without bounds checks; the binding scales
+// and converts it). dK += dS^T Q reads dS^T back from shared memory too (fewer live registers).
+// The order of the atomic adds across key blocks is the hardware's, so the fused path is not
+// bitwise reproducible: deterministic backwards run the two-kernel path. Where the fused kernel
+// runs (traits.h, bwd_fused_for: softmax logits, D <= 64) is set by register spills.
+//
+// Pipeline per step (Q and the statistics double-buffered, dO single):
+//   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T per 16 queries, dV += P^T dO_t,
+//   dS^T to shared | issue dO_{t+1} | dK += dS^T Q_t, dQ_t = dS K (atomics)
+template <typename Tr, bool kSSA, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const BwdParams p) {
+  using T = typename Tr::Elem;
+  constexpr int kBlockM = Tr::kBlockM;  // queries per step
+  constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
+  constexpr int kD = Tr::kHeadDim;
+  constexpr int kS = Tr::kStride;
+  constexpr int kNThreads = Tr::kNThreads;
+  constexpr int kNWarps = Tr::kNWarps;
+  constexpr int kQC = 16;  // queries per score GEMM (see the step)
+  constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
+  constexpr int kDC = kD / kSplit;
+  constexpr int kDT = kDC / 8;
+  constexpr int kNStat = dkdv_stat_count(kAdaptive);
+  constexpr int kStatChunks = kBlockM * kNStat / 4;  // 16-byte copies of a tile's statistics
+  static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
+  static_assert(kStatChunks <= kNThreads, "statistics: one copy per thread");
+  // dQ: warp w takes query strip w % kQS and column group w / kQS (kDQ columns), in chunks
+  // of kDQC columns (the accumulators of one chunk live at a time)
+  constexpr int kQS = kBlockM / 16;
+  constexpr int kDQ = kD / (kNWarps / kQS);
+  constexpr int kDQC = 16;
+  constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
+  static_assert(kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0, "fused dQ split");
+  // SSA runs the two-kernel path, whose dQ kernel sums db / dn (traits.h, bwd_fused_for)
+  static_assert(!kSSA, "no fused SSA backward");
+
+#if defined(__CUDA_ARCH__)
+  // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
+  // kernel only where bwd_fused_for says)
+  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
+      !bwd_fused_for(kD, kSSA, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
+    __trap();
+  } else {
+#endif
+  extern __shared__ uint4 smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * kS;
+  T* sQ = sV + kBlockN * kS;  // two buffers
+  T* sdO = sQ + 2 * kBlockM * kS;
+  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kBlockM][kNStat]
+  // dS^T [kBlockN][kSdS], then (sm_70) the gemm_rn scratch
+  T* sdS = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int bb = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+
+  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
+  const int64_t head0 = static_cast<int64_t>(bb) * p.heads;  // (batch, head) index of head 0
+
+  // Under causal, query blocks before this key block never see it.
+  const int m_first = p.causal ? (n0 / kBlockM) * kBlockM : 0;
+  const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
+  const int num_t = tiles_per_head * p.group;
+
+  TileMap<kBlockM, kD, kS, kNThreads> tmap;
+  tmap.init(tid);
+  TileLoader<kBlockM, kD, kS, kNThreads, T> q_ld, do_ld;
+  q_ld.init(tmap, p.q_sm, p.dim);
+  do_ld.init(tmap, p.do_sm, p.dim_v);
+  // Where the copies of a step come from: its Q and dO tiles, its rows of the statistics
+  // workspace (whole rows, always inside the workspace), and its first query. These are the same
+  // for every thread (ptxas computes them on the uniform datapath); the threads add their offsets
+  // when they copy.
+  struct Src {
+    const T* q;
+    const T* dout;
+    const float* ws;
+    int mm;
+  };
+  auto src_at = [&](int hh, int mm) {
+    Src s;
+    s.q = static_cast<const T*>(p.q) + bb * p.q_sb + hh * p.q_sh + static_cast<int64_t>(mm) * p.q_sm;
+    s.dout = static_cast<const T*>(p.dout) + bb * p.do_sb + hh * p.do_sh + static_cast<int64_t>(mm) * p.do_sm;
+    s.ws = p.rowstat + ((head0 + hh) * p.stat_rows + mm) * kNStat;
+    s.mm = mm;
+    return s;
+  };
+  auto load_q_stats = [&](const Src& src, int buf) {
+    // (p.q, p.dout: valid addresses for the zero-filled rows)
+    q_ld.issue(tmap, sQ + buf * kBlockM * kS, src.q, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
+    if (tid < kStatChunks) cp_async_16(sStat + buf * kNStat * kBlockM + 4 * tid, src.ws + 4 * tid, true);
+  };
+  auto load_do = [&](const Src& src) {
+    do_ld.issue(tmap, sdO, src.dout, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
+  };
+
+  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+  if (num_t > 0) {
+    const Src first = src_at(hk * p.group, m_first);
+    load_q_stats(first, 0);
+    load_do(first);
+  }
+  cp_async_commit();
+
+  float dk_acc[1][kDT][4], dv_acc[1][kDT][4];
+  zero(dk_acc);
+  zero(dv_acc);
+  const int strip = warp / kSplit;
+  const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
+  const T* sKw = sK + strip * 16 * kS;
+  const T* sVw = sV + strip * 16 * kS;
+  T* scratch = sdS + kBlockN * kSdS + warp * gemm_rn_scratch_elems<1, (kBlockN > kBlockM ? kBlockN : kBlockM)>();
+  const int c_lo = n0 + strip * 16 + Frag::row(lane);  // this thread's two key rows
+  const int c_hi = c_lo + Frag::kHi;
+  const int dq_strip = warp % kQS, dq_col0 = (warp / kQS) * kDQ;  // this warp's part of dQ
+  // this thread's first dQ accumulator element of a step, from the step's first row
+  const int dq_off = (dq_strip * 16 + Frag::row(lane)) * kD + dq_col0 + Frag::col(lane, 0);
+
+  // One step: query rows [mm, mm + kBlockM) of the head whose logit context is ctx, from buffer buf; `next` the next step's
+  // sources, if has_next; dq the step's first row of the dQ accumulator.
+  auto step = [&](auto check, const LogitCtx& ctx, int mm, int buf, bool has_next, const Src& next, float* dq) {
+    constexpr bool kCheck = decltype(check)::value;
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
+      load_q_stats(next, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
+
+    const T* sQt = sQ + buf * kBlockM * kS;
+    const float* stat = sStat + buf * kNStat * kBlockM;
+
+    // S^T = K Q^T and dP^T = V dO^T per chunk of kQC queries, then per 16-query block kk of the
+    // chunk the elementwise work and dV += P^T dO: each block's scores die before the next
+    // block's are processed (with all of them live, ptxas interleaved the elementwise code with
+    // the dV GEMM and the adaptive variants spilled on sm_70 / sm_75). Above D = 64 the chunks
+    // are 16 queries (the K and V fragments are read once per chunk, 16 more ldmatrix per step,
+    // but 16 fewer score registers: the fused kernel spilled at D = 128 otherwise).
+    float db_unused = 0.0f, dn_unused = 0.0f;
+    uint32_t da[1][kBlockM / 16][4];
+#pragma unroll
+    for (int q0 = 0; q0 < kBlockM; q0 += kQC) {
+      float s[1][kQC / 8][4], dp[1][kQC / 8][4];
+      zero(s);
+      zero(dp);
+      gemm_nt<T, 1, kQC, kD, kS, kS>(s, sKw, sQt + q0 * kS, lane);   // S^T = K Q^T
+      gemm_nt<T, 1, kQC, kD, kS, kS>(dp, sVw, sdO + q0 * kS, lane);  // dP^T = V dO^T
+#pragma unroll
+      for (int kc = 0; kc < kQC / 16; ++kc) {
+        const int kk = q0 / 16 + kc;  // 16-query block of the step
+#pragma unroll
+        for (int mt = 2 * kc; mt < 2 * kc + 2; ++mt) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
+            const float* st = stat + lq * kNStat;
+            RowStats r;
+            const float2 ld = *reinterpret_cast<const float2*>(st);
+            r.lse2 = ld.x;
+            r.delta = ld.y;
+            if (kAdaptive) {
+              const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
+              const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
+              r.beta = bl.x;
+              r.lse_l2 = bl.y;
+              r.ent = eg.x;
+              r.g = eg.y;
+            } else {
+              r.beta = 1.0f;
+              r.lse_l2 = r.ent = r.g = 0.0f;
+            }
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+              const int i = c + 2 * hi;
+              float pp;
+              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
+                                                                 hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
+              s[0][mt][i] = pp;
+            }
+          }
+        }
+        uint32_t pa[1][1][4];
+        pa[0][0][0] = pack2<T>(s[0][2 * kc][0], s[0][2 * kc][1]);
+        pa[0][0][1] = pack2<T>(s[0][2 * kc][2], s[0][2 * kc][3]);
+        pa[0][0][2] = pack2<T>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+        pa[0][0][3] = pack2<T>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+        da[0][kk][0] = pack2<T>(dp[0][2 * kc][0], dp[0][2 * kc][1]);
+        da[0][kk][1] = pack2<T>(dp[0][2 * kc][2], dp[0][2 * kc][3]);
+        da[0][kk][2] = pack2<T>(dp[0][2 * kc + 1][0], dp[0][2 * kc + 1][1]);
+        da[0][kk][3] = pack2<T>(dp[0][2 * kc + 1][2], dp[0][2 * kc + 1][3]);
+        if (warp % kSplit == 0) {
+          // dS^T for the dQ GEMM: rows = keys of this strip, columns = queries (pairs of adjacent
+          // queries per register, the accumulator layout)
+          T* row_lo = sdS + (strip * 16 + Frag::row(lane)) * kSdS;
+          T* row_hi = row_lo + Frag::kHi * kSdS;
+          *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk)) = da[0][kk][0];
+          *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk)) = da[0][kk][1];
+          *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk + 1)) = da[0][kk][2];
+          *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk + 1)) = da[0][kk][3];
+        }
+        gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
+      }
+    }
+
+    __syncthreads();  // every warp is done with dO_t, and dS^T is complete
     if (SSA_FLASH_ASYNC_COPIES && has_next) {
       load_do(next);
       cp_async_commit();
     }
+    // dS^T is in shared memory anyway: read it back rather than keep its registers live through
+    // the elementwise work
+    load_frag<T, kBlockM, kSdS>(da[0], sdS + strip * 16 * kSdS, lane);
     gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
-    if constexpr (kFused) {
+    {
       // dQ_t (this warp's strip and columns) += dS K_j, added to the fp32 accumulator
       uint32_t dsa[1][kBlockN / 16][4];
       load_frag_t<T, kBlockN, kSdS>(dsa[0], sdS + dq_strip * 16, lane);
+      float* dq_thr = dq + dq_off;
 #pragma unroll
       for (int c0 = 0; c0 < kDQ; c0 += kDQC) {
         float dq_acc[1][kDQC / 8][4];
@@ -596,13 +835,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
         gemm_rn<T, 1, kDQC, kBlockN, kS>(dq_acc, dsa, sK + dq_col0 + c0, lane, scratch);
 #pragma unroll
         for (int dt = 0; dt < kDQC / 8; ++dt) {
-          float* at = dq + c0 + (Frag::col(lane, dt) - Frag::col(lane, 0));
+          float* at = dq_thr + c0 + (Frag::col(lane, dt) - Frag::col(lane, 0));
           red_add2(at, dq_acc[0][dt][0], dq_acc[0][dt][1]);
           red_add2(at + Frag::kHi * kD, dq_acc[0][dt][2], dq_acc[0][dt][3]);
         }
       }
     }
-    __syncthreads();  // every warp is done with Q_t and stats_t (fused: and dS^T)
+    __syncthreads();  // every warp is done with Q_t, stats_t and dS^T
     if (!SSA_FLASH_ASYNC_COPIES && has_next) {
       // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
       load_q_stats(next, buf ^ 1);
@@ -611,64 +850,40 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
     }
   };
 
-  // fused SSA: the db / dn partial sums of query head hh for this key block; warp sums, then
-  // warps in order (deterministic). The two warps of a shared strip (kSplit) compute the same
-  // scores: only the first counts them.
-  auto flush_db_dn = [&](int hh) {
-    const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
-    const float db = warp_sum(warp % kSplit == 0 ? db_part : 0.0f);
-    const float dn = warp_sum(warp % kSplit == 0 ? dn_part : 0.0f);
-    if (lane == 0) {
-      sRed[warp] = db;
-      sRed[kNWarps + warp] = dn;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float db_sum = 0.0f, dn_sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kNWarps; ++w) {
-        db_sum += sRed[w];
-        dn_sum += sRed[kNWarps + w];
-      }
-      const int64_t idx = (head0 + hh) * gridDim.x + n_block;
-      p.db_part[idx] = db_sum * (ctx.n * p.scale);
-      p.dn_part[idx] = dn_sum * kLn2;
-    }
-    __syncthreads();  // sRed is read before the next head writes it
-    db_part = dn_part = 0.0f;
-  };
-
   // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
   // ragged key block every step needs the checks. Steps alternate buffers across heads too.
   const bool all_checked = p.mask_kind != kMaskNone || n0 + kBlockN > p.len_k;
   const int n_diag = all_checked ? tiles_per_head
                                  : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
                                             : 0;
+  // Steps of a head in order: checked ones (the causal diagonal, or all with a mask or a
+  // ragged key block), interior ones, and the head's last query block checked too: interior
+  // steps then always prefetch the same head's next block, and only a checked step switches to
+  // the next head's sources.
+  const int m_last = m_first + (tiles_per_head - 1) * kBlockM;
+  const int m_diag = m_first + n_diag * kBlockM;
   int buf = 0;
-  Src cur = head_src(hk * p.group);
   for (int head = 0; head < p.group; ++head) {
     const int hh = hk * p.group + head;
     const bool last_head = head + 1 == p.group;
-    const Src next_head = head_src(last_head ? hh : hh + 1);  // (unused after the last head)
-    float* dq = kFused ? p.dq_accum + ((head0 + hh) * p.stat_rows + m_first) * kD + dq_off : nullptr;
-    // a step, then its successor's sources: the next query block, or the next head's first
+    float* dq = p.dq_accum + ((head0 + hh) * p.stat_rows + m_first) * kD;  // (uniform)
+    const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
     auto run = [&](auto check, int mm) {
-      const bool head_end = cur.rows_left <= kBlockM;
-      Src next;
-      next.q = head_end ? next_head.q : cur.q + q_tile;
-      next.dout = head_end ? next_head.dout : cur.dout + do_tile;
-      next.ws = head_end ? next_head.ws : cur.ws + kBlockM * kNStat;
-      next.rows_left = head_end ? next_head.rows_left : cur.rows_left - kBlockM;
-      step(check, hh, mm, buf, !(head_end && last_head), next, dq);
-      cur = next;
+      constexpr bool kCheck = decltype(check)::value;
+      const bool head_end = kCheck && mm == m_last;
+      const Src next = head_end ? src_at(last_head ? hh : hh + 1, m_first)  // (unused after the last head)
+                                : src_at(hh, mm + kBlockM);
+      step(check, ctx, mm, buf, !(head_end && last_head), next, dq);
       buf ^= 1;
-      if (kFused) dq += kBlockM * kD;
+      dq += kBlockM * kD;
     };
     int mm = m_first;
-    const int m_diag = m_first + n_diag * kBlockM;
-    for (; mm < m_diag; mm += kBlockM) run(Bool<true>(), mm);
-    for (; mm < p.len_q; mm += kBlockM) run(Bool<false>(), mm);
-    if (kFused && kSSA) flush_db_dn(hh);
+    for (int pass = 0; pass < 2; ++pass) {
+      const int checked_end = pass == 0 ? min(m_diag, m_last) : m_last + kBlockM;
+      for (; mm < checked_end; mm += kBlockM) run(Bool<true>(), mm);
+      if (pass == 0)
+        for (; mm < m_last; mm += kBlockM) run(Bool<false>(), mm);
+    }
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
 

@@ -112,24 +112,22 @@ std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
 template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
-  if constexpr (D <= 128) {
-    if (plan.fused) {
+  if constexpr (D <= 64) {
+    if (plan.fused) {  // (never SSA, traits.h)
       {
-        // pre-pass: delta (and the adaptive g); without ADAPTIVE it does not look at the logits
+        // pre-pass: delta (and the adaptive g)
         using Tr = DqTraits<D, T>;
         const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
         const int smem = bwd_prep_smem_bytes(D, sizeof(T), adaptive, path);
-        auto kernel = adaptive ? (ssa ? attn_bwd_dq_kernel<Tr, true, true, true> : attn_bwd_dq_kernel<Tr, false, true, true>)
-                               : attn_bwd_dq_kernel<Tr, false, false, true>;
+        auto kernel = adaptive ? attn_bwd_dq_kernel<Tr, false, true, true> : attn_bwd_dq_kernel<Tr, false, false, true>;
         std::string err = launch<T>(kernel, "attn_bwd_dq_kernel (pre-pass)", grid, Tr::kNThreads, smem, stream, p);
         if (!err.empty()) return err;
       }
-      using Tr = DkdvTraits<D, T>;
+      using Tr = FusedTraits<D, T>;
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
       const int smem = bwd_fused_smem_bytes(D, sizeof(T), adaptive, path);
-      auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true, true> : attn_bwd_dkdv_kernel<Tr, true, false, true>)
-                        : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true, true> : attn_bwd_dkdv_kernel<Tr, false, false, true>);
-      return launch<T>(kernel, "attn_bwd_dkdv_kernel (fused)", grid, Tr::kNThreads, smem, stream, p);
+      auto kernel = adaptive ? attn_bwd_fused_kernel<Tr, false, true> : attn_bwd_fused_kernel<Tr, false, false>;
+      return launch<T>(kernel, "attn_bwd_fused_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }
   {
@@ -161,13 +159,13 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
 
 // The backward's plan on the current device (launch.h).
 template <typename T>
-BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool adaptive, bool deterministic) {
+BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic) {
   const int padded = padded_head_dim(dim > dim_v ? dim : dim_v);
   const int d = padded < 0 ? 256 : padded;
   int arch = 0, max_optin = 0;
   const bool known = device_info(arch, max_optin).empty();
   BwdPlan plan;
-  plan.fused = !deterministic && known && bwd_fused_for(d, adaptive, ElemInfo<T>::kIsBF16, arch);
+  plan.fused = !deterministic && known && bwd_fused_for(d, ssa, adaptive, ElemInfo<T>::kIsBF16, arch);
   const int block = plan.fused ? dkdv_block_n(d) : dq_block_m(d);
   plan.num_partials = ((plan.fused ? len_k : len_q) + block - 1) / block;
   plan.stat_rows = bwd_stat_rows(len_q);

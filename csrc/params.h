@@ -3,6 +3,7 @@
 // Conventions (enforced by the binding, csrc/api.cpp):
 //  * q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) and do: any batch/head/row strides that
 //    are multiples of 8 elements, unit stride along the head dim, 16-byte aligned base pointers;
+//    in the backward, q and do row strides below 2^26 elements (tile offsets in 32 bits);
 //    D and Dv multiples of 8 and at most the kernel's padded head dim (32, 64, 96, 128 or 256).
 //  * Outputs (o, dq, dk, dv) and the per-row statistics are written by the kernels with the
 //    strides given; statistics (lse, delta, beta, ...) are contiguous (B, H, Lq) float32.

@@ -119,50 +119,58 @@ struct TileStream {
 };
 
 // Tiles of kRows rows starting anywhere (the dK/dV kernel's Q and dO tiles: consecutive query
-// blocks of one head, then the next head), rows past the end zero-filled. The caller keeps a
-// running pointer to the thread's first chunk of the next tile (`src` = tile + off), so a copy
-// costs a 64-bit add, a compare and a select (load_tile recomputed row * stride products per
-// copy). Head dims whose chunks do not split evenly over the threads use load_tile (off = 0,
-// src = the tile).
-template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
-struct TileLoader {
+// blocks of one head, then the next head), rows past the end zero-filled. The thread's offset
+// in a tile and its row step are computed once, in 32 bits (the binding keeps kRows row strides
+// below 2^31 elements), so a copy costs one 64-bit add, a compare and a select (load_tile
+// recomputes row * stride products per copy). The row mapping (TileMap) is shared by the
+// tensors; each has its own strides (TileLoader). Head dims whose chunks do not split evenly
+// over the threads use load_tile.
+template <int kRows, int kHeadDim, int kStride, int kNThreads>
+struct TileMap {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kStep = kNThreads / kChunks;
   static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
-  int64_t off;       // the thread's first chunk from the tile's first row, elements (0 if !kEven)
-  int64_t row_step;  // even: kStep rows; else the row stride
-  int r0;            // even: the thread's first row; else the columns copied
-  int dst;           // even: the thread's first chunk in shared memory, elements
-  bool ok;           // even: chunk inside the head dim
+  int r0;   // the thread's first row
+  int col;  // its column
+  SSA_DEVICE void init(int tid) {
+    r0 = kEven ? tid / kChunks : 0;
+    col = kEven ? (tid % kChunks) * 8 : 0;
+  }
+};
 
-  SSA_DEVICE void init(int64_t stride, int cols, int tid) {
-    if constexpr (kEven) {
-      r0 = tid / kChunks;
-      const int col = (tid % kChunks) * 8;
-      ok = col < cols;
-      off = static_cast<int64_t>(r0) * stride + col;
-      row_step = kStep * stride;
-      dst = r0 * kStride + col;
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+struct TileLoader {
+  using Map = TileMap<kRows, kHeadDim, kStride, kNThreads>;
+  int off;       // even: the thread's first chunk from the tile's first row, elements; else 0
+  int row_step;  // even: kStep rows, elements; else the row stride
+  int cols;      // the columns copied
+
+  SSA_DEVICE void init(const Map& m, int64_t stride, int cols_) {
+    cols = cols_;
+    if constexpr (Map::kEven) {
+      off = m.r0 * static_cast<int>(stride) + m.col;
+      row_step = Map::kStep * static_cast<int>(stride);
     } else {
       off = 0;
-      row_step = stride;
-      r0 = cols;
+      row_step = static_cast<int>(stride);
     }
   }
 
-  // Copies rows [0, kRows) of the tile whose thread pointer is `src` (rows >= rows_left are past
-  // the matrix's end: zero-filled, "read" from `valid`, any valid address).
-  SSA_DEVICE void issue(T* smem, const T* src, const T* valid, int rows_left, int tid) const {
-    if constexpr (kEven) {
+  // Copies rows [0, kRows) of the tile that starts at `tile` (rows >= rows_left are past the
+  // matrix's end: zero-filled, "read" from `valid`, any valid address).
+  SSA_DEVICE void issue(const Map& m, T* smem, const T* tile, const T* valid, int rows_left, int tid) const {
+    if constexpr (Map::kEven) {
+      const bool col_ok = m.col < cols;
+      const T* src = tile + off;
 #pragma unroll
-      for (int it = 0; it < kRows / kStep; ++it) {
-        const bool in = ok && r0 + it * kStep < rows_left;
-        cp_async_16(smem + dst + it * kStep * kStride, in ? src : valid, in);
+      for (int it = 0; it < kRows / Map::kStep; ++it) {
+        const bool in = col_ok && m.r0 + it * Map::kStep < rows_left;
+        cp_async_16(smem + m.r0 * kStride + m.col + it * Map::kStep * kStride, in ? src : valid, in);
         src += row_step;
       }
     } else {
       (void)valid;
-      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, src, row_step, 0, rows_left, r0, tid);
+      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, tile, row_step, 0, rows_left, cols, tid);
     }
   }
 };
@@ -310,6 +318,29 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
       }
     }
   }
+#endif
+}
+
+// The A fragments (as acc_to_frag makes them) of a 16 x kK block stored row-major in shared
+// memory (k contiguous): ldmatrix as in gemm_nt on sm_75+, 32-bit loads at the positions struct
+// Frag gives on sm_70.
+template <typename T, int kK, int kStrideA>
+SSA_DEVICE void load_frag(uint32_t (&a)[kK / 16][4], const T* sA, int lane) {
+#if SSA_FLASH_SM70
+  const T* lo = sA + Frag::row(lane) * kStrideA;
+  const T* hi = lo + Frag::kHi * kStrideA;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const int c0 = Frag::col(lane, 2 * kk), c1 = Frag::col(lane, 2 * kk + 1);
+    a[kk][0] = *reinterpret_cast<const uint32_t*>(lo + c0);
+    a[kk][1] = *reinterpret_cast<const uint32_t*>(hi + c0);
+    a[kk][2] = *reinterpret_cast<const uint32_t*>(lo + c1);
+    a[kk][3] = *reinterpret_cast<const uint32_t*>(hi + c1);
+  }
+#else
+  const T* ptr = sA + (lane & 15) * kStrideA + (lane >> 4) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) ldmatrix_x4(a[kk], ptr + kk * 16);
 #endif
 }
 

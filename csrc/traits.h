@@ -118,22 +118,27 @@ constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
   return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
 }
 
-// The fused backward (attn_bwd_dkdv_kernel with kFused: five GEMMs per tile, dQ by fp32
-// atomics) runs for head dims up to 128, where the split of each architecture is one warp per
-// key strip and its tile fits the shared memory (not on sm_75 at D = 128: 66 KiB > 64 KiB; at
-// D = 256 the dK / dV accumulators already fill the registers); elsewhere, and whenever the
-// caller asks for a deterministic backward, the two-kernel path (dQ kernel, dK/dV kernel) runs.
-constexpr bool bwd_fused_for(int d, bool adaptive, bool bf16, int arch) {
-  return d <= 128 && dkdv_split_for(d, adaptive, bf16, arch) == 1 && (code_path(arch) != kPathSm75 || d <= 96);
+// The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32
+// atomics) runs where ptxas compiles it without spilling: softmax logits (with or without the
+// adaptive temperature) at head dims up to 64, where the split of the architecture is one warp
+// per key strip. SSA needs per-element db / dn sums in the kernel, which cost about 70 registers
+// there (measured: 175 -> 247 at D = 32, sm_90a) and spill from D = 64; above D = 64 the dK / dV
+// accumulators (2 D / 4 per thread per strip of 16 keys) leave too few registers for the dQ GEMM
+// (spills of 8 to 190 bytes at D = 96 and 128 in every layout tried, docs/cuda.md). Elsewhere, and
+// whenever the caller asks for a deterministic backward, the two-kernel path runs.
+constexpr bool bwd_fused_for(int d, bool ssa, bool adaptive, bool bf16, int arch) {
+  return !ssa && d <= 64 && dkdv_split_for(d, adaptive, bf16, arch) == 1;
 }
-// Shared memory of the fused kernel: the dK/dV kernel's, dS^T (BN x (BM + 8)), the db / dn sums
-// of the warps; on sm_70 the gemm_rn scratch serves the dQ GEMM too (reduction size BN).
+// Shared memory of the fused kernel: the dK/dV kernel's and dS^T (BN x (BM + 8)); on sm_70 the
+// gemm_rn scratch serves the dQ GEMM too (reduction size BN).
+// Queries per step of the fused kernel (as the dK/dV kernel's)
+constexpr int fused_block_m(int d) { return dkdv_block_m(d); }
 constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
-  return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
-         2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
-         dkdv_block_n(d) * (dkdv_block_m(d) + 8) * elem_bytes + 2 * dkdv_warps(d) * 4 +
+  return (2 * dkdv_block_n(d) + 3 * fused_block_m(d)) * smem_row(d) * elem_bytes +
+         2 * dkdv_stat_count(adaptive) * fused_block_m(d) * 4 +
+         dkdv_block_n(d) * (fused_block_m(d) + 8) * elem_bytes +
          (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1,
-                                                 dkdv_block_n(d) > dkdv_block_m(d) ? dkdv_block_n(d) : dkdv_block_m(d),
+                                                 dkdv_block_n(d) > fused_block_m(d) ? dkdv_block_n(d) : fused_block_m(d),
                                                  elem_bytes)
                             : 0);
 }
@@ -142,5 +147,8 @@ constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int pat
 constexpr int bwd_prep_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return adaptive ? dq_smem_bytes(d, elem_bytes, path) : 2 * dq_block_m(d) * smem_row(d) * elem_bytes;
 }
+
+template <int D, typename T>
+using FusedTraits = KernelTraits<D, fused_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
 
 }  // namespace ssa_flash

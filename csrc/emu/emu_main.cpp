@@ -106,8 +106,8 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
     p.db_part = static_cast<float*>(ptr[16]);
     p.dn_part = static_cast<float*>(ptr[17]);
     p.dq_accum = static_cast<float*>(ptr[21]);
-    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, adaptive, deterministic)
-                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, adaptive, deterministic);
+    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic)
+                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic);
     if (plan.fused != (p.dq_accum != nullptr)) err = "dq_accum given or missing against the plan";
     else err = bf16 ? detail::run_bwd<__nv_bfloat16>(p, ssa, adaptive, plan, nullptr)
                     : detail::run_bwd<__half>(p, ssa, adaptive, plan, nullptr);
@@ -117,11 +117,11 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
 }
 
 // The backward's plan (launch.h): out = {fused, num_partials, stat_rows, stat_count, accum_cols}.
-extern "C" void ssa_emu_bwd_plan(int dim, int dim_v, int len_q, int len_k, int adaptive, int deterministic, int bf16,
-                                 int* out) {
+extern "C" void ssa_emu_bwd_plan(int dim, int dim_v, int len_q, int len_k, int ssa, int adaptive, int deterministic,
+                                 int bf16, int* out) {
   using namespace ssa_flash;
-  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, adaptive, deterministic)
-                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, adaptive, deterministic);
+  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic)
+                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic);
   out[0] = plan.fused;
   out[1] = plan.num_partials;
   out[2] = plan.stat_rows;

@@ -87,7 +87,7 @@ class Emulator:
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint,
                                          ctypes.c_int]
         self.lib.ssa_emu_bwd_plan.restype = None
-        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 7 + [ctypes.POINTER(ctypes.c_int)]
+        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 8 + [ctypes.POINTER(ctypes.c_int)]
         self.lazy_copies = lazy_copies
         self.seed = seed
 
@@ -136,11 +136,11 @@ class Emulator:
                   mask_kind, b, n, scale, causal, group)
         return ent, lse_l
 
-    def plan(self, D, Dv, Lq, Lk, adaptive, deterministic, bf16):
+    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16):
         """The backward's plan (csrc/launch.h, BwdPlan): a dict of fused, num_partials, stat_rows,
         stat_count, accum_cols."""
         out = (ctypes.c_int * 5)()
-        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(adaptive), int(deterministic), int(bf16), out)
+        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16), out)
         return dict(zip(("fused", "num_partials", "stat_rows", "stat_count", "accum_cols"), out))
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
@@ -149,7 +149,7 @@ class Emulator:
         q, scale = (-q, -scale) if negated else (q, scale)
         B, H, Lq, D = q.shape
         nan = float("nan")
-        plan = self.plan(D, v.shape[-1], Lq, k.shape[2], beta is not None, deterministic,
+        plan = self.plan(D, v.shape[-1], Lq, k.shape[2], b is not None, beta is not None, deterministic,
                          q.dtype == torch.bfloat16)
         fused = plan["fused"]
         # as csrc/api.cpp: the fused path accumulates dQ / scale in a zeroed float32 buffer padded

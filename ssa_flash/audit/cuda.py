@@ -54,7 +54,7 @@ def unavailable(csrc: Path = CSRC) -> Optional[str]:
 
 
 _TRAITS_RE = re.compile(r"KernelTraitsI((?:Li\d+E)+)(\w+?)((?:Li\d+E)*)E")
-_KERNEL_RE = re.compile(r"attn_(fwd|stats|bwd_dq|bwd_dkdv)_kernel")
+_KERNEL_RE = re.compile(r"attn_(fwd|stats|bwd_dq|bwd_dkdv|bwd_fused)_kernel")
 
 
 def describe_ssa_flash(symbol: str) -> Optional[dict]:
@@ -71,7 +71,7 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     elem = tm.group(2)
     dtype = "bf16" if "bfloat16" in elem else "fp16" if ("half" in elem or "__half" in elem) else elem
     bools = [b == "1" for b in re.findall(r"Lb([01])E", symbol[tm.end():])]
-    kernel = {"fwd": "fwd", "stats": "stats", "bwd_dq": "bwd_dq", "bwd_dkdv": "bwd_dkdv"}[km.group(1)]
+    kernel = km.group(1)
     return {"kernel": kernel, "head_dim": ints[0], "block_m": ints[1], "block_n": ints[2], "warps": ints[3],
             "dtype": dtype, "col_split": tail[0] if tail else 1,
             "ssa": bools[0] if bools else None, "adaptive": bools[1] if len(bools) > 1 else False}
