@@ -11,9 +11,12 @@ from .errors import BackendUnavailableError
 from .ops import (
     adaptive_temperature_attention,
     attention_entropy,
+    attention_with_kvcache,
     available_backends,
+    dropout_mask,
     softmax_attention,
     ssa_attention,
+    varlen_attention,
 )
 
 __version__ = "0.1.0"
@@ -23,6 +26,9 @@ __all__ = [
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
+    "dropout_mask",
     "available_backends",
     "BackendUnavailableError",
     "reference",

@@ -4,7 +4,9 @@ Three operators, each opaque to ``torch.compile`` (Dynamo records a call and nev
 backend) and each with a fake (meta) implementation that only computes output shapes. ``SPEC`` is
 the fields of :class:`~ssa_flash.backends.spec.AttentionSpec`, generated from it (today
 ``float scale, bool causal, int group, bool adaptive, float[] poly, float threshold,
-bool deterministic``)::
+bool deterministic, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
+Tensor? seqused_k, Tensor? k_start, int num_splits, float dropout_p, int window_left, int window_right,
+Tensor? dropout_rng``)::
 
     ssa_flash::attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? b, Tensor? n, Tensor? mask,
                         str backend, SPEC)
@@ -30,8 +32,9 @@ statistics pass and the flash pass) is done here, once for all backends. ``attn_
 ``db``/``dn`` ``(Hq,)`` for SSA and empty ``(0,)`` for softmax; ``dout`` or ``dlse`` may be None
 (an unused output).
 
-``attn_fwd``'s autograd formula (``register_autograd``) saves the inputs, ``out``, ``lse`` and
-the statistics, and calls ``attn_bwd``; it accepts a gradient for ``lse`` (``return_lse=True``
+``attn_fwd``'s autograd formula (``register_autograd``) saves the inputs, ``out``, ``lse``, the
+statistics and the spec's tensors (``cu_seqlens_q``/``_k``, a KV cache's ``seqused_k``/``k_start``, the
+dropout ``(seed, offset)``: the backward regenerates the same mask from it), and calls ``attn_bwd``; it accepts a gradient for ``lse`` (``return_lse=True``
 users may differentiate through it). The mask arrives as an expanded (stride-0) view of the
 user's mask and is passed on as is, never materialised.
 """
@@ -46,7 +49,7 @@ from torch import Tensor
 from . import temperature
 from .backends import cuda as cuda_backend
 from .backends import get as get_backend
-from .backends.spec import AttentionSpec, TemperatureState, acc_dtype
+from .backends.spec import TENSOR_FIELDS, AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["attention", "row_entropy", "SPEC_SCHEMA"]
 
@@ -74,13 +77,19 @@ def _attn_fwd(q, k, v, b, n, mask, backend, *spec_args):
     return (out, lse, *(_empty(q, lse.dtype) for _ in range(4)))
 
 
+def _row_shape(q, spec: AttentionSpec):
+    """Shape of a per-row statistic: ``(B, Hq, Lq)``, or ``(Hq, total_q)`` for a packed batch."""
+    if spec.packed:
+        return (q.shape[1], q.shape[0])
+    return tuple(q.shape[:-1])
+
+
 def _attn_fwd_fake(q, k, v, b, n, mask, backend, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
-    B, H, Lq, _ = q.shape
     acc = acc_dtype(q.dtype)
-    out = q.new_empty((B, H, Lq, v.shape[-1]))
-    lse = q.new_empty((B, H, Lq), dtype=acc)
-    stat_shape = (B, H, Lq) if spec.adaptive else (0,)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(_row_shape(q, spec), dtype=acc)
+    stat_shape = _row_shape(q, spec) if spec.adaptive else (0,)
     return (out, lse, *(q.new_empty(stat_shape, dtype=acc) for _ in range(4)))
 
 
@@ -135,23 +144,32 @@ def _setup_context(ctx, inputs, output):
     out, lse, beta, lse_l, ent, dbeta_dh = output
     ctx.mark_non_differentiable(beta, lse_l, ent, dbeta_dh)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-    ctx.backend, ctx.spec_args, ctx.has_b = backend, tuple(spec_args), b is not None
+    # tensor-valued spec fields go through save_for_backward, the rest are plain attributes
+    ctx.backend, ctx.has_b = backend, b is not None
+    ctx.spec_args = tuple(None if i in TENSOR_FIELDS else a for i, a in enumerate(spec_args))
     # a CPU emulation of the CUDA kernels (tests) must serve the backward too, wherever it runs
     ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
-    ctx.save_for_backward(q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh)
+    ctx.save_for_backward(q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh,
+                          *(spec_args[i] for i in TENSOR_FIELDS))
 
 
 def _backward(ctx, dout, dlse, *_stat_grads):
     n_inputs = 7 + _N_SPEC
     if dout is None and dlse is None:
         return (None,) * n_inputs
-    q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh = ctx.saved_tensors
-    if not AttentionSpec.from_op_args(ctx.spec_args).adaptive:
+    q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh, *spec_tensors = ctx.saved_tensors
+    spec_args = list(ctx.spec_args)
+    for i, t in zip(TENSOR_FIELDS, spec_tensors):
+        spec_args[i] = t
+    spec = AttentionSpec.from_op_args(spec_args)
+    if spec.kv_cache:
+        raise RuntimeError("ssa_flash: attention over a KV cache (attention_with_kvcache) is forward only")
+    if not spec.adaptive:
         beta = lse_l = ent = dbeta_dh = None
     with cuda_backend.emulated(ctx.emulator):
         dq, dk, dv, db, dn = torch.ops.ssa_flash.attn_bwd(
             dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh, ctx.backend,
-            *ctx.spec_args)
+            *spec_args)
     if not ctx.has_b:
         db = dn = None
     return (dq, dk, dv, db, dn) + (None,) * (n_inputs - 5)
@@ -171,9 +189,9 @@ def _row_entropy(q, k, b, n, mask, backend, *spec_args):
 
 
 def _row_entropy_fake(q, k, b, n, mask, backend, *spec_args):
-    B, H, Lq, _ = q.shape
+    shape = _row_shape(q, AttentionSpec.from_op_args(spec_args))
     acc = acc_dtype(q.dtype)
-    return q.new_empty((B, H, Lq), dtype=acc), q.new_empty((B, H, Lq), dtype=acc)
+    return q.new_empty(shape, dtype=acc), q.new_empty(shape, dtype=acc)
 
 
 row_entropy_op = torch.library.custom_op(
@@ -192,7 +210,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[
     ``lse``). Tensors as in ``ssa_flash.backends.spec``: q ``(B, Hq, Lq, D)``, k ``(B, Hkv, Lk, D)``,
     v ``(B, Hkv, Lk, Dv)``; b, n ``(Hq,)`` tensors in the accumulation dtype or None (softmax);
     mask None or expanded to ``(B, Hq, Lq, Lk)``. Returns out ``(B, Hq, Lq, Dv)`` in q's dtype and
-    lse ``(B, Hq, Lq)`` in the accumulation dtype."""
+    lse ``(B, Hq, Lq)`` in the accumulation dtype. A packed batch (``spec.packed``): q, k, v
+    ``(total, H, D)``, out ``(total_q, Hq, Dv)``, lse ``(Hq, total_q)``. A KV cache
+    (``spec.kv_cache``): forward only (a backward raises)."""
     out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, mask, backend, *spec.op_args())
     return out, lse
 

@@ -15,7 +15,7 @@ values (differentiable functions of the raw tensors).
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -133,16 +133,20 @@ class SSAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False, scale: Optional[float] = None,
-                enable_gqa: bool = False) -> Tensor:
-        """``ssa_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
-        b=self.b, n=self.n)``: shapes and masks as ``F.scaled_dot_product_attention``, with
-        ``query`` of ``num_heads`` heads."""
+                enable_gqa: bool = False, *, dropout_p: float = 0.0,
+                window_size: Tuple[int, int] = (-1, -1)) -> Tensor:
+        """``ssa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        b=self.b, n=self.n, window_size=window_size)``: shapes and masks as
+        ``F.scaled_dot_product_attention``, with ``query`` of ``num_heads`` heads. ``dropout_p``
+        (attention dropout on the final weights, SDPA's semantics) applies whenever it is > 0, as
+        with SDPA: pass ``self.dropout if self.training else 0.0`` from the calling layer.
+        ``window_size=(left, right)``: local attention (see :func:`ssa_flash.ssa_attention`)."""
         heads = query.shape[-3] if query.dim() >= 3 else None
         if heads != self.num_heads:
             raise ValueError(f"SSAttention was built for {self.num_heads} query heads, got query of shape {tuple(query.shape)}")
-        return ssa_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+        return ssa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                              b=self.b, n=self.n, adaptive_temperature=self.adaptive_temperature,
-                             backend=self.backend)
+                             backend=self.backend, window_size=window_size)
 
     def extra_repr(self) -> str:
         if self.b_raw.is_meta:

@@ -27,6 +27,9 @@ __all__ = [
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
+    "dropout_mask",
     "available_backends",
     "BackendUnavailableError",
 ]
@@ -117,13 +120,39 @@ def _check_common(dropout_p, is_causal, scale, head_dim: int, return_lse) -> flo
     dropout_p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p != 0 is not implemented by ssa_flash; pass dropout_p=0.0")
     _check_bool("is_causal", is_causal)
     _check_bool("return_lse", return_lse)
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     return _check_number("scale", scale)
+
+
+def _check_window(window_size) -> Tuple[int, int]:
+    """``window_size``: a pair ``(left, right)`` of ints >= -1 (-1: that side unbounded)."""
+    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {type(window_size).__name__}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {len(window_size)} values")
+    out = []
+    for side, x in zip(("left", "right"), window_size):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int, got {type(x).__name__}")
+        if x < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded), got {x}")
+        out.append(int(x))
+    return out[0], out[1]
+
+
+def _effective_window(window: Tuple[int, int], lq: int, lk: int, is_causal: bool) -> Tuple[int, int]:
+    """The window with every side that excludes nothing made -1: ``left >= Lq - 1`` (then
+    ``i - left <= 0``), ``right >= Lk - 1``, or ``right`` under ``is_causal`` (``j <= i`` is
+    tighter). ``(-1, -1)``: no window, and the kernels compile without one."""
+    left, right = window
+    if left >= max(lq - 1, 0):
+        left = -1
+    if right >= max(lk - 1, 0) or (is_causal and right >= 0):
+        right = -1
+    return left, right
 
 
 def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
@@ -195,8 +224,14 @@ def _degenerate(query: Tensor, key: Tensor, value: Tensor) -> bool:
     return query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0
 
 
+def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
+    """The kernels' keep mask for ``rng`` through the PyTorch Philox (the reference path)."""
+    seed, offset = rng.tolist()
+    return reference.dropout_keep_mask(seed, offset, shape, dropout_p, rng.device)
+
+
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, b, n,
-               adaptive, poly, threshold, backend, return_lse, deterministic):
+               adaptive, poly, threshold, backend, return_lse, deterministic, window_size):
     _check_bool("enable_gqa", enable_gqa)
     _check_bool("deterministic", deterministic)
     _check_tensor("query", query)
@@ -211,6 +246,8 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             attn_mask = attn_mask.unsqueeze(0)
     group = _check_qkv(query, key, value, enable_gqa)
     scale = _check_common(dropout_p, is_causal, scale, query.shape[-1], return_lse)
+    dropout_p = float(dropout_p)
+    left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
     ssa = b is not None
     if ssa:
@@ -220,13 +257,20 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         poly, threshold = _check_poly(poly, threshold)
     if not adaptive:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    # dropout bits: a (seed, offset) drawn from torch's generator for the device, on the device
+    rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
-                         threshold=threshold, deterministic=deterministic)
+                         threshold=threshold, deterministic=deterministic, dropout_p=dropout_p,
+                         window_left=left, window_right=right, dropout_rng=rng)
     backend = _resolve_backend(backend, query, key, value, spec)
 
     if backend == "reference" or _degenerate(query, key, value):
-        out, lse = reference._attend(query, key, value, mask, 0.0, is_causal, scale, group > 1, True,
-                                     b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold)
+        keep = None
+        if rng is not None:
+            keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
+        out, lse = reference._attend(query, key, value, mask, dropout_p, is_causal, scale, group > 1, True,
+                                     b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold,
+                                     window_size=(left, right), dropout_mask=keep)
     else:
         out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec)
     if unbatched:
@@ -239,7 +283,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
                   enable_gqa: bool = False, *, b: Scalar = 1.0, n: Scalar = 1.5,
                   adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                   threshold: float = DEFAULT_THRESHOLD, backend: str = "auto",
-                  return_lse: bool = False, deterministic: bool = False):
+                  return_lse: bool = False, deterministic: bool = False,
+                  window_size: Tuple[int, int] = (-1, -1)):
     """Scaled Signed Averaging attention, a drop-in for ``F.scaled_dot_product_attention``.
 
     Weights ``(1 + b|z|)^(sgn(z) n)`` of the logits ``z = scale * q.k``, normalised over the keys:
@@ -248,7 +293,13 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
     Args:
         query: ``(B, Hq, Lq, D)`` (or ``(Hq, Lq, D)``); key: ``(B, Hkv, Lk, D)``; value: ``(B, Hkv, Lk, Dv)``.
         attn_mask: bool (True = attend) or float (added to ``phi(z)``), broadcastable to (B, Hq, Lq, Lk).
-        dropout_p: must be 0 (dropout is not implemented).
+        dropout_p: in [0, 1]: SDPA's dropout on the final weights (after any temperature): each
+            kept with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; the LSE
+            is the undropped row's; 1 gives zeros. Applied whenever > 0 (pass 0 in eval mode, as
+            with SDPA). The bits come from a Philox generator in the kernels keyed by a (seed,
+            offset) drawn from torch's default generator for the device, so ``torch.manual_seed``
+            reproduces a call; :func:`dropout_mask` materialises the mask. Triton and reference
+            backends (the reference uses the same bits); not the CUDA C++ backend.
         is_causal: key j is visible to query i iff j <= i (SDPA's top-left alignment); combines
             with ``attn_mask`` when both are given.
         scale: defaults to ``1 / sqrt(D)``.
@@ -261,6 +312,11 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
             float32 (float64 for float64 inputs), ``-inf`` for rows with no admissible key.
         deterministic: bitwise reproducible backward. The Triton backend is deterministic always
             (no atomics: per-block partial sums reduced in a fixed order).
+        window_size: ``(left, right)`` local attention: query i attends key j only if
+            ``i - left <= j <= i + right`` (top-left aligned like ``is_causal``; -1: that side
+            unbounded; ``(-1, -1)``, the default: no window). Intersects with ``is_causal`` and
+            ``attn_mask`` (Mistral's sliding window W: ``is_causal=True, window_size=(W - 1, -1)``).
+            Key blocks outside the window are skipped. Triton and reference backends.
 
     Returns:
         ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)``. Rows with no admissible key
@@ -268,18 +324,20 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=b, n=n, adaptive=adaptive_temperature, poly=poly, threshold=threshold,
-                      backend=backend, return_lse=return_lse, deterministic=deterministic)
+                      backend=backend, return_lse=return_lse, deterministic=deterministic,
+                      window_size=window_size)
 
 
 def softmax_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                       dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                       enable_gqa: bool = False, *, backend: str = "auto", return_lse: bool = False,
-                      deterministic: bool = False):
+                      deterministic: bool = False, window_size: Tuple[int, int] = (-1, -1)):
     """Softmax attention through the same kernels: what SDPA computes (the baseline and a check),
     except that a row with no admissible key gives 0 instead of NaN. Arguments as ``ssa_attention``."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                      backend=backend, return_lse=return_lse, deterministic=deterministic)
+                      backend=backend, return_lse=return_lse, deterministic=deterministic,
+                      window_size=window_size)
 
 
 def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -287,23 +345,29 @@ def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
                                    is_causal: bool = False, scale: Optional[float] = None,
                                    enable_gqa: bool = False, *, poly: Sequence[float] = DEFAULT_POLY,
                                    threshold: float = DEFAULT_THRESHOLD, backend: str = "auto",
-                                   return_lse: bool = False, deterministic: bool = False):
+                                   return_lse: bool = False, deterministic: bool = False,
+                                   window_size: Tuple[int, int] = (-1, -1)):
     """Softmax attention with the adaptive temperature of "Softmax is not Enough": each row's
     logits ``l = z + mask`` are multiplied by ``beta = max(poly(H), 1)`` when the row's entropy
     ``H`` exceeds ``threshold`` (else 1). Two streamed passes, O(L) memory; the backward is the
-    exact derivative, through beta. Arguments as ``ssa_attention``; ``lse`` is that of ``beta * l``."""
+    exact derivative, through beta. Arguments as ``ssa_attention``; ``lse`` is that of ``beta * l``.
+    The entropy (hence beta) is that of the undropped row restricted to the window; dropout acts
+    on the final weights ``softmax(beta * l)``."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=None, n=None, adaptive=True, poly=poly, threshold=threshold,
-                      backend=backend, return_lse=return_lse, deterministic=deterministic)
+                      backend=backend, return_lse=return_lse, deterministic=deterministic,
+                      window_size=window_size)
 
 
 def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = None,
                       is_causal: bool = False, scale: Optional[float] = None,
                       enable_gqa: bool = False, *, b: Optional[Scalar] = None,
-                      n: Optional[Scalar] = None, backend: str = "auto") -> Tensor:
+                      n: Optional[Scalar] = None, backend: str = "auto",
+                      window_size: Tuple[int, int] = (-1, -1)) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``, in O(L) memory:
-    of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given.
-    Rows with no admissible key have entropy 0. Not differentiable (a diagnostic)."""
+    of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
+    over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
+    admit. Rows with no admissible key have entropy 0. Not differentiable (a diagnostic)."""
     _check_bool("enable_gqa", enable_gqa)
     _check_tensor("query", query)
     _check_tensor("key", key)
@@ -316,18 +380,336 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
             attn_mask = attn_mask.unsqueeze(0)
     group = _check_qkv(query, key, key, enable_gqa)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], False)
+    left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
     if b is not None:
         b = _check_head_param("b", b, query.shape[1], query)
         n = _check_head_param("n", n, query.shape[1], query)
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group)
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, window_left=left, window_right=right)
     backend = _resolve_backend(backend, query, key, key, spec)
     with torch.no_grad():
         if backend == "reference" or _degenerate(query, key, key):
-            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n)
+            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n,
+                                              window_size=(left, right))
             ent = ent.to(acc_dtype(query.dtype))
         else:
             ent = autograd.row_entropy(query, key, b, n, mask, backend, spec)
     return ent.squeeze(0) if unbatched else ent
+
+
+# --------------------------------------------------------------------------------------------
+# Packed variable-length batches and KV-cache decoding (DESIGN.md 1.5)
+
+
+def _check_int(name: str, x, *, minimum: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def _check_index_tensor(name: str, x, length: Optional[int], device) -> Tensor:
+    """An int32, 1-D, contiguous tensor on ``device`` (of ``length`` entries if given)."""
+    _check_tensor(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got {x.dtype}")
+    if x.dim() != 1 or (length is not None and x.shape[0] != length):
+        want = f"({length},)" if length is not None else "1-D"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if x.device != torch.device(device):
+        raise ValueError(f"{name} is on {x.device} but query is on {device}")
+    return x
+
+
+def _host_checkable(*tensors) -> bool:
+    """Values may be read for validation only where that costs no device sync and no graph break."""
+    return all(t.device.type == "cpu" for t in tensors) and not torch.compiler.is_compiling()
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must have batch + 1 >= 1 entries")
+    if not _host_checkable(cu):
+        return
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the number of rows ({total}), got "
+                         f"{values[0]} ... {values[-1]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"{name} must be non-decreasing")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is less than the longest sequence in {name} ({max(lengths)})")
+
+
+def _check_packed_qkv(query, key, value, enable_gqa: bool) -> int:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, x)
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim), got shape {tuple(x.shape)}")
+    if value.shape[:2] != key.shape[:2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same rows and heads")
+    # the dense checks on (1, H, total, D) views: dtypes, devices, head dims, heads, GQA
+    return _check_qkv(*(x.transpose(0, 1).unsqueeze(0) for x in (query, key, value)), enable_gqa)
+
+
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                     enable_gqa: bool = False, *, ssa: bool = True, b: Scalar = 1.0, n: Scalar = 1.5,
+                     adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
+                     threshold: float = DEFAULT_THRESHOLD, window_size: Tuple[int, int] = (-1, -1),
+                     return_lse: bool = False, backend: str = "auto", deterministic: bool = False):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's ``varlen``
+    layout): no padding, no mask.
+
+    Sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending to key/value rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule of :func:`ssa_attention` applied inside
+    the sequence (``is_causal``: key ``j`` visible to query ``i`` iff ``j <= i``, positions counted
+    from the sequence's start, SDPA's top-left alignment). Sequences may be empty; a query row with
+    no key gets 0 and zero gradients.
+
+    Args:
+        query: ``(total_q, Hq, D)``; key: ``(total_k, Hkv, D)``; value: ``(total_k, Hkv, Dv)``; any strides.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` contiguous cumulative offsets, on the
+            tensors' device, starting at 0 and ending at ``total_q`` / ``total_k``.
+        max_seqlen_q, max_seqlen_k: ints > 0, at least the longest sequence (they size the kernel
+            grid). Values of ``cu_seqlens_*`` are checked on the CPU only (reading them on a GPU
+            would synchronise): on a GPU, inconsistent offsets or a too small ``max_seqlen`` leave
+            rows uncomputed.
+        dropout_p: as in :func:`ssa_attention`; sequence ``s`` draws the bits of batch element
+            ``s``: ``ssa_flash.dropout_mask((batch, Hq, max_seqlen_q, max_seqlen_k), p)`` (same
+            seed) sliced to ``[s, :, :Lq_s, :Lk_s]`` is its keep mask.
+        window_size: ``(left, right)`` as in :func:`ssa_attention`, positions counted from each
+            sequence's start (top-left, like ``is_causal``).
+        is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic:
+            as in :func:`ssa_attention`; ``b``, ``n`` are used only with ``ssa=True``.
+        ssa: SSA logits (True) or softmax logits (False).
+        backend: "auto", "triton" or "reference" ("cuda": the CUDA C++ backend does not implement
+            packed batches; ``auto`` never picks it for them).
+
+    Returns:
+        ``out (total_q, Hq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (Hq, total_q)``
+        (float32, float64 for float64 inputs; ``-inf`` on rows with no key). Differentiable in
+        query, key, value, b and n (and through ``lse``).
+    """
+    for name, x in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("ssa", ssa),
+                    ("adaptive_temperature", adaptive_temperature), ("return_lse", return_lse),
+                    ("deterministic", deterministic)):
+        _check_bool(name, x)
+    group = _check_packed_qkv(query, key, value, enable_gqa)
+    cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, query.device)
+    cu_k = _check_index_tensor("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], query.device)
+    max_seqlen_q = _check_int("max_seqlen_q", max_seqlen_q, minimum=1)
+    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k, minimum=1)
+    _check_cu_seqlens("cu_seqlens_q", cu_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
+    _check_cu_seqlens("cu_seqlens_k", cu_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
+    scale = _check_common(dropout_p, is_causal, scale, query.shape[-1], return_lse)
+    dropout_p = float(dropout_p)
+    # a side that excludes nothing in the longest sequences excludes nothing in any
+    left, right = _effective_window(_check_window(window_size), max_seqlen_q, max_seqlen_k, is_causal)
+    heads = query.shape[1]
+    if ssa:
+        b = _check_head_param("b", b, heads, query)
+        n = _check_head_param("n", n, heads, query)
+    else:
+        b = n = None
+    if adaptive_temperature:
+        poly, threshold = _check_poly(poly, threshold)
+    else:
+        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
+                         poly=poly, threshold=threshold, deterministic=deterministic,
+                         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
+                         window_right=right, dropout_rng=rng)
+    backend = _resolve_backend(backend, query, key, value, spec)
+    if backend == "reference" or query.numel() == 0 or key.shape[0] == 0 or value.shape[-1] == 0:
+        keep = None
+        if rng is not None:
+            keep = _dropout_keep(rng, (cu_q.shape[0] - 1, query.shape[1], max_seqlen_q, max_seqlen_k), dropout_p)
+        out, lse = reference.varlen_attention(
+            query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, group > 1,
+            ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
+            window_size=(left, right), return_lse=True, dropout_mask=keep)
+    else:
+        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec)
+    return (out, lse) if return_lse else out
+
+
+def _check_cache(query, k_cache, v_cache, key, value, enable_gqa: bool) -> int:
+    group = _check_qkv(query, k_cache, v_cache, enable_gqa)
+    if (key is None) != (value is None):
+        raise ValueError("give both key and value (new rows for the cache) or neither")
+    if key is not None:
+        for name, x, cache in (("key", key, k_cache), ("value", value, v_cache)):
+            _check_tensor(name, x)
+            if x.dtype != cache.dtype:
+                raise TypeError(f"{name} must have the cache's dtype {cache.dtype}, got {x.dtype}")
+            if x.device != cache.device:
+                raise ValueError(f"{name} is on {x.device} but the cache is on {cache.device}")
+            if (x.dim() != 4 or x.shape[:2] != cache.shape[:2] or x.shape[3] != cache.shape[3]
+                    or x.shape[2] > cache.shape[2]):
+                raise ValueError(f"{name} must have shape (B, Hkv, Lnew, d) = ({cache.shape[0]}, {cache.shape[1]}, "
+                                 f"Lnew <= {cache.shape[2]}, {cache.shape[3]}), got {tuple(x.shape)}")
+        if key.shape[2] != value.shape[2]:
+            raise ValueError(f"key and value must have the same number of new rows, got {key.shape[2]} and {value.shape[2]}")
+    return group
+
+
+def _append_to_cache(cache: Tensor, new: Tensor, cache_seqlens: Tensor) -> None:
+    """Writes ``new (B, H, Lnew, d)`` into ``cache`` at rows ``cache_seqlens[b] + [0, Lnew)``, in
+    place, without reading ``cache_seqlens`` on the host."""
+    B, H, Lnew, d = new.shape
+    rows = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lnew, device=cache.device)
+    cache.scatter_(2, rows[:, None, :, None].expand(B, H, Lnew, d), new)
+
+
+def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                           key: Optional[Tensor] = None, value: Optional[Tensor] = None, *,
+                           is_causal: bool = False, scale: Optional[float] = None,
+                           enable_gqa: bool = False, ssa: bool = True, b: Scalar = 1.0,
+                           n: Scalar = 1.5, adaptive_temperature: bool = False,
+                           poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
+                           window_size: Tuple[int, int] = (-1, -1), return_lse: bool = False,
+                           cache_leftpad: Optional[Tensor] = None, num_splits: int = 0,
+                           backend: str = "auto"):
+    """Attention of a few queries over a KV cache (decoding), with the keys split across programs.
+
+    Batch element ``b`` of ``k_cache``/``v_cache`` holds ``cache_seqlens[b]`` valid rows. If ``key``
+    and ``value`` are given, they are first written into the caches in place at rows
+    ``cache_seqlens[b] : cache_seqlens[b] + Lnew`` and attended too (the caches then hold
+    ``cache_len = cache_seqlens[b] + Lnew`` valid rows; ``cache_seqlens`` itself is not changed).
+    ``is_causal`` is bottom-right aligned, as in every KV-cache API: query ``i`` of ``Lq`` is at
+    position ``cache_len - Lq + i`` and sees the rows up to it.
+
+    Forward only: the output carries no gradient (use :func:`ssa_attention` or
+    :func:`varlen_attention` to train).
+
+    Split-KV: when ``B * Hq * ceil(Lq / 16)`` programs would leave a GPU's SMs idle (decoding at small
+    batch), each row's keys are shared among several programs whose partial results are merged by
+    their log-sum-exps (also the adaptive temperature's entropy statistics); the heuristic fills one
+    wave of the GPU's SMs with splits of at least 4 key tiles each (``ssa_flash.triton.launch.
+    num_splits_heuristic``). ``num_splits`` forces a split count (1: no split; 0: the heuristic).
+
+    Args:
+        query: ``(B, Hq, Lq, D)``; k_cache: ``(B, Hkv, Lcache, D)``; v_cache: ``(B, Hkv, Lcache, Dv)``.
+        cache_seqlens: int32 ``(B,)`` on the query's device. Values are checked on the CPU only
+            (``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + Lnew <= Lcache``); on a GPU the kernels
+            clamp to the cache (never read outside it), but rows written past the cache's end fail.
+        key, value: ``(B, Hkv, Lnew, D)`` / ``(B, Hkv, Lnew, Dv)``, or None.
+        cache_leftpad: int32 ``(B,)`` or None: rows before ``cache_leftpad[b]`` are not attended
+            (left padding of a batch of prompts); positions still count from row 0.
+        window_size: ``(left, right)``, bottom-right aligned like ``is_causal``: query ``i`` sees
+            cache rows ``j`` with ``pos_i - left <= j <= pos_i + right``, ``pos_i = cache_len - Lq +
+            i`` (-1: that side unbounded); key blocks outside it are skipped (Mistral-style decoding
+            with a sliding window: ``is_causal=True, window_size=(W - 1, -1)``).
+        is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold: as in
+            :func:`varlen_attention`.
+        backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
+
+    Returns:
+        ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Lq)``. A batch
+        element with no row to attend (or a query row seeing none) gets 0 and ``lse = -inf``.
+    """
+    for name, x in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("ssa", ssa),
+                    ("adaptive_temperature", adaptive_temperature), ("return_lse", return_lse)):
+        _check_bool(name, x)
+    group = _check_cache(query, k_cache, v_cache, key, value, enable_gqa)
+    B, Lcache = query.shape[0], k_cache.shape[2]
+    seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, B, query.device)
+    if cache_leftpad is not None:
+        _check_index_tensor("cache_leftpad", cache_leftpad, B, query.device)
+    num_splits = _check_int("num_splits", num_splits, minimum=0)
+    lnew = 0 if key is None else key.shape[2]
+    if _host_checkable(seqlens):
+        lengths = seqlens.tolist()
+        if any(x < 0 or x + lnew > Lcache for x in lengths):
+            raise ValueError(f"cache_seqlens must be in [0, Lcache - Lnew] = [0, {Lcache - lnew}], got {lengths}")
+        if cache_leftpad is not None and any(p < 0 or p > x + lnew for p, x in zip(cache_leftpad.tolist(), lengths)):
+            raise ValueError("cache_leftpad must be in [0, cache_seqlens + Lnew] for every batch element")
+    left, right = _check_window(window_size)
+    scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
+    heads = query.shape[1]
+    if ssa:
+        b = _check_head_param("b", b, heads, query)
+        n = _check_head_param("n", n, heads, query)
+    else:
+        b = n = None
+    if adaptive_temperature:
+        poly, threshold = _check_poly(poly, threshold)
+    else:
+        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    used = seqlens if lnew == 0 else seqlens + lnew
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
+                         poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
+                         num_splits=num_splits, window_left=left, window_right=right)
+    backend = _resolve_backend(backend, query, k_cache, v_cache, spec)
+    with torch.no_grad():
+        if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
+            out, lse = reference.attention_with_kvcache(
+                query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
+                enable_gqa=group > 1, ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature,
+                poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad,
+                window_size=(left, right))
+        else:
+            if key is not None:
+                _append_to_cache(k_cache, key, seqlens)
+                _append_to_cache(v_cache, value, seqlens)
+            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec)
+    return (out, lse) if return_lse else out
+
+
+def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, torch.device] = "cpu",
+                 rng: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
+    """The dropout keep-mask that an attention call applies, as a bool tensor ``(B, Hq, Lq, Lk)``
+    (True = kept), for tests and inspection (O(B Hq Lq Lk) memory).
+
+    ``shape`` is ``(B, Hq, Lq, Lk)`` of the call (an unbatched call has ``B = 1``). ``rng`` is the
+    ``(seed, offset)`` int64 tensor ``(2,)``; None draws it from torch's default generator for
+    ``device`` exactly as an attention call does, so that::
+
+        torch.manual_seed(s); out = ssa_flash.ssa_attention(q, k, v, dropout_p=p)
+        torch.manual_seed(s); keep = ssa_flash.dropout_mask((B, Hq, Lq, Lk), p, device=q.device)
+
+    gives the mask ``out`` was computed with (``ssa_flash.reference.ssa_attention(q, k, v,
+    dropout_p=p, dropout_mask=keep)`` then equals ``out``). ``backend``: ``"triton"`` runs a small
+    kernel that calls the attention kernels' own mask function (on tiles of other sizes),
+    ``"reference"`` the PyTorch Philox of ``ssa_flash.reference.dropout_keep_mask``, ``"auto"``
+    the first that runs on ``device``. Element ``(b, h, i, j)`` is kept iff word
+    ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 (key: the seed; counter: ``(j // 2,
+    (i // 16) 8 + i % 8, h, (b + offset) mod 2^32)``) is below ``2 round((1 - p) 2^31)``: a
+    function of the indices alone, never of the kernels' tiles.
+    """
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 4:
+        raise ValueError(f"shape must be (B, Hq, Lq, Lk), got {shape!r}")
+    for x in shape:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+            raise ValueError(f"shape must hold 4 ints >= 0, got {tuple(shape)}")
+    p = _check_number("dropout_p", dropout_p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {p}")
+    if not isinstance(backend, str) or backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    device = torch.device(device) if rng is None else rng.device
+    if rng is None:
+        rng = reference.draw_dropout_rng(device)
+    else:
+        _check_tensor("rng", rng)
+        if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
+            raise ValueError(f"rng must be an int64 tensor of shape (2,) (seed, offset), got "
+                             f"{rng.dtype} of shape {tuple(rng.shape)}")
+    if backend == "auto":
+        backend = "triton" if backends.get("triton").unavailable_reason(device) is None else "reference"
+    if backend == "reference":
+        return _dropout_keep(rng, tuple(int(x) for x in shape), p)
+    why = backends.get("triton").unavailable_reason(device)
+    if why:
+        raise BackendUnavailableError(f"backend='triton' is unavailable: {why}")
+    return backends.get("triton").dropout_mask(rng, tuple(int(x) for x in shape), p)

@@ -11,9 +11,17 @@ Equations (see DESIGN.md, section 1):
 * logits        ``z = scale * q k^T``
 * SSA           ``phi(z) = n * sgn(z) * log1p(b |z|)``, i.e. weights ``(1 + b|z|)^(sgn(z) n)``
 * logit row     ``l = phi(z) + mask``  (``phi = identity`` for softmax attention)
+* admissible    key ``j`` for query ``i``: ``j <= i`` if causal, ``i - left <= j <= i + right``
+                for ``window_size = (left, right)`` (-1: that side unbounded), the boolean mask
 * weights       ``P = softmax(l)``; a row with no admissible key gets ``P = 0``
 * adaptive      ``H = -sum P log P``; ``beta = max(poly(H), 1) if H > threshold else 1``;
                 weights ``softmax(beta * l)`` (Velickovic et al. 2025, Fig. 4)
+* packed batch  ``varlen_attention``: each sequence on its own, concatenated (DESIGN.md 1.5)
+* KV cache      ``attention_with_kvcache``: each batch element over its valid cache rows,
+                bottom-right causal alignment
+* dropout       final weights ``P * M / (1 - p)`` with the keep mask ``M`` (0 if ``p = 1``);
+                the LSE is the undropped row's. ``M`` is :func:`dropout_keep_mask`, the kernels'
+                Philox mask, unless a mask is given (``dropout_mask=``)
 """
 from __future__ import annotations
 
@@ -26,10 +34,14 @@ from torch import Tensor
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD, polyval
 
 __all__ = [
+    "dropout_keep_mask",
+    "draw_dropout_rng",
     "ssa_attention",
     "softmax_attention",
     "adaptive_temperature_attention",
     "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
     "ssa_logits",
     "DEFAULT_POLY",
     "DEFAULT_THRESHOLD",
@@ -47,13 +59,99 @@ def ssa_logits(z: Tensor, b: Tensor, n: Tensor) -> Tensor:
     return n * torch.where(z >= 0, torch.log1p(b * z.clamp(min=0)), -torch.log1p(b * (-z).clamp(min=0)))
 
 
+# --------------------------------------------------------------------------------------------
+# Dropout bits: Philox4x32-10, written with int64 tensor ops (every product below 2^49)
+
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: Tensor, m: int):
+    """``(hi, lo)`` 32-bit halves of ``a * m`` for int64 ``a`` in [0, 2^32) and ``m < 2^32``."""
+    t = a * (m & 0xFFFF)
+    u = a * (m >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: int):
+    """Philox4x32-10 (Salmon et al., SC 2011; Random123's ``philox4x32_R(10)``) of the counter
+    words ``c0..c3`` (int64 tensors holding uint32 values) under the key ``(k0, k1)``."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(c0, 0xD2511F53)
+        hi1, lo1 = _mulhilo32(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def dropout_keep_threshold(p: float) -> int:
+    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): an element is kept iff its 32-bit
+    word is below ``2 keep31``, i.e. with probability ``1 - p`` to within 2^-32."""
+    return min(int(round((1.0 - float(p)) * 2.0**31)), 2**31 - 1)
+
+
+def dropout_keep_mask(seed: int, offset: int, shape, dropout_p: float, device=None) -> Tensor:
+    """The dropout keep-mask ``(B, H, Lq, Lk)`` (bool) of the kernels for ``(seed, offset)``:
+    element ``(b, h, i, j)`` is kept iff word ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 with key
+    ``seed`` (64 bits, low word first) and counter ``(j // 2, (i // 16) 8 + i % 8, h,
+    (b + offset) mod 2^32)`` is below ``2 * dropout_keep_threshold(dropout_p)`` (one Philox
+    evaluation serves ``{i, i + 8} x {j, j + 1}``). A function of the indices only, not of any
+    tiling. O(B H Lq Lk) memory: for tests."""
+    B, H, Lq, Lk = (int(x) for x in shape)
+    seed, offset = int(seed), int(offset)
+    i = torch.arange(Lq, dtype=torch.int64, device=device)
+    j = torch.arange(Lk, dtype=torch.int64, device=device)
+    full = (B, H, Lq, Lk)
+    c0 = (j // 2).view(1, 1, 1, Lk).expand(full)
+    c1 = ((i // 16) * 8 + i % 8).view(1, 1, Lq, 1).expand(full)
+    c2 = torch.arange(H, dtype=torch.int64, device=device).view(1, H, 1, 1).expand(full)
+    c3 = ((torch.arange(B, dtype=torch.int64, device=device) + offset) & _M32).view(B, 1, 1, 1).expand(full)
+    words = torch.stack(philox4x32_10(c0, c1, c2, c3, seed & _M32, (seed >> 32) & _M32), dim=-1)
+    lane = (((i >> 3) & 1).view(Lq, 1) + 2 * (j & 1).view(1, Lk)).expand(full)
+    r = words.gather(-1, lane.unsqueeze(-1)).squeeze(-1)
+    return r < 2 * dropout_keep_threshold(dropout_p)
+
+
+def draw_dropout_rng(device) -> Tensor:
+    """The ``(seed, offset)`` pair (int64 tensor ``(2,)`` on ``device``) of one dropout call, drawn
+    from torch's default generator for ``device``, so ``torch.manual_seed`` before a call decides
+    its mask. Drawn on the device (no host synchronisation; inside a CUDA graph each replay draws
+    anew)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def _apply_dropout(probs: Tensor, dropout_p: float, keep: Tensor) -> Tensor:
+    """``probs * keep / (1 - dropout_p)``, zeros for ``dropout_p = 1`` (still differentiable)."""
+    if dropout_p >= 1.0:
+        return probs * 0.0
+    return torch.where(keep, probs * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
 def _per_head(x: Scalar, heads: int, like: Tensor) -> Tensor:
     """A Python number or a tensor broadcastable to ``(heads,)``, as a ``(1, heads, 1, 1)`` tensor."""
     x = torch.as_tensor(x, dtype=like.dtype, device=like.device)
     return x.to(like.dtype).expand(heads).reshape(1, heads, 1, 1)
 
 
-def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=None):
+def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
+    """``(Lq, Lk)`` bool: ``i - left <= j <= i + right`` for ``window_size = (left, right)``, a
+    side of -1 being unbounded (top-left aligned, like ``is_causal``)."""
+    left, right = window_size
+    i = torch.arange(lq, device=device).view(lq, 1)
+    j = torch.arange(lk, device=device).view(1, lk)
+    band = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if left >= 0:
+        band = band & (j >= i - left)
+    if right >= 0:
+        band = band & (j <= i + right)
+    return band
+
+
+def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=None,
+                window_size=(-1, -1)):
     """The logit rows ``l = phi(z) + mask`` (B, Hq, Lq, Lk) and the admissible set as a boolean."""
     hq, hk = query.shape[-3], key.shape[-3]
     if enable_gqa and hq != hk:
@@ -65,6 +163,8 @@ def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=N
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device)
     if is_causal:
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device).tril()
+    if tuple(window_size) != (-1, -1):
+        allowed = allowed & window_band(lq, lk, window_size, z.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask
@@ -98,15 +198,22 @@ def _adaptive_beta(logits, allowed, poly, threshold):
 
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD):
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p != 0 is not implemented")
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n)
+            b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
+            window_size=(-1, -1), dropout_mask=None):
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
+                                  window_size)
     if adaptive:
         beta = _adaptive_beta(logits, allowed, poly, threshold).unsqueeze(-1)
         # zero the inadmissible entries before scaling: d(beta * -inf)/d beta would be NaN
         logits = (beta * logits.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
     probs = _masked_softmax(logits, allowed)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            seed, offset = draw_dropout_rng(query.device).tolist()
+            shape4 = (1,) * (4 - probs.dim()) + tuple(probs.shape)  # unbatched inputs: B = 1
+            dropout_mask = dropout_keep_mask(seed, offset, shape4, dropout_p,
+                                             query.device).view(probs.shape)
+        probs = _apply_dropout(probs, dropout_p, dropout_mask)
     hq, hk = query.shape[-3], value.shape[-3]
     if enable_gqa and hq != hk:
         value = value.repeat_interleave(hq // hk, dim=-3)
@@ -117,35 +224,145 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     return out, torch.logsumexp(logits.to(lse_dtype), dim=-1)
 
 
+# Every function below takes SDPA's arguments plus ``window_size=(left, right)`` (see
+# ``window_band``) and ``dropout_mask``: None (with ``dropout_p > 0``: the kernels' Philox mask for a
+# (seed, offset) drawn by ``draw_dropout_rng``, as the kernels do) or a bool tensor broadcastable to
+# ``(B, Hq, Lq, Lk)``, True = kept.
+
+
 def softmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                      scale=None, enable_gqa=False, *, return_lse=False, **_ignored):
+                      scale=None, enable_gqa=False, *, return_lse=False, window_size=(-1, -1),
+                      dropout_mask=None, **_ignored):
     """Plain softmax attention (what SDPA computes), except that empty rows give 0, not NaN."""
-    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                   window_size=window_size, dropout_mask=dropout_mask)
 
 
 def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, *, b: Scalar = 1.0, n: Scalar = 1.5,
                   adaptive_temperature=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                  return_lse=False, **_ignored):
+                  return_lse=False, window_size=(-1, -1), dropout_mask=None, **_ignored):
     """SSA attention: weights ``(1 + b|z|)^(sgn(z) n)`` normalised over keys; ``b``, ``n`` per head."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, b=b, n=n, adaptive=adaptive_temperature, poly=poly,
-                   threshold=threshold)
+                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask)
 
 
 def adaptive_temperature_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                    is_causal=False, scale=None, enable_gqa=False, *,
                                    poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                                   return_lse=False, **_ignored):
+                                   return_lse=False, window_size=(-1, -1), dropout_mask=None,
+                                   **_ignored):
     """Softmax attention with the entropy-driven temperature of "Softmax is not Enough"."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   return_lse, adaptive=True, poly=poly, threshold=threshold)
+                   return_lse, adaptive=True, poly=poly, threshold=threshold,
+                   window_size=window_size, dropout_mask=dropout_mask)
 
 
 def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                      *, b: Optional[Scalar] = None, n: Optional[Scalar] = None) -> Tensor:
+                      *, b: Optional[Scalar] = None, n: Optional[Scalar] = None,
+                      window_size=(-1, -1)) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given."""
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n)
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
+                                  window_size)
     return _entropy(logits, allowed)
+
+
+def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, ssa, b, n, adaptive, poly, threshold,
+                  dropout_p=0.0, window_size=(-1, -1), dropout_mask=None):
+    """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys; no key: 0, -inf."""
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if k.shape[2] == 0:
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1])) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
+        return out, torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _attend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, True,
+                   b=b if ssa else None, n=n if ssa else None, adaptive=adaptive, poly=poly,
+                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask)
+
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                     dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, ssa=True,
+                     b: Scalar = 1.0, n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
+                     threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
+                     dropout_mask=None, **_ignored):
+    """Packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``, ``value
+    (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending
+    to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule (causality top-left, as in
+    ``ssa_attention``) applied inside the sequence. ``ssa=False``: softmax logits. Returns ``out
+    (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``. The ``max_seqlen_*`` are
+    not needed here. Each sequence runs on its own (a loop), differentiably; ``window_size`` is
+    top-left aligned inside each sequence. Dropout: sequence ``s`` is batch element ``s`` of the
+    dense rule, i.e. its keep mask is ``dropout_mask[s, :, :Lq_s, :Lk_s]`` of a ``(batch, Hq,
+    max_seqlen_q, max_seqlen_k)`` bool mask (None with ``dropout_p > 0``: the kernels' Philox mask
+    for a freshly drawn ``(seed, offset)``)."""
+    cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    if dropout_p > 0.0 and dropout_mask is None:
+        seed, offset = draw_dropout_rng(query.device).tolist()
+        dropout_mask = dropout_keep_mask(seed, offset, (len(cq) - 1, query.shape[1],
+                                                        max((b - a for a, b in zip(cq, cq[1:])), default=0),
+                                                        max((b - a for a, b in zip(ck, ck[1:])), default=0)),
+                                         dropout_p, query.device)
+    cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    outs, lses = [], []
+    for s in range(len(cq) - 1):
+        if cq[s + 1] == cq[s]:
+            continue
+        q_s = query[cq[s]:cq[s + 1]].transpose(0, 1).unsqueeze(0)
+        k_s = key[ck[s]:ck[s + 1]].transpose(0, 1).unsqueeze(0)
+        v_s = value[ck[s]:ck[s + 1]].transpose(0, 1).unsqueeze(0)
+        keep = None
+        if dropout_p > 0.0:
+            keep = dropout_mask[s:s + 1, :, :q_s.shape[2], :k_s.shape[2]]
+        o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal, scale, enable_gqa, ssa, b, n,
+                               adaptive_temperature, poly, threshold, dropout_p, window_size, keep)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = torch.cat(outs) if outs else query.new_zeros((0, query.shape[1], value.shape[-1]))
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros((query.shape[1], 0), dtype=lse_dtype, device=query.device)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, value=None, *,
+                           is_causal=False, scale=None, enable_gqa=False, ssa=True, b: Scalar = 1.0,
+                           n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
+                           threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
+                           cache_leftpad=None, **_ignored):
+    """Attention of ``query (B, Hq, Lq, D)`` over a KV cache ``(B, Hkv, Lcache, D)`` of which batch
+    element ``b`` holds ``cache_seqlens[b]`` valid rows. New ``key``/``value`` ``(B, Hkv, Lnew, D)``
+    are first written into the caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew``
+    and attended too. With ``cache_leftpad`` (B,) rows before ``cache_leftpad[b]`` are not attended.
+    ``is_causal`` is bottom-right: query ``i`` is at cache position ``cache_len - Lq + i`` (``cache_len
+    = cache_seqlens[b] + Lnew``) and sees the rows up to it. Returns ``out (B, Hq, Lq, Dv)`` (and
+    ``lse (B, Hq, Lq)``); a batch element with no row to attend gets 0 (lse -inf).
+    ``window_size = (left, right)`` is bottom-right aligned like ``is_causal``: query ``i`` sees
+    rows ``j`` with ``pos_i - left <= j <= pos_i + right`` (-1: that side unbounded)."""
+    lengths = [int(x) for x in cache_seqlens.tolist()]
+    starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
+    if key is not None:
+        for i, length in enumerate(lengths):
+            k_cache[i, :, length:length + key.shape[2]] = key[i]
+            v_cache[i, :, length:length + value.shape[2]] = value[i]
+        lengths = [length + key.shape[2] for length in lengths]
+    outs, lses = [], []
+    Lq = query.shape[2]
+    for i, (start, end) in enumerate(zip(starts, lengths)):
+        k_s, v_s = k_cache[i:i + 1, :, start:end], v_cache[i:i + 1, :, start:end]
+        pos = torch.arange(Lq, device=query.device)[:, None] + (end - start - Lq)  # bottom-right
+        j = torch.arange(end - start, device=query.device)[None, :]
+        mask = torch.ones(Lq, end - start, dtype=torch.bool, device=query.device)
+        if is_causal:
+            mask = mask & (j <= pos)
+        if window_size[0] >= 0:
+            mask = mask & (j >= pos - window_size[0])
+        if window_size[1] >= 0:
+            mask = mask & (j <= pos + window_size[1])
+        o, lse = _one_sequence(query[i:i + 1], k_s, v_s, mask, False, scale, enable_gqa, ssa, b, n,
+                               adaptive_temperature, poly, threshold)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) if return_lse else out

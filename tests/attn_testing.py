@@ -85,8 +85,10 @@ def run(module_or_backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
     return out, lse, dict(zip(names, grads))
 
 
-def check(mode, q, k, v, b=None, n=None, with_dlse=False, **kw):
-    """Ours (in q's dtype) vs the naive reference in the same dtype and in float64."""
+def check(mode, q, k, v, b=None, n=None, with_dlse=False, dropout_seed=None, **kw):
+    """Ours (in q's dtype) vs the naive reference in the same dtype and in float64. With
+    ``dropout_seed`` (and ``dropout_p`` in ``kw``) ours runs after ``torch.manual_seed(dropout_seed)``
+    and the references get the keep mask that this seed gives (``ssa_flash.dropout_mask``)."""
     dtype = q.dtype
     g = torch.Generator().manual_seed(123)
     Dv = v.shape[-1]
@@ -94,11 +96,17 @@ def check(mode, q, k, v, b=None, n=None, with_dlse=False, **kw):
     dlse = torch.randn(*q.shape[:-1], generator=g).to(q.device) if with_dlse else None
     if mode in ("ssa", "ssa_adaptive") and b is None:
         b, n = head_params(q.shape[-3], device=q.device)
+    ref_kw = dict(kw)
+    if dropout_seed is not None:
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        torch.manual_seed(dropout_seed)
+        ref_kw["dropout_mask"] = ssa_flash.dropout_mask(shape, kw["dropout_p"], device=q.device)
+        torch.manual_seed(dropout_seed)
     ours = run("triton", mode, q, k, v, b, n, dout, dlse, **kw)
-    naive = run("reference", mode, q, k, v, b, n, dout, dlse, **kw)
+    naive = run("reference", mode, q, k, v, b, n, dout, dlse, **ref_kw)
     cast = lambda t: detached_copy(t, torch.float64)  # noqa: E731
     gkw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
-           for key, val in kw.items()}
+           for key, val in ref_kw.items()}
     gold = run("reference", mode, cast(q), cast(k), cast(v), cast(b), cast(n), dout, dlse, **gkw)
     assert ours[0].dtype == dtype and ours[0].shape == naive[0].shape
     expected_lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -81,19 +81,35 @@ def count_launches(monkeypatch):
 
 def test_schema_carries_the_spec():
     """Every op ends with the backend name and the AttentionSpec fields, in field order."""
-    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic"]
+    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic",
+                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_k", "k_start",
+                 "num_splits", "dropout_p", "window_left", "window_right", "dropout_rng"]
     for op in (torch.ops.ssa_flash.attn_fwd, torch.ops.ssa_flash.attn_bwd, torch.ops.ssa_flash.row_entropy):
         names = [a.name for a in op.default._schema.arguments]
         assert names[-len(spec_args) - 1:] == ["backend"] + spec_args, names
+        types = {a.name: str(a.type) for a in op.default._schema.arguments}
+        assert types["cu_seqlens_q"] == types["seqused_k"] == "Optional[Tensor]", types
     spec = AttentionSpec(scale=0.25, causal=True, group=2, adaptive=True, poly=(1, 2.5), threshold=0.1)
-    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False)
+    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False, None, None, 0, 0, None, None, 0, 0.0, -1, -1,
+                              None)
     assert AttentionSpec.from_op_args(spec.op_args()) == spec
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    packed = AttentionSpec(scale=0.25, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3)
+    back = AttentionSpec.from_op_args(packed.op_args())
+    assert back.cu_seqlens_q is cu and back == packed and hash(back) == hash(packed)
+    rng = torch.tensor([5, 7])
+    spec = AttentionSpec(scale=0.25, dropout_p=0.5, window_left=3, dropout_rng=rng)
+    assert AttentionSpec.from_op_args(spec.op_args()).dropout_rng is rng
 
 
 def _fwd_args(variant, dtype, backend):
     q, k, v, b, n = _inputs(DEVICE, dtype, Hq=4, Hkv=2, D=24)
     if variant == "softmax":
         return (q, k, v, None, None, None, backend, *AttentionSpec(scale=0.3, group=2).op_args())
+    if variant == "ssa_dropout_window":  # a tensor-valued spec field (the dropout seed)
+        spec = AttentionSpec(scale=0.3, group=2, dropout_p=0.25, window_left=5, window_right=2,
+                             dropout_rng=torch.tensor([123, 45], device=q.device))
+        return (q, k, v, b.to(spec_dtype(dtype)), n.to(spec_dtype(dtype)), None, backend, *spec.op_args())
     g = torch.Generator().manual_seed(1)
     mask = (torch.rand(1, 1, 16, 16, generator=g) > 0.2).to(q.device).expand(1, 4, 16, 16)
     spec = AttentionSpec(scale=0.3, causal=True, group=2, adaptive=True)
@@ -101,11 +117,17 @@ def _fwd_args(variant, dtype, backend):
             mask, backend, *spec.op_args())
 
 
+def spec_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
-@pytest.mark.parametrize("variant", ["ssa_adaptive_mask", "softmax"])
+@pytest.mark.parametrize("variant", ["ssa_adaptive_mask", "softmax", "ssa_dropout_window"])
 def test_opcheck_forward(variant, on_backend):
     """Schema, fake (meta) implementation, autograd registration, AOT dispatch (static and dynamic)."""
     backend, dtype, context = on_backend
+    if backend == "cuda" and variant == "ssa_dropout_window":
+        pytest.skip("the CUDA backend implements neither dropout nor windows")
     with context:
         torch.library.opcheck(torch.ops.ssa_flash.attn_fwd.default, _fwd_args(variant, dtype, backend))
 
@@ -230,6 +252,28 @@ def test_compile_fullgraph_adaptive_gqa(count_launches):
 
     _compare_compiled(fn, (q, k, v, b, n), (q, k, v, b, n), backend="aot_eager")
     assert count_launches["backward"] >= 2
+
+
+def test_compile_fullgraph_dropout_window(count_launches):
+    """Dropout's (seed, offset) is drawn inside the graph (a random op, not a baked constant):
+    under the same torch.manual_seed compiled == eager, and two seeds differ."""
+    q, k, v, b, n = _inputs(DEVICE, L=20)
+
+    def fn(q, k, v, b, n):
+        out = ssa_flash.ssa_attention(q, k, v, dropout_p=0.3, window_size=(4, 3), b=b, n=n)
+        return (out * out).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    results = []
+    for f, seed in ((compiled, 0), (fn, 0), (compiled, 1)):
+        torch.manual_seed(seed)
+        loss = f(q, k, v, b, n)
+        results.append((loss,) + torch.autograd.grad(loss, (q, k, v, b, n)))
+    for x, y in zip(results[0], results[1]):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(results[0][0], results[2][0])
+    assert count_launches["backward"] >= 3
 
 
 def test_compile_fullgraph_module_and_constant_params():
@@ -375,3 +419,35 @@ def test_cuda_graph_capture_forward_backward(adaptive, backend):
     expected = [out] + [t.grad for t in eager_leaves]
     for name, c, e in zip(["out", "dq", "dk", "dv", "db", "dn"], captured, expected):
         torch.testing.assert_close(c, e, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@needs_cuda
+def test_cuda_graph_dropout_draws_anew_on_replay():
+    """Dropout inside a captured graph: the (seed, offset) draw is a captured generator op, so each
+    replay uses fresh bits (outputs differ between replays); outputs and gradients stay finite."""
+    q, k, v, b, n = _inputs("cuda", torch.float16, L=64, D=32)
+    b, n = b.float().detach().requires_grad_(), n.float().detach().requires_grad_()
+
+    def step():
+        out = ssa_flash.ssa_attention(q, k, v, dropout_p=0.5, b=b, n=n, backend="triton")
+        out.float().sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _clear_grads(q, k, v, b, n)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    _clear_grads(q, k, v, b, n)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    outs = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append(static_out.clone())
+        assert torch.isfinite(static_out).all() and torch.isfinite(q.grad).all()
+    assert not torch.equal(outs[0], outs[1])

@@ -116,7 +116,7 @@ def test_exp2_poly_accuracy(degree, bound):
 @pytest.mark.parametrize("degree,bound", [(3, 1.5e-4), (4, 1e-5)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernels_with_poly_exp2(monkeypatch, degree, bound, causal):
-    """Half the forward's interior weights and half the dK/dV kernel's interior reciprocals
+    """Half the forward's interior weights and half the backward's interior reciprocals
     through the polynomial: within its error of the exact kernels in float32 (and not identical:
     the paths ran), and FlashAttention's rule in float16."""
     import ssa_flash
@@ -138,7 +138,7 @@ def test_kernels_with_poly_exp2(monkeypatch, degree, bound, causal):
         diff = ((p - e).abs().max() / e.abs().max()).item()
         # db, dn: one sum over every score of a head, with cancellation (the weights' relative
         # error, through O and delta, is amplified relative to the sum itself)
-        assert diff <= bound * (50 if name in ("db", "dn") else 1), (name, diff)
+        assert diff <= bound * (100 if name in ("db", "dn") else 1), (name, diff)
         if name in ("out", "dk"):  # the paths that use the polynomial
             assert diff > 0, name
     q16, k16, v16 = (t.detach().half().requires_grad_() for t in (q, k, v))

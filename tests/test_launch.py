@@ -82,12 +82,14 @@ def test_no_configuration_fits(on_fake_gpu):
 def test_tile_tables(arch, kernel, head_block):
     """Power-of-two tiles; on Hopper, 8 warps only where the wgmma M dimension (queries; keys in
     the transposed dK/dV kernel) covers both warpgroups' 64-row slices."""
-    for blk in launch.block_candidates(arch, head_block, torch.bfloat16, kernel):
-        for size in (blk.m, blk.n):
-            assert size >= 16 and size & (size - 1) == 0
-        m_dim = blk.n if kernel == "bwd_dkdv" else blk.m
-        if arch >= 90 and blk.warps == 8:
-            assert m_dim >= 128, blk
+    for masked in (False, True):
+        for adaptive in (False, True):
+            for blk in launch.block_candidates(arch, head_block, torch.bfloat16, kernel, masked, adaptive):
+                for size in (blk.m, blk.n):
+                    assert size >= 16 and size & (size - 1) == 0
+                m_dim = blk.n if kernel == "bwd_dkdv" else blk.m
+                if arch >= 90 and blk.warps == 8:
+                    assert m_dim >= 128, blk
 
 
 def test_capture_records_without_running():

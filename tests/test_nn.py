@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import ssa_flash
 from ssa_flash import reference
 from ssa_flash.nn import SSAttention
 
@@ -19,7 +20,7 @@ def _grads(out, dout, tensors):
 
 
 @needs_kernels
-@pytest.mark.parametrize("case", ["causal", "bool_mask_gqa", "float_mask"])
+@pytest.mark.parametrize("case", ["causal", "bool_mask_gqa", "float_mask", "window_dropout"])
 def test_module_matches_reference(case):
     Hq, Hkv = (4, 2) if case == "bool_mask_gqa" else (2, 2)
     q, k, v = make_qkv(B=1, Hq=Hq, Hkv=Hkv, Lq=13, Lk=21, D=8, dtype=DTYPE)
@@ -32,11 +33,18 @@ def test_module_matches_reference(case):
     elif case == "bool_mask_gqa":
         kw["attn_mask"] = (torch.rand(13, 21, generator=g) > 0.3).to(DEVICE)
         kw["enable_gqa"] = True
-    else:
+    elif case == "float_mask":
         kw["attn_mask"] = torch.randn(1, Hq, 13, 1, generator=g, dtype=DTYPE).to(DEVICE)
         kw["scale"] = 0.4
+    else:  # keyword-only extras: local attention and attention dropout
+        kw.update(window_size=(3, 5), dropout_p=0.3)
+    ref_kw = dict(kw)
+    if "dropout_p" in kw:
+        torch.manual_seed(0)
+        ref_kw["dropout_mask"] = ssa_flash.dropout_mask((1, Hq, 13, 21), 0.3, device=DEVICE)
+        torch.manual_seed(0)
     out = attn(q, k, v, **kw)
-    ref = reference.ssa_attention(q, k, v, b=attn.b, n=attn.n, **kw)
+    ref = reference.ssa_attention(q, k, v, b=attn.b, n=attn.n, **ref_kw)
     torch.testing.assert_close(out, ref, **TOL)
 
     dout = torch.randn(out.shape, generator=g, dtype=DTYPE).to(DEVICE)

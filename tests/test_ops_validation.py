@@ -67,8 +67,8 @@ def test_value_errors(fn):
         fn(q, k, v, dropout_p=1.5)
     with pytest.raises(ValueError, match="scale"):
         fn(q, k, v, scale=float("nan"))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fn(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="window_size"):
+        fn(q, k, v, window_size=(-2, 3))
 
 
 def test_b_n_errors():

@@ -41,7 +41,8 @@ def tokens(batch, length, seed=0):
 
 @contextlib.contextmanager
 def reference_attention(calls):
-    """Routes "ssa" to the naive reference (same per-module b, n), counting the calls."""
+    """Routes "ssa" to the naive reference (same per-module b, n) with transformers' materialised
+    masks, counting the calls."""
 
     def fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
         calls.append(module)
@@ -53,6 +54,8 @@ def reference_attention(calls):
         return out.transpose(1, 2).contiguous(), None
 
     ssa_hf.AttentionInterface.register(ssa_hf.ATTN_IMPLEMENTATION, fn)
+    if ssa_hf.AttentionMaskInterface is not None:  # materialised (B, 1, Lq, Lk) masks, as sdpa
+        ssa_hf.AttentionMaskInterface.register(ssa_hf.ATTN_IMPLEMENTATION, ssa_hf.sdpa_mask)
     try:
         yield
     finally:
@@ -214,13 +217,186 @@ def test_errors():
         bare(tokens(1, 4))
 
 
-def test_attention_dropout_is_refused_in_training():
-    with pytest.warns(UserWarning, match="dropout"):
-        model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_pdrop=0.1)))
-    x = tokens(1, 4)
+def test_attention_dropout_in_training(monkeypatch):
+    """GPT-2's default attention dropout: no warning, applied in training (transformers passes
+    it to the attention function), not in eval; torch.manual_seed reproduces a training step."""
+    import ssa_flash.nn
+
+    seen = []
+    orig = ssa_flash.nn.ssa_attention
+    monkeypatch.setattr(ssa_flash.nn, "ssa_attention",
+                        lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw.get("dropout_p")) or orig(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = ssa_hf.enable_ssa(transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_pdrop=0.5)))
+    model.to(DEVICE)
+    x = tokens(1, 20)
     model.eval()
     with torch.no_grad():
-        model(x)
+        clean = model(x).logits
+        assert torch.equal(clean, model(x).logits)
+    assert seen == [0.0, 0.0]
     model.train()
-    with pytest.raises(NotImplementedError, match="attn_pdrop"):
-        model(x)
+    logits = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        out = model(x).logits
+        assert torch.isfinite(out).all()
+        logits.append(out)
+    assert seen[2:] == [0.5] * 3
+    assert torch.equal(logits[0], logits[1]) and not torch.equal(logits[0], logits[2])
+    assert not torch.allclose(logits[0], clean)
+    logits[0].sum().backward()
+    grads = [p.grad for m in ssa_modules(model) for p in (m.b_raw, m.n_raw)]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Padded batches without materialised masks, and the decode kernel in generation
+
+
+@contextlib.contextmanager
+def padding_free(enabled):
+    previous = ssa_hf.PADDING_FREE
+    ssa_hf.PADDING_FREE = enabled
+    try:
+        yield
+    finally:
+        ssa_hf.PADDING_FREE = previous
+
+
+@pytest.fixture
+def kernel_layouts(monkeypatch):
+    """Records (layout kind, mask given) of every Triton forward launch."""
+    from ssa_flash.triton import launch
+
+    seen = []
+    fwd = launch.forward
+
+    def forward(q, k, v, mask, b, n, beta, spec, layout=None):
+        seen.append((type(layout).__name__ if layout is not None else "dense", mask is not None))
+        return fwd(q, k, v, mask, b, n, beta, spec, layout)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    return seen
+
+
+def padded_batch(batch, length, lengths, left, seed=0):
+    x = tokens(batch, length, seed)
+    mask = torch.zeros_like(x)
+    for i, n in enumerate(lengths):
+        if left:
+            mask[i, length - n:] = 1
+        else:
+            mask[i, :n] = 1
+    return x, mask
+
+
+def build(arch, seed=0):
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(gpt2_config())
+    else:
+        model = transformers.LlamaForCausalLM(llama_config())
+    model = ssa_hf.enable_ssa(model.to(DEVICE).eval())
+    randomise_ssa(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("left", [True, False])
+def test_padded_batch_is_padding_free(arch, left, kernel_layouts):
+    """A padded batch runs the packed kernels (no mask reaches them) and gives the logits of the
+    materialised-mask path at every real token; the training gradients of b and n agree too."""
+    model = build(arch)
+    x, attn_mask = padded_batch(3, 9, [9, 4, 1], left)
+    keep = attn_mask.bool()
+    with torch.no_grad():
+        fast = model(x, attention_mask=attn_mask).logits
+        assert kernel_layouts and all(kind == "Packed" and not has_mask for kind, has_mask in kernel_layouts)
+        kernel_layouts.clear()
+        with padding_free(False):
+            masked = model(x, attention_mask=attn_mask).logits
+        assert kernel_layouts and all(kind == "dense" and has_mask for kind, has_mask in kernel_layouts)
+        calls = []
+        with reference_attention(calls):
+            ref = model(x, attention_mask=attn_mask).logits
+    torch.testing.assert_close(fast[keep], masked[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[keep], ref[keep], atol=1e-5, rtol=1e-5)
+
+    labels = x.masked_fill(~keep, -100)
+    grads = []
+    for enabled in (True, False):
+        model.zero_grad()
+        with padding_free(enabled):
+            model(x, attention_mask=attn_mask, labels=labels).loss.backward()
+        grads.append([p.grad.clone() for m in ssa_modules(model) for p in (m.b_raw, m.n_raw)])
+    for g_fast, g_masked in zip(*grads):
+        assert torch.isfinite(g_fast).all() and (g_fast != 0).any()
+        torch.testing.assert_close(g_fast, g_masked, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_uses_decode_kernel(arch, cache, kernel_layouts):
+    """Greedy generation of a left-padded batch with SSA: the decoding steps run the split-KV
+    KV-cache kernel (on transformers' cache after its update: the non-writing form) and generate
+    the tokens of the path without it (materialised masks, dense kernels)."""
+    model = build(arch, seed=1)
+    x, attn_mask = padded_batch(2, 6, [6, 3], left=True, seed=1)
+    kw = dict(attention_mask=attn_mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        fast = model.generate(x, **kw)
+        kinds = {kind for kind, _ in kernel_layouts}
+        assert "KVCache" in kinds and "Packed" in kinds, kinds  # prompt packed, steps from the cache
+        assert not any(has_mask for _, has_mask in kernel_layouts)
+        kernel_layouts.clear()
+        with padding_free(False):
+            slow = model.generate(x, **kw)
+        assert {kind for kind, _ in kernel_layouts} == {"dense"}
+        calls = []
+        with reference_attention(calls):
+            ref = model.generate(x, **kw)
+    assert fast.shape == (2, 11)
+    assert torch.equal(fast, slow) and torch.equal(fast, ref)
+
+
+def test_decode_kernel_matches_masked_logits():
+    """One decoding step over a left-padded cache: the split-KV kernel's logits equal the
+    materialised-mask path's (a stronger check than equal greedy tokens)."""
+    model = build("llama", seed=2)
+    x, attn_mask = padded_batch(2, 7, [7, 2], left=True, seed=2)
+    with torch.no_grad():
+        out = model(x, attention_mask=attn_mask, use_cache=True)
+        step = tokens(2, 1, seed=3)
+        mask2 = torch.cat([attn_mask, torch.ones_like(step)], dim=1)
+        import copy
+        cache2 = copy.deepcopy(out.past_key_values)
+        fast = model(step, attention_mask=mask2, past_key_values=out.past_key_values).logits
+        with padding_free(False):
+            masked = model(step, attention_mask=mask2, past_key_values=cache2).logits
+    torch.testing.assert_close(fast, masked, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_batch_dropout_in_training(kernel_layouts):
+    """Attention dropout on a padded batch in training: the packed kernels run with it (no mask
+    reaches them), torch.manual_seed reproduces a step, and it changes the logits."""
+    torch.manual_seed(0)
+    model = ssa_hf.enable_ssa(transformers.LlamaForCausalLM(llama_config(attention_dropout=0.5)).to(DEVICE))
+    randomise_ssa(model)
+    x, attn_mask = padded_batch(3, 9, [9, 4, 2], left=False)
+    keep = attn_mask.bool()
+    model.eval()
+    with torch.no_grad():
+        clean = model(x, attention_mask=attn_mask).logits
+    model.train()
+    logits = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        logits.append(model(x, attention_mask=attn_mask).logits)
+    assert kernel_layouts and all(kind == "Packed" and not has_mask for kind, has_mask in kernel_layouts)
+    assert all(torch.isfinite(t[keep]).all() for t in logits)
+    assert torch.equal(logits[0][keep], logits[1][keep]) and not torch.equal(logits[0][keep], logits[2][keep])
+    assert not torch.allclose(logits[0][keep], clean[keep])

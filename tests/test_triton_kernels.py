@@ -147,6 +147,20 @@ def test_b_n_forms(mode, bn):
     check(mode, q, k, v, b, n)
 
 
+@pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_n_zero(mode, causal):
+    """A head with n = 0 (weights uniform over the admissible keys; a learnable n passes through
+    it): forward, LSE and every gradient, dn included, finite and as the reference's. The
+    backward never divides by n."""
+    q, k, v = make_qkv(Hq=2, Lq=21, Lk=19, D=16)
+    b, n = head_params(2)
+    with torch.no_grad():
+        n[0] = 0.0
+    out = check(mode, q, k, v, b, n, is_causal=causal, with_dlse=True)
+    assert out[2]["n"][0] != 0  # dn of the n = 0 head: the weights do depend on n there
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_empty_rows_give_zero(mode):
     """Rows that can attend to nothing: output 0, zero gradients, never NaN."""

@@ -65,20 +65,52 @@ def analyse_loop(func: sass.Function, lp: sass.Loop, block_m: int, block_n: int,
         "source_lines": {f.rsplit("/", 1)[-1]: list(r) for f, r in c.lines.items()},
         "branch_line": (f"{c.branch_line[0].rsplit('/', 1)[-1]}:{c.branch_line[1]}" if c.branch_line else None),
         "opcodes": dict(list(c.by_opcode.items())[:16]),  # the most frequent mnemonics
+        "boundary_code": bool(c.line_set & boundary_marker_lines()),
     }
 
 
+_MARKER = "# audit: boundary-only"
+
+
+def boundary_marker_lines() -> frozenset:
+    """``(file name, line)`` of the source lines marked ``# audit: boundary-only`` in the Triton
+    kernels: code that only boundary tiles run (the index checks). A main loop holding any
+    instruction from them is a boundary loop; the loop holding none is the interior one."""
+    global _marker_cache
+    if _marker_cache is None:
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parent.parent / "triton"
+        found = set()
+        for path in root.glob("*.py"):
+            for i, text in enumerate(path.read_text().splitlines(), 1):
+                if _MARKER in text:
+                    found.add((path.name, i))
+        _marker_cache = frozenset(found)
+    return _marker_cache
+
+
+_marker_cache = None
+
+
 def assign_roles(loops: List[dict]) -> Optional[int]:
-    """Name the main loops: one loop is ``main``; with several, the one with the fewest
-    instructions per element is ``interior`` (no bounds, causal or mask work) and the others are
-    ``boundary`` (``boundary1``, ``boundary2``, ... in code order when there are several).
-    Returns the index of the loop the gates use (None if there is no loop)."""
+    """Name the main loops: one loop is ``main``; with several, the ``interior`` one (no bounds,
+    causal or mask work) and ``boundary`` ones (``boundary1``, ``boundary2``, ... in code order
+    when there are several). The interior loop is the one without code from the lines marked
+    ``# audit: boundary-only`` (:func:`boundary_marker_lines`) when exactly one such loop exists,
+    else the one with the fewest instructions per element (an interior loop can be the longer
+    one: the polynomial exp2 moves MUFU work into it). Returns the index of the loop the gates
+    use (None if there is no loop)."""
     if not loops:
         return None
     if len(loops) == 1:
         loops[0]["role"] = "main"
         return 0
-    best = min(range(len(loops)), key=lambda i: (loops[i]["per_element"]["total"], i))
+    unmarked = [i for i, lp in enumerate(loops) if not lp.get("boundary_code")]
+    if len(unmarked) == 1:
+        best = unmarked[0]
+    else:
+        best = min(range(len(loops)), key=lambda i: (loops[i]["per_element"]["total"], i))
     others = [i for i in range(len(loops)) if i != best]
     for k, i in enumerate(others, 1):
         loops[i]["role"] = "boundary" if len(others) == 1 else f"boundary{k}"

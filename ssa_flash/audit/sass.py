@@ -240,6 +240,7 @@ class LoopCounts:
     nested_loops: int  # loops inside this one (spin-waits)
     lines: Dict[str, Tuple[int, int]]  # source file -> (first line, last line) seen in the body
     branch_line: Optional[Tuple[str, int]]  # source line of the backward branch
+    line_set: frozenset = frozenset()  # every (file name, line) seen in the body
 
 
 def count_loop(func: Function, lp: Loop) -> LoopCounts:
@@ -283,4 +284,5 @@ def count_loop(func: Function, lp: Loop) -> LoopCounts:
         uniform=uniform, local_memory=local, inner_branches=inner, calls=calls, nested_loops=nested,
         lines={f: (min(v), max(v)) for f, v in lines.items()},
         branch_line=func.instrs[lp.tail].line,
+        line_set=frozenset((f.rsplit("/", 1)[-1], ln) for f, v in lines.items() for ln in v),
     )

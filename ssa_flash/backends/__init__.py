@@ -11,7 +11,9 @@ Every backend module provides ``NAME``, ``unavailable_reason(device)``, ``suppor
 ``row_entropy(q, k, mask, b, n, spec)``, ``forward(q, k, v, mask, b, n, beta, spec)`` and
 ``backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)`` (``spec.Backend`` documents
 them). Code that needs attention pieces rather than the public functions (ring attention: partial
-attention over one key shard) calls these directly.
+attention over one key shard, ``ssa_flash.distributed.partial``) calls these directly; the adaptive
+temperature's backward over a key shard also needs ``row_dbeta`` and ``backward_given_g``
+(``spec.KeyShardTemperature``, optional: the Triton and reference backends have them).
 
 ``backend="reference"`` in the public functions runs ``ssa_flash.reference`` under ordinary
 autograd instead of the custom ops: it stays the specification (differentiable to any order, no
@@ -30,10 +32,10 @@ import torch
 from ..errors import BackendUnavailableError
 from . import cuda, reference, triton
 from ._compile import constant_for_compile
-from .spec import AttentionSpec, Backend, TemperatureState
+from .spec import AttentionSpec, Backend, KeyShardTemperature, TemperatureState
 
 __all__ = ["NAMES", "get", "available", "resolve", "preferred_backend", "AttentionSpec",
-           "TemperatureState", "Backend", "BackendUnavailableError"]
+           "TemperatureState", "Backend", "KeyShardTemperature", "BackendUnavailableError"]
 
 NAMES = ("triton", "cuda", "reference")
 _MODULES = {"triton": triton, "cuda": cuda, "reference": reference}

@@ -321,7 +321,28 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     return max(fwd, dq, dkdv)
 
 
+def _feature_reason(spec: AttentionSpec) -> Optional[str]:
+    """Why the kernels cannot compute ``spec`` (dropout, windows: not implemented), or None."""
+    if spec.dropout_p > 0:
+        return (f"the CUDA kernels do not implement dropout (dropout_p={spec.dropout_p}); "
+                "the Triton backend does")
+    if spec.window_left >= 0 or spec.window_right >= 0:
+        return (f"the CUDA kernels do not implement local attention (window_size=("
+                f"{spec.window_left}, {spec.window_right})); the Triton backend does")
+    return None
+
+
+def _refuse_unsupported(spec: AttentionSpec) -> None:
+    """Direct callers of the backend functions get an error instead of a silently ignored option."""
+    why = _feature_reason(spec)
+    if why is not None:
+        raise ValueError(f"ssa_flash CUDA backend: {why}")
+
+
 def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+    if spec.packed or spec.kv_cache:
+        return ("the CUDA C++ kernels do not implement packed variable-length batches or KV-cache "
+                "decoding (varlen_attention, attention_with_kvcache): use backend='triton'")
     why = _device_reason(q.device)
     if why is not None:
         return why
@@ -332,6 +353,9 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
         return f"the CUDA kernels support head dims up to {MAX_HEAD_DIM}, got {d}"
     if q.shape[0] > 65535 or q.shape[1] > 65535:
         return "batch and heads must each be at most 65535"
+    why = _feature_reason(spec)
+    if why is not None:
+        return why
     if q.device.type != "cuda":  # emulated: no hardware limits
         return None
     major, minor, optin = _capability(q.device)
@@ -402,6 +426,7 @@ def _on_device(device: torch.device):
 
 
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+    _refuse_unsupported(spec)
     ext = _extension(q.device)
     d8 = _round8(q.shape[-1])
     mask_t, kind = _prep_mask(mask)
@@ -411,6 +436,7 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
 
 
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+    _refuse_unsupported(spec)
     ext = _extension(q.device)
     d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
     mask_t, kind = _prep_mask(mask)
@@ -424,6 +450,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
 
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
+    _refuse_unsupported(spec)
     ext = _extension(q.device)
     d, dv = q.shape[-1], v.shape[-1]
     d8, dv8 = _round8(d), _round8(dv)

@@ -4,6 +4,9 @@ The forward reuses the specification's logit rows (``ssa_flash.reference``); the
 DESIGN.md 1.2 / 1.3 written out on whole ``(B, Hq, Lq, Lk)`` matrices, in the accumulation dtype
 (float64 for float64 inputs, else float32), on any device and dtype. O(Lq * Lk) memory.
 
+Packed batches and KV caches (``spec.packed``, ``spec.kv_cache``) run the dense computation on
+each sequence in turn (lengths read on the host).
+
 This is the form of the reference that the custom ops can call (an op's implementation runs with
 autograd off, so a backend cannot differentiate a recomputed forward): it lets the op layer (the
 adaptive-temperature host step, LSE gradients, empty rows) and callers of the backend interface be
@@ -12,6 +15,7 @@ runs ``ssa_flash.reference`` under ordinary autograd (see ``ssa_flash.backends``
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -19,7 +23,8 @@ import torch
 from .. import reference as spec_code
 from .spec import AttentionSpec, TemperatureState, acc_dtype
 
-__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+__all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
+           "backward_given_g"]
 
 NAME = "reference"
 
@@ -39,7 +44,8 @@ def _rows(q, k, mask, b, n, spec: AttentionSpec):
     qa, ka = q.to(acc), k.to(acc)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(acc)
-    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n)
+    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n,
+                                       (spec.window_left, spec.window_right))
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
     z = spec.scale * (qa @ kr.transpose(-2, -1))
     return z, l, allowed
@@ -57,6 +63,23 @@ def _tempered(l, allowed, beta):
     return (beta.unsqueeze(-1) * l.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
 
 
+def _keep(shape, spec: AttentionSpec, device):
+    """The dropout keep mask (the kernels' Philox mask for ``spec.dropout_rng``), or None."""
+    if spec.dropout_p <= 0:
+        return None
+    seed, offset = spec.dropout_rng.tolist()
+    return spec_code.dropout_keep_mask(seed, offset, shape, spec.dropout_p, device)
+
+
+def _weights(s, allowed, lse):
+    """``exp(s - lse)`` on admissible entries, else 0: the weights of rows whose log-sum-exp is
+    ``lse`` (of all the keys, which may be more than those of ``s``); rows with ``lse = -inf``
+    (no admissible key) get 0."""
+    lse = lse.to(s.dtype).unsqueeze(-1)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(s - lse).masked_fill(~allowed, 0.0)
+
+
 def _group_sum(x, group: int):
     """``(B, Hq, L, d)`` -> ``(B, Hkv, L, d)``: sums the query heads sharing a key/value head."""
     if group == 1:
@@ -65,41 +88,199 @@ def _group_sum(x, group: int):
     return x.view(B, H // group, group, L, d).sum(dim=2)
 
 
+# --------------------------------------------------------------------------------------------
+# Packed batches and KV caches: the dense computation on each sequence, one at a time
+
+
+def _dense(spec: AttentionSpec, causal: bool) -> AttentionSpec:
+    return dataclasses.replace(spec, causal=causal, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                               max_seqlen_k=0, seqused_k=None, k_start=None, num_splits=0)
+
+
+def _pieces(q, k, spec: AttentionSpec):
+    """Per sequence ``(rows, q_s, k_slice, mask, dense_spec)``: ``rows`` selects its query rows in
+    the outputs (packed: ``(slice over tokens, None)``; KV cache: ``(None, batch index)``), ``q_s``
+    is ``(1, Hq, Lq_s, D)``, ``k_slice`` selects its keys, ``mask`` is None or the bottom-right
+    causal mask of a KV cache. Reads the lengths on the host (a reference, not a kernel)."""
+    out = []
+    if spec.packed:
+        cq, ck = spec.cu_seqlens_q.tolist(), spec.cu_seqlens_k.tolist()
+        for s in range(len(cq) - 1):
+            if cq[s + 1] > cq[s]:
+                out.append(((slice(cq[s], cq[s + 1]), None), q[cq[s]:cq[s + 1]].transpose(0, 1).unsqueeze(0),
+                            slice(ck[s], ck[s + 1]), None, _dense(spec, spec.causal)))
+        return out
+    used = spec.seqused_k.tolist()
+    starts = spec.k_start.tolist() if spec.k_start is not None else [0] * len(used)
+    Lq, Lk = q.shape[2], k.shape[2]
+    for i, (u, st) in enumerate(zip(used, starts)):
+        end = min(max(u, 0), Lk)
+        start = min(max(st, 0), end)
+        mask = None
+        if spec.causal:  # bottom-right: query r is at key position (end - start) - Lq + r
+            mask = (torch.arange(end - start, device=q.device)[None, :]
+                    <= torch.arange(Lq, device=q.device)[:, None] + (end - start - Lq))
+        out.append(((None, i), q[i:i + 1], slice(start, end), mask, _dense(spec, False)))
+    return out
+
+
+def _keys(x, spec: AttentionSpec, rows, k_slice):
+    """The keys (or values) of one sequence, ``(1, Hkv, Lk_s, d)``."""
+    if spec.packed:
+        return x[k_slice].transpose(0, 1).unsqueeze(0)
+    return x[rows[1]:rows[1] + 1, :, k_slice]
+
+
+def _rows_of(x, spec: AttentionSpec, rows, stat: bool):
+    """Sequence ``rows`` of an output (``stat``: a per-row statistic) as a dense ``(1, H, Lq_s, ...)``."""
+    if spec.packed:
+        return x[:, rows[0]].unsqueeze(0) if stat else x[rows[0]].transpose(0, 1).unsqueeze(0)
+    return x[rows[1]:rows[1] + 1]
+
+
+def _put(dst, spec: AttentionSpec, rows, value, stat: bool):
+    if spec.packed:
+        if stat:
+            dst[:, rows[0]] = value[0]
+        else:
+            dst[rows[0]] = value[0].transpose(0, 1)
+    else:
+        dst[rows[1]:rows[1] + 1] = value
+
+
+def _layout_rows(q, k, mask, b, n, spec: AttentionSpec, fn, n_stats: int, out_dim=None):
+    """Runs ``fn(q_s, k_slice, mask_s, dense_spec, rows)`` per sequence and assembles its
+    ``n_stats`` per-row statistics (and, with ``out_dim``, an output first). Every row belongs to
+    exactly one sequence (packed: the cu_seqlens cover the tokens; KV cache: one per batch element)."""
+    acc = acc_dtype(q.dtype)
+    row_shape = (q.shape[1], q.shape[0]) if spec.packed else tuple(q.shape[:-1])
+    stats = [torch.zeros(row_shape, dtype=acc, device=q.device) for _ in range(n_stats)]
+    out = None
+    if out_dim is not None:
+        out = q.new_zeros((*q.shape[:-1], out_dim))
+    for rows, q_s, k_slice, m, dspec in _pieces(q, k, spec):
+        res = fn(q_s, k_slice, m, dspec, rows)
+        if out is not None:
+            _put(out, spec, rows, res[0], False)
+            res = res[1:]
+        for dst, val in zip(stats, res):
+            _put(dst, spec, rows, val, True)
+    return out, stats
+
+
+def _empty_row_stats(q_s, acc):
+    shape = q_s.shape[:-1]
+    return torch.zeros(shape, dtype=acc, device=q_s.device), torch.full(shape, float("-inf"), dtype=acc, device=q_s.device)
+
+
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+    if spec.packed or spec.kv_cache:
+        def fn(q_s, k_slice, m, dspec, rows):
+            k_s = _keys(k, spec, rows, k_slice)
+            if k_s.shape[2] == 0:  # no key: entropy 0, lse -inf
+                return _empty_row_stats(q_s, acc_dtype(q.dtype))
+            return row_entropy(q_s, k_s, None if m is None else m.expand(1, q_s.shape[1], *m.shape), b, n, dspec)
+
+        _, (ent, lse_l) = _layout_rows(q, k, mask, b, n, spec, fn, 2)
+        return ent, lse_l
     _, l, allowed = _rows(q, k, mask, b, n, spec)
     return spec_code._entropy(l, allowed), _lse(l)
 
 
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+    if spec.packed or spec.kv_cache:
+        def fn(q_s, k_slice, m, dspec, rows):
+            k_s, v_s = _keys(k, spec, rows, k_slice), _keys(v, spec, rows, k_slice)
+            if k_s.shape[2] == 0:  # no key: output 0, lse -inf
+                return (q_s.new_zeros((*q_s.shape[:-1], v.shape[-1])), _empty_row_stats(q_s, acc_dtype(q.dtype))[1])
+            beta_s = _rows_of(beta, spec, rows, True) if spec.adaptive else None
+            m4 = None if m is None else m.expand(1, q_s.shape[1], *m.shape)
+            return forward(q_s, k_s, v_s, m4, b, n, beta_s, dspec)
+
+        out, (lse,) = _layout_rows(q, k, mask, b, n, spec, fn, 1, out_dim=v.shape[-1])
+        return out, lse
     _, l, allowed = _rows(q, k, mask, b, n, spec)
     s = _tempered(l, allowed, beta if spec.adaptive else None)
     p = spec_code._masked_softmax(s, allowed)
+    keep = _keep(p.shape, spec, p.device)
+    if keep is not None:
+        p = spec_code._apply_dropout(p, spec.dropout_p, keep)
     va = v.to(p.dtype)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
     return (p @ vr).to(q.dtype), _lse(s)
 
 
+def _backward_packed(dout, q, k, v, out, lse, dlse, b, n, temp, spec: AttentionSpec):
+    acc = acc_dtype(q.dtype)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    db = dn = None
+    if b is not None:
+        db, dn = torch.zeros(q.shape[1], dtype=acc, device=q.device), torch.zeros(q.shape[1], dtype=acc, device=q.device)
+    for rows, q_s, k_slice, _, dspec in _pieces(q, k, spec):
+        k_s, v_s = _keys(k, spec, rows, k_slice), _keys(v, spec, rows, k_slice)
+        if k_s.shape[2] == 0:
+            continue  # no key: zero gradients
+        sub = lambda x: None if x is None else _rows_of(x, spec, rows, x.dim() == 2)  # noqa: E731
+        temp_s = TemperatureState(*(sub(t) for t in temp)) if spec.adaptive else None
+        g = backward(sub(dout), q_s, k_s, v_s, sub(out), sub(lse), sub(dlse), None, b, n, temp_s, dspec)
+        dq[rows[0]] = g[0][0].transpose(0, 1)
+        dk[k_slice] = g[1][0].transpose(0, 1)
+        dv[k_slice] = g[2][0].transpose(0, 1)
+        if b is not None:
+            db, dn = db + g[3], dn + g[4]
+    return dq, dk, dv, db, dn
+
+
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
+    if spec.kv_cache:
+        raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
+    if spec.packed:
+        return _backward_packed(dout, q, k, v, out, lse, dlse, b, n, temp, spec)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)
+
+
+# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
+
+
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, dbeta_only=True)
+
+
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+                     spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=g)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbeta_only=False):
     z, l, allowed = _rows(q, k, mask, b, n, spec)
     acc = z.dtype
     beta = temp.beta if spec.adaptive else None
     s = _tempered(l, allowed, beta)
-    p_s = spec_code._masked_softmax(s, allowed)  # P' = softmax(beta * l)
+    # P' = softmax(beta * l) normalised by the given lse: the whole row's, also for a key shard
+    p_s = _weights(s, allowed, lse)
     do, o = dout.to(acc), out.to(acc)
     va = v.to(acc)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
 
-    dv = _group_sum(p_s.transpose(-2, -1) @ do, spec.group)
+    keep = _keep(p_s.shape, spec, p_s.device)
+    # dropout: out = (r M * P') V with r = 1 / (1 - p), so dV = (r M * P')^T dO, dP' = r M * (dO V^T)
+    p_kept = p_s if keep is None else spec_code._apply_dropout(p_s, spec.dropout_p, keep)
+    dv = _group_sum(p_kept.transpose(-2, -1) @ do, spec.group)
     delta = (do * o).sum(-1)
     if dlse is not None:  # d lse_i / d S'_ij = P'_ij
         delta = delta - dlse.to(acc)
-    ds = p_s * ((do @ vr.transpose(-2, -1)) - delta.unsqueeze(-1))  # dS', 0 where inadmissible
+    dp = do @ vr.transpose(-2, -1)
+    if keep is not None:
+        dp = spec_code._apply_dropout(dp, spec.dropout_p, keep)
+    ds = p_s * (dp - delta.unsqueeze(-1))  # dS', 0 where inadmissible
     l0 = l.masked_fill(~allowed, 0.0)
     if spec.adaptive:
         dbeta = (ds * l0).sum(-1)
-        g = dbeta * temp.dbeta_dh
-        p = spec_code._masked_softmax(l, allowed)
+        if dbeta_only:
+            return dbeta
+        g = dbeta * temp.dbeta_dh if g is None else g.to(acc)
+        p = _weights(l, allowed, temp.lse_l)  # P = softmax(l), the whole row's
         logp = (l - temp.lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)
         dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
     else:

@@ -5,16 +5,28 @@
   op schemas, :meth:`AttentionSpec.op_args` / :meth:`AttentionSpec.from_op_args` convert, so a new
   option (``dropout_p``, ``window_left``/``window_right``, ...) is one new field here plus its use
   in the backends: the ops, their fake implementations and the autograd formula pass it through
-  untouched.
+  untouched (tensor-valued fields, ``dropout_rng``, are saved for the backward with
+  ``save_for_backward``: see :data:`TENSOR_FIELDS`).
 * :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
 * :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton``,
   ``.cuda``, ``.reference``).
+* :class:`KeyShardTemperature`: two more functions, optional, that a caller holding only a shard
+  of the keys needs for the adaptive temperature's backward (ring attention); the Triton and
+  reference backends provide them.
 
 Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
 
 * ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``, any strides, one dtype among
   float16 / bfloat16 / float32 / float64 (each backend says which it takes, see ``supports``);
   ``Hq = group * Hkv``; ``B * Hq * Lq > 0``, ``Lk > 0``, ``D > 0``, ``Dv > 0``.
+* Packed variable-length batch (``spec.cu_seqlens_q`` given, ``varlen_attention``): ``q (total_q, Hq, D)``,
+  ``k (total_k, Hkv, D)``, ``v (total_k, Hkv, Dv)``, outputs ``(total_q, Hq, Dv)`` and per-row
+  statistics ``(Hq, total_q)``; no mask. Sequence ``s`` is rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+  of q attending to rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of k, v, every rule applied inside it.
+* KV cache (``spec.seqused_k`` given, ``attention_with_kvcache``): dense layouts, but batch element
+  ``b`` attends only key rows ``[k_start[b], seqused_k[b])`` and ``causal`` is bottom-right (query
+  ``i`` of ``Lq`` is at key position ``seqused_k[b] - Lq + i``); forward and ``row_entropy`` only.
+  Backends that do not implement a layout say so in ``supports``.
 * ``mask``: None, or a bool (True = attend) / floating (added to the logit row) tensor expanded,
   as a view with zero strides where broadcast, to ``(B, Hq, Lq, Lk)``.
 * ``b``, ``n``: None for softmax logits, or ``(Hq,)`` contiguous tensors in the accumulation dtype
@@ -26,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
@@ -34,11 +46,14 @@ from torch import Tensor
 
 from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
-__all__ = ["AttentionSpec", "TemperatureState", "Backend", "acc_dtype"]
+__all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
+           "TENSOR_FIELDS"]
 
-# Python field type -> torch.library schema type. Tensor-valued options (a Philox seed/offset that
-# must live on the device for CUDA-graph capture, cu_seqlens) would be "Optional[Tensor]" ->
-# "Tensor?"; the autograd formula would then have to save them with save_for_backward.
+# Python field type -> torch.library schema type. Tensor-valued options (cu_seqlens, a KV cache's
+# lengths; a Philox seed/offset that must live on the device for CUDA-graph capture) are
+# "Optional[Tensor]" -> "Tensor?": declare them with ``field(default=None, compare=False)`` (they are
+# data, like q, k, v: not part of a spec's equality or hash); the autograd formula saves them with
+# save_for_backward (``ssa_flash.autograd``).
 _SCHEMA_TYPES = {
     float: "float",
     int: "int",
@@ -46,6 +61,7 @@ _SCHEMA_TYPES = {
     str: "str",
     Tuple[float, ...]: "float[]",
     Tuple[int, ...]: "int[]",
+    Optional[Tensor]: "Tensor?",
 }
 
 
@@ -75,9 +91,47 @@ class AttentionSpec:
     """the temperature is 1 on rows whose entropy is at most this"""
     deterministic: bool = False
     """bitwise reproducible backward (every backend today is deterministic whatever this says)"""
+    cu_seqlens_q: Optional[Tensor] = field(default=None, compare=False)
+    """packed variable-length batch: int32 ``(batch + 1,)`` offsets of each sequence's query rows
+    (tensors are then ``(total, H, D)``, see the module docstring); None: dense"""
+    cu_seqlens_k: Optional[Tensor] = field(default=None, compare=False)
+    """packed variable-length batch: int32 ``(batch + 1,)`` offsets of each sequence's key rows"""
+    max_seqlen_q: int = 0
+    """packed variable-length batch: at least the longest sequence's query count (sizes the grid)"""
+    max_seqlen_k: int = 0
+    """packed variable-length batch: at least the longest sequence's key count"""
+    seqused_k: Optional[Tensor] = field(default=None, compare=False)
+    """KV cache: int32 ``(B,)``, batch element ``b`` attends key rows below ``seqused_k[b]`` only, with
+    bottom-right causality; forward only. None: every key row"""
+    k_start: Optional[Tensor] = field(default=None, compare=False)
+    """KV cache: int32 ``(B,)`` first key row attended per batch element (left padding); None: 0"""
+    num_splits: int = 0
+    """KV cache: programs sharing each query block's keys (split-KV); 0: the backend decides"""
+    dropout_p: float = 0.0
+    """dropout probability in [0, 1] on the final weights (DESIGN.md 1.5); 0: no dropout"""
+    window_left: int = -1
+    """local attention: query ``i`` sees keys ``j >= i - window_left``; -1: unbounded"""
+    window_right: int = -1
+    """... and keys ``j <= i + window_right``; -1: unbounded (top-left alignment, like ``causal``)"""
+    dropout_rng: Optional[Tensor] = dataclasses.field(default=None, compare=False)
+    """with ``dropout_p > 0``: the int64 ``(2,)`` tensor ``(seed, offset)`` keying the Philox
+    dropout bits (``ssa_flash.reference.dropout_keep_mask`` defines the mask), on the inputs'
+    device. A tensor rather than two ints so that drawing it needs no host synchronisation, a
+    CUDA graph replays the draw (fresh bits every replay), and torch.compile traces the draw as
+    a random op instead of baking one seed into the graph."""
 
     def __post_init__(self):
         object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
+
+    @property
+    def packed(self) -> bool:
+        """A packed variable-length batch (``varlen_attention``)."""
+        return self.cu_seqlens_q is not None
+
+    @property
+    def kv_cache(self) -> bool:
+        """Per-batch key lengths of a KV cache (``attention_with_kvcache``): forward only."""
+        return self.seqused_k is not None
 
     @classmethod
     def schema(cls) -> str:
@@ -94,6 +148,17 @@ class AttentionSpec:
     def from_op_args(cls, args: Sequence) -> "AttentionSpec":
         """Inverse of :meth:`op_args`."""
         return cls(*args)
+
+    @property
+    def window(self) -> bool:
+        """Whether a window bounds either side."""
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+TENSOR_FIELDS = tuple(i for i, (f, t) in enumerate(
+    (f, typing.get_type_hints(AttentionSpec)[f.name]) for f in dataclasses.fields(AttentionSpec))
+    if t == Optional[Tensor])
+"""Positions, in :meth:`AttentionSpec.op_args`, of the tensor-valued fields."""
 
 
 class TemperatureState(NamedTuple):
@@ -147,3 +212,32 @@ class Backend(Protocol):
         ``lse`` are those ``forward`` returned (for a key shard: the global ones). ``db``, ``dn``
         are ``(Hq,)`` in the accumulation dtype, None for softmax; ``temp`` is given iff
         ``spec.adaptive``."""
+
+
+@runtime_checkable
+class KeyShardTemperature(Protocol):
+    """Optional functions of a backend module: the adaptive temperature's backward over a shard of
+    the keys (``spec.adaptive`` only; tensors as in :meth:`Backend.backward`).
+
+    DESIGN.md 1.3: ``g_i = dbeta_i * dbeta/dH_i`` with ``dbeta_i = sum_j dS'_ij l_ij`` over the
+    whole row, and every ``dl_ij`` needs ``g_i``. :meth:`Backend.backward` computes ``dbeta`` over
+    the keys it is given, which for a key shard is only part of the sum. A caller holding key
+    shards sums :meth:`row_dbeta` over them, forms ``g``, and calls :meth:`backward_given_g` on
+    each shard. ``out``, ``lse`` and ``temp`` are always those of whole rows (all keys).
+    """
+
+    def row_dbeta(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
+                  n: Optional[Tensor], temp: TemperatureState, spec: AttentionSpec) -> Tensor:
+        """``(B, Hq, Lq)``: ``sum_j dS'_ij l_ij`` over the keys given (``l`` the temperature-free
+        logit row, ``dS' = P' * (dout . v_j - delta_i)`` with ``P'`` from the whole row's
+        ``lse``); 0 on rows with no admissible key among them."""
+
+    def backward_given_g(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                         lse: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],
+                         b: Optional[Tensor], n: Optional[Tensor], temp: TemperatureState,
+                         g: Tensor, spec: AttentionSpec
+                         ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """:meth:`Backend.backward` with the temperature gradient ``g (B, Hq, Lq)`` (accumulation
+        dtype) given instead of computed from the keys given: the shard's ``(dq, dk, dv, db, dn)``
+        contributions, which sum over the shards to the whole backward's."""

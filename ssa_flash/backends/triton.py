@@ -1,7 +1,9 @@
 """The Triton backend: :class:`~ssa_flash.backends.spec.Backend` over ``ssa_flash.triton.launch``.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
-was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256. The
+was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
+packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts; dropout
+(Philox bits generated in the kernels, regenerated in the backward) and windows. The
 backward is deterministic always (per-block partial sums of db/dn reduced in a fixed order).
 Triton is imported on first use, so the package works without it.
 """
@@ -14,7 +16,8 @@ import torch
 
 from .spec import AttentionSpec, TemperatureState
 
-__all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward"]
+__all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
+           "row_dbeta", "backward_given_g", "dropout_mask"]
 
 NAME = "triton"
 MAX_HEAD_DIM = 256
@@ -56,21 +59,57 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
 
 def _spec(launch, spec: AttentionSpec, b):
     return launch.AttentionSpec(scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
-                                ssa=b is not None, adaptive=bool(spec.adaptive))
+                                ssa=b is not None, adaptive=bool(spec.adaptive),
+                                dropout_p=float(spec.dropout_p), rng=spec.dropout_rng,
+                                window_left=int(spec.window_left), window_right=int(spec.window_right))
+
+
+def _layout(launch, spec: AttentionSpec):
+    """The kernels' layout: packed sequences, a KV cache, or None (dense)."""
+    if spec.packed:
+        return launch.Packed(spec.cu_seqlens_q, spec.cu_seqlens_k, int(spec.max_seqlen_q), int(spec.max_seqlen_k))
+    if spec.kv_cache:
+        return launch.KVCache(spec.seqused_k, spec.k_start, int(spec.num_splits))
+    return None
 
 
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     launch = _launch()
-    return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b))
+    return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b), _layout(launch, spec))
 
 
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     launch = _launch()
-    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b))
+    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b),
+                          _layout(launch, spec))
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     launch = _launch()
     ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
-    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b))
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b),
+                           _layout(launch, spec))
+
+
+# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
+
+
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    launch = _launch()
+    return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
+                            _spec(launch, spec, b))
+
+
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+                     spec: AttentionSpec):
+    launch = _launch()
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
+                           _spec(launch, spec, b), g=g)
+
+
+def dropout_mask(rng, shape, dropout_p: float):
+    """The kernels' dropout keep-mask ``(B, H, Lq, Lk)`` (bool) for the ``(seed, offset)`` tensor
+    ``rng``, materialised by a kernel calling the same mask function (not part of
+    :class:`~.spec.Backend`: tests and ``ssa_flash.dropout_mask``)."""
+    return _launch().dropout_mask(rng, shape, dropout_p)

@@ -18,6 +18,14 @@ the output weights:
     dQ   = ds K,   dK = ds^T Q,   dV = P'^T dO
     db   = sum dl * n z / (1 + b|z|) = (1/b) sum_i q_i . dQ_i,   dn = sum dl * sgn(z) log1p(b|z|)
 
+Dropout (``DROPOUT``, DESIGN.md 1.5): with ``M`` the keep mask (regenerated, see
+``common.dropout_keep``) and ``r = 1 / (1 - p)`` the output is ``(r M * P') V``, so
+``dV = (r M * P')^T dO`` and ``dP'`` becomes ``r M * (dO V^T)``; ``delta = rowsum(dO * O)`` is
+unchanged (FlashAttention-2's argument), and so is everything after ``dS'``.
+
+Under ``WINDOW`` the loops skip blocks outside the band and treat the blocks its edges cut as
+boundary blocks, as in the forward.
+
 The identity for ``db`` holds because the logits depend on ``b`` and ``q`` only through
 ``b z`` and ``sgn(z)``: scaling ``b`` is scaling ``q``. So ``db`` costs no work per element; the
 dQ kernel takes it from its dQ accumulator once per row (``n scale sum_d q dQ_unscaled``, no
@@ -31,14 +39,18 @@ so the backward keeps the sign of ``n`` and of the scale in the logit coefficien
 ``g_i = dbeta_i * dbeta/dH_i`` needs ``dbeta_i = sum_j dS'_ij l_ij`` over the whole row before any
 ``dl`` is known. Kernel 1 owns whole rows, so it accumulates the ``beta dS'`` part and the
 ``P (log P + H)`` part of every row-sum separately and combines them with ``g`` at the end;
-kernel 2 then reads ``g``. The ``db``/``dn`` partials are reduced in a fixed order afterwards,
-so the backward is deterministic.
+kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring attention) cannot get
+``dbeta`` from one launch: it reads each shard's partial ``dbeta`` out of ``G`` (a launch with
+``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
+row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The
+``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
 """
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, combine_scale, interior_end, safe_row_max,
-                     ssa_log_weight, ssa_reciprocal)
+from .common import (LN2, LOG2E, boundary_logits, combine_scale, dropout_keep, dropout_state,
+                     interior_end, packed_extent, safe_row_max, ssa_log_weight, ssa_reciprocal,
+                     window_key_bounds, window_query_bounds)
 
 
 @triton.jit
@@ -75,17 +87,21 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr):
+                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
+                   win_left, win_right, drop, drop_scale, start_m,
+                   WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
-    ADAPTIVE also ``dbeta`` and the entropy-term sums."""
+    ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
+    (``drop``: ``common.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
@@ -99,7 +115,8 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             x = s
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
-                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
+                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
+                                 win_left, win_right, WINDOW)
             if ADAPTIVE:
                 p = tl.exp2(l2 * beta[:, None] - lse2[:, None])
             else:
@@ -110,7 +127,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             else:
                 p = tl.exp2(x * coef - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
-        dl = p * (dp - delta[:, None])
+        if DROPOUT:
+            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, False, FAST_MATH)
+            dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
+        else:
+            dl = p * (dp - delta[:, None])
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
@@ -151,11 +174,14 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
+    CU_Q, CU_K, stat_stride_h,
+    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
+    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
+    G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -164,6 +190,20 @@ def attention_bwd_dq_kernel(
     off_h = bh % H
     off_kv = off_h // GROUP
 
+    # where this program's sequence lies (common.py, VARLEN: dense or packed); q, dO, O and dQ
+    # share the packed layout, K and V the key one
+    q_row0 = off_b * 0  # first packed row of the sequence (0: dense)
+    k_row0 = off_b * 0
+    q_bstride = off_b  # batch index times the batch strides (dense), 0 (packed)
+    row_base = bh * Lq
+    if VARLEN == 1:
+        q_row0, Lq = packed_extent(CU_Q, off_b)
+        k_row0, Lk = packed_extent(CU_K, off_b)
+        if m_block * BLOCK_M >= Lq:
+            return
+        q_bstride = off_b * 0
+        row_base = off_h * stat_stride_h + q_row0
+
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -171,13 +211,13 @@ def attention_bwd_dq_kernel(
     qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
 
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + q_bstride * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=qd_ok, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+    do = tl.load(DO + q_bstride * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=vd_ok, other=0.0)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+    o = tl.load(O + q_bstride * stride_ob + q_row0 * stride_om + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                 mask=vd_ok, other=0.0)
-    row_stat = bh * Lq + offs_m
+    row_stat = row_base + offs_m
     delta = tl.sum(do.to(ACC) * o.to(ACC), 1)
     if HAS_DLSE:  # d lse_i / d S'_ij = P'_ij: a gradient on the LSE only shifts delta
         delta -= tl.load(DLSE + row_stat, mask=row_ok, other=0.0).to(ACC)
@@ -201,29 +241,49 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     dq_ent = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
 
-    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = K + q_bstride * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + q_bstride * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+    drop = (0, 0, 0, 0, 0)
+    drop_scale = 1.0
+    if DROPOUT:
+        drop = dropout_state(RNG, off_b, off_h, keep31)
+        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
         mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(m_block * BLOCK_M, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+        dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
+            dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+            lo, a, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+            cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
+            BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
+            win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
+    else:
+        a = 0
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-        0, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+        a, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2)
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2,
+        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
     dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
         dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
         mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
         cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0)
+        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
+        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     if ADAPTIVE:
-        # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
-        g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
-        tl.store(G + row_stat, g, mask=row_ok)
+        if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
+            g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
+        else:
+            # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
+            g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
+            tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
         dn_acc = dn_acc - g * dn_ent
     if SSA:
@@ -235,7 +295,7 @@ def attention_bwd_dq_kernel(
         tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
         tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
     dq = dq * ds_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(DQ + q_bstride * stride_dqb + q_row0 * stride_dqm + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_ok)
 
 
@@ -247,17 +307,21 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr):
+                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr,
+                       start_n, win_left, win_right, drop, drop_scale,
+                       WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
     (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
-    this head's ``ds_scale`` applied (heads of a GQA group differ in it)."""
+    this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
+    ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
+    ``dP' = r M (dO V^T)``; ``drop`` is this head's ``common.dropout_state`` tuple."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_stat = row_base + offs_m
         if BOUNDARY:
-            row_ok = offs_m < Lq
+            row_ok = offs_m < Lq  # audit: boundary-only
             q = tl.load(q_ptrs + start_m * stride_qm, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
             do = tl.load(do_ptrs + start_m * stride_dom, mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)
@@ -285,16 +349,26 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             l2 = x * coef
             if BOUNDARY or MASK_KIND != 0:
                 l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
-                                     stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
+                                     stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
+                                     win_left, win_right, WINDOW)
             pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
         elif BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
-                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True)
+                                 stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
+                                 win_left, win_right, WINDOW)
             pt = tl.exp2(l2 - lse2[None, :])
         else:
             pt = tl.exp2(x * coef - lse2[None, :])
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
+        if DROPOUT:
+            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, True, FAST_MATH)
+            dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
+            dpt = tl.where(keep, dpt, 0.0)  # times drop_scale, folded below
+        else:
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
@@ -303,13 +377,22 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             else:
                 log_p2 = l2 - lse_l2[None, :]
                 ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :])
-            dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
+            if DROPOUT:
+                dl = pt * (dpt * drop_scale - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
+            else:
+                dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
             ds = dl * ds_scale
         elif SSA:
             # ds_scale folded into the subtraction: one multiply-add instead of an add
-            ds = pt * (dpt * ds_scale - (delta * ds_scale)[None, :])
+            if DROPOUT:
+                ds = pt * (dpt * (ds_scale * drop_scale) - (delta * ds_scale)[None, :])
+            else:
+                ds = pt * (dpt * ds_scale - (delta * ds_scale)[None, :])
         else:
-            ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
+            if DROPOUT:
+                ds = pt * (dpt * drop_scale - delta[None, :])
+            else:
+                ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
         if SSA:
             ds = ds * ssa_reciprocal(u, x, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
@@ -329,10 +412,12 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale_hi, scale_lo,
+    CU_Q, CU_K, stat_stride_h,
+    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr,
+    POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
@@ -341,15 +426,25 @@ def attention_bwd_dkdv_kernel(
     off_kv = bhkv % HKV
 
     start_n = n_block * BLOCK_N
+    # where this program's sequence lies (common.py, VARLEN: dense or packed)
+    q_row0 = off_b * 0
+    k_row0 = off_b * 0
+    b_idx = off_b  # multiplies the batch strides: 0 when packed
+    if VARLEN == 1:
+        q_row0, Lq = packed_extent(CU_Q, off_b)
+        k_row0, Lk = packed_extent(CU_K, off_b)
+        if start_n >= Lk:
+            return
+        b_idx = off_b * 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < Lk
     kd_ok = col_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = col_ok[:, None] & (offs_dv[None, :] < DV)
-    k = tl.load(K + off_b * stride_kb + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(K + b_idx * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kd_ok, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(V + b_idx * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=vd_ok, other=0.0)
     scale = combine_scale(scale_hi, scale_lo, ACC)
 
@@ -363,36 +458,54 @@ def attention_bwd_dkdv_kernel(
     if start_n + BLOCK_N > Lk:
         diag_end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
     int_end = interior_end(diag_end, tl.maximum(Lq, diag_end), BLOCK_M)
+    hi = Lq
+    if WINDOW:
+        lo, diag_end, int_end, hi = window_query_bounds(start_n, lo, diag_end, int_end, Lq, win_left,
+                                                        win_right, BLOCK_M, BLOCK_N)
+    drop_scale = 1.0
+    if DROPOUT:
+        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
     offs_mb = tl.arange(0, BLOCK_M)
     for g_idx in range(0, GROUP):
         off_h = off_kv * GROUP + g_idx
-        row_base = (off_b * H + off_h) * Lq
+        if VARLEN == 1:
+            row_base = off_h * stat_stride_h + q_row0
+        else:
+            row_base = (off_b * H + off_h) * Lq
         cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
-        q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
+        q_ptrs = Q + b_idx * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = DO + b_idx * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
         mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+        drop = (0, 0, 0, 0, 0)
+        if DROPOUT:
+            drop = dropout_state(RNG, off_b, off_h, keep31)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, Lq),
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, hi),
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
+            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2,
+            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
         dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, Lq,
+            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, hi,
             stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
             LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0)
+            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
+            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale
-    tl.store(DK + off_b * stride_dkb + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    if DROPOUT:
+        dv = dv * drop_scale
+    tl.store(DK + b_idx * stride_dkb + k_row0 * stride_dkn + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kd_ok)
-    tl.store(DV_OUT + off_b * stride_dvb + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+    tl.store(DV_OUT + b_idx * stride_dvb + k_row0 * stride_dvn + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
              dv.to(DV_OUT.dtype.element_ty), mask=vd_ok)

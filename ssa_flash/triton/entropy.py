@@ -6,13 +6,17 @@ Per row it keeps the running max ``m``, ``lam = sum exp(l - m)`` and the centred
 This equals the paper's ``H = m + log(Lam) - K / Lam`` with ``K = sum exp(l - m) l``, without the
 cancellation between ``m`` and ``K / Lam`` when logits are large. In base-2 units when ``m``
 grows to ``m'``, with ``a = 2^(m - m')``: ``lam' = a lam``, ``kc' = a (kc + lam (m - m'))``.
-Interior key blocks first, then boundary ones, as in the forward.
+Interior key blocks first, then boundary ones, as in the forward (under ``WINDOW``, boundary
+blocks cut by the window's left edge first); the same ``VARLEN`` layouts and ``SPLIT`` (partial
+``(entropy, lse)`` per split, merged in ``splitkv.py``). Dropout does not enter: it acts on the
+final weights, after the temperature that these statistics decide.
 """
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, combine_scale, head_coefficients,
-                     interior_end, safe_row_max, tile_logit_input)
+from .common import (LN2, LOG2E, boundary_logits, cache_key_extent, combine_scale,
+                     head_coefficients, interior_end, packed_extent, safe_row_max, split_key_range,
+                     tile_logit_input, window_key_bounds)
 
 
 @triton.jit
@@ -21,12 +25,14 @@ def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
                       SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                       BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr):
+                      ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+                      win_left, win_right, WINDOW: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
         else:
@@ -35,7 +41,8 @@ def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
         x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base,
-                                 stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False)
+                                 stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
+                                 win_left, win_right, WINDOW)
             m_new = tl.maximum(m_i, tl.max(l2, 1))
             m_safe = safe_row_max(m_new)
             shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)  # lam is 0 while m_i is -inf
@@ -60,9 +67,11 @@ def row_entropy_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, Lq, Lk, D, GROUP, num_m_blocks, scale_hi, scale_lo,
+    CU_Q, CU_K, SEQUSED_K, stat_stride_h, stat_stride_s, win_left, win_right,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
+    VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -71,37 +80,72 @@ def row_entropy_kernel(
     off_h = bh % H
     off_kv = off_h // GROUP
 
+    # where this program's sequence lies: as in the forward kernel (common.py, VARLEN)
+    q_base = off_b * stride_qb
+    k_base = off_b * stride_kb
+    row_base = bh * Lq
+    q_shift = 0
+    if VARLEN == 1:
+        q_start, Lq = packed_extent(CU_Q, off_b)
+        k_start, Lk = packed_extent(CU_K, off_b)
+        if m_block * BLOCK_M >= Lq:
+            return
+        q_base = q_start * stride_qm
+        k_base = k_start * stride_kn
+        row_base = off_h * stat_stride_h + q_start
+    elif VARLEN >= 2:
+        k_start, Lk = cache_key_extent(CU_K, SEQUSED_K, off_b, Lk, VARLEN == 3)
+        k_base += k_start * stride_kn
+        q_shift = Lk - Lq
+
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
     scale = combine_scale(scale_hi, scale_lo, ACC)
     cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, SSA, ACC)
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q = (q * q_sign).to(Q.dtype.element_ty)
-    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
     lam = tl.zeros((BLOCK_M,), dtype=ACC)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
+    lo = 0
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
+    # positions the loops compare (bottom-right for a KV cache), as in the forward kernel
+    pos0 = m_block * BLOCK_M + q_shift
+    pos_m = offs_m + q_shift
+    pos_end = Lq + q_shift
     if CAUSAL:
-        hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
-        mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(Lk, pos0 + BLOCK_M)
+        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
+    a = lo
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    row_out = row_base
+    if SPLIT:
+        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
+        row_out += tl.program_id(1).to(tl.int64) * stat_stride_s
+    if WINDOW:
+        m_i, lam, kc = _stats_key_blocks(
+            m_i, lam, kc, q, k_ptrs, mask_base, pos_m, lo, a, stride_kn, stride_mask_m, stride_mask_n,
+            pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+            DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
     m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, offs_m, 0, mid, stride_kn, stride_mask_m, stride_mask_n,
-        Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH)
+        m_i, lam, kc, q, k_ptrs, mask_base, pos_m, a, mid, stride_kn, stride_mask_m, stride_mask_n,
+        pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
     m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, offs_m, mid, hi, stride_kn, stride_mask_m, stride_mask_n,
-        Lq, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH)
+        m_i, lam, kc, q, k_ptrs, mask_base, pos_m, mid, hi, stride_kn, stride_mask_m, stride_mask_n,
+        pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
 
     empty = lam == 0.0
     safe_lam = tl.where(empty, 1.0, lam)
     ent = tl.where(empty, 0.0, (tl.log2(safe_lam) - kc / safe_lam) * LN2)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(safe_lam)) * LN2)
-    tl.store(ENT + bh * Lq + offs_m, ent, mask=row_ok)
-    tl.store(LSE + bh * Lq + offs_m, lse, mask=row_ok)
+    tl.store(ENT + row_out + offs_m, ent, mask=row_ok)
+    tl.store(LSE + row_out + offs_m, lse, mask=row_ok)

@@ -1,16 +1,23 @@
 """Forward kernel: FlashAttention-2 style streaming over keys with online rescaling on the logit
 row ``l2`` (softmax or SSA log-weights, optionally multiplied by a per-row temperature ``beta``).
 
-One program handles BLOCK_M queries of one (batch, query head). It writes the output and the
-natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the backward needs. The key
+One program handles BLOCK_M queries of one (batch element or packed sequence, query head), or
+with ``SPLIT`` (split-KV decoding) a share of their keys (``VARLEN``: see ``common.py``). It
+writes the output and the natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the
+backward needs. The key
 loop runs first over the interior key blocks (no index checks), then over the boundary ones
-(the ragged end, the causal diagonal); see ``common.py``.
+(the ragged end, the causal diagonal); under ``WINDOW`` boundary blocks cut by the window's left
+edge come first; see ``common.py``.
+
+With ``DROPOUT`` the weights that multiply V are those kept by the dropout mask, and the output is
+scaled by ``1 / (1 - p)``; the running sum ``l_i`` (hence the LSE) is that of the undropped row.
 """
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, exp2_half_poly, combine_scale, head_coefficients,
-                     interior_end, safe_row_max, tile_logit_input)
+from .common import (LN2, LOG2E, boundary_logits, cache_key_extent, combine_scale, dropout_keep,
+                     dropout_state, exp2_half_poly, head_coefficients, interior_end, packed_extent,
+                     safe_row_max, split_key_range, tile_logit_input, window_key_bounds)
 
 
 @triton.jit
@@ -21,16 +28,20 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr):
+                    BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
+                    win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
-    ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits."""
+    ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
+    is :func:`~.common.dropout_state`'s tuple and ``start_m`` the first query (unused without
+    DROPOUT)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if BOUNDARY:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=(offs_n[:, None] < Lk) & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV), other=0.0)
+            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
+            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs + start_n * stride_kn)
             v = tl.load(v_ptrs + start_n * stride_vn)
@@ -42,7 +53,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef[:, None], offs_m, offs_n, Lq, Lk, mask_base,
                                  stride_mask_m, stride_mask_n, mask_scale[:, None],
-                                 BOUNDARY, CAUSAL, MASK_KIND, False)
+                                 BOUNDARY, CAUSAL, MASK_KIND, False, win_left, win_right, WINDOW)
             m_new = tl.maximum(m_i, tl.max(l2, 1))
             m_safe = safe_row_max(m_new)
             p = tl.exp2(l2 - m_safe[:, None])
@@ -54,6 +65,11 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
             p = exp2_half_poly(x * coef[:, None] - m_safe[:, None], BLOCK_M, BLOCK_N, POLY_EXP2)
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
+            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                BLOCK_M, BLOCK_N, False, FAST_MATH)
+            p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i
@@ -68,11 +84,18 @@ def attention_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
+    CU_Q, CU_K, SEQUSED_K, stat_stride_h, stride_os, stat_stride_s,
+    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    POLY_EXP2: tl.constexpr = 0,
+    POLY_EXP2: tl.constexpr = 0, VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
+    """Output and LSE of one query block (module docstring). Dropout: ``RNG`` the ``(seed,
+    offset)`` int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split
+    as the softmax scale is. Window: ``win_left``, ``win_right`` >= 0 (an unbounded side: at least
+    the sequence length), in the query positions the loops see (bottom-right for a KV cache)."""
     pid = tl.program_id(0)
     # Heaviest (last, under CAUSAL) query blocks first; consecutive programs share K/V in L2.
     m_block = num_m_blocks - 1 - pid % num_m_blocks
@@ -81,6 +104,30 @@ def attention_fwd_kernel(
     off_h = bh % H
     off_kv = off_h // GROUP
 
+    # Where this program's sequence lies (common.py, VARLEN): base offsets of q/o and k/v, the
+    # first row of its per-row statistics, its lengths, and (KV cache) the bottom-right shift.
+    q_base = off_b * stride_qb
+    o_base = off_b * stride_ob
+    k_base = off_b * stride_kb
+    v_base = off_b * stride_vb
+    row_base = bh * Lq
+    q_shift = 0
+    if VARLEN == 1:  # packed sequences
+        q_start, Lq = packed_extent(CU_Q, off_b)
+        k_start, Lk = packed_extent(CU_K, off_b)
+        if m_block * BLOCK_M >= Lq:
+            return
+        q_base = q_start * stride_qm
+        o_base = q_start * stride_om
+        k_base = k_start * stride_kn
+        v_base = k_start * stride_vn
+        row_base = off_h * stat_stride_h + q_start
+    elif VARLEN >= 2:  # KV cache
+        k_start, Lk = cache_key_extent(CU_K, SEQUSED_K, off_b, Lk, VARLEN == 3)
+        k_base += k_start * stride_kn
+        v_base += k_start * stride_vn
+        q_shift = Lk - Lq
+
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -88,17 +135,17 @@ def attention_fwd_kernel(
 
     scale = combine_scale(scale_hi, scale_lo, ACC)
     cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, SSA, ACC)
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q_ptrs = Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q = (q * q_sign).to(Q.dtype.element_ty)
-    k_ptrs = K + off_b * stride_kb + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + v_base + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
 
     coef = tl.zeros((BLOCK_M,), dtype=ACC) + coef_head
     mask_scale = tl.zeros((BLOCK_M,), dtype=ACC) + LOG2E
     if ADAPTIVE:
-        beta = tl.load(BETA + bh * Lq + offs_m, mask=row_ok, other=1.0).to(ACC)
+        beta = tl.load(BETA + row_base + offs_m, mask=row_ok, other=1.0).to(ACC)
         coef = coef * beta
         mask_scale = mask_scale * beta
 
@@ -106,26 +153,56 @@ def attention_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=ACC)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
+    drop = (0, 0, 0, 0, 0)
+    if DROPOUT:
+        drop = dropout_state(RNG, off_b, off_h, keep31)
+
+    # Key blocks: [lo, a) boundary (a window's left edge), [a, mid) interior, [mid, hi) boundary
+    # (the causal diagonal, a window's right edge, the ragged end). The loops compare key
+    # positions with the query positions pos_m (shifted bottom-right for a KV cache).
+    pos0 = m_block * BLOCK_M + q_shift
+    pos_m = offs_m + q_shift
+    pos_end = Lq + q_shift
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
-        hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
+        hi = tl.minimum(Lk, pos0 + BLOCK_M)
         # key blocks wholly at or below the first row of this query block
-        mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
+    lo = 0
+    a = 0
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    row_out = row_base
+    if SPLIT:  # this program's share of the keys; partial results go to split slots
+        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
+        split = tl.program_id(1).to(tl.int64)
+        o_base += split * stride_os
+        row_out += split * stat_stride_s
+    if WINDOW:
+        acc, l_i, m_i = _fwd_key_blocks(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, lo, a,
+            stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
+            SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
+            BLOCK_M, 0, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
     acc, l_i, m_i = _fwd_key_blocks(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, 0, mid,
-        stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, a, mid,
+        stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
         SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        BLOCK_M, POLY_EXP2)
+        BLOCK_M, POLY_EXP2, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
     acc, l_i, m_i = _fwd_key_blocks(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, mid, hi,
-        stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, mask_scale,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, mid, hi,
+        stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
         SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        BLOCK_M, 0)
+        BLOCK_M, 0, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum
+        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+        out = acc * (drop_scale / tl.where(empty, 1.0, l_i))[:, None]
+    else:
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_ptrs = O + o_base + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(LSE + bh * Lq + offs_m, lse, mask=row_ok)
+    tl.store(LSE + row_out + offs_m, lse, mask=row_ok)

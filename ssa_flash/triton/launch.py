@@ -4,12 +4,21 @@ Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, 
 ``v (B, Hkv, Lk, Dv)`` with any strides; ``mask`` is None or a boolean / floating tensor already
 expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
 ``(Hq,)`` tensors in the accumulation dtype. Per-row statistics are contiguous ``(B, Hq, Lq)``.
+
+Two other layouts (``layout=``, see ``common.py``'s ``VARLEN``):
+
+* :class:`Packed`: a packed variable-length batch, ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``,
+  ``v (total_k, Hkv, Dv)``, outputs ``(total_q, Hq, Dv)``, per-row statistics ``(Hq, total_q)``;
+  forward, statistics and backward. No mask.
+* :class:`KVCache`: dense tensors where batch element ``b`` attends only cache rows
+  ``[k_start[b], seqused_k[b])`` with bottom-right causality; forward and statistics only, with
+  the keys optionally split among several programs per row (:func:`num_splits_heuristic`).
 """
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -18,9 +27,12 @@ import triton
 import triton.language as tl
 
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
-from .common import MASK_ADD, MASK_BOOL, MASK_NONE
+from .common import (MASK_ADD, MASK_BOOL, MASK_NONE, VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE,
+                     VARLEN_PACKED)
+from .dropout import dropout_mask_kernel
 from .entropy import row_entropy_kernel
 from .forward import attention_fwd_kernel
+from .splitkv import merge_entropy_kernel, merge_output_kernel
 
 _MAX_GRID = 2**31 - 1
 
@@ -39,6 +51,32 @@ class AttentionSpec:
     group: int  # query heads per key/value head (GQA); 1 without GQA
     ssa: bool
     adaptive: bool
+    dropout_p: float = 0.0  # in [0, 1]; 0: the kernels compile without dropout
+    rng: Optional[torch.Tensor] = field(default=None, compare=False)  # (seed, offset) int64 (2,)
+    window_left: int = -1  # query i attends keys j >= i - window_left; -1: unbounded
+    window_right: int = -1  # ... and j <= i + window_right; -1: unbounded
+
+
+class Packed(NamedTuple):
+    """A packed variable-length batch: sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+    and key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` (int32 ``(batch + 1,)`` on the tensors'
+    device); ``max_seqlen_*`` bound every sequence's length (they size the grid)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class KVCache(NamedTuple):
+    """A KV cache: batch element ``b`` attends cache rows ``[k_start[b], seqused_k[b])`` (clamped to
+    the cache), query ``i`` of ``Lq`` at position ``seqused_k[b] - Lq + i`` under causality.
+    ``seqused_k``, ``k_start``: int32 ``(B,)`` (``k_start`` None: 0). ``num_splits``: programs per
+    row sharing the keys (0: :func:`num_splits_heuristic`)."""
+
+    seqused_k: torch.Tensor
+    k_start: Optional[torch.Tensor] = None
+    num_splits: int = 0
 
 
 class TemperatureState(NamedTuple):
@@ -85,11 +123,14 @@ def _head_block(d: int) -> int:
 
 
 def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
-                     masked: bool = False):
+                     masked: bool = False, adaptive: bool = False, dropout: bool = False):
     """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
-    None: the interpreter), best first; ``masked``: the launch reads an attention mask. Under the
-    interpreter small blocks make the tests cross block boundaries at small lengths. On a GPU the
-    candidates that fit the shared memory and registers are timed once (see ``_launch``)."""
+    None: the interpreter), best first; ``masked``: the launch reads an attention mask;
+    ``adaptive``: the adaptive temperature's backward (more live tiles per element);
+    ``dropout``: the specialisation generates dropout bits, whose registers the dK/dV kernel's
+    default tiles cannot spare. Under the interpreter small blocks make the tests cross block
+    boundaries at small lengths. On a GPU the candidates that fit the shared memory and registers
+    are timed once (see ``_launch``)."""
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     wide = dtype in (torch.float32, torch.float64)
@@ -107,28 +148,94 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
             cands = ([Blocks(64, 64, 4, 3), Blocks(128, 128, 8, 3)] if masked
                      else [Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 3)])
         elif head_block <= 128:
-            cands = [Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(128, 64, 8, 3) if hopper else Blocks(128, 32, 8, 3), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 2)]
     elif kernel == "bwd_dq":
+        # with the adaptive temperature the dQ kernel carries a second dQ accumulator (the
+        # entropy term's) and more row statistics: smaller tiles keep it out of local memory
         if head_block <= 64:
-            cands = [Blocks(64, 64, 4, 2)]
+            if adaptive:
+                cands = [Blocks(64, 32, 4, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            else:
+                cands = [Blocks(64, 64, 4, 2) if hopper else Blocks(64, 32, 4, 2), Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            cands = [Blocks(128, 64, 8, 2) if hopper else Blocks(64, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            if adaptive:
+                cands = [Blocks(128, 16, 8, 2) if hopper else Blocks(16, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            else:
+                cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(64, 32, 4, 1)]
     else:  # bwd_dkdv: n = keys per program (the M dimension), m = queries per step
+        # The dK, dV accumulators and the K, V operands stay in registers for the whole program:
+        # few queries per step is what fits 255 registers without spilling.
         if head_block <= 64:
-            cands = [Blocks(64, 128, 8, 2), Blocks(64, 64, 4, 2)]
+            cands = [Blocks(16, 128, 8, 2) if adaptive and not hopper else Blocks(32, 128, 8, 2),
+                     Blocks(64, 64, 4, 2)]
         elif head_block <= 128:
-            # dK, dV accumulators (2 x 128 x 128 fp32) and the K, V operands stay in registers:
-            # 32 queries per step is what fits 255 registers without spilling
-            cands = [Blocks(32, 128, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
+            if adaptive:
+                cands = [Blocks(16, 64, 4, 2) if hopper else Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
+            else:
+                cands = [Blocks(16, 128, 8, 2), Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
         else:
             cands = [Blocks(32, 64, 4, 1)]
+    if dropout and kernel == "bwd_dkdv" and head_block <= 128 and not hopper:
+        # The Philox words and the layout conversion of the keep bits (see common.dropout_keep)
+        # cost registers. On sm_90 the default tiles still compile without spills; on sm_80 they
+        # spill (D=64: ~1.4, D=128: ~5 loads/stores per element, SSA). The static audit's choice:
+        # the largest tiles without spills at D=64; at D=128 32 x 64 (~1 spill per element),
+        # because the spill-free 16 x 64 costs 50% more instructions.
+        cands = [Blocks(16, 64, 4, 2) if head_block <= 64 else Blocks(32, 64, 4, 2)] + cands
     if wide:
         cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
     return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
+
+
+def _decode_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype):
+    """Configurations for the forward and statistics kernels on a KV cache with at most 16 queries
+    per row block (decoding): 16-row query tiles (the smallest ``tl.dot`` takes; a decoding step is
+    bound by reading the cache, not by the tensor cores), wide key tiles and deep pipelines to keep
+    loads in flight."""
+    if arch is None:
+        return [Blocks(16, 16, 4, 1)]
+    if head_block <= 128 and dtype not in (torch.float32, torch.float64):
+        cands = [Blocks(16, 128, 4, 3), Blocks(16, 64, 4, 2)]
+    else:
+        cands = [Blocks(16, 64, 4, 2), Blocks(16, 32, 4, 1)]
+    return cands + [Blocks(16, 16, 4, 1)]
+
+
+# Split-KV decoding: the SM count the heuristic fills when it cannot ask a GPU (the interpreter,
+# meta tensors): an H100 SXM's.
+DEFAULT_SMS = 132
+MAX_SPLITS = 64
+MIN_BLOCKS_PER_SPLIT = 4
+
+
+def num_splits_heuristic(programs: int, key_blocks: int, sms: int = DEFAULT_SMS) -> int:
+    """How many programs share each row block's keys in split-KV decoding.
+
+    ``programs`` is the number of programs without splitting (query blocks x batch x query heads),
+    ``key_blocks`` the number of key tiles of the longest row (the cache's capacity). Splitting pays
+    when the unsplit grid leaves SMs idle: one wave of ``sms`` programs is the target, so the split
+    count is ``sms // programs``, capped so that every split keeps at least ``MIN_BLOCKS_PER_SPLIT``
+    key tiles (the merge and the per-program prologue must stay small next to the key loop) and at
+    ``MAX_SPLITS``. E.g. an H100 (132 SMs), batch 1, 16 heads, one query, 8192 keys in tiles of 128:
+    ``min(132 // 16, 64 // 4) = 8`` splits, 128 programs; batch 16 x 16 heads: 1 (no split)."""
+    if programs <= 0:
+        return 1
+    return max(1, min(sms // programs, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+
+
+_sm_counts: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if _capture is not None or device.type != "cuda" or interpreting():
+        return DEFAULT_SMS
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
 
 
 _chosen_blocks: dict = {}
@@ -167,20 +274,36 @@ def _timed(run) -> float:
     return float(triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"))
 
 
+def _split_grid(grid, consts):
+    """A ``(programs, splits)`` grid of a kernel with a ``SPLIT`` switch left open (``None``):
+    ``SPLIT`` is whether there is more than one split, and the grid one-dimensional without."""
+    if consts.get("SPLIT", False) is not None:
+        return grid, consts
+    split = grid[1] > 1
+    return (grid if split else grid[:1]), dict(consts, SPLIT=split)
+
+
 def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
     """Launch ``kernel`` with the best block configuration for this GPU.
 
-    The first time a specialisation meets a problem size (bucketed by the power of two of its
-    program count), every candidate of :func:`block_candidates` that fits the GPU's resources is
+    Names ending in ``_decode`` take the decoding table (:func:`_decode_candidates`), the others
+    :func:`block_candidates`. The first time a specialisation meets a problem size (bucketed by
+    the power of two of its program count), every candidate that fits the GPU's resources is
     timed on the real arguments and the fastest is kept (all kernels of the family are idempotent:
     they only write their outputs). ``SSA_FLASH_AUTOTUNE=0``, CUDA-graph capture and the
     interpreter take the first candidate that fits instead."""
     arch = _capture_arch if _capture is not None else _device_arch(device)
-    cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0)
+    if name.endswith("_decode"):
+        cands = _decode_candidates(arch, head_block, dtype)
+    else:
+        cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0,
+                                 adaptive=bool(consts.get("ADAPTIVE", False)),
+                                 dropout=bool(consts.get("DROPOUT", False)))
     if _capture is not None:
         blk = cands[0]
-        _capture.append(KernelLaunch(name, kernel, grid_fn(blk), tuple(args(blk)),
-                                     dict(consts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
+        grid, kconsts = _split_grid(grid_fn(blk), consts)
+        _capture.append(KernelLaunch(name, kernel, grid, tuple(args(blk)),
+                                     dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
         return blk
     bucket = triton.next_power_of_2(max(1, grid_fn(cands[0])[0]))
     key = (name, device, head_block, dtype, bucket, tuple(sorted(consts.items())))
@@ -188,16 +311,16 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
         cands = [_chosen_blocks[key]]
     tune = (arch is not None and len(cands) > 1 and _autotuning()
             and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
-    best, best_ms, last_err = None, float("inf"), None
+    best, best_ms, last_err, blk = None, float("inf"), None, None
     for blk in dict.fromkeys(cands):  # de-duplicated, in order
-        grid = grid_fn(blk)
-        if grid[0] > _MAX_GRID:
-            raise ValueError(f"ssa_flash: problem too large for one launch ({grid[0]} programs)")
+        grid, kconsts = _split_grid(grid_fn(blk), consts)
+        if grid[0] > _MAX_GRID or (len(grid) > 1 and grid[1] > 65535):
+            raise ValueError(f"ssa_flash: problem too large for one launch ({grid} programs)")
         extra = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
         blk_args = args(blk)
 
-        def run(blk=blk, grid=grid, blk_args=blk_args, extra=extra):
-            kernel[grid](*blk_args, **consts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+        def run(blk=blk, grid=grid, blk_args=blk_args, kconsts=kconsts, extra=extra):
+            kernel[grid](*blk_args, **kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
 
         try:
             run()
@@ -213,8 +336,9 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
     if best is None:
         raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
     if best != blk:  # leave the outputs of the chosen configuration (some depend on the tiles)
+        grid, kconsts = _split_grid(grid_fn(best), consts)
         extra = {"num_warps": best.warps, "num_stages": best.stages}
-        kernel[grid_fn(best)](*args(best), **consts, BLOCK_M=best.m, BLOCK_N=best.n, **extra)
+        kernel[grid](*args(best), **kconsts, BLOCK_M=best.m, BLOCK_N=best.n, **extra)
     _chosen_blocks[key] = best
     return best
 
@@ -248,6 +372,35 @@ def _fast_math(q) -> bool:
     the interpreter runs exact maths (it cannot run inline PTX)."""
     on_gpu = _capture is not None or (q.device.type == "cuda" and not interpreting())
     return on_gpu and q.dtype != torch.float64
+
+
+def keep_threshold(p: float) -> int:
+    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): the kernels keep an element iff its
+    32-bit Philox word is below ``2 keep31``, i.e. with probability ``keep31 / 2^31``, which is
+    ``1 - p`` to within 2^-32."""
+    return min(int(round((1.0 - p) * 2.0**31)), 2**31 - 1)
+
+
+def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
+    """The trailing runtime arguments of the attention kernels, ``(RNG, keep31, drop_scale_hi,
+    drop_scale_lo, win_left, win_right)``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
+    dropout or a window they are None, which Triton turns into constants: the kernels then take
+    exactly the parameters they took before these features. An unbounded side of a window is
+    passed as ``Lq + Lk``, which no index difference reaches."""
+    dropout = spec.dropout_p > 0.0
+    if dropout:
+        if spec.rng is None:
+            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
+        p = float(spec.dropout_p)
+        drop_args = (spec.rng, keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
+    else:
+        drop_args = (None, None, None, None)
+    window = spec.window_left >= 0 or spec.window_right >= 0
+    unbounded = Lq + Lk
+    left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
+    right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
+    win_args = (left, right) if window else (None, None)
+    return (*drop_args, *win_args), dict(DROPOUT=dropout, WINDOW=window)
 
 
 # Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
@@ -294,105 +447,299 @@ def _stat_tensor(q):
     return torch.empty((B, H, Lq), device=q.device, dtype=dtype)
 
 
-def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
-    """Entropy and log-sum-exp of ``softmax(l)`` per row, each ``(B, Hq, Lq)``, O(L) memory."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    _check_offsets(q, k)
-    ent, lse_l = _stat_tensor(q), _stat_tensor(q)
-    mask_t, mask_kind, ms = _mask_args(mask, q)
+def _packed_view(x):
+    """``(total, H, D)`` -> the ``(1, H, total, D)`` view the kernels index (no copy)."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _check_packed_offsets(x, max_len: int):
+    """Kernels index a packed sequence's rows with int32 offsets from its first row (int64)."""
+    span = (max_len - 1) * abs(x.stride(0)) + sum((size - 1) * abs(st) for size, st in zip(x.shape[1:], x.stride()[1:]))
+    if span >= 2**31:
+        raise ValueError(f"ssa_flash: one sequence of a packed tensor of shape {tuple(x.shape)} and strides "
+                         f"{x.stride()} spans {span} elements; the Triton kernels support up to 2^31")
+
+
+class _Layout(NamedTuple):
+    """What the kernels need to know about the layout, resolved from ``layout=``."""
+
+    varlen: int  # VARLEN_*
+    q: torch.Tensor  # 4-D views as the kernels index them
+    k: torch.Tensor
+    v: Optional[torch.Tensor]
+    batch: int  # batch elements or packed sequences
+    Lq: int  # queries per batch element (packed: the longest sequence)
+    Lk: int
+    cu_q: torch.Tensor  # pointer arguments (dummies where unused)
+    cu_k: torch.Tensor
+    seqused_k: torch.Tensor
+    stat_stride_h: int  # packed: per-row statistics are (H, total_q)
+    splits: int  # KV cache: programs sharing each row block's keys
+
+
+def _resolve_layout(q, k, v, layout) -> _Layout:
+    if layout is None:
+        _check_offsets(q, k, *(() if v is None else (v,)))
+        return _Layout(VARLEN_NONE, q, k, v, q.shape[0], q.shape[2], k.shape[2], q, q, q, 0, 1)
+    if isinstance(layout, Packed):
+        _check_packed_offsets(q, layout.max_seqlen_q)
+        for t in (k, v):
+            if t is not None:
+                _check_packed_offsets(t, layout.max_seqlen_k)
+        pv = None if v is None else _packed_view(v)
+        return _Layout(VARLEN_PACKED, _packed_view(q), _packed_view(k), pv, layout.cu_seqlens_q.shape[0] - 1,
+                       int(layout.max_seqlen_q), int(layout.max_seqlen_k), layout.cu_seqlens_q,
+                       layout.cu_seqlens_k, layout.cu_seqlens_q, q.shape[0], 1)
+    if isinstance(layout, KVCache):
+        _check_offsets(q, k, *(() if v is None else (v,)))
+        varlen = VARLEN_CACHE if layout.k_start is None else VARLEN_CACHE_START
+        k_start = layout.seqused_k if layout.k_start is None else layout.k_start
+        return _Layout(varlen, q, k, v, q.shape[0], q.shape[2], k.shape[2], q, k_start, layout.seqused_k,
+                       0, int(layout.num_splits))
+    raise TypeError(f"unknown layout {type(layout).__name__}")
+
+
+def _stat_for(lay: _Layout, q_orig, H):
+    """A per-row statistic: ``(B, H, Lq)``, or ``(H, total_q)`` for a packed batch."""
+    dtype = torch.float64 if q_orig.dtype == torch.float64 else torch.float32
+    if lay.varlen == VARLEN_PACKED:
+        return torch.empty((H, q_orig.shape[0]), device=q_orig.device, dtype=dtype)
+    return _stat_tensor(q_orig)
+
+
+def _splits(lay: _Layout, block_m: int, block_n: int, H: int, device) -> int:
+    if lay.varlen < VARLEN_CACHE:
+        return 1
+    if lay.splits > 0:
+        return lay.splits
+    programs = triton.cdiv(lay.Lq, block_m) * lay.batch * H
+    return num_splits_heuristic(programs, triton.cdiv(lay.Lk, block_n), _sm_count(device))
+
+
+def _kernel_name(base: str, lay: _Layout) -> str:
+    """Kernel names for the block tables: KV-cache launches with short query blocks use the
+    decoding table."""
+    return base + "_decode" if lay.varlen >= VARLEN_CACHE and lay.Lq <= 16 else base
+
+
+def _merge_block_s(splits: int) -> int:
+    return max(2, triton.next_power_of_2(splits))
+
+
+def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
+    """Entropy and log-sum-exp of ``softmax(l)`` per row, each ``(B, Hq, Lq)`` (packed: ``(Hq,
+    total_q)``), O(L) memory."""
+    lay = _resolve_layout(q, k, None, layout)
+    q4, k4 = lay.q, lay.k
+    _, H, _, D = q4.shape
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ent, lse_l = _stat_for(lay, q, H), _stat_for(lay, q, H)
+    mask_t, mask_kind, ms = _mask_args(mask, q4)
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
-    consts = _common_consts(q, spec, mask_kind)
+    consts = _common_consts(q4, spec, mask_kind)
+    consts.update(VARLEN=lay.varlen)
+    feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
+    consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
+    name = _kernel_name("stats", lay)
+    state = {}
 
     def args(blk):
-        return (q, k, ent, lse_l, ssa_b, ssa_n, mask_t, *q.stride(), *k.stride(), *ms,
-                H, Lq, Lk, D, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale))
+        splits = _splits(lay, blk.m, blk.n, H, q.device)
+        state["splits"] = splits
+        ent_out, lse_out = ent, lse_l
+        if splits > 1:
+            shape = (splits,) + tuple(ent.shape)
+            state["parts"] = ent_out, lse_out = (torch.empty(shape, device=q.device, dtype=acc_torch),
+                                                 torch.empty(shape, device=q.device, dtype=acc_torch))
+        return (q4, k4, ent_out, lse_out, ssa_b, ssa_n, mask_t, *q4.stride(), *k4.stride(), *ms,
+                H, lay.Lq, lay.Lk, D, spec.group, triton.cdiv(lay.Lq, blk.m), *_split_scale(spec.scale),
+                lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, ent.numel() if splits > 1 else 0,
+                *feat_args[4:])
 
-    _launch(row_entropy_kernel, "stats", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), args, consts,
-            q.device, consts["BLOCK_D"], q.dtype)
+    def grid(blk):
+        return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
+
+    _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"], q.dtype)
+    if state.get("splits", 1) > 1 and _capture is None:
+        ent_part, lse_part = state["parts"]
+        merge_entropy_kernel[(ent.numel(),)](ent_part, lse_part, ent, lse_l, state["splits"], ent.numel(),
+                                             BLOCK_S=_merge_block_s(state["splits"]), ACC=_acc_dtype(q.dtype))
     return ent, lse_l
 
 
-def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
-    """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``."""
-    B, H, Lq, D = q.shape
-    Lk, DV = k.shape[2], v.shape[3]
-    _check_offsets(q, k, v)
-    o = torch.empty((B, H, Lq, DV), device=q.device, dtype=q.dtype)
-    lse = _stat_tensor(q)
-    mask_t, mask_kind, ms = _mask_args(mask, q)
-    consts = _common_consts(q, spec, mask_kind, DV)
-    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV),
+def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
+    """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``
+    (packed: ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``)."""
+    lay = _resolve_layout(q, k, v, layout)
+    q4, k4, v4 = lay.q, lay.k, lay.v
+    _, H, _, D = q4.shape
+    DV = v4.shape[3]
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if lay.varlen == VARLEN_PACKED:
+        o = torch.empty((q.shape[0], H, DV), device=q.device, dtype=q.dtype)
+        o4 = _packed_view(o)
+    else:
+        o = o4 = torch.empty((q.shape[0], H, q.shape[2], DV), device=q.device, dtype=q.dtype)
+    lse = _stat_for(lay, q, H)
+    mask_t, mask_kind, ms = _mask_args(mask, q4)
+    consts = _common_consts(q4, spec, mask_kind, DV)
+    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen,
                   POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
+    name = _kernel_name("fwd", lay)
+    state = {}
+    feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
+    consts.update(feat_consts)
 
     def args(blk):
-        return (q, k, v, o, lse, beta if spec.adaptive else q, b if spec.ssa else q,
+        splits = _splits(lay, blk.m, blk.n, H, q.device)
+        state["splits"] = splits
+        o_out, lse_out, stride_os = o4, lse, 0
+        if splits > 1:
+            state["parts"] = o_out, lse_out = (
+                torch.empty((splits,) + tuple(o.shape), device=q.device, dtype=acc_torch),
+                torch.empty((splits,) + tuple(lse.shape), device=q.device, dtype=acc_torch))
+            stride_os = o_out.stride(0)
+            o_out = o_out[0]
+        return (q4, k4, v4, o_out, lse_out, beta if spec.adaptive else q, b if spec.ssa else q,
                 n if spec.ssa else q, mask_t,
-                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *ms,
-                H, Lq, Lk, D, DV, spec.group, triton.cdiv(Lq, blk.m), *_split_scale(spec.scale))
+                *q4.stride(), *k4.stride(), *v4.stride(), *o_out.stride(), *ms,
+                H, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lq, blk.m), *_split_scale(spec.scale),
+                lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, stride_os,
+                lse.numel() if splits > 1 else 0, *feat_args)
 
-    _launch(attention_fwd_kernel, "fwd", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), args, consts,
-            q.device, max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype)
+    def grid(blk):
+        return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
+
+    _launch(attention_fwd_kernel, name, grid, args, dict(consts, SPLIT=None), q.device,
+            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype)
+    splits = state.get("splits", 1)
+    if splits > 1 and _capture is None:
+        o_part, lse_part = state["parts"]
+        merge_output_kernel[(lse.numel(),)](
+            o_part, lse_part, o, lse, *o_part.stride(), *o.stride(), H, lay.Lq, DV, splits, lse.numel(),
+            BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype))
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
-             spec: AttentionSpec):
+             spec: AttentionSpec, layout=None, *, g: Optional[torch.Tensor] = None,
+             dbeta_only: bool = False):
     """Gradients ``(dq, dk, dv, db, dn)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax.
 
     ``dlse`` (or None) is the gradient reaching the returned LSE: since ``d lse_i / d S'_ij = P'_ij``
-    it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``).
+    it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``). ``layout``: None (dense) or
+    :class:`Packed`.
+
+    For callers holding a shard of the keys (adaptive only; see :func:`row_dbeta`): ``g``
+    ``(B, Hq, Lq)`` is the temperature gradient ``g_i = dbeta_i * dbeta/dH_i`` of whole rows, used
+    instead of the one computed from the keys given; ``dbeta_only`` runs the dQ kernel alone and
+    returns its ``g`` (``temp.dbeta_dh`` of ones makes that the partial ``dbeta``).
     """
-    B, H, Lq, D = q.shape
-    HKV, Lk, DV = k.shape[1], k.shape[2], v.shape[3]
-    _check_offsets(do, o)
+    if isinstance(layout, KVCache):
+        raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
+    lay = _resolve_layout(q, k, v, layout)
+    packed = lay.varlen == VARLEN_PACKED
+    q4, k4, v4 = lay.q, lay.k, lay.v
+    do4, o4 = (_packed_view(do), _packed_view(o)) if packed else (do, o)
+    _, H, _, D = q4.shape
+    HKV, DV = k4.shape[1], v4.shape[3]
+    if packed:
+        _check_packed_offsets(do, lay.Lq)
+        _check_packed_offsets(o, lay.Lq)
+    else:
+        _check_offsets(do, o)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    delta = _stat_tensor(q)
-    lse2 = _stat_tensor(q)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
+    dq4, dk4, dv4 = (_packed_view(dq), _packed_view(dk), _packed_view(dv)) if packed else (dq, dk, dv)
+    delta = _stat_for(lay, q, H)
+    lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
-    mask_t, mask_kind, ms = _mask_args(mask, q)
-    consts = _common_consts(q, spec, mask_kind, DV)
-    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV))
+    mask_t, mask_kind, ms = _mask_args(mask, q4)
+    consts = _common_consts(q4, spec, mask_kind, DV)
+    consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen)
+    feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
+    consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
-        g = _stat_tensor(q)
+        g_given = g is not None
+        g = _stat_for(lay, q, H) if g is None else g.to(acc_torch).contiguous()
     else:
+        g_given = False
+        if g is not None or dbeta_only:
+            raise ValueError("g and dbeta_only are for the adaptive temperature only")
         beta = lse_l = ent = dbeta_dh = g = q
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
     scale_args = _split_scale(spec.scale)
+    seq_args = (lay.cu_q, lay.cu_k, lay.stat_stride_h)
+    B = lay.batch
     parts = {}
 
     def dq_args(blk):
-        num_m = triton.cdiv(Lq, blk.m)
-        if spec.ssa:
-            parts["db"] = torch.empty((B * H * num_m,), device=q.device, dtype=acc_torch)
-            parts["dn"] = torch.empty((B * H * num_m,), device=q.device, dtype=acc_torch)
+        num_m = triton.cdiv(lay.Lq, blk.m)
+        if spec.ssa:  # packed: programs past their sequence's end write no partial sum
+            alloc = torch.zeros if packed else torch.empty
+            parts["db"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
+            parts["dn"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
         db_part = parts.get("db", q)
         dn_part = parts.get("dn", q)
-        return (q, k, v, o, do, lse, dlse if dlse is not None else q, dq, delta, lse2, beta, lse_l, ent, dbeta_dh, g,
-                ssa_b, ssa_n, db_part, dn_part, mask_t,
-                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(), *ms,
-                H, Lq, Lk, D, DV, spec.group, num_m, *scale_args)
+        return (q4, k4, v4, o4, do4, lse, dlse if dlse is not None else q, dq4, delta, lse2, beta, lse_l, ent,
+                dbeta_dh, g, ssa_b, ssa_n, db_part, dn_part, mask_t,
+                *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(), *do4.stride(), *dq4.stride(), *ms,
+                H, lay.Lq, lay.Lk, D, DV, spec.group, num_m, *scale_args, *seq_args,
+                *feat_args)
 
-    _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(Lq, blk.m) * B * H,), dq_args,
-            dict(consts, HAS_DLSE=dlse is not None,
-                 POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq")), q.device, head_block, q.dtype)
+    dq_consts = dict(consts, HAS_DLSE=dlse is not None,
+                     POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
+    if g_given:  # only then: the default specialisations' constexprs stay as they were
+        dq_consts["G_GIVEN"] = True
+    _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(lay.Lq, blk.m) * B * H,), dq_args,
+            dq_consts, q.device, head_block, q.dtype)
+    if dbeta_only:
+        return g
 
     def dkdv_args(blk):
-        return (q, k, v, do, lse2, delta, dk, dv, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ms,
-                H, HKV, Lq, Lk, D, DV, spec.group, triton.cdiv(Lk, blk.n), *scale_args)
+        return (q4, k4, v4, do4, lse2, delta, dk4, dv4, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
+                *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dk4.stride(), *dv4.stride(), *ms,
+                H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lk, blk.n), *scale_args, *seq_args,
+                *feat_args)
 
-    _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(Lk, blk.n) * B * HKV,),
+    _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
             dkdv_args, consts, q.device, head_block, q.dtype)
     db = dn = None
     if spec.ssa:
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, db, dn
+
+
+def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+    """``dbeta_i = sum_j dS'_ij l_ij`` ``(B, Hq, Lq)`` over the keys given (adaptive only), for a
+    caller holding a shard of the keys: ``o``, ``lse`` and ``temp`` are those of whole rows, so
+    the shards' results sum to the whole row's ``dbeta``. One launch of the dQ kernel with
+    ``dbeta/dH = 1`` (its other outputs are discarded)."""
+    if not spec.adaptive:
+        raise ValueError("row_dbeta is for the adaptive temperature only")
+    ones = TemperatureState(temp.beta, temp.lse_l, temp.entropy, torch.ones_like(temp.dbeta_dh))
+    return backward(do, q, k, v, o, lse, dlse, mask, b, n, ones, spec, dbeta_only=True)
+
+
+def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
+    """The keep-mask ``(B, H, Lq, Lk)`` (bool, on ``rng``'s device) that the attention kernels
+    apply for the ``(seed, offset)`` tensor ``rng`` and ``dropout_p``, materialised by a kernel that
+    calls the same ``common.dropout_keep`` on tiles of its own size. For tests and inspection."""
+    B, H, Lq, Lk = (int(x) for x in shape)
+    out = torch.empty((B, H, Lq, Lk), device=rng.device, dtype=torch.uint8)
+    if out.numel() == 0:
+        return out.bool()
+    # tiles unlike any attention kernel's (which use 16 x 16 under the interpreter)
+    bm, bn = (32, 64) if _device_arch(rng.device) is None else (64, 128)
+    num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
+    dropout_mask_kernel[(num_m * num_n * B * H,)](
+        out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
+        BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
+    return out.bool()

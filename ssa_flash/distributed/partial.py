@@ -1,0 +1,239 @@
+"""Partial attention: queries against one shard of the keys, and the merges that make the partial
+results whole. The building blocks of ring attention (``ssa_flash.distributed.ring``), usable on
+one process; they call the backends (``ssa_flash.backends``) and nothing that communicates.
+
+Split the keys (and values) of every row into shards ``s = 1..m``. SSA and softmax are both a
+softmax over a logit row ``l`` (``phi(z)`` or ``z``), and for the adaptive temperature over
+``beta * l``; so, with ``lse_s`` the log-sum-exp of the row's logits over shard ``s`` and
+``out_s`` the attention over that shard alone:
+
+* outputs (FlashAttention's / ring attention's merge by LSE)::
+
+      lse = logsumexp_s lse_s           out = sum_s exp(lse_s - lse) out_s
+
+* entropy statistics of ``P = softmax(l)`` (adaptive temperature, its first pass). A shard's
+  ``(lse_s, H_s)`` give its mean logit ``E_s[l] = lse_s - H_s`` under ``softmax`` over the shard,
+  the whole row's mean is the LSE-weighted average ``E[l] = sum_s exp(lse_s - lse) E_s[l]``, and
+  ``H = lse - E[l]``, computed without cancellation as ::
+
+      H = sum_s w_s (H_s + lse - lse_s),      w_s = exp(lse_s - lse),  every term >= 0
+
+  ``beta`` then comes from the whole row's ``H`` (``ssa_flash.temperature``).
+
+* backward (DESIGN.md 1.2, 1.3): given the whole row's ``out``, ``lse`` (and temperature state),
+  each entry's ``dS'_ij = P'_ij (dO_i . v_j - delta_i)`` is known from one shard, so every
+  gradient is a sum over shards: ``dq`` over key shards, ``dk``, ``dv`` over query shards, ``db``,
+  ``dn`` over both. The adaptive temperature's ``g_i = dbeta_i dbeta/dH_i`` needs the whole row's
+  ``dbeta_i = sum_j dS'_ij l_ij`` first: a pass of :func:`partial_dbeta` over the key shards,
+  summed, then :func:`partial_backward` with that ``g``.
+
+All of this is exact: the merged results equal the unsharded kernels' up to the rounding of
+the partial outputs to the inputs' dtype and the order of floating-point sums.
+
+Causal attention (top-left, ``j <= i``) with queries and keys cut at the same positions: a
+(query shard, key shard) pair is fully visible (keys before the queries), invisible (keys after,
+skip it), or diagonal (the same positions: ``spec.causal=True`` on that pair). See
+:func:`causal_pair`.
+
+Conventions (``ssa_flash.backends.spec``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
+``v (B, Hkv, Lk, Dv)`` with any strides; ``b``, ``n`` ``(Hq,)`` in the accumulation dtype
+(float64 for float64 inputs, else float32) or None (softmax); per-row statistics ``(B, Hq, Lq)``
+in the accumulation dtype. The functions here make per-row statistics contiguous themselves, so
+slices of whole-row statistics can be passed.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import backends, ops, temperature
+from ..backends.spec import AttentionSpec, KeyShardTemperature, TemperatureState, acc_dtype
+from ..errors import BackendUnavailableError
+
+__all__ = ["RowStats", "Visibility", "causal_pair", "resolve_backend", "empty_row_stats",
+           "partial_entropy", "merge_entropy", "temperature_state", "partial_forward",
+           "empty_output", "merge_outputs", "merge_outputs_", "partial_dbeta", "partial_backward"]
+
+
+class RowStats(NamedTuple):
+    """Entropy statistics of ``P = softmax(l)`` per row over some keys, each ``(B, Hq, Lq)``."""
+
+    lse: Tensor  # log-sum-exp of l over the keys (-inf where none is admissible)
+    entropy: Tensor  # entropy of softmax(l) over those keys (0 where none is admissible)
+
+
+class Visibility(enum.Enum):
+    """How a query chunk sees a key chunk under causal (top-left) masking."""
+
+    FULL = "full"  # every key precedes every query
+    DIAGONAL = "diagonal"  # the same positions: key j visible to query i iff j <= i
+    NONE = "none"  # every key follows every query
+
+
+def causal_pair(q_chunk: int, k_chunk: int) -> Visibility:
+    """Visibility of key chunk ``k_chunk`` from query chunk ``q_chunk`` when queries and keys are
+    cut into chunks of one length at the same positions (chunk ``c`` holds positions
+    ``c*C .. c*C+C-1``)."""
+    if k_chunk < q_chunk:
+        return Visibility.FULL
+    return Visibility.DIAGONAL if k_chunk == q_chunk else Visibility.NONE
+
+
+def _has_key_shard_temperature(be) -> bool:
+    return isinstance(be, KeyShardTemperature)
+
+
+def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> str:
+    """The backend name that runs partial attention of these inputs (``"auto"`` or a name, as
+    in :func:`ssa_flash.ssa_attention`), or ``BackendUnavailableError`` saying why none can.
+    The adaptive temperature needs a backend with ``row_dbeta``/``backward_given_g``
+    (:class:`~ssa_flash.backends.spec.KeyShardTemperature`); ``"auto"`` passes over one that
+    lacks them (the CUDA backend today) to the Triton backend, or the reference backend."""
+    name = ops._resolve_backend(backend, q, k, v, spec)
+    if spec.adaptive and not _has_key_shard_temperature(backends.get(name)):
+        if backend != "auto":
+            raise BackendUnavailableError(
+                f"backend={name!r} cannot run the adaptive temperature over key shards (it has no "
+                "row_dbeta/backward_given_g); use backend='triton' or 'reference'")
+        name = "reference" if backends.resolve("triton", q.device, q.dtype)[1] else "triton"
+    return name
+
+
+def _stat(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.contiguous()
+
+
+def _temp(temp: Optional[TemperatureState]) -> Optional[TemperatureState]:
+    return None if temp is None else TemperatureState(*(t.contiguous() for t in temp))
+
+
+# --------------------------------------------------------------------------------------------
+# Forward: entropy statistics (adaptive temperature) and outputs
+
+
+def empty_row_stats(q: Tensor) -> RowStats:
+    """Statistics over no keys (lse ``-inf``, entropy 0) for the rows of ``q``: the identity of
+    :func:`merge_entropy`."""
+    B, H, Lq, _ = q.shape
+    acc = acc_dtype(q.dtype)
+    return RowStats(torch.full((B, H, Lq), float("-inf"), dtype=acc, device=q.device),
+                    torch.zeros((B, H, Lq), dtype=acc, device=q.device))
+
+
+def partial_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+                    spec: AttentionSpec, backend: str) -> RowStats:
+    """Entropy statistics of ``softmax(l)`` over the keys of ``k`` alone (``spec.causal``: the
+    diagonal pair of a causal split). No temperature; ``spec.adaptive`` is ignored."""
+    ent, lse = backends.get(backend).row_entropy(q, k, None, b, n, spec)
+    return RowStats(lse, ent)
+
+
+def merge_entropy(x: RowStats, y: RowStats) -> RowStats:
+    """Statistics over the union of two disjoint key sets, from each set's (module docstring).
+    Associative and commutative up to rounding; ``empty_row_stats`` is its identity."""
+    lse = torch.logaddexp(x.lse, y.lse)
+    ref = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)  # rows with no key
+    ent = torch.zeros_like(lse)
+    for part in (x, y):
+        w = torch.exp(part.lse - ref)
+        # a set without admissible keys (lse -inf) weighs 0; keep inf - inf out of the sum
+        ent = ent + torch.where(w > 0, w * (part.entropy + (ref - part.lse)), torch.zeros_like(w))
+    return RowStats(lse, ent)
+
+
+def temperature_state(stats: RowStats, spec: AttentionSpec) -> TemperatureState:
+    """The adaptive temperature of whole rows from their merged statistics: ``beta`` and
+    ``d beta / d H`` (``ssa_flash.temperature.beta_from_entropy`` with ``spec.poly`` and
+    ``spec.threshold``), packed with the statistics for the backward."""
+    beta, dbeta_dh = temperature.beta_from_entropy(stats.entropy, spec.poly, spec.threshold)
+    return TemperatureState(beta, stats.lse, stats.entropy, dbeta_dh)
+
+
+def partial_forward(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+                    beta: Optional[Tensor], spec: AttentionSpec, backend: str) -> Tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))``: attention of ``q`` over the keys of
+    ``k``/``v`` alone, i.e. ``softmax(beta * l)`` restricted to them (``beta``: the whole rows'
+    temperature, given iff ``spec.adaptive``). Rows with no admissible key: out 0, lse -inf."""
+    if spec.adaptive and beta is None:
+        raise ValueError("partial_forward: spec.adaptive needs beta (temperature_state of the whole rows)")
+    return backends.get(backend).forward(q, k, v, None, b, n, _stat(beta) if spec.adaptive else None, spec)
+
+
+def empty_output(q: Tensor, dv: int) -> Tuple[Tensor, Tensor]:
+    """``(out, lse)`` over no keys: zeros ``(B, Hq, Lq, dv)`` and ``-inf`` ``(B, Hq, Lq)`` in the
+    accumulation dtype, the identity of :func:`merge_outputs`."""
+    B, H, Lq, _ = q.shape
+    acc = acc_dtype(q.dtype)
+    return (torch.zeros((B, H, Lq, dv), dtype=acc, device=q.device),
+            torch.full((B, H, Lq), float("-inf"), dtype=acc, device=q.device))
+
+
+def merge_outputs(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Attention over the union of two disjoint key sets from each set's ``(out, lse)``:
+    ``lse = logaddexp(lse_a, lse_b)``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``.
+    ``out_*`` ``(..., Lq, Dv)``, ``lse_*`` ``(..., Lq)``; returns ``out`` in the dtype of ``lse_a``
+    (the accumulation dtype: keep merging in it and cast once at the end). A row empty in both
+    stays out 0, lse -inf."""
+    acc = lse_a.dtype
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
+    wa = torch.exp(lse_a - ref).unsqueeze(-1)
+    wb = torch.exp(lse_b - ref).unsqueeze(-1)
+    return wa * out_a.to(acc) + wb * out_b.to(acc), lse
+
+
+def merge_outputs_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """:func:`merge_outputs` in place: ``(out, lse)`` (accumulation dtype, views allowed, e.g.
+    rows of a larger accumulator) become the merge of themselves with ``(part_out, part_lse)``.
+    Allocates one temporary of ``part_out``'s size in the accumulation dtype."""
+    new = torch.logaddexp(lse, part_lse)
+    ref = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    out.add_(part_out * torch.exp(part_lse - ref).unsqueeze(-1))
+    lse.copy_(new)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+
+
+def partial_dbeta(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  b: Optional[Tensor], n: Optional[Tensor], temp: TemperatureState,
+                  spec: AttentionSpec, backend: str, dlse: Optional[Tensor] = None) -> Tensor:
+    """``(B, Hq, Lq)``: this key shard's part of ``dbeta_i = sum_j dS'_ij l_ij`` (adaptive only).
+    ``out``, ``lse``, ``temp`` (and ``dlse``, the gradient reaching ``lse`` if any) are those of
+    the whole rows. Sum over the key shards, then ``g = dbeta * temp.dbeta_dh``."""
+    if not spec.adaptive:
+        raise ValueError("partial_dbeta is for the adaptive temperature (spec.adaptive) only")
+    be = backends.get(backend)
+    if not _has_key_shard_temperature(be):
+        raise BackendUnavailableError(f"backend={backend!r} has no row_dbeta (see resolve_backend)")
+    return be.row_dbeta(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, _temp(temp), spec)
+
+
+def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     b: Optional[Tensor], n: Optional[Tensor], spec: AttentionSpec, backend: str,
+                     temp: Optional[TemperatureState] = None, g: Optional[Tensor] = None,
+                     dlse: Optional[Tensor] = None
+                     ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """This (query shard, key shard) pair's contributions ``(dq, dk, dv, db, dn)`` to the
+    gradients: ``dq`` ``(B, Hq, Lq, D)`` in q's dtype (sum over key shards), ``dk``, ``dv`` for
+    the shard's keys in k's dtype (sum over query shards), ``db``, ``dn`` ``(Hq,)`` in the
+    accumulation dtype or None for softmax (sum over all pairs).
+
+    ``dout`` is the gradient of the whole rows' output; ``out``, ``lse`` and (adaptive) ``temp``
+    are those of the whole rows, ``g = dbeta * temp.dbeta_dh`` the whole rows' temperature
+    gradient (the sum of :func:`partial_dbeta` over the key shards); ``dlse`` the gradient reaching
+    ``lse``, if any."""
+    be = backends.get(backend)
+    if spec.adaptive:
+        if temp is None or g is None:
+            raise ValueError("partial_backward: spec.adaptive needs temp and g of the whole rows")
+        if not _has_key_shard_temperature(be):
+            raise BackendUnavailableError(f"backend={backend!r} has no backward_given_g (see resolve_backend)")
+        return be.backward_given_g(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, _temp(temp),
+                                   _stat(g), spec)
+    return be.backward(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, None, spec)

@@ -1,0 +1,57 @@
+"""Running a function on several ranks of a gloo process group on the CPU, for the tests.
+
+:func:`spawn` starts one process per rank (``torch.multiprocessing``, start method "spawn"), each
+of which joins a gloo process group (with a timeout, so that a rank waiting on a failed one raises)
+and runs ``fn(rank, world, *args)``. If any rank raises, the others are terminated and
+:func:`spawn` raises with that rank's traceback; if they do not all finish within ``timeout``
+seconds, it kills them and raises too. Nothing hangs.
+
+Children import this module before anything imports Triton: on a machine without a GPU it sets
+``TRITON_INTERPRET=1`` first, so the Triton kernels run through the interpreter there as well.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+GROUP_TIMEOUT_S = 60.0
+
+
+def _entry(rank, fn, world, init_file, group_timeout_s, args):
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=group_timeout_s))
+    try:
+        fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():  # fn may have left the group itself
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, timeout: float = 240.0, group_timeout_s: float = GROUP_TIMEOUT_S):
+    """Runs ``fn(rank, world, *args)`` on ``world`` ranks (``fn`` and ``args`` picklable; ``fn`` a
+    module-level function). Raises if a rank raises or if they take longer than ``timeout``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_entry, args=(fn, world, init_file, group_timeout_s, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):  # raises ProcessRaisedException / ProcessExitedException
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
+        finally:
+            for proc in ctx.processes:  # only the processes started here
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
