@@ -442,8 +442,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
     const float* src = p.rowstat + ((static_cast<int64_t>(bb) * p.heads + step_head(t)) * p.stat_rows + step_m0(t)) * kNStat;
     float* dst = sStat + buf * kNStat * kBlockM;
     for (int i = tid; i < kBlockM; i += kNThreads) {
+      if (SSA_FLASH_ASYNC_COPIES) {
 #pragma unroll
-      for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
+        for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
+      } else {
+        // sm_70 / sm_75: issued between the GEMMs of a step, when few registers are free (six
+        // loads in flight made the adaptive kernels spill on sm_70 at D = 128 and 256)
+#pragma unroll 1
+        for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
+      }
     }
   };
 

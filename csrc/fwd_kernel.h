@@ -44,8 +44,10 @@ namespace ssa_flash {
 // Pipeline per key block j with cp.async (sm_80+; K and V single-buffered):
 //   issue V_j | wait K_j | S = Q K_j^T, row max | wait V_j, vote | weights | issue K_{j+1} |
 //   O += P V_j
-// Without cp.async (sm_70 / sm_75) the copies are synchronous: V_j is loaded after S, between
-// two barriers, K_{j+1} after the step.
+// Without cp.async (sm_70 / sm_75) the copies are synchronous: V_j before S (no score live),
+// K_{j+1} before O += P V_j (sm_75) or after it (sm_70), the orders ptxas compiles without
+// spills; every block rescales there (no steady-state loop: its second copy of the step spilled
+// on sm_75).
 template <typename Tr, bool kSSA, bool kAdaptive>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
@@ -141,6 +143,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       else v_stream.issue(sV, tid);
       cp_async_commit();
       cp_async_wait<1>();  // Q and K_j have landed
+    } else {
+      // synchronous: V_j now, before the scores are live (sV is free since step j - 1's last
+      // barrier)
+      load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      cp_async_commit();
     }
     __syncthreads();
 
@@ -181,16 +188,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
         need |= mq[ms][hi] > m_run[ms][hi] + kRescaleSlack;
       }
     }
-    if (kAsync) {
-      cp_async_wait<0>();  // V_j has landed
-      // V_j visible, every warp done with K_j, and the vote
-      return __syncthreads_or(kCheck || need);
-    }
-    const bool any = __syncthreads_or(kCheck || need);  // every warp is done with K_j
-    load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);  // V_j, synchronous
-    cp_async_commit();
-    __syncthreads();
-    return any;
+    if (kAsync) cp_async_wait<0>();  // V_j has landed
+    // V_j visible, every warp done with K_j, and the vote
+    return __syncthreads_or(kCheck || need);
   };
 
   // Second half of step j: the weights (after moving the reference max and rescaling when
@@ -234,29 +234,42 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       }
       acc_to_frag<T, kBlockN>(pa[ms], s[ms]);
     }
-    if (kAsync && j + 1 < num_n) {
-      if (kCheck) load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+    // K_{j+1}: cp.async, or synchronous (visible after step j + 1's first barrier) before the
+    // P V GEMM on sm_75 and after it on sm_70 (where each order spills on the other path)
+    constexpr bool kLateK = !kAsync && SSA_FLASH_SM70;
+    if (!kLateK && j + 1 < num_n) {
+      if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       else k_stream.issue(sK, tid);
       cp_async_commit();
     }
     gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
     __syncthreads();  // every warp is done with V_j
-    if (!kAsync && j + 1 < num_n) {
+    if (kLateK && j + 1 < num_n) {
       load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       cp_async_commit();
     }
   };
 
   int j = 0;
-  while (j < n_int) {
-    // the steady state: no rescaling (the audit's interior loop)
-    for (; j < n_int; ++j) {
-      if (step_a(j, Bool<false>())) break;
-      step_b(j, Bool<false>(), Bool<false>());
+  if (kAsync) {
+    while (j < n_int) {
+      // the steady state: no rescaling (the audit's interior loop)
+      for (; j < n_int; ++j) {
+        if (step_a(j, Bool<false>())) break;
+        step_b(j, Bool<false>(), Bool<false>());
+      }
+      if (j < n_int) {
+        step_b(j, Bool<false>(), Bool<true>());
+        ++j;
+      }
     }
-    if (j < n_int) {
+  } else {
+    // sm_70 / sm_75 (synchronous copies): every interior block rescales. The second copy of the
+    // step above costs registers these paths do not have (with it, ptxas spills the float16
+    // forward at D = 64 (SSA, adaptive), 96 and 128 on sm_75).
+    for (; j < n_int; ++j) {
+      step_a(j, Bool<false>());
       step_b(j, Bool<false>(), Bool<true>());
-      ++j;
     }
   }
   for (; j < num_n; ++j) {
