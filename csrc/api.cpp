@@ -172,21 +172,28 @@ std::tuple<Tensor, Tensor> stats(const Tensor& q_in, const Tensor& k, const opti
   return {ent, lse};
 }
 
-// Returns dq, dk, dv (padded head dims, like the inputs) and the (B, H, num_m_blocks) partial
+// Returns dq, dk, dv (padded head dims, like the inputs) and the (B, H, num_partials) partial
 // sums of db and dn (empty tensors for softmax); the caller sums the partials over (0, 2).
+// deterministic: the two-kernel path (bitwise reproducible); else the fused kernel where the
+// device and head dim allow it (launch.h, BwdPlan), whose dQ is accumulated with atomics.
+Tensor small_row_stride(const Tensor& t) { return t.stride(2) < (int64_t(1) << 26) ? t : t.contiguous(); }
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
-    const Tensor& dout, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
+    const Tensor& dout_in, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
     const optional<Tensor>& dlse, const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
     const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
-    int64_t stream_handle) {
+    int64_t stream_handle, bool deterministic) {
   check_qkv_like(q_in, "query", q_in);
+  check_qkv_like(dout_in, "grad_out", q_in);
   const bool negated = scale < 0;
-  const Tensor q = nonnegative_scale(q_in, scale);
+  // the backward kernels keep query-tile offsets in 32 bits (params.h): rows strides >= 2^26
+  // elements (a layout such as (L, B, H, D) with a huge B * H * D) are made contiguous
+  const Tensor q = small_row_stride(nonnegative_scale(q_in, scale));
+  const Tensor dout = small_row_stride(dout_in);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
   check_qkv_like(o, "out", q);
-  check_qkv_like(dout, "grad_out", q);
   TORCH_CHECK(o.sizes() == dout.sizes() && o.size(0) == q.size(0) && o.size(1) == q.size(1) &&
                   o.size(2) == q.size(2) && o.size(3) == v.size(3),
               "ssa_flash: out / grad_out shapes do not match");
@@ -203,20 +210,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group);
   const bool ssa = p.ssa_b != nullptr;
   auto f32 = q.options().dtype(at::kFloat);
-  Tensor dq = at::empty(q.sizes(), q.options());
+  const ssa_flash::BwdPlan plan =
+      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic)
+                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic);
+  // the fused path accumulates dQ / scale in float32 with atomics (zeroed here; rows and columns
+  // padded to whole tiles), converted below
+  Tensor dq_accum = plan.fused ? at::zeros({q.size(0), q.size(1), plan.stat_rows, plan.accum_cols}, f32) : Tensor();
+  Tensor dq = plan.fused ? Tensor() : at::empty(q.sizes(), q.options());
   Tensor dk = at::empty(k.sizes(), k.options());
   Tensor dv = at::empty(v.sizes(), v.options());
-  Tensor delta = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
-  Tensor g = adaptive ? at::empty_like(delta) : at::empty({0}, f32);
-  const int num_m = ssa_flash::bwd_num_m_blocks(p.dim, p.dim_v, p.len_q);
-  Tensor db_part = at::empty({ssa ? q.size(0) : 0, q.size(1), num_m}, f32);
+  Tensor rowstat = at::empty({q.size(0), q.size(1), plan.stat_rows, plan.stat_count}, f32);
+  Tensor db_part = at::empty({ssa ? q.size(0) : 0, q.size(1), plan.num_partials}, f32);
   Tensor dn_part = at::empty_like(db_part);
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = o.data_ptr();
   p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
+  p.dq = plan.fused ? nullptr : dq.data_ptr();
+  p.dq_accum = plan.fused ? dq_accum.data_ptr<float>() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_sm = q.stride(2);
@@ -224,23 +236,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   p.v_sb = v.stride(0); p.v_sh = v.stride(1); p.v_sm = v.stride(2);
   p.o_sb = o.stride(0); p.o_sh = o.stride(1); p.o_sm = o.stride(2);
   p.do_sb = dout.stride(0); p.do_sh = dout.stride(1); p.do_sm = dout.stride(2);
-  p.dq_sb = dq.stride(0); p.dq_sh = dq.stride(1); p.dq_sm = dq.stride(2);
+  if (!plan.fused) {
+    p.dq_sb = dq.stride(0); p.dq_sh = dq.stride(1); p.dq_sm = dq.stride(2);
+  }
   p.dk_sb = dk.stride(0); p.dk_sh = dk.stride(1); p.dk_sm = dk.stride(2);
   p.dv_sb = dv.stride(0); p.dv_sh = dv.stride(1); p.dv_sm = dv.stride(2);
   p.lse = lse.data_ptr<float>();
   p.dlse = stat_ptr(dlse);
-  p.delta = delta.data_ptr<float>();
+  p.rowstat = rowstat.data_ptr<float>();
+  p.stat_rows = plan.stat_rows;
   p.beta = stat_ptr(beta);
   p.lse_l = stat_ptr(lse_l);
   p.entropy = stat_ptr(entropy);
   p.dbeta_dh = stat_ptr(dbeta_dh);
-  p.g = adaptive ? g.data_ptr<float>() : nullptr;
   p.db_part = ssa ? db_part.data_ptr<float>() : nullptr;
   p.dn_part = ssa ? dn_part.data_ptr<float>() : nullptr;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  raise_if(is_bf16(q) ? ssa_flash::run_bwd_bf16(p, ssa, adaptive, stream)
-                      : ssa_flash::run_bwd_fp16(p, ssa, adaptive, stream));
-  if (negated) dq.neg_();
+  raise_if(is_bf16(q) ? ssa_flash::run_bwd_bf16(p, ssa, adaptive, plan, stream)
+                      : ssa_flash::run_bwd_fp16(p, ssa, adaptive, plan, stream));
+  if (plan.fused) {
+    dq = dq_accum.narrow(2, 0, q.size(2)).narrow(3, 0, q.size(3)).mul(negated ? -scale : scale).to(q.scalar_type());
+  }
+  else if (negated) dq.neg_();
   return {dq, dk, dv, db_part, dn_part};
 }
 
@@ -257,5 +274,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd", &bwd, "attention backward: (dq, dk, dv, db_part, dn_part)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dlse"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
-        py::arg("dbeta_dh"), py::arg("scale"), py::arg("causal"), py::arg("group"), py::arg("stream"));
+        py::arg("dbeta_dh"), py::arg("scale"), py::arg("causal"), py::arg("group"), py::arg("stream"),
+        py::arg("deterministic") = false);
 }

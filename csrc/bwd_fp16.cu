@@ -1,10 +1,14 @@
-// Backward kernels (dQ, then dK/dV), float16 (sm_75+).
+// Backward kernels (dQ, then dK/dV; or the pre-pass, then the fused kernel), float16 (sm_75+).
 #include "launch_impl.h"
 
 namespace ssa_flash {
 
-std::string run_bwd_fp16(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
-  return detail::run_bwd<__half>(p, ssa, adaptive, stream);
+BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic) {
+  return detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic);
+}
+
+std::string run_bwd_fp16(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+  return detail::run_bwd<__half>(p, ssa, adaptive, plan, stream);
 }
 
 }  // namespace ssa_flash

@@ -1,11 +1,18 @@
-// Backward kernels (DESIGN.md 1.2 and 1.3), two launches, no atomics; the same split as
-// ssa_flash/triton/backward.py:
+// Backward kernels (DESIGN.md 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
+// BwdPlan):
 //
+// Two kernels, no atomics (bitwise reproducible; deterministic=True, SSA, head dims above 64):
 // 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
-//    rowsum(dO * O) - dlse, dQ, the adaptive-temperature row gradient g, and per-block partial
-//    sums of db, dn (reduced in a fixed order on the host side: deterministic).
+//    rowsum(dO * O) - dlse and the adaptive-temperature row gradient g (into the row-statistics
+//    workspace), dQ, and per-block partial sums of db, dn (reduced in a fixed order on the host
+//    side: deterministic).
 // 2. attn_bwd_dkdv_kernel, grid (ceil(Lk / BN), Hkv, B), one CTA per key block of a key/value
 //    head: dK, dV, looping over the query heads of its GQA group and their query blocks.
+// Seven GEMMs per tile (S, dP, dQ; S^T, dP^T, dV, dK), nine with the adaptive temperature.
+//
+// Fused (deterministic=False, softmax logits, D <= 64): the dQ kernel as a pre-pass (kPrep: the
+// row statistics, and with the adaptive temperature g, whose dbeta needs whole rows), then
+// attn_bwd_fused_kernel: FlashAttention-2's five GEMMs per tile, dQ added with fp32 atomics.
 //
 // Per tile, with S' = beta * l and P' = softmax(S') the output weights (base-2 units inside):
 //     dS'  = P' * (dO V^T - delta)
@@ -25,6 +32,13 @@
 #include "utils.h"
 
 namespace ssa_flash {
+
+// The per-row statistics of the backward, in the workspace p.rowstat (B, H, stat_rows, n) the
+// dQ kernel (or the pre-pass) writes and the dK/dV kernel copies per query tile: n = 2 (lse in
+// base 2, delta) or 6 with the adaptive temperature (beta, lse of l in base 2, entropy, g). Rows
+// from len_q up to the end of the dQ kernel's last tile hold zeros (beta 1): their scores then
+// give zero gradients without any bounds check (Q and dO are zero-filled there too).
+enum RowStat : int { kLse = 0, kDelta = 1, kBeta = 2, kLseL = 3, kEnt = 4, kG = 5 };
 
 // Statistics of one query row, as the gradient of a score needs them.
 struct RowStats {
@@ -91,7 +105,10 @@ SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, fl
 // dQ kernel. Pipeline per key block j (K double-buffered, V single):
 //   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
 //   dQ += dS K_j
-template <typename Tr, bool kSSA, bool kAdaptive>
+//
+// kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
+// (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
+template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
@@ -135,7 +152,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const int r_hi = r_lo + Frag::kHi;
   const bool ok_lo = r_lo < p.len_q, ok_hi = r_hi < p.len_q;
 
-  load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  if (!kPrep || kAdaptive) load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
   load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, m0, p.len_q, p.dim_v, tid);
   cp_async_commit();
 
@@ -195,11 +212,30 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     }
     st_lo.delta = d_lo;
     st_hi.delta = d_hi;
-    if (Frag::rank(lane) == 0) {
-      if (ok_lo) p.delta[stat0 + r_lo] = d_lo;
-      if (ok_hi) p.delta[stat0 + r_hi] = d_hi;
+  }
+  // this thread's rows in the workspace (written by the rank-0 lane of each row; rows past len_q
+  // get their zeros too). g is written after the dbeta pass.
+  constexpr int kNStat = dkdv_stat_count(kAdaptive);
+  float* ws_lo = p.rowstat + ((static_cast<int64_t>(bb) * p.heads + h) * p.stat_rows + r_lo) * kNStat;
+  float* ws_hi = ws_lo + Frag::kHi * kNStat;
+  const bool write_ws = Frag::rank(lane) == 0 && r_lo < p.stat_rows;  // (stat_rows is a multiple of 16)
+  if (write_ws) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const RowStats& st = half ? st_hi : st_lo;
+      float* ws = half ? ws_hi : ws_lo;
+      ws[kLse] = st.lse2;
+      ws[kDelta] = st.delta;
+      if (kAdaptive) {
+        ws[kBeta] = st.beta;
+        ws[kLseL] = st.lse_l2;
+        ws[kEnt] = st.ent;
+        ws[kG] = 0.0f;  // (the dbeta pass overwrites it)
+      }
     }
   }
+
+  if (kPrep && !kAdaptive) return;  // (the pre-pass needs delta only)
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
@@ -211,8 +247,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   zero(dq_acc);
   float db_part = 0.0f, dn_part = 0.0f;
 
-  // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn
-  for (int pass = kAdaptive ? 0 : 1; pass < 2; ++pass) {
+  // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn (not in the pre-pass)
+  for (int pass = kAdaptive ? 0 : 1; pass < (kPrep ? 1 : 2); ++pass) {
     float dbeta_lo = 0.0f, dbeta_hi = 0.0f;
     load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
     load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
@@ -281,12 +317,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     if (kAdaptive && pass == 0) {
       st_lo.g = quad_sum(dbeta_lo) * dbdh_lo;
       st_hi.g = quad_sum(dbeta_hi) * dbdh_hi;
-      if (Frag::rank(lane) == 0) {
-        if (ok_lo) p.g[stat0 + r_lo] = st_lo.g;
-        if (ok_hi) p.g[stat0 + r_hi] = st_hi.g;
+      if (write_ws) {
+        ws_lo[kG] = st_lo.g;
+        ws_hi[kG] = st_hi.g;
       }
     }
   }
+
+  if (kPrep) return;
 
   // dQ
   T* dq = static_cast<T*>(p.dq) + bb * p.dq_sb + h * p.dq_sh;
@@ -335,7 +373,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 // dK/dV kernel. Each warp owns 16 keys (at D = 256 two warps share them, each accumulating half
 // of the dK/dV columns, see traits.h); scores are computed transposed (S^T = K Q^T, keys x
 // queries) so that P^T and dS^T are A operands straight from registers. Query-row statistics
-// are staged in shared memory per query tile. Steps t run over (group head, query block);
+// are copied from the workspace to shared memory per query tile. Steps t run over (group head,
+// query block);
 // pipeline per step (Q double-buffered, dO single):
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T | dV += P^T dO_t | issue dO_{t+1} |
 //   dK += dS^T Q_t
@@ -353,7 +392,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
   constexpr int kDT = kDC / 8;
   constexpr int kNStat = dkdv_stat_count(kAdaptive);
   static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
-  enum { kLse = 0, kDelta = 1, kBeta = 2, kLseL = 3, kEnt = 4, kG = 5 };
 
 #if defined(__CUDA_ARCH__)
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for)
@@ -400,20 +438,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
     load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, step_m0(t), p.len_q, p.dim_v, tid);
   };
   auto load_stats = [&](int t, int buf) {
-    const int hh = step_head(t);
-    const int mm = step_m0(t);
-    const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + hh) * p.len_q;
+    // the workspace's rows of the step, transposed to [stat][row] (rows past len_q hold zeros)
+    const float* src = p.rowstat + ((static_cast<int64_t>(bb) * p.heads + step_head(t)) * p.stat_rows + step_m0(t)) * kNStat;
     float* dst = sStat + buf * kNStat * kBlockM;
     for (int i = tid; i < kBlockM; i += kNThreads) {
-      const int row = mm + i;
-      const bool ok = row < p.len_q;
-      dst[kLse * kBlockM + i] = ok ? lse_to_base2(p.lse[stat0 + row]) : 0.0f;
-      dst[kDelta * kBlockM + i] = ok ? p.delta[stat0 + row] : 0.0f;
-      if (kAdaptive) {
-        dst[kBeta * kBlockM + i] = ok ? p.beta[stat0 + row] : 1.0f;
-        dst[kLseL * kBlockM + i] = ok ? lse_to_base2(p.lse_l[stat0 + row]) : 0.0f;
-        dst[kEnt * kBlockM + i] = ok ? p.entropy[stat0 + row] : 0.0f;
-        dst[kG * kBlockM + i] = ok ? p.g[stat0 + row] : 0.0f;
+      if (SSA_FLASH_ASYNC_COPIES) {
+#pragma unroll
+        for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
+      } else {
+        // sm_70 / sm_75: issued between the GEMMs of a step, when few registers are free (six
+        // loads in flight made the adaptive kernels spill on sm_70 at D = 128 and 256)
+#pragma unroll 1
+        for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
       }
     }
   };
@@ -536,6 +572,325 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const B
     int i = 0;
     for (; i < n_diag; ++i) step(t0 + i, Bool<true>());
     for (; i < tiles_per_head; ++i) step(t0 + i, Bool<false>());
+  }
+  cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
+
+  T* dk = static_cast<T*>(p.dk) + bb * p.dk_sb + hk * p.dk_sh;
+  T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = col0 + Frag::col(lane, dt);
+    if (col < p.dim) {
+      if (c_lo < p.len_k)
+        *reinterpret_cast<uint32_t*>(dk + c_lo * p.dk_sm + col) =
+            pack2<T>(dk_acc[0][dt][0] * p.scale, dk_acc[0][dt][1] * p.scale);
+      if (c_hi < p.len_k)
+        *reinterpret_cast<uint32_t*>(dk + c_hi * p.dk_sm + col) =
+            pack2<T>(dk_acc[0][dt][2] * p.scale, dk_acc[0][dt][3] * p.scale);
+    }
+    if (col < p.dim_v) {
+      if (c_lo < p.len_k)
+        *reinterpret_cast<uint32_t*>(dv + c_lo * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][0], dv_acc[0][dt][1]);
+      if (c_hi < p.len_k)
+        *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][2], dv_acc[0][dt][3]);
+    }
+  }
+#if defined(__CUDA_ARCH__)
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
+// Fused backward (FlashAttention-2's five GEMMs per tile: S, dP, dV, dK, dQ), after the
+// pre-pass of the dQ kernel (kPrep: the row statistics, and the adaptive g). The dK/dV kernel's
+// layout: one CTA per key block of a key/value head, each warp owning 16 keys, scores computed
+// transposed (S^T = K Q^T, keys x queries) so that P^T and dS^T are A operands from registers;
+// steps over (group head, query block). Each step also stores dS^T to shared memory, and after
+// the barrier that follows the dV GEMMs every warp computes a 16-query x (D / column groups) part
+// of dQ_t = dS K_j (dS read transposed by load_frag_t, K from the tile this CTA holds), added with
+// fp32 atomics to p.dq_accum (padded to whole tiles, so without bounds checks; the binding scales
+// and converts it). dK += dS^T Q reads dS^T back from shared memory too (fewer live registers).
+// The order of the atomic adds across key blocks is the hardware's, so the fused path is not
+// bitwise reproducible: deterministic backwards run the two-kernel path. Where the fused kernel
+// runs (traits.h, bwd_fused_for: softmax logits, D <= 64) is set by register spills.
+//
+// Pipeline per step (Q and the statistics double-buffered, dO single):
+//   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T per 16 queries, dV += P^T dO_t,
+//   dS^T to shared | issue dO_{t+1} | dK += dS^T Q_t, dQ_t = dS K (atomics)
+template <typename Tr, bool kSSA, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const BwdParams p) {
+  using T = typename Tr::Elem;
+  constexpr int kBlockM = Tr::kBlockM;  // queries per step
+  constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
+  constexpr int kD = Tr::kHeadDim;
+  constexpr int kS = Tr::kStride;
+  constexpr int kNThreads = Tr::kNThreads;
+  constexpr int kNWarps = Tr::kNWarps;
+  constexpr int kQC = 16;  // queries per score GEMM (see the step)
+  constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
+  constexpr int kDC = kD / kSplit;
+  constexpr int kDT = kDC / 8;
+  constexpr int kNStat = dkdv_stat_count(kAdaptive);
+  constexpr int kStatChunks = kBlockM * kNStat / 4;  // 16-byte copies of a tile's statistics
+  static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
+  static_assert(kStatChunks <= kNThreads, "statistics: one copy per thread");
+  // dQ: warp w takes query strip w % kQS and column group w / kQS (kDQ columns), in chunks
+  // of kDQC columns (the accumulators of one chunk live at a time)
+  constexpr int kQS = kBlockM / 16;
+  constexpr int kDQ = kD / (kNWarps / kQS);
+  constexpr int kDQC = 16;
+  constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
+  static_assert(kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0, "fused dQ split");
+  // SSA runs the two-kernel path, whose dQ kernel sums db / dn (traits.h, bwd_fused_for)
+  static_assert(!kSSA, "no fused SSA backward");
+
+#if defined(__CUDA_ARCH__)
+  // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
+  // kernel only where bwd_fused_for says)
+  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
+      !bwd_fused_for(kD, kSSA, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
+    __trap();
+  } else {
+#endif
+  extern __shared__ uint4 smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * kS;
+  T* sQ = sV + kBlockN * kS;  // two buffers
+  T* sdO = sQ + 2 * kBlockM * kS;
+  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kBlockM][kNStat]
+  // dS^T [kBlockN][kSdS], then (sm_70) the gemm_rn scratch
+  T* sdS = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int n_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int bb = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+
+  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
+  const int64_t head0 = static_cast<int64_t>(bb) * p.heads;  // (batch, head) index of head 0
+
+  // Under causal, query blocks before this key block never see it.
+  const int m_first = p.causal ? (n0 / kBlockM) * kBlockM : 0;
+  const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
+  const int num_t = tiles_per_head * p.group;
+
+  TileMap<kBlockM, kD, kS, kNThreads> tmap;
+  tmap.init(tid);
+  TileLoader<kBlockM, kD, kS, kNThreads, T> q_ld, do_ld;
+  q_ld.init(tmap, p.q_sm, p.dim);
+  do_ld.init(tmap, p.do_sm, p.dim_v);
+  // Where the copies of a step come from: its Q and dO tiles, its rows of the statistics
+  // workspace (whole rows, always inside the workspace), and its first query. These are the same
+  // for every thread (ptxas computes them on the uniform datapath); the threads add their offsets
+  // when they copy.
+  struct Src {
+    const T* q;
+    const T* dout;
+    const float* ws;
+    int mm;
+  };
+  auto src_at = [&](int hh, int mm) {
+    Src s;
+    s.q = static_cast<const T*>(p.q) + bb * p.q_sb + hh * p.q_sh + static_cast<int64_t>(mm) * p.q_sm;
+    s.dout = static_cast<const T*>(p.dout) + bb * p.do_sb + hh * p.do_sh + static_cast<int64_t>(mm) * p.do_sm;
+    s.ws = p.rowstat + ((head0 + hh) * p.stat_rows + mm) * kNStat;
+    s.mm = mm;
+    return s;
+  };
+  auto load_q_stats = [&](const Src& src, int buf) {
+    // (p.q, p.dout: valid addresses for the zero-filled rows)
+    q_ld.issue(tmap, sQ + buf * kBlockM * kS, src.q, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
+    if (tid < kStatChunks) cp_async_16(sStat + buf * kNStat * kBlockM + 4 * tid, src.ws + 4 * tid, true);
+  };
+  auto load_do = [&](const Src& src) {
+    do_ld.issue(tmap, sdO, src.dout, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
+  };
+
+  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+  if (num_t > 0) {
+    const Src first = src_at(hk * p.group, m_first);
+    load_q_stats(first, 0);
+    load_do(first);
+  }
+  cp_async_commit();
+
+  float dk_acc[1][kDT][4], dv_acc[1][kDT][4];
+  zero(dk_acc);
+  zero(dv_acc);
+  const int strip = warp / kSplit;
+  const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
+  const T* sKw = sK + strip * 16 * kS;
+  const T* sVw = sV + strip * 16 * kS;
+  T* scratch = sdS + kBlockN * kSdS + warp * gemm_rn_scratch_elems<1, (kBlockN > kBlockM ? kBlockN : kBlockM)>();
+  const int c_lo = n0 + strip * 16 + Frag::row(lane);  // this thread's two key rows
+  const int c_hi = c_lo + Frag::kHi;
+  const int dq_strip = warp % kQS, dq_col0 = (warp / kQS) * kDQ;  // this warp's part of dQ
+  // this thread's first dQ accumulator element of a step, from the step's first row
+  const int dq_off = (dq_strip * 16 + Frag::row(lane)) * kD + dq_col0 + Frag::col(lane, 0);
+
+  // One step: query rows [mm, mm + kBlockM) of the head whose logit context is ctx, from buffer buf; `next` the next step's
+  // sources, if has_next; dq the step's first row of the dQ accumulator.
+  auto step = [&](auto check, const LogitCtx& ctx, int mm, int buf, bool has_next, const Src& next, float* dq) {
+    constexpr bool kCheck = decltype(check)::value;
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
+      load_q_stats(next, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
+
+    const T* sQt = sQ + buf * kBlockM * kS;
+    const float* stat = sStat + buf * kNStat * kBlockM;
+
+    // S^T = K Q^T and dP^T = V dO^T per chunk of kQC queries, then per 16-query block kk of the
+    // chunk the elementwise work and dV += P^T dO: each block's scores die before the next
+    // block's are processed (with all of them live, ptxas interleaved the elementwise code with
+    // the dV GEMM and the adaptive variants spilled on sm_70 / sm_75). Above D = 64 the chunks
+    // are 16 queries (the K and V fragments are read once per chunk, 16 more ldmatrix per step,
+    // but 16 fewer score registers: the fused kernel spilled at D = 128 otherwise).
+    float db_unused = 0.0f, dn_unused = 0.0f;
+    uint32_t da[1][kBlockM / 16][4];
+#pragma unroll
+    for (int q0 = 0; q0 < kBlockM; q0 += kQC) {
+      float s[1][kQC / 8][4], dp[1][kQC / 8][4];
+      zero(s);
+      zero(dp);
+      gemm_nt<T, 1, kQC, kD, kS, kS>(s, sKw, sQt + q0 * kS, lane);   // S^T = K Q^T
+      gemm_nt<T, 1, kQC, kD, kS, kS>(dp, sVw, sdO + q0 * kS, lane);  // dP^T = V dO^T
+#pragma unroll
+      for (int kc = 0; kc < kQC / 16; ++kc) {
+        const int kk = q0 / 16 + kc;  // 16-query block of the step
+#pragma unroll
+        for (int mt = 2 * kc; mt < 2 * kc + 2; ++mt) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
+            const float* st = stat + lq * kNStat;
+            RowStats r;
+            const float2 ld = *reinterpret_cast<const float2*>(st);
+            r.lse2 = ld.x;
+            r.delta = ld.y;
+            if (kAdaptive) {
+              const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
+              const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
+              r.beta = bl.x;
+              r.lse_l2 = bl.y;
+              r.ent = eg.x;
+              r.g = eg.y;
+            } else {
+              r.beta = 1.0f;
+              r.lse_l2 = r.ent = r.g = 0.0f;
+            }
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+              const int i = c + 2 * hi;
+              float pp;
+              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
+                                                                 hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
+              s[0][mt][i] = pp;
+            }
+          }
+        }
+        uint32_t pa[1][1][4];
+        pa[0][0][0] = pack2<T>(s[0][2 * kc][0], s[0][2 * kc][1]);
+        pa[0][0][1] = pack2<T>(s[0][2 * kc][2], s[0][2 * kc][3]);
+        pa[0][0][2] = pack2<T>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+        pa[0][0][3] = pack2<T>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+        da[0][kk][0] = pack2<T>(dp[0][2 * kc][0], dp[0][2 * kc][1]);
+        da[0][kk][1] = pack2<T>(dp[0][2 * kc][2], dp[0][2 * kc][3]);
+        da[0][kk][2] = pack2<T>(dp[0][2 * kc + 1][0], dp[0][2 * kc + 1][1]);
+        da[0][kk][3] = pack2<T>(dp[0][2 * kc + 1][2], dp[0][2 * kc + 1][3]);
+        if (warp % kSplit == 0) {
+          // dS^T for the dQ GEMM: rows = keys of this strip, columns = queries (pairs of adjacent
+          // queries per register, the accumulator layout)
+          T* row_lo = sdS + (strip * 16 + Frag::row(lane)) * kSdS;
+          T* row_hi = row_lo + Frag::kHi * kSdS;
+          *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk)) = da[0][kk][0];
+          *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk)) = da[0][kk][1];
+          *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk + 1)) = da[0][kk][2];
+          *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk + 1)) = da[0][kk][3];
+        }
+        gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
+      }
+    }
+
+    __syncthreads();  // every warp is done with dO_t, and dS^T is complete
+    if (SSA_FLASH_ASYNC_COPIES && has_next) {
+      load_do(next);
+      cp_async_commit();
+    }
+    // dS^T is in shared memory anyway: read it back rather than keep its registers live through
+    // the elementwise work
+    load_frag<T, kBlockM, kSdS>(da[0], sdS + strip * 16 * kSdS, lane);
+    gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
+    {
+      // dQ_t (this warp's strip and columns) += dS K_j, added to the fp32 accumulator
+      uint32_t dsa[1][kBlockN / 16][4];
+      load_frag_t<T, kBlockN, kSdS>(dsa[0], sdS + dq_strip * 16, lane);
+      float* dq_thr = dq + dq_off;
+#pragma unroll
+      for (int c0 = 0; c0 < kDQ; c0 += kDQC) {
+        float dq_acc[1][kDQC / 8][4];
+        zero(dq_acc);
+        gemm_rn<T, 1, kDQC, kBlockN, kS>(dq_acc, dsa, sK + dq_col0 + c0, lane, scratch);
+#pragma unroll
+        for (int dt = 0; dt < kDQC / 8; ++dt) {
+          float* at = dq_thr + c0 + (Frag::col(lane, dt) - Frag::col(lane, 0));
+          red_add2(at, dq_acc[0][dt][0], dq_acc[0][dt][1]);
+          red_add2(at + Frag::kHi * kD, dq_acc[0][dt][2], dq_acc[0][dt][3]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with Q_t, stats_t and dS^T
+    if (!SSA_FLASH_ASYNC_COPIES && has_next) {
+      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
+      load_q_stats(next, buf ^ 1);
+      load_do(next);
+      cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
+    }
+  };
+
+  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
+  // ragged key block every step needs the checks. Steps alternate buffers across heads too.
+  const bool all_checked = p.mask_kind != kMaskNone || n0 + kBlockN > p.len_k;
+  const int n_diag = all_checked ? tiles_per_head
+                                 : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
+                                            : 0;
+  // Steps of a head in order: checked ones (the causal diagonal, or all with a mask or a
+  // ragged key block), interior ones, and the head's last query block checked too: interior
+  // steps then always prefetch the same head's next block, and only a checked step switches to
+  // the next head's sources.
+  const int m_last = m_first + (tiles_per_head - 1) * kBlockM;
+  const int m_diag = m_first + n_diag * kBlockM;
+  int buf = 0;
+  for (int head = 0; head < p.group; ++head) {
+    const int hh = hk * p.group + head;
+    const bool last_head = head + 1 == p.group;
+    float* dq = p.dq_accum + ((head0 + hh) * p.stat_rows + m_first) * kD;  // (uniform)
+    const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
+    auto run = [&](auto check, int mm) {
+      constexpr bool kCheck = decltype(check)::value;
+      const bool head_end = kCheck && mm == m_last;
+      const Src next = head_end ? src_at(last_head ? hh : hh + 1, m_first)  // (unused after the last head)
+                                : src_at(hh, mm + kBlockM);
+      step(check, ctx, mm, buf, !(head_end && last_head), next, dq);
+      buf ^= 1;
+      dq += kBlockM * kD;
+    };
+    int mm = m_first;
+    for (int pass = 0; pass < 2; ++pass) {
+      const int checked_end = pass == 0 ? min(m_diag, m_last) : m_last + kBlockM;
+      for (; mm < checked_end; mm += kBlockM) run(Bool<true>(), mm);
+      if (pass == 0)
+        for (; mm < m_last; mm += kBlockM) run(Bool<false>(), mm);
+    }
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
 

@@ -13,18 +13,41 @@
 
 namespace ssa_flash {
 
-// Forward: per row, l2 = (phi(z) + mask) * log2(e), times beta (ADAPTIVE); m = running max,
-// l = running sum of 2^(l2 - m) (partial per thread, reduced over the quad at the end),
+// Forward: per row, l2 = (phi(z) + mask) * log2(e), times beta (ADAPTIVE); m = a reference
+// max, l = running sum of 2^(l2 - m) (partial per thread, reduced over the quad at the end),
 // acc = running sum of 2^(l2 - m) v. Writes o = acc / l and lse = (m + log2 l) * ln 2 (natural
 // log, -inf for rows with no admissible key, whose output is 0).
 //
 // Each warp owns kMS 16-row strips (two where registers allow: each K/V fragment then feeds two
-// strips). Key blocks [0, n_full) need no bounds, causal or mask work and run a loop of their
-// own; the rest (the diagonal under causal, the ragged last block, every block of a masked call)
-// run the checked loop.
+// strips). Key blocks [0, n_int) need no bounds, causal or mask work and run loops of their own
+// (the interior loops); the rest (the diagonal under causal, the ragged last block, every block
+// of a masked call) run the checked loop.
 //
-// Pipeline per key block j (K and V single-buffered, each load overlapping a GEMM):
-//   issue V_j | wait K_j | S = Q K_j^T, softmax | wait V_j | issue K_{j+1} | O += P V_j
+// Interior blocks keep the raw per-element value x and a per-row multiplier c >= 0: softmax
+// x = s (the dot product), c = scale log2(e) beta; SSA x = t = sgn(s) log2(1 + b scale |s|),
+// c = n beta. The row max is taken on x and scaled once per row (max(c x) = c max(x) for c >= 0),
+// and each weight is one FFMA and one EX2, 2^(x c - m) (FlashAttention-2's trick, extended to
+// SSA's t). c >= 0 needs scale >= 0 (the binding applies a negative scale to -q) and, for SSA,
+// n >= 0: a head with n < 0 negates its Q tile once in shared memory and uses |n|, since
+// n sgn(s) = |n| sgn(-s).
+//
+// Conditional rescaling (FlashAttention-4): m need not be the running max, only a value that
+// the final normalisation shares (o = acc / l and lse = m + log2 l are exact for any m), as long
+// as 2^(l2 - m) cannot overflow. Interior blocks keep m unless some row's max exceeds it by more
+// than kRescaleSlack = 8 (weights stay below 2^8, well inside fp16 / bf16 and the fp32 sums);
+// the block votes (__syncthreads_or at the barrier that follows the S GEMM anyway), and the
+// steady-state loop breaks out to a copy of the second half of the step that moves m to the
+// max and rescales acc and l. The first block always does; after it, only a row max growing by
+// 8 (a factor 256 in weight) does. So the steady-state loop has no per-element rescale (D / BN
+// FMULs per score before). Checked blocks rescale every time (exact running max, as before).
+//
+// Pipeline per key block j with cp.async (sm_80+; K and V single-buffered):
+//   issue V_j | wait K_j | S = Q K_j^T, row max | wait V_j, vote | weights | issue K_{j+1} |
+//   O += P V_j
+// Without cp.async (sm_70 / sm_75) the copies are synchronous: V_j before S (no score live),
+// K_{j+1} before O += P V_j (sm_75) or after it (sm_70), the orders ptxas compiles without
+// spills; every block rescales there (no steady-state loop: its second copy of the step spilled
+// on sm_75).
 template <typename Tr, bool kSSA, bool kAdaptive>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
@@ -36,6 +59,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   constexpr int kMS = Tr::kMS;      // 16-row strips per warp
   constexpr int kNT = kBlockN / 8;  // n8 tiles of a score strip
   constexpr int kDT = kD / 8;       // n8 tiles of an output strip
+  constexpr bool kAsync = SSA_FLASH_ASYNC_COPIES;
+  constexpr float kRescaleSlack = 8.0f;
 
 #if defined(__CUDA_ARCH__)
   if (kernel_unsupported<T, kD>()) {
@@ -60,29 +85,41 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
   const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
   const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
-  const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const bool negate_q = kSSA && ctx.n < 0.0f;
+  if (kSSA) ctx.n = fabsf(ctx.n);
   const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
 
   // this thread's rows: row0 + 16 ms + Frag::kHi hi, for strip ms, hi = 0 / 1 (computed where
   // needed rather than kept: at D = 128 every register counts)
   const int row0 = m0 + warp * kMS * 16 + Frag::row(lane);
-  float beta[kMS][2];  // adaptive temperature of each row (1 without)
+  // The adaptive temperature beta of a row (1 without), and the row multiplier c of the interior
+  // loop (see above; beta included). Only c stays in registers: the checked loop reloads beta.
+  auto row_beta = [&](int r) { return kAdaptive && r < p.len_q ? p.beta[stat0 + r] : 1.0f; };
+  float mult[kMS][2];
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int r = row0 + ms * 16 + hi * Frag::kHi;
-      beta[ms][hi] = kAdaptive && r < p.len_q ? p.beta[stat0 + r] : 1.0f;
-    }
+    for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * 16 + hi * Frag::kHi));
   }
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  // Interior blocks: no masking, and (cp.async) the K block they prefetch is inside the keys
+  // too, or there is none: the last interior block before a ragged one runs the checked loop.
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
+  const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
 
   load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
+  if (negate_q) {  // (block-uniform; visible to the other warps after the first barrier)
+    cp_async_wait<0>();
+    negate_tile<kBlockM, kD, kS, kNThreads>(sQ, tid);
+  }
+  TileStream<kBlockN, kD, kS, kNThreads, T> k_stream, v_stream;
+  k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
+  v_stream.init(v, p.v_sm, 0, p.dim_v, tid);
 
   float acc_o[kMS][kDT][4];
   zero(acc_o);
@@ -93,92 +130,152 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     l_run[ms][0] = l_run[ms][1] = 0.0f;
   }
   const T* sQw = sQ + warp * kMS * 16 * kS;
+  float s[kMS][kNT][4];   // scores, then logits (checked) or x (interior), then weights
+  float mq[kMS][2];       // this block's row max of s (quad-reduced)
 
-  auto step = [&](int j, auto check) {
+  // First half of step j: copies, S = Q K_j^T, the logits (checked) or x (interior), the row
+  // max. Returns the block's vote: does some row need its reference max moved?
+  auto step_a = [&](int j, auto check) -> bool {
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
-    load_tile<kBlockN, kD, kS, kNThreads, !kCheck>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
-    cp_async_commit();
-    cp_async_wait<1>();  // Q and K_j have landed
+    if (kAsync) {
+      if (kCheck) load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      else v_stream.issue(sV, tid);
+      cp_async_commit();
+      cp_async_wait<1>();  // Q and K_j have landed
+    } else {
+      // synchronous: V_j now, before the scores are live (sV is free since step j - 1's last
+      // barrier)
+      load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      cp_async_commit();
+    }
     __syncthreads();
 
-    float s[kMS][kNT][4];
     zero(s);
     gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK, lane);
 
-    uint32_t pa[kMS][kBlockN / 16][4];
+    bool need = false;
 #pragma unroll
     for (int ms = 0; ms < kMS; ++ms) {
-      // Softmax on interior blocks keeps the raw scores: the row max is taken on them and
-      // scaled once per row, and the exponent is one FFMA, 2^(s c - m) (FlashAttention-2's trick;
-      // needs c > 0, i.e. scale > 0, which the binding guarantees by negating q otherwise).
-      constexpr bool kRaw = !kSSA && !kCheck;
-      float mult[2];
+      float mask_mult[2];  // checked: log2(e) beta multiplies an additive mask
+      if (kCheck) {
 #pragma unroll
-      for (int hi = 0; hi < 2; ++hi) mult[hi] = row_mult<kSSA>(ctx, beta[ms][hi]);
+        for (int hi = 0; hi < 2; ++hi) mask_mult[hi] = kLog2e * row_beta(row0 + ms * 16 + hi * Frag::kHi);
+      }
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int hi = i >> 1;
-          if (kRaw) {
-            mx[hi] = fmaxf(mx[hi], s[ms][nt][i]);
-            continue;
+          float x;
+          if (!kCheck) {
+            x = kSSA ? xor_sign(lg2(fmaf(ctx.c, fabsf(s[ms][nt][i]), 1.0f)), s[ms][nt][i]) : s[ms][nt][i];
+          } else {
+            float t, u;
+            x = logit_raw<kSSA>(ctx, s[ms][nt][i], mult[ms][hi], t, u);
+            x = apply_mask(p, ctx, x, row0 + ms * 16 + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
+                           mask_mult[hi]);
           }
-          float t, u;
-          float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], mult[hi], t, u);
-          if (kCheck)
-            l2 = apply_mask(p, ctx, l2, row0 + ms * 16 + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
-                            kAdaptive ? kLog2e * beta[ms][hi] : kLog2e);
-          s[ms][nt][i] = l2;
-          mx[hi] = fmaxf(mx[hi], l2);
+          s[ms][nt][i] = x;
+          mx[hi] = fmaxf(mx[hi], x);
         }
       }
-      float alpha[2], ms_[2];
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
-        const float mq = quad_max(mx[hi]);
-        const float mn = fmaxf(m_run[ms][hi], kRaw ? mq * mult[hi] : mq);
-        // unchecked tiles have finite logits, so mn is finite
-        ms_[hi] = kCheck ? safe_max(mn) : mn;
-        alpha[hi] = ex2(m_run[ms][hi] - ms_[hi]);
-        m_run[ms][hi] = mn;
+        // checked: the logit max; interior: the max of x times the row multiplier
+        mq[ms][hi] = kCheck ? quad_max(mx[hi]) : quad_max(mx[hi]) * mult[ms][hi];
+        need |= mq[ms][hi] > m_run[ms][hi] + kRescaleSlack;
       }
-      float sum[2] = {0.0f, 0.0f};
+    }
+    if (kAsync) cp_async_wait<0>();  // V_j has landed
+    // V_j visible, every warp done with K_j, and the vote
+    return __syncthreads_or(kCheck || need);
+  };
+
+  // Second half of step j: the weights (after moving the reference max and rescaling when
+  // kRescale), issue K_{j+1}, O += P V_j.
+  auto step_b = [&](int j, auto check, auto rescale) {
+    constexpr bool kCheck = decltype(check)::value;
+    constexpr bool kRescale = decltype(rescale)::value;
+    const int n0 = j * kBlockN;
+    uint32_t pa[kMS][kBlockN / 16][4];
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) {
+      float ms_[2];
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        if (kRescale) {
+          const float mn = fmaxf(m_run[ms][hi], mq[ms][hi]);
+          // checked tiles may have rows with no admissible key yet (mn = -inf): exponentiate
+          // against 0 there. Interior tiles have finite logits.
+          ms_[hi] = kCheck ? safe_max(mn) : mn;
+          const float alpha = ex2(m_run[ms][hi] - ms_[hi]);
+          m_run[ms][hi] = mn;
+          l_run[ms][hi] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            acc_o[ms][dt][2 * hi] *= alpha;
+            acc_o[ms][dt][2 * hi + 1] *= alpha;
+          }
+        } else {
+          ms_[hi] = m_run[ms][hi];
+        }
+      }
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int hi = i >> 1;
-          s[ms][nt][i] = ex2(kRaw ? fmaf(s[ms][nt][i], mult[hi], -ms_[hi]) : s[ms][nt][i] - ms_[hi]);
-          sum[hi] += s[ms][nt][i];
+          s[ms][nt][i] = ex2(kCheck ? s[ms][nt][i] - ms_[hi]
+                                    : fmaf(s[ms][nt][i], mult[ms][hi], -ms_[hi]));
+          l_run[ms][hi] += s[ms][nt][i];
         }
-      }
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) l_run[ms][hi] = l_run[ms][hi] * alpha[hi] + sum[hi];
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        acc_o[ms][dt][0] *= alpha[0];
-        acc_o[ms][dt][1] *= alpha[0];
-        acc_o[ms][dt][2] *= alpha[1];
-        acc_o[ms][dt][3] *= alpha[1];
       }
       acc_to_frag<T, kBlockN>(pa[ms], s[ms]);
     }
-
-    cp_async_wait<0>();  // V_j has landed
-    __syncthreads();     // and every warp is done with K_j
-    if (j + 1 < num_n) {
-      load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+    // K_{j+1}: cp.async, or synchronous (visible after step j + 1's first barrier) before the
+    // P V GEMM on sm_75 and after it on sm_70 (where each order spills on the other path)
+    constexpr bool kLateK = !kAsync && SSA_FLASH_SM70;
+    if (!kLateK && j + 1 < num_n) {
+      if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+      else k_stream.issue(sK, tid);
       cp_async_commit();
     }
     gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
     __syncthreads();  // every warp is done with V_j
+    if (kLateK && j + 1 < num_n) {
+      load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+      cp_async_commit();
+    }
   };
+
   int j = 0;
-  for (; j < n_full; ++j) step(j, Bool<false>());
-  for (; j < num_n; ++j) step(j, Bool<true>());
+  if (kAsync) {
+    while (j < n_int) {
+      // the steady state: no rescaling (the audit's interior loop)
+      for (; j < n_int; ++j) {
+        if (step_a(j, Bool<false>())) break;
+        step_b(j, Bool<false>(), Bool<false>());
+      }
+      if (j < n_int) {
+        step_b(j, Bool<false>(), Bool<true>());
+        ++j;
+      }
+    }
+  } else {
+    // sm_70 / sm_75 (synchronous copies): every interior block rescales. The second copy of the
+    // step above costs registers these paths do not have (with it, ptxas spills the float16
+    // forward at D = 64 (SSA, adaptive), 96 and 128 on sm_75).
+    for (; j < n_int; ++j) {
+      step_a(j, Bool<false>());
+      step_b(j, Bool<false>(), Bool<true>());
+    }
+  }
+  for (; j < num_n; ++j) {
+    step_a(j, Bool<true>());
+    step_b(j, Bool<true>(), Bool<true>());
+  }
 
   T* o = static_cast<T*>(p.o) + bb * p.o_sb + h * p.o_sh;
 #pragma unroll

@@ -19,15 +19,23 @@ std::string run_fwd_bf16(const FwdParams& p, bool ssa, bool adaptive, cudaStream
 // statistics pass: p.entropy and p.lse of softmax(l) (p.o, p.v, p.beta unused)
 std::string run_stats_fp16(const FwdParams& p, bool ssa, cudaStream_t stream);
 std::string run_stats_bf16(const FwdParams& p, bool ssa, cudaStream_t stream);
-// backward: dq, dk, dv, delta, g (adaptive), db/dn partials (ssa; (B, H, bwd_num_m_blocks))
-std::string run_bwd_fp16(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream);
-std::string run_bwd_bf16(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream);
+// How a backward runs on the current device: fused (pre-pass + one kernel, dQ accumulated with
+// atomics in p.dq_accum, which the caller zeroes, then scales and converts) or the two-kernel
+// path (dQ kernel, dK/dV kernel: bitwise reproducible); num_partials is the last dim of the db/dn
+// partial-sum buffers (B, H, num_partials) for either.
+struct BwdPlan {
+  bool fused;
+  int num_partials;
+  int stat_rows;    // rows of the row-statistics workspace (B, H, stat_rows, stat_count) and of
+  int stat_count;   // the fused path's dQ accumulator (B, H, stat_rows, accum_cols), float32
+  int accum_cols;   // the kernels' padded head dim
+};
+BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic);
+BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic);
 
-// Number of query blocks of the dQ kernel: the last dim of the db/dn partial-sum buffers.
-inline int bwd_num_m_blocks(int dim, int dim_v, int len_q) {
-  const int d = padded_head_dim(dim > dim_v ? dim : dim_v);
-  const int bm = dq_block_m(d < 0 ? 256 : d);
-  return (len_q + bm - 1) / bm;
-}
+// backward as planned: dq (two-kernel) or p.dq_accum (fused), dk, dv, delta, g (adaptive),
+// db/dn partials (ssa)
+std::string run_bwd_fp16(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
+std::string run_bwd_bf16(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
 
 }  // namespace ssa_flash

@@ -84,17 +84,17 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
 #endif
 }
 
-// Whether the current device runs the sm_70 code path (whose kernels need extra shared memory).
-inline bool device_is_sm70() {
+// The code path of the current device (traits.h; shared memory depends on it).
+inline int device_path() {
   int arch = 0, max_optin = 0;
-  return device_info(arch, max_optin).empty() && arch < 750;
+  return device_info(arch, max_optin).empty() ? code_path(arch) : kPathSm80;
 }
 
 template <typename T, int D>
 std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = fwd_smem_bytes(D, sizeof(T), device_is_sm70());
+  const int smem = fwd_smem_bytes(D, sizeof(T), device_path());
   auto kernel = ssa ? (adaptive ? attn_fwd_kernel<Tr, true, true> : attn_fwd_kernel<Tr, true, false>)
                     : (adaptive ? attn_fwd_kernel<Tr, false, true> : attn_fwd_kernel<Tr, false, false>);
   return launch<T>(kernel, "attn_fwd_kernel", grid, Tr::kNThreads, smem, stream, p);
@@ -110,11 +110,30 @@ std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
 }
 
 template <typename T, int D>
-std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+  const int path = device_path();
+  if constexpr (D <= 64) {
+    if (plan.fused) {  // (never SSA, traits.h)
+      {
+        // pre-pass: delta (and the adaptive g)
+        using Tr = DqTraits<D, T>;
+        const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
+        const int smem = bwd_prep_smem_bytes(D, sizeof(T), adaptive, path);
+        auto kernel = adaptive ? attn_bwd_dq_kernel<Tr, false, true, true> : attn_bwd_dq_kernel<Tr, false, false, true>;
+        std::string err = launch<T>(kernel, "attn_bwd_dq_kernel (pre-pass)", grid, Tr::kNThreads, smem, stream, p);
+        if (!err.empty()) return err;
+      }
+      using Tr = FusedTraits<D, T>;
+      const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
+      const int smem = bwd_fused_smem_bytes(D, sizeof(T), adaptive, path);
+      auto kernel = adaptive ? attn_bwd_fused_kernel<Tr, false, true> : attn_bwd_fused_kernel<Tr, false, false>;
+      return launch<T>(kernel, "attn_bwd_fused_kernel", grid, Tr::kNThreads, smem, stream, p);
+    }
+  }
   {
     using Tr = DqTraits<D, T>;
     const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-    const int smem = dq_smem_bytes(D, sizeof(T), device_is_sm70());
+    const int smem = dq_smem_bytes(D, sizeof(T), path);
     auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true> : attn_bwd_dq_kernel<Tr, true, false>)
                       : (adaptive ? attn_bwd_dq_kernel<Tr, false, true> : attn_bwd_dq_kernel<Tr, false, false>);
     std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
@@ -125,17 +144,34 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t s
     if (device_info(arch, max_optin).empty() && dkdv_split_for(D, adaptive, false, arch) == 2) {
       using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive);
+      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75);
       auto kernel = ssa ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, false, true>;
       return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }
   using Tr = DkdvTraits<D, T>;
   const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, device_is_sm70());
+  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, path);
   auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
                     : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
   return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
+}
+
+// The backward's plan on the current device (launch.h).
+template <typename T>
+BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic) {
+  const int padded = padded_head_dim(dim > dim_v ? dim : dim_v);
+  const int d = padded < 0 ? 256 : padded;
+  int arch = 0, max_optin = 0;
+  const bool known = device_info(arch, max_optin).empty();
+  BwdPlan plan;
+  plan.fused = !deterministic && known && bwd_fused_for(d, ssa, adaptive, ElemInfo<T>::kIsBF16, arch);
+  const int block = plan.fused ? dkdv_block_n(d) : dq_block_m(d);
+  plan.num_partials = ((plan.fused ? len_k : len_q) + block - 1) / block;
+  plan.stat_rows = bwd_stat_rows(len_q);
+  plan.stat_count = dkdv_stat_count(adaptive);
+  plan.accum_cols = d;
+  return plan;
 }
 
 inline std::string bad_head_dim(int dim, int dim_v) {
@@ -198,8 +234,8 @@ std::string run_stats(const FwdParams& p, bool ssa, cudaStream_t stream) {
 }
 
 template <typename T>
-std::string run_bwd(const BwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
-#define SSA_FLASH_CALL(D) bwd_hdim<T, D>(p, ssa, adaptive, stream)
+std::string run_bwd(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+#define SSA_FLASH_CALL(D) bwd_hdim<T, D>(p, ssa, adaptive, plan, stream)
   SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim_v, SSA_FLASH_CALL)
 #undef SSA_FLASH_CALL
 }

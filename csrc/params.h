@@ -3,6 +3,7 @@
 // Conventions (enforced by the binding, csrc/api.cpp):
 //  * q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) and do: any batch/head/row strides that
 //    are multiples of 8 elements, unit stride along the head dim, 16-byte aligned base pointers;
+//    in the backward, q and do row strides below 2^26 elements (tile offsets in 32 bits);
 //    D and Dv multiples of 8 and at most the kernel's padded head dim (32, 64, 96, 128 or 256).
 //  * Outputs (o, dq, dk, dv) and the per-row statistics are written by the kernels with the
 //    strides given; statistics (lse, delta, beta, ...) are contiguous (B, H, Lq) float32.
@@ -63,16 +64,23 @@ struct BwdParams : AttnShape {
   int64_t dv_sb, dv_sh, dv_sm;
   const float* lse;       // (B, H, Lq) from the forward
   const float* dlse;      // (B, H, Lq) gradient reaching lse, or nullptr
-  float* delta;           // (B, H, Lq) workspace: rowsum(dO * O) - dlse
   // adaptive temperature (nullptr otherwise)
   const float* beta;      // (B, H, Lq)
   const float* lse_l;     // LSE of the temperature-free row
   const float* entropy;   // H of softmax(l)
   const float* dbeta_dh;  // d beta / d H
-  float* g;               // (B, H, Lq) workspace: dbeta * dbeta_dh
-  // SSA: per (batch, head, query block) partial sums of db, dn, (B, H, num_m_blocks)
+  // workspace (B, H, stat_rows, 2 or 6 adaptive): per query row lse (base 2), delta =
+  // rowsum(dO * O) - dlse, and (adaptive) beta, lse of l (base 2), entropy, g = dbeta * dbeta_dh;
+  // written by the dQ kernel / pre-pass, read by the dK/dV kernel (bwd_kernel.h, RowStat)
+  float* rowstat;
+  int stat_rows;          // bwd_stat_rows(len_q) (traits.h)
+  // SSA: partial sums of db, dn, (B, H, num_partials): per query block of the dQ kernel, or per
+  // key block of the fused kernel (launch.h, BwdPlan)
   float* db_part;
   float* dn_part;
+  // fused backward only: (B, H, stat_rows, padded head dim) float32, zero on entry; receives
+  // dQ / scale by atomics (rows past len_q and columns past dim receive exact zeros)
+  float* dq_accum;
 };
 
 }  // namespace ssa_flash

@@ -63,6 +63,139 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
   }
 }
 
+// In-range tile copies with a running global pointer, for interior loops that load one tile
+// after another (the forward's K and V blocks): each thread copies the same column chunk of rows
+// r0, r0 + kStep, ... of every tile (the mapping of load_tile), from a pointer it advances by a
+// tile per issue. Per 16-byte copy that is one 64-bit pointer increment instead of the row
+// index * stride products and predicates of load_tile (which ptxas did not hoist out of the key
+// loop: about 1.5 integer instructions per score element in the forward at D = 64). A thread
+// whose chunk lies beyond the head dim (`cols`) zero-fills from a pointer that never moves.
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+struct TileStream {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kStep = kNThreads / kChunks;
+  // Head dims whose chunks do not split evenly over the threads (D = 96 with 128 threads) use
+  // load_tile's general mapping, with a running row index.
+  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
+  const T* src;     // even: the thread's first chunk of the next tile; else the matrix
+  int64_t row_step; // even: elements between the thread's rows r0 and r0 + kStep (0 when it only
+                    // zero-fills); else the row stride
+  int dst;          // even: the thread's first chunk in shared memory, elements; else next row
+  int cols;         // else: the columns copied
+  bool ok;          // even: chunk inside the head dim
+
+  // Positions the stream at tile row `row0` of the matrix `gmem` (row stride `stride`).
+  SSA_DEVICE void init(const T* gmem, int64_t stride, int row0, int cols_, int tid) {
+    if constexpr (kEven) {
+      const int r0 = tid / kChunks;
+      const int col = (tid % kChunks) * 8;
+      ok = col < cols_;
+      row_step = ok ? kStep * stride : 0;
+      src = ok ? gmem + static_cast<int64_t>(row0 + r0) * stride + col : gmem;
+      dst = r0 * kStride + col;
+    } else {
+      src = gmem;
+      row_step = stride;
+      dst = row0;
+      cols = cols_;
+    }
+  }
+
+  // Copies the next tile (rows known to exist) into `smem`, then moves to the tile after it.
+  SSA_DEVICE void issue(T* smem, int tid) {
+    if constexpr (kEven) {
+      const T* s = src;
+#pragma unroll
+      for (int it = 0; it < kRows / kStep; ++it) {
+        cp_async_16(smem + dst + it * kStep * kStride, s, ok);
+        s += row_step;
+      }
+      src = s;
+    } else {
+      load_tile<kRows, kHeadDim, kStride, kNThreads, true>(smem, src, row_step, dst, dst + kRows, cols, tid);
+      dst += kRows;
+    }
+  }
+};
+
+// Tiles of kRows rows starting anywhere (the dK/dV kernel's Q and dO tiles: consecutive query
+// blocks of one head, then the next head), rows past the end zero-filled. The thread's offset
+// in a tile and its row step are computed once, in 32 bits (the binding keeps kRows row strides
+// below 2^31 elements), so a copy costs one 64-bit add, a compare and a select (load_tile
+// recomputes row * stride products per copy). The row mapping (TileMap) is shared by the
+// tensors; each has its own strides (TileLoader). Head dims whose chunks do not split evenly
+// over the threads use load_tile.
+template <int kRows, int kHeadDim, int kStride, int kNThreads>
+struct TileMap {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kStep = kNThreads / kChunks;
+  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
+  int r0;   // the thread's first row
+  int col;  // its column
+  SSA_DEVICE void init(int tid) {
+    r0 = kEven ? tid / kChunks : 0;
+    col = kEven ? (tid % kChunks) * 8 : 0;
+  }
+};
+
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+struct TileLoader {
+  using Map = TileMap<kRows, kHeadDim, kStride, kNThreads>;
+  int off;       // even: the thread's first chunk from the tile's first row, elements; else 0
+  int row_step;  // even: kStep rows, elements; else the row stride
+  int cols;      // the columns copied
+
+  SSA_DEVICE void init(const Map& m, int64_t stride, int cols_) {
+    cols = cols_;
+    if constexpr (Map::kEven) {
+      off = m.r0 * static_cast<int>(stride) + m.col;
+      row_step = Map::kStep * static_cast<int>(stride);
+    } else {
+      off = 0;
+      row_step = static_cast<int>(stride);
+    }
+  }
+
+  // Copies rows [0, kRows) of the tile that starts at `tile` (rows >= rows_left are past the
+  // matrix's end: zero-filled, "read" from `valid`, any valid address).
+  SSA_DEVICE void issue(const Map& m, T* smem, const T* tile, const T* valid, int rows_left, int tid) const {
+    if constexpr (Map::kEven) {
+      const bool col_ok = m.col < cols;
+      const T* src = tile + off;
+#pragma unroll
+      for (int it = 0; it < kRows / Map::kStep; ++it) {
+        const bool in = col_ok && m.r0 + it * Map::kStep < rows_left;
+        cp_async_16(smem + m.r0 * kStride + m.col + it * Map::kStep * kStride, in ? src : valid, in);
+        src += row_step;
+      }
+    } else {
+      (void)valid;
+      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, tile, row_step, 0, rows_left, cols, tid);
+    }
+  }
+};
+
+// Flips the sign of the 16-bit elements this thread copied with load_tile (same mapping); the
+// caller has waited for its copies. Used on the Q tile of SSA heads with n < 0 (fwd_kernel.h).
+template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+SSA_DEVICE void negate_tile(T* smem, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kTotal = kRows * kChunks;
+  constexpr int kIters = (kTotal + kNThreads - 1) / kNThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int c = it * kNThreads + tid;
+    if (kTotal % kNThreads != 0 && c >= kTotal) break;
+    uint4* ptr = reinterpret_cast<uint4*>(smem + (c / kChunks) * kStride + (c % kChunks) * 8);
+    uint4 x = *ptr;
+    x.x ^= 0x80008000u;
+    x.y ^= 0x80008000u;
+    x.z ^= 0x80008000u;
+    x.w ^= 0x80008000u;
+    *ptr = x;
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Warp GEMMs on kMS 16-row strips (consecutive in shared memory) per warp: each B fragment read
 // from shared memory is used by kMS strips, which is what 32 rows per warp buys (FlashAttention-2).
@@ -185,6 +318,60 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
       }
     }
   }
+#endif
+}
+
+// The A fragments (as acc_to_frag makes them) of a 16 x kK block stored row-major in shared
+// memory (k contiguous): ldmatrix as in gemm_nt on sm_75+, 32-bit loads at the positions struct
+// Frag gives on sm_70.
+template <typename T, int kK, int kStrideA>
+SSA_DEVICE void load_frag(uint32_t (&a)[kK / 16][4], const T* sA, int lane) {
+#if SSA_FLASH_SM70
+  const T* lo = sA + Frag::row(lane) * kStrideA;
+  const T* hi = lo + Frag::kHi * kStrideA;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const int c0 = Frag::col(lane, 2 * kk), c1 = Frag::col(lane, 2 * kk + 1);
+    a[kk][0] = *reinterpret_cast<const uint32_t*>(lo + c0);
+    a[kk][1] = *reinterpret_cast<const uint32_t*>(hi + c0);
+    a[kk][2] = *reinterpret_cast<const uint32_t*>(lo + c1);
+    a[kk][3] = *reinterpret_cast<const uint32_t*>(hi + c1);
+  }
+#else
+  const T* ptr = sA + (lane & 15) * kStrideA + (lane >> 4) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) ldmatrix_x4(a[kk], ptr + kk * 16);
+#endif
+}
+
+// The A fragments (as acc_to_frag makes them) of a 16 x kK block stored transposed in shared
+// memory: element (m, k) at sT[k * kStrideT + m], m contiguous. The fused backward keeps dS^T
+// (keys x queries, as its GEMMs produce it) and needs dS as the A operand of dQ = dS K. On
+// sm_75+ ldmatrix.trans reads each 8 x 8 block transposed: matrix i of the x4 is block
+// (m 0-7 / 8-15, k 0-7 / 8-15) = a_i, whose 8 stored rows (k) lanes 8i..8i+7 address. On sm_70
+// (no ldmatrix) each register is two 16-bit loads at the positions struct Frag gives, which is
+// the layout gemm_rn's sm_70 path expects from acc_to_frag.
+template <typename T, int kK, int kStrideT>
+SSA_DEVICE void load_frag_t(uint32_t (&a)[kK / 16][4], const T* sT, int lane) {
+#if SSA_FLASH_SM70
+  const int r = Frag::row(lane);
+  auto pair = [&](int m, int k) {
+    const uint16_t lo = *reinterpret_cast<const uint16_t*>(sT + k * kStrideT + m);
+    const uint16_t hi = *reinterpret_cast<const uint16_t*>(sT + (k + 1) * kStrideT + m);
+    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  };
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const int c0 = Frag::col(lane, 2 * kk), c1 = Frag::col(lane, 2 * kk + 1);
+    a[kk][0] = pair(r, c0);
+    a[kk][1] = pair(r + Frag::kHi, c0);
+    a[kk][2] = pair(r, c1);
+    a[kk][3] = pair(r + Frag::kHi, c1);
+  }
+#else
+  const T* ptr = sT + ((lane & 7) + ((lane >> 4) << 3)) * kStrideT + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) ldmatrix_x4_trans(a[kk], ptr + kk * 16 * kStrideT);
 #endif
 }
 

@@ -56,24 +56,33 @@ constexpr int sm70_scratch_bytes(int warps, int strips, int k, int elem_bytes) {
 
 constexpr int fwd_strips(int d) { return fwd_block_m(d) / (16 * fwd_warps(d)); }
 
-// Shared memory of each kernel; `sm70` adds the gemm_rn scratch of the sm_70 code path.
-constexpr int fwd_smem_bytes(int d, int elem_bytes, bool sm70 = false) {
+// The code path of an architecture (100 major + 10 minor): sm_70 (mma.m8n8k4, no ldmatrix),
+// sm_75 (m16n8k8, no cp.async), sm_80+ (m16n8k16, cp.async). Shared memory depends on it.
+enum CodePath : int { kPathSm70 = 0, kPathSm75 = 1, kPathSm80 = 2 };
+constexpr int code_path(int arch) { return arch < 750 ? kPathSm70 : arch < 800 ? kPathSm75 : kPathSm80; }
+
+// Shared memory of each kernel on code path `path`: sm_70 adds the gemm_rn scratch.
+constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes +
-         (sm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0);
+         (path == kPathSm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0);
 }
 constexpr int stats_smem_bytes(int d, int elem_bytes) {
   return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes;
 }
-constexpr int dq_smem_bytes(int d, int elem_bytes, bool sm70 = false) {
+constexpr int dq_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return (2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes +
-         (sm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0);
+         (path == kPathSm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0);
 }
 // per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
 constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
-constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, bool sm70 = false) {
+// Rows of the backward's row-statistics workspace and fused dQ accumulator: len_q rounded up to
+// a multiple of every query tile (dQ kernel 64 or 32, dK/dV kernel 32), so that whole tiles are
+// copied and added without bounds checks.
+constexpr int bwd_stat_rows(int len_q) { return (len_q + 63) / 64 * 64; }
+constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
          2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
-         (sm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
+         (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
 }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_, int kColSplit_ = 1>
@@ -108,5 +117,38 @@ using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_bl
 constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
   return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
 }
+
+// The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32
+// atomics) runs where ptxas compiles it without spilling: softmax logits (with or without the
+// adaptive temperature) at head dims up to 64, where the split of the architecture is one warp
+// per key strip. SSA needs per-element db / dn sums in the kernel, which cost about 70 registers
+// there (measured: 175 -> 247 at D = 32, sm_90a) and spill from D = 64; above D = 64 the dK / dV
+// accumulators (2 D / 4 per thread per strip of 16 keys) leave too few registers for the dQ GEMM
+// (spills of 8 to 190 bytes at D = 96 and 128 in every layout tried, docs/cuda.md). Elsewhere, and
+// whenever the caller asks for a deterministic backward, the two-kernel path runs.
+constexpr bool bwd_fused_for(int d, bool ssa, bool adaptive, bool bf16, int arch) {
+  return !ssa && d <= 64 && dkdv_split_for(d, adaptive, bf16, arch) == 1;
+}
+// Shared memory of the fused kernel: the dK/dV kernel's and dS^T (BN x (BM + 8)); on sm_70 the
+// gemm_rn scratch serves the dQ GEMM too (reduction size BN).
+// Queries per step of the fused kernel (as the dK/dV kernel's)
+constexpr int fused_block_m(int d) { return dkdv_block_m(d); }
+constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
+  return (2 * dkdv_block_n(d) + 3 * fused_block_m(d)) * smem_row(d) * elem_bytes +
+         2 * dkdv_stat_count(adaptive) * fused_block_m(d) * 4 +
+         dkdv_block_n(d) * (fused_block_m(d) + 8) * elem_bytes +
+         (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1,
+                                                 dkdv_block_n(d) > fused_block_m(d) ? dkdv_block_n(d) : fused_block_m(d),
+                                                 elem_bytes)
+                            : 0);
+}
+// Shared memory of the fused backward's pre-pass (the dQ kernel with kPrep): delta only needs the
+// dO tile (after the unused Q tile); the adaptive dbeta pass needs the dQ kernel's tiles.
+constexpr int bwd_prep_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
+  return adaptive ? dq_smem_bytes(d, elem_bytes, path) : 2 * dq_block_m(d) * smem_row(d) * elem_bytes;
+}
+
+template <int D, typename T>
+using FusedTraits = KernelTraits<D, fused_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
 
 }  // namespace ssa_flash

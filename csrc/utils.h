@@ -209,6 +209,26 @@ SSA_DEVICE float warp_sum(float x) {
   return x;
 }
 
+// Adds (a, b) to two adjacent floats of global memory (8-byte aligned) atomically, without a
+// return value: one vector reduction (red.global.add.v2.f32) on sm_90, two scalar ones below.
+// Inline PTX because atomicAdd on a generic pointer checks the address space first (a branch
+// around every add in the SASS).
+#ifdef SSA_FLASH_EMULATE
+SSA_DEVICE void red_add2(float* addr, float a, float b) {
+  atomicAdd(addr, a);
+  atomicAdd(addr + 1, b);
+}
+#else
+SSA_DEVICE void red_add2(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(a), "f"(b) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(addr), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(addr + 1), "f"(b) : "memory");
+#endif
+}
+#endif
+
 #ifndef SSA_FLASH_EMULATE
 // ------------------------------------------------------------------------------------------
 // Asynchronous global -> shared copies (sm_80+; plain 16-byte loads and stores on sm_75).

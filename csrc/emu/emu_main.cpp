@@ -45,10 +45,12 @@ void fill(P& p, const long long* iv, double scale, void* const* ptr) {
 
 }  // namespace
 
-// ptr: q, k, v, o, dout, dq, dk, dv, lse, dlse, delta, beta, lse_l, entropy, dbeta_dh, g,
-//      db_part, dn_part, mask, b, n
+// ptr: q, k, v, o, dout, dq, dk, dv, lse, dlse, rowstat, beta, lse_l, entropy, dbeta_dh, (unused),
+//      db_part, dn_part, mask, b, n, dq_accum; iv[38]: stat_rows (backward)
+// deterministic: the backward's plan (launch.h); dq_accum must then be given iff the plan is fused
 extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, const long long* iv,
-                                   double scale, void* const* ptr, int lazy_copies, unsigned seed) {
+                                   double scale, void* const* ptr, int lazy_copies, unsigned seed,
+                                   int deterministic) {
   using namespace ssa_flash;
   ssa_emu::config().lazy_copies = lazy_copies != 0;
   ssa_emu::config().seed = seed;
@@ -95,21 +97,34 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
     p.dv_sb = st[21]; p.dv_sh = st[22]; p.dv_sm = st[23];
     p.lse = static_cast<const float*>(ptr[8]);
     p.dlse = static_cast<const float*>(ptr[9]);
-    p.delta = static_cast<float*>(ptr[10]);
+    p.rowstat = static_cast<float*>(ptr[10]);
+    p.stat_rows = static_cast<int>(iv[38]);
     p.beta = static_cast<const float*>(ptr[11]);
     p.lse_l = static_cast<const float*>(ptr[12]);
     p.entropy = static_cast<const float*>(ptr[13]);
     p.dbeta_dh = static_cast<const float*>(ptr[14]);
-    p.g = static_cast<float*>(ptr[15]);
     p.db_part = static_cast<float*>(ptr[16]);
     p.dn_part = static_cast<float*>(ptr[17]);
-    err = bf16 ? detail::run_bwd<__nv_bfloat16>(p, ssa, adaptive, nullptr)
-               : detail::run_bwd<__half>(p, ssa, adaptive, nullptr);
+    p.dq_accum = static_cast<float*>(ptr[21]);
+    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic)
+                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic);
+    if (plan.fused != (p.dq_accum != nullptr)) err = "dq_accum given or missing against the plan";
+    else err = bf16 ? detail::run_bwd<__nv_bfloat16>(p, ssa, adaptive, plan, nullptr)
+                    : detail::run_bwd<__half>(p, ssa, adaptive, plan, nullptr);
   }
   last_error() = err;
   return last_error().c_str();
 }
 
-extern "C" int ssa_emu_bwd_num_m_blocks(int dim, int dim_v, int len_q) {
-  return ssa_flash::bwd_num_m_blocks(dim, dim_v, len_q);
+// The backward's plan (launch.h): out = {fused, num_partials, stat_rows, stat_count, accum_cols}.
+extern "C" void ssa_emu_bwd_plan(int dim, int dim_v, int len_q, int len_k, int ssa, int adaptive, int deterministic,
+                                 int bf16, int* out) {
+  using namespace ssa_flash;
+  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic)
+                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic);
+  out[0] = plan.fused;
+  out[1] = plan.num_partials;
+  out[2] = plan.stat_rows;
+  out[3] = plan.stat_count;
+  out[4] = plan.accum_cols;
 }

@@ -40,7 +40,7 @@
 
 namespace ssa_emu {
 
-enum SyncKind : int { kBar = 1, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync };
+enum SyncKind : int { kBar = 1, kBarOr, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync };
 
 struct Slot {
   int kind;
@@ -139,6 +139,17 @@ inline const Slot& lane_slot(int lane, int parity) {
 inline void syncthreads() {
   deposit(kBar);
   finish_round();
+}
+
+// __syncthreads_or(pred): a barrier that also returns whether any thread of the block passed
+// a nonzero predicate.
+inline int syncthreads_or(int pred) {
+  Slot& s = deposit(kBarOr);
+  s.off = pred != 0;
+  const int par = finish_round();
+  for (const Fiber& f : block()->fibers)
+    if (f.slot[par].off) return 1;
+  return 0;
 }
 
 inline float shfl_xor(float v, int off) {
@@ -380,6 +391,14 @@ struct Builtin {
 #define blockIdx (::ssa_emu::Builtin::block_idx())
 #define gridDim (::ssa_emu::Builtin::grid_dim())
 #define __syncthreads() ::ssa_emu::syncthreads()
+#define __syncthreads_or(pred) ::ssa_emu::syncthreads_or(pred)
+// Fibers run one at a time: an atomic add is a plain one. Its order across threads follows the
+// (shuffled) schedule and across blocks the (shuffled) block order, as on a GPU.
+inline float atomicAdd(float* addr, float v) {
+  const float old = *addr;
+  *addr = old + v;
+  return old;
+}
 #define __shfl_xor_sync(mask, v, off) ::ssa_emu::shfl_xor((v), (off))
 #define __trap() std::abort()
 
@@ -411,9 +430,17 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
   if (smem_bytes > static_cast<int>(sizeof(ssa_flash::smem_raw))) return std::string(name) + ": smem too big";
   std::mt19937 rng(config().seed);
   constexpr size_t kStack = 512 * 1024;
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
+  // blocks one after the other, in a shuffled order when threads are shuffled (a GPU runs them
+  // in no promised order; the order of atomic adds from different blocks follows it)
+  std::vector<uint3> blocks;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) blocks.push_back(make_uint3(x, y, z));
+  if (config().shuffle) std::shuffle(blocks.begin(), blocks.end(), rng);
+  for (const uint3& bi : blocks) {
+    const unsigned x = bi.x, y = bi.y, z = bi.z;
+    {
+      {
         std::memset(ssa_flash::smem_raw, 0xff, smem_bytes);  // NaN in every 16- and 32-bit float
         Block b;
         b.block_idx = make_uint3(x, y, z);

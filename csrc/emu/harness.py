@@ -84,30 +84,34 @@ class Emulator:
         self.lib.ssa_emu_run.restype = ctypes.c_char_p
         self.lib.ssa_emu_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                          ctypes.POINTER(ctypes.c_longlong), ctypes.c_double,
-                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint]
-        self.lib.ssa_emu_bwd_num_m_blocks.restype = ctypes.c_int
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint,
+                                         ctypes.c_int]
+        self.lib.ssa_emu_bwd_plan.restype = None
+        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 8 + [ctypes.POINTER(ctypes.c_int)]
         self.lazy_copies = lazy_copies
         self.seed = seed
 
-    def _run(self, op, q, k, v, o, dout, grads, stats, mask_t, kind, b, n, scale, causal, group):
+    def _run(self, op, q, k, v, o, dout, grads, stats, mask_t, kind, b, n, scale, causal, group,
+             dq_accum=None, deterministic=False, stat_rows=0):
         B, H, Lq, D = q.shape
         Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
         ms = mask_t.stride() if mask_t is not None else (0, 0, 0, 0)
         ints = [B, H, Hkv, group, Lq, Lk, D, Dv, int(causal), kind, *ms]
         for t in (q, k, v, o, dout, *grads):
             ints += list(t.stride()[:3]) if t is not None else [0, 0, 0]
+        ints.append(stat_rows)
         iv = (ctypes.c_longlong * len(ints))(*ints)
 
         def ptr(t):
             return None if t is None else t.data_ptr()
 
-        names = ["lse", "dlse", "delta", "beta", "lse_l", "entropy", "dbeta_dh", "g", "db_part", "dn_part"]
+        names = ["lse", "dlse", "rowstat", "beta", "lse_l", "entropy", "dbeta_dh", "unused", "db_part", "dn_part"]
         ptrs = [ptr(q), ptr(k), ptr(v), ptr(o), ptr(dout), *(ptr(t) for t in grads),
-                *(ptr(stats.get(nm)) for nm in names), ptr(mask_t), ptr(b), ptr(n)]
+                *(ptr(stats.get(nm)) for nm in names), ptr(mask_t), ptr(b), ptr(n), ptr(dq_accum)]
         arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
         err = self.lib.ssa_emu_run(op, int(q.dtype == torch.bfloat16), int(b is not None),
                                    int(stats.get("beta") is not None), iv, float(scale), arr,
-                                   int(self.lazy_copies), self.seed)
+                                   int(self.lazy_copies), self.seed, int(deterministic))
         if err:
             raise RuntimeError(err.decode())
 
@@ -132,41 +136,64 @@ class Emulator:
                   mask_kind, b, n, scale, causal, group)
         return ent, lse_l
 
+    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16):
+        """The backward's plan (csrc/launch.h, BwdPlan): a dict of fused, num_partials, stat_rows,
+        stat_count, accum_cols."""
+        out = (ctypes.c_int * 5)()
+        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16), out)
+        return dict(zip(("fused", "num_partials", "stat_rows", "stat_count", "accum_cols"), out))
+
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
-            scale, causal, group, stream=0):
+            scale, causal, group, stream=0, deterministic=False):
         negated = scale < 0
         q, scale = (-q, -scale) if negated else (q, scale)
         B, H, Lq, D = q.shape
         nan = float("nan")
+        plan = self.plan(D, v.shape[-1], Lq, k.shape[2], b is not None, beta is not None, deterministic,
+                         q.dtype == torch.bfloat16)
+        fused = plan["fused"]
+        # as csrc/api.cpp: the fused path accumulates dQ / scale in a zeroed float32 buffer padded
+        # to whole tiles; the row-statistics workspace starts as NaN (every row read is written)
+        dq_accum = (torch.zeros((B, H, plan["stat_rows"], plan["accum_cols"]), dtype=torch.float32)
+                    if fused else None)
         dq, dk, dv = (torch.full(t.shape, nan, dtype=t.dtype) for t in (q, k, v))
-        num_m = self.lib.ssa_emu_bwd_num_m_blocks(D, v.shape[-1], Lq)
-        stats = dict(lse=lse, dlse=dlse, delta=torch.full((B, H, Lq), nan), beta=beta, lse_l=lse_l,
-                     entropy=entropy, dbeta_dh=dbeta_dh)
-        if beta is not None:
-            stats["g"] = torch.full((B, H, Lq), nan)
-        parts = [torch.full((B if b is not None else 0, H, num_m), nan) for _ in range(2)]
+        stats = dict(lse=lse, dlse=dlse, beta=beta, lse_l=lse_l, entropy=entropy, dbeta_dh=dbeta_dh,
+                     rowstat=torch.full((B, H, plan["stat_rows"], plan["stat_count"]), nan))
+        parts = [torch.full((B if b is not None else 0, H, plan["num_partials"]), nan) for _ in range(2)]
         if b is not None:
             stats.update(db_part=parts[0], dn_part=parts[1])
-        self._run(2, q, k, v, o, dout, (dq, dk, dv), stats, mask, mask_kind, b, n, scale, causal, group)
-        return (-dq if negated else dq), dk, dv, parts[0], parts[1]
+        self._run(2, q, k, v, o, dout, (None if fused else dq, dk, dv), stats, mask, mask_kind, b, n, scale,
+                  causal, group, dq_accum=dq_accum, deterministic=deterministic, stat_rows=plan["stat_rows"])
+        if fused:
+            dq = (dq_accum[:, :, :Lq, :D] * (-scale if negated else scale)).to(q.dtype)
+        elif negated:
+            dq = -dq
+        return dq, dk, dv, parts[0], parts[1]
 
     # ---- what backend="cuda" computes --------------------------------------------------------
 
     def attention(self, q, k, v, mask=None, b=None, n=None, scale=None, causal=False, group=1,
-                  adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None):
-        """Forward and (if dout is given) backward on CPU tensors through the CUDA backend's own
-        autograd function (ssa_flash.cuda.CudaAttentionFunction) with this emulator as the
-        extension. Returns a dict: out, lse, and dq, dk, dv, db, dn (backward)."""
-        from ssa_flash import cuda as cuda_py
+                  adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None, deterministic=False):
+        """Forward and (if dout is given) backward on CPU tensors through the package's custom ops
+        with ``backend="cuda"`` and this emulator as the extension (what
+        ssa_flash.cuda.CudaAttentionFunction does, plus ``deterministic``). Returns a dict: out,
+        lse, and dq, dk, dv, db, dn (backward)."""
         from ssa_flash import temperature
+        from ssa_flash.autograd import attention
+        from ssa_flash.backends import cuda as backend
+        from ssa_flash.backends.spec import AttentionSpec
 
         poly = tuple(poly if poly is not None else temperature.DEFAULT_POLY)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         leaves = [t.detach().requires_grad_(dout is not None) if t is not None else None
                   for t in (q, k, v, b, n)]
-        out, lse = cuda_py.CudaAttentionFunction.apply(*leaves, mask, float(scale), bool(causal),
-                                                       int(group), bool(adaptive), poly,
-                                                       float(threshold), self)
+        spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group), adaptive=bool(adaptive),
+                             poly=poly, threshold=float(threshold), deterministic=bool(deterministic))
+        with backend.emulated(self):
+            why = backend.supports(q, k, v, spec)
+            if why is not None:
+                raise RuntimeError(f"backend='cuda' cannot run these inputs: {why}")
+            out, lse = attention(*leaves, mask, "cuda", spec)
         res = dict(out=out.detach(), lse=lse.detach())
         if dout is None:
             return res

@@ -142,7 +142,8 @@ def main(argv=None) -> int:
                 progress(msg)
         else:
             for arch in archs:
-                cuda_results[arch] = cuda_audit.audit(arch, progress=progress, dump_dir=args.dump_sass)
+                cuda_results[arch] = cuda_audit.audit(arch, progress=progress, dump_dir=args.dump_sass,
+                                                     jobs=args.jobs, use_cache=not args.no_cache)
                 print(cuda_audit.text_report(cuda_results[arch], arch))
                 print()
     filtered = filtered or args.cuda == "only"

@@ -8,11 +8,20 @@ kernels it does not recognise still get resources and raw per-iteration counts. 
 masks are run-time switches of these kernels, so their loops are counted with every path present
 (``inner_branches`` says how many branches a loop body holds).
 
+Results are cached per file and architecture (``runner.cache_dir()``, files ``cuda-<hash>.json``)
+under a hash of every source in ``csrc`` (``*.cu``, ``*.h``), nvcc's version, the flags, the
+architecture and the analysing modules, so an unchanged tree is not recompiled.
+
 Skipped (with the reason) when nvcc or ``csrc`` is absent. The tensor column reports ``gemms`` =
 tensor multiply-adds per score element / padded head dim (2 for a forward: QK^T and PV).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -54,12 +63,13 @@ def unavailable(csrc: Path = CSRC) -> Optional[str]:
 
 
 _TRAITS_RE = re.compile(r"KernelTraitsI((?:Li\d+E)+)(\w+?)((?:Li\d+E)*)E")
-_KERNEL_RE = re.compile(r"attn_(fwd|stats|bwd_dq|bwd_dkdv)_kernel")
+_KERNEL_RE = re.compile(r"attn_(fwd|stats|bwd_dq|bwd_dkdv|bwd_fused)_kernel")
 
 
 def describe_ssa_flash(symbol: str) -> Optional[dict]:
-    """``{kernel, head_dim, block_m, block_n, warps, dtype, col_split, ssa, adaptive}`` of an
-    ``attn_*_kernel<KernelTraits<...>, bool...>`` symbol (mangled), or None."""
+    """``{kernel, head_dim, block_m, block_n, warps, dtype, col_split, ssa, adaptive, prep}`` of an
+    ``attn_*_kernel<KernelTraits<...>, bool...>`` symbol (mangled), or None (``prep``: the dQ
+    kernel as the fused backward's pre-pass)."""
     km = _KERNEL_RE.search(symbol)
     tm = _TRAITS_RE.search(symbol)
     if not km or not tm:
@@ -71,10 +81,11 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     elem = tm.group(2)
     dtype = "bf16" if "bfloat16" in elem else "fp16" if ("half" in elem or "__half" in elem) else elem
     bools = [b == "1" for b in re.findall(r"Lb([01])E", symbol[tm.end():])]
-    kernel = {"fwd": "fwd", "stats": "stats", "bwd_dq": "bwd_dq", "bwd_dkdv": "bwd_dkdv"}[km.group(1)]
+    kernel = km.group(1)
     return {"kernel": kernel, "head_dim": ints[0], "block_m": ints[1], "block_n": ints[2], "warps": ints[3],
             "dtype": dtype, "col_split": tail[0] if tail else 1,
-            "ssa": bools[0] if bools else None, "adaptive": bools[1] if len(bools) > 1 else False}
+            "ssa": bools[0] if bools else None, "adaptive": bools[1] if len(bools) > 1 else False,
+            "prep": bools[2] if len(bools) > 2 else False}
 
 
 #: Symbol describers, tried in order; the first non-None answer is used.
@@ -143,28 +154,93 @@ def analyse_cubin(cubin: bytes, ptxas_text: str, arch: int) -> List[dict]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _nvcc_version() -> str:
+    try:
+        return subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
+_ANALYSER_MODULES = ("cuda.py", "compile.py", "model.py", "resources.py", "sass.py")
+
+
+def cache_key(path: Path, arch: int, extra_flags=()) -> str:
+    """Hash of everything that decides the audit of ``path`` for ``sm_<arch>``: the sources of its
+    directory (``*.cu``, ``*.h``), nvcc's version, the flags and the analysing modules."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"file": path.name, "arch": arch, "flags": nvcc_flags(), "extra": list(extra_flags),
+                         "nvcc": _nvcc_version()}, sort_keys=True).encode())
+    for src in sorted([*path.parent.glob("*.h"), *path.parent.glob("*.cu")]):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    here = Path(__file__).resolve().parent
+    for name in _ANALYSER_MODULES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def _audit_file(path: Path, arch: int, out_dir: Path, extra_flags=()) -> dict:
+    c = compile_cu(path, arch, out_dir, extra_flags)
+    warnings = resources.parse_ptxas_log(c["log"]).warnings
+    compile_row = {"file": c["file"], "returncode": c["returncode"], "compile_s": c["compile_s"],
+                   "warnings": warnings, "error": None if c["cubin"] else c["log"][-2000:]}
+    kernels = []
+    if c["cubin"] is not None:
+        for row in analyse_cubin(Path(c["cubin"]).read_bytes(), c["log"], arch):
+            row["file"] = path.name
+            kernels.append(row)
+    return {"compile": compile_row, "kernels": kernels}
+
+
 def audit(arch: int, csrc: Path = CSRC, progress=None, dump_dir: Optional[str] = None,
-          files: Optional[List[Path]] = None) -> dict:
-    """Compile and analyse every ``.cu`` file of ``csrc`` for ``sm_<arch>``."""
+          files: Optional[List[Path]] = None, jobs: int = 1, use_cache: bool = True,
+          extra_flags=()) -> dict:
+    """Compile and analyse every ``.cu`` file of ``csrc`` for ``sm_<arch>`` (``jobs`` nvcc
+    processes at once; cached unless ``use_cache`` is false or ``dump_dir`` is given)."""
     why = unavailable(csrc)
     if why:
         return {"skipped": why}
+    from .runner import cache_dir
+
     files = files or sorted(csrc.glob("*.cu"))
-    kernels, compiles = [], []
+    use_cache = use_cache and not dump_dir
+    results: Dict[str, dict] = {}
+    todo = []
+    for path in files:
+        cached = cache_dir() / f"cuda-{cache_key(path, arch, extra_flags)}.json" if use_cache else None
+        if cached is not None and cached.is_file():
+            try:
+                results[path.name] = json.loads(cached.read_text())
+                results[path.name]["compile"]["cached"] = True
+                continue
+            except (OSError, ValueError, KeyError):
+                pass
+        todo.append((path, cached))
     with tempfile.TemporaryDirectory(prefix="ssa_flash_audit_cu_") as tmp:
-        for path in files:
+        out_dir = Path(dump_dir) if dump_dir else Path(tmp)
+
+        def one(item):
+            path, cached = item
             if progress:
                 progress(f"nvcc {path.name} for sm_{arch} ...")
-            c = compile_cu(path, arch, Path(dump_dir) if dump_dir else Path(tmp))
-            warnings = resources.parse_ptxas_log(c["log"]).warnings
-            compiles.append({"file": c["file"], "returncode": c["returncode"], "compile_s": c["compile_s"],
-                             "warnings": warnings, "error": None if c["cubin"] else c["log"][-2000:]})
-            if c["cubin"] is None:
-                continue
-            for row in analyse_cubin(Path(c["cubin"]).read_bytes(), c["log"], arch):
-                row["file"] = path.name
-                kernels.append(row)
-    return {"nvcc": shutil.which("nvcc"), "flags": nvcc_flags(), "compiles": compiles, "kernels": kernels}
+            res = _audit_file(path, arch, out_dir, extra_flags)
+            if cached is not None and res["compile"]["returncode"] == 0:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tmp_file = cached.with_suffix(f".{os.getpid()}.tmp")
+                tmp_file.write_text(json.dumps(res))
+                os.replace(tmp_file, cached)
+            return path.name, res
+
+        # (the bwd files first: they take longest)
+        todo.sort(key=lambda item: not item[0].name.startswith("bwd"))
+        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+            for name, res in pool.map(one, todo):
+                results[name] = res
+    compiles = [results[p.name]["compile"] for p in files]
+    kernels = [row for p in files for row in results[p.name]["kernels"]]
+    return {"nvcc": shutil.which("nvcc"), "flags": nvcc_flags(), "extra_flags": list(extra_flags),
+            "compiles": compiles, "kernels": kernels}
 
 
 def text_report(result: dict, arch: int) -> str:
@@ -176,7 +252,7 @@ def text_report(result: dict, arch: int) -> str:
     rows = []
     for k in result["kernels"]:
         d = k["describe"] or {}
-        name = (f"{d['kernel']} ssa={int(bool(d['ssa']))} adapt={int(bool(d['adaptive']))} D={d['head_dim']} "
+        name = (f"{d['kernel']}{'(prep)' if d.get('prep') else ''} ssa={int(bool(d['ssa']))} adapt={int(bool(d['adaptive']))} D={d['head_dim']} "
                 f"{d['dtype']} {d['block_m']}x{d['block_n']}w{d['warps']}" if d else k["symbol"][:60])
         spill = k["spill_store_bytes"] + k["spill_load_bytes"]
         loops = k["loops"] or [None]
@@ -195,3 +271,69 @@ def text_report(result: dict, arch: int) -> str:
     out = [f"== CUDA C++ kernels, sm_{arch} ==  {DISCLAIMER}", format_table(rows, head)]
     out += [f"nvcc {c['file']} failed (exit {c['returncode']})" for c in errors]
     return "\n".join(out)
+
+
+def interior(row: dict) -> Optional[dict]:
+    """The interior (or only) main loop of a kernel row, or None."""
+    loops = [lp for lp in row.get("loops", []) if lp.get("per_element")]
+    if not loops:
+        return None
+    return min(loops, key=lambda lp: lp["per_element"]["total"])
+
+
+def kernel_rows(result: dict) -> Dict[tuple, dict]:
+    """The kernels of an :func:`audit` result by ``(kernel, op, head_dim, dtype)`` (``op`` as the
+    Triton audit names it: softmax, ssa, adaptive, ssa_adaptive); the fused backward's pre-pass is
+    ``bwd_prep``. Specialisations the launcher never runs on sm_80+ (the sm_75 dK/dV split) are
+    left out."""
+    out: Dict[tuple, dict] = {}
+    for row in result.get("kernels", []):
+        d = row.get("describe")
+        if not d:
+            continue
+        if d["kernel"] == "bwd_dkdv" and d["col_split"] != (1 if d["head_dim"] <= 128 else 2):
+            continue  # DkdvTraitsSm75
+        op = {(False, False): "softmax", (True, False): "ssa", (False, True): "adaptive",
+              (True, True): "ssa_adaptive"}[(bool(d["ssa"]), bool(d["adaptive"]))]
+        kernel = "bwd_prep" if d.get("prep") else d["kernel"]
+        out[(kernel, op, d["head_dim"], d["dtype"])] = row
+    return out
+
+
+def versus_triton(result: dict, triton_results: List[dict], arch: int, dims=(64, 128), dtypes=("bf16",),
+                  ops=("softmax", "ssa")) -> List[dict]:
+    """CUDA kernels against the Triton kernels of the same variant (non-causal, no mask: the CUDA
+    kernels' interior loop is the same code for every mask and causality), per score element of
+    the interior loop. The fused backward (one kernel for dQ, dK and dV) is compared with the sum
+    of Triton's dQ and dK/dV kernels. ``ratio`` = CUDA / Triton."""
+    from .report import chosen_config, gated_loop
+
+    triton = {}
+    for r in triton_results:
+        v = r["variant"]
+        if v["arch"] == arch and not v["causal"] and v["mask"] == "none" and v.get("group", 1) == 1:
+            g = gated_loop(chosen_config(r))
+            if g is not None:
+                triton[(v["kernel"], v["op"], v["head_dim"], v["dtype"])] = g["per_element"]["total"]
+    rows = kernel_rows(result)
+    out = []
+    for dtype in dtypes:
+        for d in dims:
+            for op in ops:
+                for kernel in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused"):
+                    row = rows.get((kernel, op, d, dtype))
+                    if row is None:
+                        continue
+                    lp = interior(row)
+                    if kernel == "bwd_fused":
+                        parts = [triton.get(("bwd_dq", op, d, dtype)), triton.get(("bwd_dkdv", op, d, dtype))]
+                        tri = None if None in parts else round(sum(parts), 4)
+                    else:
+                        tri = triton.get((kernel, op, d, dtype))
+                    cu = lp["per_element"]["total"] if lp else None
+                    out.append({"kernel": kernel, "op": op, "head_dim": d, "dtype": dtype, "arch": arch,
+                                "cuda": cu, "triton": tri, "ratio": round(cu / tri, 3) if cu and tri else None,
+                                "mufu": lp["per_element"].get("mufu") if lp else None,
+                                "gemms": lp.get("gemms") if lp else None, "registers": row["registers"],
+                                "spills": row["spills"]})
+    return out

@@ -13,8 +13,11 @@ What the kernels run (anything else: :func:`supports` says why): float16 (sm_70+
 (sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64, 96, 128, 256, others
 zero-padded); any strides (copies are made where the head dim is not contiguous, not a multiple of
 8, or rows are not 16-byte aligned); boolean or additive masks of any strides; causal; GQA;
-softmax or SSA logits, fixed or adaptive temperature. The backward is always deterministic (no
-atomics: db/dn are per-block partial sums reduced in a fixed order).
+softmax or SSA logits, fixed or adaptive temperature. The backward is one fused kernel after a
+pre-pass (FlashAttention-2's five GEMMs per tile, dQ accumulated with float32 atomics) where the
+device and head dim allow it, and the two-kernel path (dQ kernel, dK/dV kernel, no atomics) with
+``deterministic=True`` or elsewhere; db/dn are per-block partial sums reduced in a fixed order
+either way.
 
 Testing without a GPU: inside ``with emulated(ext):`` CPU tensors run through ``ext``, any object
 with the extension's ``fwd``/``stats``/``bwd`` (``csrc/emu/harness.py``'s ``Emulator``: the real
@@ -295,9 +298,17 @@ def _padded_head_dim(d: int) -> int:
     return -1
 
 
-def _smem_bytes(d: int, adaptive: bool, sm70: bool = False) -> int:
-    """Largest dynamic shared memory of the kernels for padded head dim d (mirrors csrc/traits.h;
-    ``sm70``: the Volta code path's extra per-warp buffers)."""
+def _code_path(major: int, minor: int) -> int:
+    """csrc/traits.h's code_path: 0 sm_70, 1 sm_75, 2 sm_80+."""
+    arch = major * 100 + minor * 10
+    return 0 if arch < 750 else 1 if arch < 800 else 2
+
+
+def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
+    """Largest dynamic shared memory of the kernels for padded head dim d on code path ``path``
+    (0 sm_70, 1 sm_75, 2 sm_80+; mirrors csrc/traits.h: the Volta code path adds per-warp
+    buffers)."""
+    sm70 = path == 0
     row = (d + 8) * 2
     fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
     fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
@@ -350,7 +361,7 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
     major, minor, optin = _capability(q.device)
     if q.dtype == torch.bfloat16 and major < 8:
         return f"bfloat16 needs sm_80 or newer, this GPU is sm_{major}{minor}"
-    need = _smem_bytes(_padded_head_dim(d), spec.adaptive, sm70=(major, minor) < (7, 5))
+    need = _smem_bytes(_padded_head_dim(d), spec.adaptive, _code_path(major, minor))
     if optin and need > optin:
         return (f"head dim {d} needs {need} bytes of shared memory per block, this GPU allows {optin} "
                 "(see docs/cuda.md)")
@@ -454,7 +465,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
             _prep(dout.to(q.dtype), dv8), _prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
             bf, nf, beta, lse_l, ent, dbeta_dh, float(spec.scale), bool(spec.causal), int(spec.group),
-            _stream(q.device))
+            _stream(q.device), deterministic=bool(spec.deterministic))
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))

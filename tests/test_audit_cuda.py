@@ -1,0 +1,283 @@
+"""The static audit of the CUDA C++ kernels (``python -m ssa_flash.audit --cuda only``, issue 14
+item 3) as CI checks. No GPU: ``csrc/*.cu`` compiled to sm_80 / sm_90a cubins with nvcc, SASS
+counted per score element (``ssa_flash.audit.cuda``), the Triton kernels of the same variants
+compiled through the audit's CLI for comparison.
+
+Gates (bf16; causality and masks are run-time switches of the CUDA kernels, whose interior loop
+serves unmasked calls, causal or not: the comparison is Triton's non-causal, unmasked
+specialisation):
+
+- every ``.cu`` file compiles for sm_80 and sm_90a, no kernel spills at any head dim (32, 64, 96,
+  128, 256; both dtypes, every variant the extension ships);
+- the forward runs 32 query rows per warp (128-row tiles);
+- SSA's forward interior loop computes the log without a division (MUFU EX2 / LG2 only);
+- every kernel has an interior loop apart from the checked one (bounds / causal / mask work);
+- instructions per score element of each kernel's interior loop within ``THRESHOLDS["vs_triton"]``
+  of the Triton kernel's for the same variant (the fused backward against Triton's dQ + dK/dV);
+- the backward's GEMMs per score element (the default, deterministic=False) at most
+  FlashAttention-2's 5.
+
+Targets not met today are listed in ``KNOWN_FAILURES`` and run as ``xfail(strict=True)``: when a
+kernel change makes one pass, the test fails (XPASS) until its entry is removed.
+
+Skipped when nvcc is not on PATH. Both audits are cached (``SSA_FLASH_AUDIT_CACHE``, default
+``~/.cache/ssa_flash/audit``): the CUDA one under a hash of ``csrc``, nvcc's version and flags; the
+Triton variants here are a subset of ``tests/test_audit.py``'s, which runs first and fills the
+cache. Measured on 2 shared cores: 3 min 16 s with nothing cached (6.2 CPU-minutes: 8 nvcc runs,
+24 Triton specialisations), 12 s cached.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ssa_flash.audit import cuda as cuda_audit
+from ssa_flash.audit import specs
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHS = (80, 90)
+HEAD_DIMS = (32, 64, 96, 128, 256)
+GATED_DIMS, GATED_DTYPE, GATED_OPS = (64, 128), "bf16", ("softmax", "ssa")
+THRESHOLDS = {
+    "vs_triton": 1.25,  # CUDA / Triton instructions per score element, interior loop
+    "fwd_rows_per_warp": 32,
+    "bwd_gemms": 5.0,  # FlashAttention-2's S, dP, dV, dK, dQ
+}
+
+XFAIL_REASON = "issue 14 item 3 target, CUDA kernels not there yet"
+# Keys: "<check>" -> set of ids ("sm90-bwd_dq-ssa-d128-bf16", ...). Remove an entry when it passes.
+KNOWN_FAILURES = {
+    # the dQ and dK/dV kernels (the two-kernel backward: SSA, D > 64, deterministic=True)
+    "vs_triton": {
+        "sm80-bwd_dq-softmax-d64-bf16",    # 14.81 vs 11.38 (1.30x)
+        "sm80-bwd_dkdv-softmax-d64-bf16",  # 27.50 vs 14.81 (1.86x)
+        "sm80-bwd_dkdv-ssa-d64-bf16",      # 35.06 vs 27.94 (1.25x, just over)
+        "sm80-bwd_dq-softmax-d128-bf16",   # 25.56 vs 18.44 (1.39x)
+        "sm80-bwd_dkdv-softmax-d128-bf16",  # 38.62 vs 24.50 (1.58x)
+        "sm80-bwd_dkdv-ssa-d128-bf16",     # 45.69 vs 32.00 (1.43x)
+        "sm90-bwd_dq-softmax-d64-bf16",    # 15.06 vs 8.28 (1.82x)
+        "sm90-bwd_dkdv-softmax-d64-bf16",  # 28.44 vs 13.75 (2.07x)
+        "sm90-bwd_dq-ssa-d64-bf16",        # 23.12 vs 14.78 (1.56x)
+        "sm90-bwd_dkdv-ssa-d64-bf16",      # 36.06 vs 22.81 (1.58x)
+        "sm90-bwd_dq-softmax-d128-bf16",   # 26.06 vs 14.56 (1.79x)
+        "sm90-bwd_dkdv-softmax-d128-bf16",  # 39.38 vs 26.75 (1.47x)
+        "sm90-bwd_dq-ssa-d128-bf16",       # 34.00 vs 21.50 (1.58x)
+        "sm90-bwd_dkdv-ssa-d128-bf16",     # 46.81 vs 32.25 (1.45x)
+    },
+    # D = 256: 64-row tiles (16 rows per warp); 128 x D output accumulators do not fit
+    "fwd_rows_per_warp": {f"sm{a}-fwd-any-d256-bf16" for a in ARCHS},
+    # the fused backward (5) runs for softmax at D <= 64 only; elsewhere 3 + 4 = 7
+    "bwd_gemms": {f"sm{a}-bwd-{op}-d{d}-bf16" for a in ARCHS for op, d in
+                  (("softmax", 128), ("ssa", 64), ("ssa", 128))},
+}
+
+pytestmark = pytest.mark.skipif(cuda_audit.unavailable() is not None,
+                                reason=f"CUDA audit unavailable: {cuda_audit.unavailable()}")
+
+
+def _id(arch, kernel, op, d, dtype=GATED_DTYPE):
+    return f"sm{arch}-{kernel}-{op}-d{d}-{dtype}"
+
+
+def _strict_xfail_marks(name, ident):
+    return [pytest.mark.xfail(strict=True, reason=f"{XFAIL_REASON} ({ident})")] if ident in KNOWN_FAILURES[name] else []
+
+
+# ------------------------------------------------------------------------------------------------
+# What is compiled
+
+def _triton_variants():
+    return specs.variants(archs=list(ARCHS), kernels=["fwd", "bwd_dq", "bwd_dkdv"], ops=list(GATED_OPS),
+                          causal=[False], masks=["none"], head_dims=list(GATED_DIMS), dtypes=[GATED_DTYPE])
+
+
+@pytest.fixture(scope="module")
+def audits(tmp_path_factory):
+    """Both audits started at once (cold, the CPU time is the CUDA compiles: every .cu file for
+    sm_80 and sm_90a, cached by source hash): the CUDA ones in threads, the Triton variants through
+    the audit CLI in a subprocess (this process may run Triton's interpreter, which cannot
+    compile)."""
+    out = tmp_path_factory.mktemp("audit_triton")
+    sel = out / "selection.json"
+    sel.write_text(json.dumps([v.to_dict() for v in _triton_variants()]))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    jobs = min(2, os.cpu_count() or 1)
+    cmd = [sys.executable, "-m", "ssa_flash.audit", "--selection", str(sel), "--out", str(out), "--cuda", "no",
+           "--jobs", str(jobs), "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with concurrent.futures.ThreadPoolExecutor(len(ARCHS)) as pool:
+        futures = {arch: pool.submit(cuda_audit.audit, arch, jobs=jobs) for arch in ARCHS}
+        cuda = {arch: f.result() for arch, f in futures.items()}
+    _, stderr = proc.communicate(timeout=1800)
+    triton = []
+    for arch in ARCHS:
+        path = out / f"audit-sm{arch}.json"
+        if path.is_file():
+            triton += json.loads(path.read_text())["results"]
+    return {"cuda": cuda, "triton": triton, "triton_error": None if triton else
+            f"the Triton audit wrote no JSON (exit {proc.returncode}):\n{stderr[-4000:]}"}
+
+
+@pytest.fixture(scope="module")
+def cuda_results(audits):
+    return audits["cuda"]
+
+
+@pytest.fixture(scope="module")
+def triton_results(audits):
+    if audits["triton_error"]:
+        pytest.fail(audits["triton_error"])
+    return audits["triton"]
+
+
+@pytest.fixture(scope="module")
+def comparison(cuda_results, triton_results):
+    return {(r["arch"], r["kernel"], r["op"], r["head_dim"]): r
+            for arch in ARCHS for r in cuda_audit.versus_triton(cuda_results[arch], triton_results, arch,
+                                                                dims=GATED_DIMS, dtypes=(GATED_DTYPE,),
+                                                                ops=GATED_OPS)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiles, spills
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiles_without_spills(cuda_results, arch):
+    res = cuda_results[arch]
+    assert not res.get("skipped"), res.get("skipped")
+    failed = [c["file"] for c in res["compiles"] if c["returncode"] != 0]
+    assert not failed, f"nvcc failed for sm_{arch}: {failed}\n" + "\n".join(
+        c["error"] or "" for c in res["compiles"] if c["returncode"] != 0)
+    warnings = [(c["file"], w) for c in res["compiles"] for w in c["warnings"]]
+    assert not warnings, f"ptxas warnings for sm_{arch}: {warnings}"
+    spills = [f"{r['symbol']}: {r['spill_store_bytes']} B stores, {r['spill_load_bytes']} B loads, "
+              f"{r['local_bytes']} B local" for r in res["kernels"] if r["spills"]]
+    assert not spills, f"register spills on sm_{arch}:\n" + "\n".join(spills)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_head_dim_is_audited(cuda_results, arch):
+    """The spill gate above saw every head dim, both dtypes, all four variants of each kernel."""
+    rows = cuda_audit.kernel_rows(cuda_results[arch])
+    for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
+        for d in HEAD_DIMS:
+            for dtype in ("bf16", "fp16"):
+                for op in specs.OPS:
+                    assert (kernel, op, d, dtype) in rows, (kernel, op, d, dtype)
+    for d in (32, 64):  # the fused backward: softmax logits, D <= 64 (csrc/traits.h)
+        for op in ("softmax", "adaptive"):
+            assert ("bwd_fused", op, d, "bf16") in rows, ("bwd_fused", op, d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Design targets
+
+def _rows_params():
+    return [pytest.param(arch, d, id=_id(arch, "fwd", "any", d),
+                         marks=_strict_xfail_marks("fwd_rows_per_warp", _id(arch, "fwd", "any", d)))
+            for arch in ARCHS for d in HEAD_DIMS]
+
+
+@pytest.mark.parametrize("arch,d", _rows_params())
+def test_forward_rows_per_warp(cuda_results, arch, d):
+    rows = cuda_audit.kernel_rows(cuda_results[arch])
+    for op in specs.OPS:
+        desc = rows[("fwd", op, d, GATED_DTYPE)]["describe"]
+        per_warp = desc["block_m"] // desc["warps"]
+        assert per_warp >= THRESHOLDS["fwd_rows_per_warp"], \
+            f"forward D={d} {op}: {desc['block_m']}-row tiles over {desc['warps']} warps = {per_warp} rows per warp"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ssa_log_without_division(cuda_results, arch):
+    """The SSA forward's interior loop: MUFU EX2 and LG2 only (no reciprocal, no division)."""
+    rows = cuda_audit.kernel_rows(cuda_results[arch])
+    for d in HEAD_DIMS:
+        for dtype in ("bf16", "fp16"):
+            for op in ("ssa", "ssa_adaptive"):
+                lp = cuda_audit.interior(rows[("fwd", op, d, dtype)])
+                assert set(lp["mufu"]) <= {"EX2", "LG2"}, (d, dtype, op, lp["mufu"])
+                assert lp["mufu"].get("LG2"), (d, dtype, op, lp["mufu"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_interior_loops(cuda_results, arch):
+    """Every kernel that loops over tiles has an interior loop apart from its checked one."""
+    rows = cuda_audit.kernel_rows(cuda_results[arch])
+    missing = []
+    for (kernel, op, d, dtype), row in rows.items():
+        if kernel in ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused") and dtype == "bf16":
+            if not any(lp.get("role") == "interior" for lp in row["loops"]):
+                missing.append((kernel, op, d, [lp.get("role") for lp in row["loops"]]))
+    assert not missing, f"sm_{arch}: kernels without a separate interior loop: {missing}"
+
+
+def _vs_triton_params():
+    out = []
+    for arch in ARCHS:
+        for d in GATED_DIMS:
+            for op in GATED_OPS:
+                kernels = ["fwd", "bwd_dq", "bwd_dkdv"] + (["bwd_fused"] if d <= 64 and op == "softmax" else [])
+                for kernel in kernels:
+                    ident = _id(arch, kernel, op, d)
+                    out.append(pytest.param(arch, kernel, op, d, id=ident, marks=_strict_xfail_marks("vs_triton", ident)))
+    return out
+
+
+@pytest.mark.parametrize("arch,kernel,op,d", _vs_triton_params())
+def test_instructions_vs_triton(comparison, arch, kernel, op, d):
+    r = comparison.get((arch, kernel, op, d))
+    assert r is not None and r["cuda"] is not None and r["triton"] is not None, f"no figures: {r}"
+    assert r["ratio"] <= THRESHOLDS["vs_triton"], \
+        f"{_id(arch, kernel, op, d)}: CUDA {r['cuda']} vs Triton {r['triton']} instructions per element ({r['ratio']}x)"
+
+
+def _gemm_params():
+    out = []
+    for arch in ARCHS:
+        for d in GATED_DIMS:
+            for op in GATED_OPS:
+                ident = _id(arch, "bwd", op, d)
+                out.append(pytest.param(arch, op, d, id=ident, marks=_strict_xfail_marks("bwd_gemms", ident)))
+    return out
+
+
+@pytest.mark.parametrize("arch,op,d", _gemm_params())
+def test_backward_gemms(cuda_results, arch, op, d):
+    """GEMMs per score element of the backward as run by default (deterministic=False): the fused
+    kernel where it runs, else the dQ kernel's plus the dK/dV kernel's interior loops. (The
+    adaptive temperature adds a dbeta pass, S and dP again, on either path: 7 fused, 9 two-kernel;
+    not gated here.)"""
+    rows = cuda_audit.kernel_rows(cuda_results[arch])
+    fused = rows.get(("bwd_fused", op, d, GATED_DTYPE))
+    kernels = [fused] if fused is not None else [rows[(k, op, d, GATED_DTYPE)] for k in ("bwd_dq", "bwd_dkdv")]
+    gemms = sum(cuda_audit.interior(row)["gemms"] for row in kernels)
+    assert gemms <= THRESHOLDS["bwd_gemms"] + 1e-6, f"sm_{arch} backward {op} D={d}: {gemms} GEMMs per score element"
+
+
+if __name__ == "__main__":  # today's table (markdown), from the cached audits
+    import tempfile
+
+    triton_out = Path(tempfile.mkdtemp())
+    (triton_out / "sel.json").write_text(json.dumps([v.to_dict() for v in _triton_variants()]))
+    subprocess.run([sys.executable, "-m", "ssa_flash.audit", "--selection", str(triton_out / "sel.json"), "--out",
+                    str(triton_out), "--cuda", "no", "--quiet", "--jobs", "2"],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    print("| arch | D | op | kernel | CUDA | Triton | ratio | regs | spills |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for arch in ARCHS:
+        tri = json.loads((triton_out / f"audit-sm{arch}.json").read_text())["results"]
+        for r in cuda_audit.versus_triton(cuda_audit.audit(arch, jobs=2), tri, arch):
+            print(f"| sm_{arch} | {r['head_dim']} | {r['op']} | {r['kernel']} | {r['cuda']} | {r['triton']} | "
+                  f"{r['ratio']} | {r['registers']} | {int(r['spills'])} |")
