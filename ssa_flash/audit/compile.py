@@ -7,7 +7,8 @@ that reports the target. Meta tensors have ``data_ptr() == 0``, so pointers are 
 16-byte aligned and unit strides as constants, as in a real launch of contiguous tensors.
 
 Everything that depends on Triton's internals is in :func:`_triton_compile`; it is tested with
-Triton 3.0.0, 3.6.0, 3.7.1 and 3.9.0. The ptxas log (warnings, spills) is captured from Triton where it can print
+Triton 3.0.0, 3.2.0, 3.6.0, 3.7.1 and 3.9.0 (the kernels need 3.2: 3.0 and 3.1 crash on the
+masked forward for sm_90). The ptxas log (warnings, spills) is captured from Triton where it can print
 it (``TRITON_DUMP_PTXAS_LOG``, Triton >= 3.4); otherwise ptxas is run again on the PTX with the same
 target (:func:`ptxas_log`).
 """

@@ -371,7 +371,7 @@ def _mulhilo32(a, m: tl.constexpr, ASM: tl.constexpr, FAST_MATH: tl.constexpr):
         return tl.inline_asm_elementwise(ASM, "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32),
                                          is_pure=True, pack=1)
     else:
-        return tl.umulhi(a, m), tl.mul(a, m, sanitize_overflow=False)
+        return tl.umulhi(a, m), a * m  # uint32: wraps (Triton checks overflow only in debug mode)
 
 
 @triton.jit
@@ -384,8 +384,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1, FAST_MATH: tl.constexpr):
         hi0, lo0 = _mulhilo32(c0, PHILOX_M0, PHILOX_M0_ASM, FAST_MATH)
         hi1, lo1 = _mulhilo32(c2, PHILOX_M1, PHILOX_M1_ASM, FAST_MATH)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = tl.add(k0, PHILOX_W0, sanitize_overflow=False)
-        k1 = tl.add(k1, PHILOX_W1, sanitize_overflow=False)
+        k0 = k0 + PHILOX_W0
+        k1 = k1 + PHILOX_W1
     return c0, c1, c2, c3
 
 
