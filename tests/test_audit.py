@@ -526,7 +526,7 @@ def test_cuda_symbol_description():
     d = cuda.describe_ssa_flash("_ZN9ssa_flash17attn_stats_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
                                 "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
     assert d == {"kernel": "stats", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
-                 "col_split": 1, "ssa": False, "adaptive": False}
+                 "col_split": 1, "ssa": False, "adaptive": False, "prep": False}
     d = cuda.describe_ssa_flash("_ZN9ssa_flash20attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6"
                                 "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")
     assert (d["kernel"], d["dtype"], d["col_split"], d["ssa"], d["adaptive"]) == ("bwd_dkdv", "fp16", 2, True, True)
