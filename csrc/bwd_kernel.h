@@ -426,6 +426,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   constexpr int kQS = kBlockM / 16;
   constexpr int kDQ = kD / (kNWarps / kQS);
   constexpr int kDQC = 16;
+  // sm_70 / sm_75 (copies through registers) at D <= 128: see load_q_stats
+  constexpr bool kSyncCopies = !SSA_FLASH_ASYNC_COPIES && kD <= 128;
   constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
   // dS^T through shared memory to the dK GEMM (and the fused dQ GEMM)
   constexpr bool kStoreDs = kFusedDq || dkdv_stores_ds(kD, SSA_FLASH_ASYNC_COPIES ? kPathSm80 : kPathSm75);
@@ -485,13 +487,24 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   auto load_q_stats = [&](const Src& src, int buf) {
     const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + src.hh * p.q_sh + static_cast<int64_t>(src.mm) * p.q_sm;
     const float* ws = p.rowstat + ((head0 + src.hh) * p.stat_rows + src.mm) * kNStat;
-    // (p.q, p.dout: valid addresses for the zero-filled rows)
-    q_ld.issue(tmap, sQ + buf * kBlockM * kS, q, p.q_sm, p.dim, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
-    if (tid < kStatChunks) cp_async_16(sStat + buf * kNStat * kBlockM + 4 * tid, ws + 4 * tid, true);
+    float* stat = sStat + buf * kNStat * kBlockM;
+    if (kSyncCopies) {
+      // sm_70 / sm_75: copies go through registers, issued where few are free: no per-thread
+      // loader state, statistics one float at a time (with either, ptxas spilled the dK/dV
+      // kernels at D = 96 and 128 there)
+      load_tile<kBlockM, kD, kS, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, 0, p.len_q - src.mm, p.dim, tid);
+#pragma unroll 1
+      for (int i = tid; i < kBlockM * kNStat; i += kNThreads) stat[i] = ws[i];
+    } else {
+      // (p.q: a valid address for the zero-filled rows)
+      q_ld.issue(tmap, sQ + buf * kBlockM * kS, q, p.q_sm, p.dim, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
+      if (tid < kStatChunks) cp_async_16(stat + 4 * tid, ws + 4 * tid, true);
+    }
   };
   auto load_do = [&](const Src& src) {
     const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + src.hh * p.do_sh + static_cast<int64_t>(src.mm) * p.do_sm;
-    do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
+    if (kSyncCopies) load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
+    else do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
   };
 
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);

@@ -114,14 +114,16 @@ template <int D, typename T>
 using DqTraits = KernelTraits<D, dq_block_m(D), dq_block_n(D), dq_warps(D), T>;
 template <int D, typename T>
 using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
-// sm_75 runs the adaptive float16 dK/dV kernels at D = 96 and 128 with two warps per key strip
+// sm_75 runs the float16 dK/dV kernels at D = 96 and 128 with two warps per key strip
 // (kSplit = 2, 8 warps): with one, they spill there (sm_75's m16n8k8 pairs and synchronous
-// copies); launch_impl.h picks this by architecture, and other architectures never run it.
+// copies; 16 to 180 bytes); launch_impl.h picks this by architecture, and other architectures
+// never run it.
 template <int D, typename T>
 using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_block_n(D) / 16 * 2, T, 2>;
 // Warps per key strip of the dK/dV kernel that runs on architecture `arch` (100 major + 10 minor).
 constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
-  return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
+  (void)adaptive;
+  return arch >= 750 && arch < 800 && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
 }
 
 // The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32
