@@ -240,6 +240,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
+  // Interior steps copy the next K / V block through running pointers (TileStream: one pointer
+  // add per 16-byte copy, where load_tile recomputed row * stride products and predicates: about
+  // 4 integer instructions per score element at D = 64), so the block they prefetch must be
+  // inside the keys: the last interior block before a ragged one runs the checked step. Not at
+  // D = 256 (two streams' registers spilled the SSA+adaptive kernel on sm_90a; with 16-key blocks
+  // the copies are a small part of the step there).
+  constexpr bool kAsync = SSA_FLASH_ASYNC_COPIES && kD <= 128;
+  const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
   const T* sQw = sQ + warp * 16 * kS;
   const T* sdOw = sdO + warp * 16 * kS;
 
@@ -253,6 +261,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
     load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
     cp_async_commit();
+    TileStream<kBlockN, kD, kS, kNThreads, T> k_stream, v_stream;  // from block 1 on
+    k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
+    v_stream.init(v, p.v_sm, kBlockN, p.dim_v, tid);
 
     auto step = [&](int j, auto check) {
       constexpr bool kCheck = decltype(check)::value;
@@ -260,8 +271,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       const bool has_next = j + 1 < num_n;
       const T* sKj = sK + (j & 1) * kBlockN * kS;
       if (has_next) {
-        load_tile<kBlockN, kD, kS, kNThreads>(sK + ((j + 1) & 1) * kBlockN * kS, k, p.k_sm,
-                                              n0 + kBlockN, p.len_k, p.dim, tid);
+        T* dst = sK + ((j + 1) & 1) * kBlockN * kS;
+        if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(dst, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+        else k_stream.issue(dst, tid);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -300,7 +312,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
       __syncthreads();  // every warp is done with V_j
       if (has_next) {
-        load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0 + kBlockN, p.len_k, p.dim_v, tid);
+        if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0 + kBlockN, p.len_k, p.dim_v, tid);
+        else v_stream.issue(sV, tid);
         cp_async_commit();
       }
       if (!kAdaptive || pass == 1) {
@@ -311,7 +324,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       __syncthreads();  // every warp is done with K_j
     };
     int j = 0;
-    for (; j < n_full; ++j) step(j, Bool<false>());
+    for (; j < n_int; ++j) step(j, Bool<false>());
     for (; j < num_n; ++j) step(j, Bool<true>());
 
     if (kAdaptive && pass == 0) {
@@ -370,255 +383,28 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 }
 
 // ------------------------------------------------------------------------------------------
-// dK/dV kernel. Each warp owns 16 keys (at D = 256 two warps share them, each accumulating half
-// of the dK/dV columns, see traits.h); scores are computed transposed (S^T = K Q^T, keys x
-// queries) so that P^T and dS^T are A operands straight from registers. Query-row statistics
-// are copied from the workspace to shared memory per query tile. Steps t run over (group head,
-// query block);
-// pipeline per step (Q double-buffered, dO single):
-//   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T | dV += P^T dO_t | issue dO_{t+1} |
-//   dK += dS^T Q_t
-template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
-  using T = typename Tr::Elem;
-  constexpr int kBlockM = Tr::kBlockM;  // queries per step
-  constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
-  constexpr int kD = Tr::kHeadDim;
-  constexpr int kS = Tr::kStride;
-  constexpr int kNThreads = Tr::kNThreads;
-  constexpr int kMT = kBlockM / 8;
-  constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
-  constexpr int kDC = kD / kSplit;
-  constexpr int kDT = kDC / 8;
-  constexpr int kNStat = dkdv_stat_count(kAdaptive);
-  static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
-
-#if defined(__CUDA_ARCH__)
-  // (each architecture runs one strip split per variant, traits.h dkdv_split_for)
-  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
-    __trap();
-  } else {
-#endif
-  extern __shared__ uint4 smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + kBlockN * kS;
-  T* sQ = sV + kBlockN * kS;  // two buffers
-  T* sdO = sQ + 2 * kBlockM * kS;
-  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kNStat][kBlockM]
-
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int n_block = blockIdx.x;
-  const int hk = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int n0 = n_block * kBlockN;
-
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
-
-  // Under causal, query blocks before this key block never see it.
-  const int m_first = p.causal ? (n0 / kBlockM) * kBlockM : 0;
-  const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
-  const int num_t = tiles_per_head * p.group;
-
-  // Issues the loads of step t: Q (cp.async, caller commits), optionally dO, and the row stats
-  // (plain loads into shared memory, visible after the next barrier).
-  auto step_head = [&](int t) { return hk * p.group + t / tiles_per_head; };
-  auto step_m0 = [&](int t) { return m_first + (t % tiles_per_head) * kBlockM; };
-  auto load_q = [&](int t, int buf) {
-    const int hh = step_head(t);
-    const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + hh * p.q_sh;
-    load_tile<kBlockM, kD, kS, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, step_m0(t), p.len_q,
-                                          p.dim, tid);
-  };
-  auto load_do = [&](int t) {
-    const int hh = step_head(t);
-    const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + hh * p.do_sh;
-    load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, step_m0(t), p.len_q, p.dim_v, tid);
-  };
-  auto load_stats = [&](int t, int buf) {
-    // the workspace's rows of the step, transposed to [stat][row] (rows past len_q hold zeros)
-    const float* src = p.rowstat + ((static_cast<int64_t>(bb) * p.heads + step_head(t)) * p.stat_rows + step_m0(t)) * kNStat;
-    float* dst = sStat + buf * kNStat * kBlockM;
-    for (int i = tid; i < kBlockM; i += kNThreads) {
-      if (SSA_FLASH_ASYNC_COPIES) {
-#pragma unroll
-        for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
-      } else {
-        // sm_70 / sm_75: issued between the GEMMs of a step, when few registers are free (six
-        // loads in flight made the adaptive kernels spill on sm_70 at D = 128 and 256)
-#pragma unroll 1
-        for (int st = 0; st < kNStat; ++st) dst[st * kBlockM + i] = src[i * kNStat + st];
-      }
-    }
-  };
-
-  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
-  load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
-  if (num_t > 0) {
-    load_q(0, 0);
-    load_do(0);
-    load_stats(0, 0);
-  }
-  cp_async_commit();
-
-  float dk_acc[1][kDT][4], dv_acc[1][kDT][4];
-  zero(dk_acc);
-  zero(dv_acc);
-  const int strip = warp / kSplit;
-  const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
-  const T* sKw = sK + strip * 16 * kS;
-  const T* sVw = sV + strip * 16 * kS;
-  T* scratch = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM) + warp * gemm_rn_scratch_elems<1, kBlockM>();
-  const int c_lo = n0 + strip * 16 + Frag::row(lane);  // this thread's two key rows
-  const int c_hi = c_lo + Frag::kHi;
-
-  auto step = [&](int t, auto check) {
-    constexpr bool kCheck = decltype(check)::value;
-    const int buf = t & 1;
-    const bool has_next = t + 1 < num_t;
-    if (SSA_FLASH_ASYNC_COPIES && has_next) {
-      load_q(t + 1, buf ^ 1);
-      cp_async_commit();
-      load_stats(t + 1, buf ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
-
-    const int hh = step_head(t);
-    const int mm = step_m0(t);
-    const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
-    const T* sQt = sQ + buf * kBlockM * kS;
-    const float* stat = sStat + buf * kNStat * kBlockM;
-
-    float s[1][kMT][4], dp[1][kMT][4];
-    zero(s);
-    zero(dp);
-    gemm_nt<T, 1, kBlockM, kD, kS, kS>(s, sKw, sQt, lane);   // S^T = K Q^T
-    gemm_nt<T, 1, kBlockM, kD, kS, kS>(dp, sVw, sdO, lane);  // dP^T = V dO^T
-
-    // Elementwise, then dV += P^T dO, per 16-query chunk kk: each chunk's scores die before the
-    // next chunk's are processed (with all of them live, ptxas interleaved the elementwise code
-    // with the dV GEMM and the adaptive variants spilled on sm_70 / sm_75).
-    float db_unused = 0.0f, dn_unused = 0.0f;
-    uint32_t da[1][kBlockM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-      for (int mt = 2 * kk; mt < 2 * kk + 2; ++mt) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int lq = Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-          RowStats r;
-          r.lse2 = stat[kLse * kBlockM + lq];
-          r.delta = stat[kDelta * kBlockM + lq];
-          if (kAdaptive) {
-            r.beta = stat[kBeta * kBlockM + lq];
-            r.lse_l2 = stat[kLseL * kBlockM + lq];
-            r.ent = stat[kEnt * kBlockM + lq];
-            r.g = stat[kG * kBlockM + lq];
-          } else {
-            r.beta = 1.0f;
-            r.lse_l2 = r.ent = r.g = 0.0f;
-          }
-#pragma unroll
-          for (int hi = 0; hi < 2; ++hi) {
-            const int i = c + 2 * hi;
-            float pp;
-            dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
-                                                               hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
-            s[0][mt][i] = pp;
-          }
-        }
-      }
-      uint32_t pa[1][1][4];
-      pa[0][0][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
-      pa[0][0][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
-      pa[0][0][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-      pa[0][0][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-      da[0][kk][0] = pack2<T>(dp[0][2 * kk][0], dp[0][2 * kk][1]);
-      da[0][kk][1] = pack2<T>(dp[0][2 * kk][2], dp[0][2 * kk][3]);
-      da[0][kk][2] = pack2<T>(dp[0][2 * kk + 1][0], dp[0][2 * kk + 1][1]);
-      da[0][kk][3] = pack2<T>(dp[0][2 * kk + 1][2], dp[0][2 * kk + 1][3]);
-      gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
-    }
-
-    __syncthreads();  // every warp is done with dO_t
-    if (SSA_FLASH_ASYNC_COPIES && has_next) {
-      load_do(t + 1);
-      cp_async_commit();
-    }
-    gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
-    __syncthreads();  // every warp is done with Q_t and stats_t
-    if (!SSA_FLASH_ASYNC_COPIES && has_next) {
-      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
-      load_q(t + 1, buf ^ 1);
-      load_stats(t + 1, buf ^ 1);
-      load_do(t + 1);
-      cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
-    }
-  };
-  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
-  // ragged key block every step needs the checks.
-  const bool all_checked = p.mask_kind != kMaskNone || n0 + kBlockN > p.len_k;
-  const int n_diag = all_checked ? tiles_per_head
-                                 : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
-                                            : 0;
-  for (int head = 0; head < p.group; ++head) {
-    const int t0 = head * tiles_per_head;
-    int i = 0;
-    for (; i < n_diag; ++i) step(t0 + i, Bool<true>());
-    for (; i < tiles_per_head; ++i) step(t0 + i, Bool<false>());
-  }
-  cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
-
-  T* dk = static_cast<T*>(p.dk) + bb * p.dk_sb + hk * p.dk_sh;
-  T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) {
-    const int col = col0 + Frag::col(lane, dt);
-    if (col < p.dim) {
-      if (c_lo < p.len_k)
-        *reinterpret_cast<uint32_t*>(dk + c_lo * p.dk_sm + col) =
-            pack2<T>(dk_acc[0][dt][0] * p.scale, dk_acc[0][dt][1] * p.scale);
-      if (c_hi < p.len_k)
-        *reinterpret_cast<uint32_t*>(dk + c_hi * p.dk_sm + col) =
-            pack2<T>(dk_acc[0][dt][2] * p.scale, dk_acc[0][dt][3] * p.scale);
-    }
-    if (col < p.dim_v) {
-      if (c_lo < p.len_k)
-        *reinterpret_cast<uint32_t*>(dv + c_lo * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][0], dv_acc[0][dt][1]);
-      if (c_hi < p.len_k)
-        *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][2], dv_acc[0][dt][3]);
-    }
-  }
-#if defined(__CUDA_ARCH__)
-  }
-#endif
-}
-
-// ------------------------------------------------------------------------------------------
-// Fused backward (FlashAttention-2's five GEMMs per tile: S, dP, dV, dK, dQ), after the
-// pre-pass of the dQ kernel (kPrep: the row statistics, and the adaptive g). The dK/dV kernel's
-// layout: one CTA per key block of a key/value head, each warp owning 16 keys, scores computed
+// The key-block kernels: the dK/dV kernel of the two-kernel backward, and the fused backward
+// (FlashAttention-2's five GEMMs per tile: S, dP, dV, dK, dQ) after the pre-pass of the dQ kernel
+// (kPrep: the row statistics, and the adaptive g). One body, kFusedDq the difference.
+// One CTA per key block of a key/value head, each warp owning 16 keys (at D = 256 two warps
+// share them, each accumulating half of the dK/dV columns, see traits.h); scores computed
 // transposed (S^T = K Q^T, keys x queries) so that P^T and dS^T are A operands from registers;
-// steps over (group head, query block). Each step also stores dS^T to shared memory, and after
-// the barrier that follows the dV GEMMs every warp computes a 16-query x (D / column groups) part
-// of dQ_t = dS K_j (dS read transposed by load_frag_t, K from the tile this CTA holds), added with
-// fp32 atomics to p.dq_accum (padded to whole tiles, so without bounds checks; the binding scales
-// and converts it). dK += dS^T Q reads dS^T back from shared memory too (fewer live registers).
-// The order of the atomic adds across key blocks is the hardware's, so the fused path is not
-// bitwise reproducible: deterministic backwards run the two-kernel path. Where the fused kernel
-// runs (traits.h, bwd_fused_for: softmax logits, D <= 64) is set by register spills.
+// steps over (group head, query block), each step's Q and dO tiles and rows of the statistics
+// workspace copied through precomputed per-thread offsets (TileLoader, 16-byte cp.async).
+// kFusedDq: each step also stores dS^T to shared memory, and after the barrier that follows the
+// dV GEMMs every warp computes a 16-query x (D / column groups) part of dQ_t = dS K_j (dS read
+// transposed by load_frag_t, K from the tile this CTA holds), added with fp32 atomics to
+// p.dq_accum (padded to whole tiles, so without bounds checks; the binding scales and converts
+// it); dK += dS^T Q reads dS^T back from shared memory too (fewer live registers). The order of
+// the atomic adds across key blocks is the hardware's, so the fused path is not bitwise
+// reproducible: deterministic backwards run the two-kernel path. Where the fused kernel runs
+// (traits.h, bwd_fused_for: softmax logits, D <= 64) is set by register spills.
 //
 // Pipeline per step (Q and the statistics double-buffered, dO single):
-//   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T per 16 queries, dV += P^T dO_t,
-//   dS^T to shared | issue dO_{t+1} | dK += dS^T Q_t, dQ_t = dS K (atomics)
-template <typename Tr, bool kSSA, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const BwdParams p) {
+//   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T, dV += P^T dO_t (kFusedDq: dS^T to
+//   shared) | issue dO_{t+1} | dK += dS^T Q_t (kFusedDq: dQ_t = dS K, atomics)
+template <typename Tr, bool kSSA, bool kAdaptive, bool kFusedDq>
+SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;  // queries per step
   constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
@@ -626,7 +412,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   constexpr int kS = Tr::kStride;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kNWarps = Tr::kNWarps;
-  constexpr int kQC = 16;  // queries per score GEMM (see the step)
+  // queries per score GEMM (see the step): 16 in the fused kernel (its dQ registers), else all
+  constexpr int kQC = kFusedDq ? 16 : kBlockM;
   constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
   constexpr int kDC = kD / kSplit;
   constexpr int kDT = kDC / 8;
@@ -639,16 +426,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   constexpr int kQS = kBlockM / 16;
   constexpr int kDQ = kD / (kNWarps / kQS);
   constexpr int kDQC = 16;
+  // sm_70 / sm_75 (copies through registers) at D <= 128: see load_q_stats
+  constexpr bool kSyncCopies = !SSA_FLASH_ASYNC_COPIES && kD <= 128;
   constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
-  static_assert(kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0, "fused dQ split");
+  // dS^T through shared memory to the dK GEMM (and the fused dQ GEMM)
+  constexpr bool kStoreDs = kFusedDq || dkdv_stores_ds(kD, SSA_FLASH_ASYNC_COPIES ? kPathSm80 : kPathSm75);
+  static_assert(!kFusedDq || (kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0), "fused dQ split");
   // SSA runs the two-kernel path, whose dQ kernel sums db / dn (traits.h, bwd_fused_for)
-  static_assert(!kSSA, "no fused SSA backward");
+  static_assert(!(kSSA && kFusedDq), "no fused SSA backward");
 
 #if defined(__CUDA_ARCH__)
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
   // kernel only where bwd_fused_for says)
   if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
-      !bwd_fused_for(kD, kSSA, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__)) {
+      (kFusedDq && !bwd_fused_for(kD, kSSA, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))) {
     __trap();
   } else {
 #endif
@@ -658,7 +449,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   T* sQ = sV + kBlockN * kS;  // two buffers
   T* sdO = sQ + 2 * kBlockM * kS;
   float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kBlockM][kNStat]
-  // dS^T [kBlockN][kSdS], then (sm_70) the gemm_rn scratch
+  // kStoreDs: dS^T [kBlockN][kSdS]; then (sm_70) the gemm_rn scratch
   T* sdS = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM);
 
   const int tid = threadIdx.x;
@@ -681,33 +472,39 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   TileMap<kBlockM, kD, kS, kNThreads> tmap;
   tmap.init(tid);
   TileLoader<kBlockM, kD, kS, kNThreads, T> q_ld, do_ld;
-  q_ld.init(tmap, p.q_sm, p.dim);
-  do_ld.init(tmap, p.do_sm, p.dim_v);
-  // Where the copies of a step come from: its Q and dO tiles, its rows of the statistics
-  // workspace (whole rows, always inside the workspace), and its first query. These are the same
-  // for every thread (ptxas computes them on the uniform datapath); the threads add their offsets
-  // when they copy.
+  q_ld.init(tmap, p.q_sm);
+  do_ld.init(tmap, p.do_sm);
+  // Where the copies of a step come from: its head and first query; the addresses of its Q and dO
+  // tiles and of its rows of the statistics workspace (whole rows, always inside the workspace)
+  // are formed where they are issued (the same for every thread: ptxas computes them on the
+  // uniform datapath; the threads add their offsets when they copy). Keeping the next step's
+  // three pointers live through a step spilled the dK/dV kernel at D = 128.
   struct Src {
-    const T* q;
-    const T* dout;
-    const float* ws;
+    int hh;
     int mm;
   };
-  auto src_at = [&](int hh, int mm) {
-    Src s;
-    s.q = static_cast<const T*>(p.q) + bb * p.q_sb + hh * p.q_sh + static_cast<int64_t>(mm) * p.q_sm;
-    s.dout = static_cast<const T*>(p.dout) + bb * p.do_sb + hh * p.do_sh + static_cast<int64_t>(mm) * p.do_sm;
-    s.ws = p.rowstat + ((head0 + hh) * p.stat_rows + mm) * kNStat;
-    s.mm = mm;
-    return s;
-  };
+  auto src_at = [&](int hh, int mm) { return Src{hh, mm}; };
   auto load_q_stats = [&](const Src& src, int buf) {
-    // (p.q, p.dout: valid addresses for the zero-filled rows)
-    q_ld.issue(tmap, sQ + buf * kBlockM * kS, src.q, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
-    if (tid < kStatChunks) cp_async_16(sStat + buf * kNStat * kBlockM + 4 * tid, src.ws + 4 * tid, true);
+    const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + src.hh * p.q_sh + static_cast<int64_t>(src.mm) * p.q_sm;
+    const float* ws = p.rowstat + ((head0 + src.hh) * p.stat_rows + src.mm) * kNStat;
+    float* stat = sStat + buf * kNStat * kBlockM;
+    if (kSyncCopies) {
+      // sm_70 / sm_75: copies go through registers, issued where few are free: no per-thread
+      // loader state, statistics one float at a time (with either, ptxas spilled the dK/dV
+      // kernels at D = 96 and 128 there)
+      load_tile<kBlockM, kD, kS, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, 0, p.len_q - src.mm, p.dim, tid);
+#pragma unroll 1
+      for (int i = tid; i < kBlockM * kNStat; i += kNThreads) stat[i] = ws[i];
+    } else {
+      // (p.q: a valid address for the zero-filled rows)
+      q_ld.issue(tmap, sQ + buf * kBlockM * kS, q, p.q_sm, p.dim, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
+      if (tid < kStatChunks) cp_async_16(stat + 4 * tid, ws + 4 * tid, true);
+    }
   };
   auto load_do = [&](const Src& src) {
-    do_ld.issue(tmap, sdO, src.dout, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
+    const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + src.hh * p.do_sh + static_cast<int64_t>(src.mm) * p.do_sm;
+    if (kSyncCopies) load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
+    else do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
   };
 
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
@@ -726,9 +523,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
   const T* sKw = sK + strip * 16 * kS;
   const T* sVw = sV + strip * 16 * kS;
-  T* scratch = sdS + kBlockN * kSdS + warp * gemm_rn_scratch_elems<1, (kBlockN > kBlockM ? kBlockN : kBlockM)>();
-  const int c_lo = n0 + strip * 16 + Frag::row(lane);  // this thread's two key rows
-  const int c_hi = c_lo + Frag::kHi;
+  T* scratch = kStoreDs ? sdS + kBlockN * kSdS + warp * gemm_rn_scratch_elems<1, (kBlockN > kBlockM ? kBlockN : kBlockM)>()
+                        : sdS + warp * gemm_rn_scratch_elems<1, kBlockM>();
+  // this thread's two key rows (recomputed where used: kept live, they spilled at D = 128)
+  auto key_lo = [&]() { return n0 + strip * 16 + Frag::row(lane); };
   const int dq_strip = warp % kQS, dq_col0 = (warp / kQS) * kDQ;  // this warp's part of dQ
   // this thread's first dQ accumulator element of a step, from the step's first row
   const int dq_off = (dq_strip * 16 + Frag::row(lane)) * kD + dq_col0 + Frag::col(lane, 0);
@@ -793,7 +591,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
               const int i = c + 2 * hi;
               float pp;
               dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
-                                                                 hi ? c_hi : c_lo, r, pp, db_unused, dn_unused);
+                                                                 key_lo() + hi * Frag::kHi, r, pp, db_unused, dn_unused);
               s[0][mt][i] = pp;
             }
           }
@@ -807,7 +605,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
         da[0][kk][1] = pack2<T>(dp[0][2 * kc][2], dp[0][2 * kc][3]);
         da[0][kk][2] = pack2<T>(dp[0][2 * kc + 1][0], dp[0][2 * kc + 1][1]);
         da[0][kk][3] = pack2<T>(dp[0][2 * kc + 1][2], dp[0][2 * kc + 1][3]);
-        if (warp % kSplit == 0) {
+        if (kStoreDs && warp % kSplit == 0) {
           // dS^T for the dQ GEMM: rows = keys of this strip, columns = queries (pairs of adjacent
           // queries per register, the accumulator layout)
           T* row_lo = sdS + (strip * 16 + Frag::row(lane)) * kSdS;
@@ -826,11 +624,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
       load_do(next);
       cp_async_commit();
     }
-    // dS^T is in shared memory anyway: read it back rather than keep its registers live through
-    // the elementwise work
-    load_frag<T, kBlockM, kSdS>(da[0], sdS + strip * 16 * kSdS, lane);
+    // kStoreDs: dS^T is in shared memory anyway: read it back rather than keep its registers
+    // live through the elementwise work
+    if (kStoreDs) load_frag<T, kBlockM, kSdS>(da[0], sdS + strip * 16 * kSdS, lane);
     gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
-    {
+    if (kFusedDq) {
       // dQ_t (this warp's strip and columns) += dS K_j, added to the fp32 accumulator
       uint32_t dsa[1][kBlockN / 16][4];
       load_frag_t<T, kBlockN, kSdS>(dsa[0], sdS + dq_strip * 16, lane);
@@ -848,7 +646,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
         }
       }
     }
-    __syncthreads();  // every warp is done with Q_t, stats_t and dS^T
+    __syncthreads();  // every warp is done with Q_t, stats_t (and dS^T)
     if (!SSA_FLASH_ASYNC_COPIES && has_next) {
       // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
       load_q_stats(next, buf ^ 1);
@@ -868,12 +666,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   // steps then always prefetch the same head's next block, and only a checked step switches to
   // the next head's sources.
   const int m_last = m_first + (tiles_per_head - 1) * kBlockM;
-  const int m_diag = m_first + n_diag * kBlockM;
   int buf = 0;
   for (int head = 0; head < p.group; ++head) {
+    const int m_diag = m_first + n_diag * kBlockM;  // (here: live across the loop, it spilled)
     const int hh = hk * p.group + head;
     const bool last_head = head + 1 == p.group;
-    float* dq = p.dq_accum + ((head0 + hh) * p.stat_rows + m_first) * kD;  // (uniform)
+    float* dq = kFusedDq ? p.dq_accum + ((head0 + hh) * p.stat_rows + m_first) * kD : nullptr;  // (uniform)
     const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
     auto run = [&](auto check, int mm) {
       constexpr bool kCheck = decltype(check)::value;
@@ -882,7 +680,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
                                 : src_at(hh, mm + kBlockM);
       step(check, ctx, mm, buf, !(head_end && last_head), next, dq);
       buf ^= 1;
-      dq += kBlockM * kD;
+      if (kFusedDq) dq += kBlockM * kD;
     };
     int mm = m_first;
     for (int pass = 0; pass < 2; ++pass) {
@@ -894,6 +692,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
 
+  const int c_lo = key_lo(), c_hi = c_lo + Frag::kHi;
   T* dk = static_cast<T*>(p.dk) + bb * p.dk_sb + hk * p.dk_sh;
   T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
 #pragma unroll
@@ -917,6 +716,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const 
 #if defined(__CUDA_ARCH__)
   }
 #endif
+}
+
+// dK/dV of the two-kernel backward (after attn_bwd_dq_kernel)
+template <typename Tr, bool kSSA, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
+  bwd_key_block<Tr, kSSA, kAdaptive, false>(p);
+}
+
+// dK, dV and dQ (fp32 atomics) of the fused backward (after attn_bwd_dq_kernel's pre-pass)
+template <typename Tr, bool kSSA, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const BwdParams p) {
+  bwd_key_block<Tr, kSSA, kAdaptive, true>(p);
 }
 
 }  // namespace ssa_flash

@@ -145,7 +145,8 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
       using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
       const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75);
-      auto kernel = ssa ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, false, true>;
+      auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
+                        : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
       return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }

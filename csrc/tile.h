@@ -141,26 +141,23 @@ struct TileMap {
 template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
 struct TileLoader {
   using Map = TileMap<kRows, kHeadDim, kStride, kNThreads>;
-  int off;       // even: the thread's first chunk from the tile's first row, elements; else 0
-  int row_step;  // even: kStep rows, elements; else the row stride
-  int cols;      // the columns copied
+  // even: the thread's first chunk from the tile's first row, elements; else 0. The only
+  // per-thread state: the row step and the column bound are passed to each issue (the kernel's
+  // strides: uniform registers), which keeps the register count of the kernels at D >= 96 down.
+  int off;
 
-  SSA_DEVICE void init(const Map& m, int64_t stride, int cols_) {
-    cols = cols_;
-    if constexpr (Map::kEven) {
-      off = m.r0 * static_cast<int>(stride) + m.col;
-      row_step = Map::kStep * static_cast<int>(stride);
-    } else {
-      off = 0;
-      row_step = static_cast<int>(stride);
-    }
+  SSA_DEVICE void init(const Map& m, int64_t stride) {
+    off = Map::kEven ? m.r0 * static_cast<int>(stride) + m.col : 0;
   }
 
-  // Copies rows [0, kRows) of the tile that starts at `tile` (rows >= rows_left are past the
-  // matrix's end: zero-filled, "read" from `valid`, any valid address).
-  SSA_DEVICE void issue(const Map& m, T* smem, const T* tile, const T* valid, int rows_left, int tid) const {
+  // Copies rows [0, kRows) of the tile that starts at `tile` (row stride `stride`; columns >= cols
+  // and rows >= rows_left, past the matrix's end, are zero-filled, "read" from `valid`, any valid
+  // address).
+  SSA_DEVICE void issue(const Map& m, T* smem, const T* tile, int64_t stride, int cols, const T* valid, int rows_left,
+                        int tid) const {
     if constexpr (Map::kEven) {
       const bool col_ok = m.col < cols;
+      const int row_step = Map::kStep * static_cast<int>(stride);
       const T* src = tile + off;
 #pragma unroll
       for (int it = 0; it < kRows / Map::kStep; ++it) {
@@ -170,7 +167,7 @@ struct TileLoader {
       }
     } else {
       (void)valid;
-      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, tile, row_step, 0, rows_left, cols, tid);
+      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, tile, stride, 0, rows_left, cols, tid);
     }
   }
 };

@@ -79,9 +79,15 @@ constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
 // a multiple of every query tile (dQ kernel 64 or 32, dK/dV kernel 32), so that whole tiles are
 // copied and added without bounds checks.
 constexpr int bwd_stat_rows(int len_q) { return (len_q + 63) / 64 * 64; }
+// Whether the dK/dV kernel passes dS^T to its dK GEMM through shared memory (as the fused kernel
+// does) rather than registers: above D = 64 on sm_80+, where the 8 registers it frees per thread
+// keep ptxas from spilling (the dK / dV accumulators take 2 D / 4 registers; sm_75's 64 KiB do
+// not hold the extra tile at D = 128).
+constexpr bool dkdv_stores_ds(int d, int path) { return d > 64 && path == kPathSm80; }
 constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
          2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
+         (dkdv_stores_ds(d, path) ? dkdv_block_n(d) * (dkdv_block_m(d) + 8) * elem_bytes : 0) +
          (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
 }
 
@@ -108,14 +114,16 @@ template <int D, typename T>
 using DqTraits = KernelTraits<D, dq_block_m(D), dq_block_n(D), dq_warps(D), T>;
 template <int D, typename T>
 using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(D), T, dkdv_col_split(D)>;
-// sm_75 runs the adaptive float16 dK/dV kernels at D = 96 and 128 with two warps per key strip
+// sm_75 runs the float16 dK/dV kernels at D = 96 and 128 with two warps per key strip
 // (kSplit = 2, 8 warps): with one, they spill there (sm_75's m16n8k8 pairs and synchronous
-// copies); launch_impl.h picks this by architecture, and other architectures never run it.
+// copies; 16 to 180 bytes); launch_impl.h picks this by architecture, and other architectures
+// never run it.
 template <int D, typename T>
 using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_block_n(D) / 16 * 2, T, 2>;
 // Warps per key strip of the dK/dV kernel that runs on architecture `arch` (100 major + 10 minor).
 constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
-  return arch >= 750 && arch < 800 && adaptive && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
+  (void)adaptive;
+  return arch >= 750 && arch < 800 && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
 }
 
 // The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32

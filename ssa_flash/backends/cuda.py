@@ -317,6 +317,7 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     kv_n, kv_m = (64 if d <= 128 else 32), 32
     kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
     dkdv = ((2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+            + (kv_n * (kv_m + 8) * 2 if d > 64 and path == 2 else 0)  # dS^T (dkdv_stores_ds)
             + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
     return max(fwd, dq, dkdv)
 
