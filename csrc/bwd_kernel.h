@@ -1,7 +1,7 @@
 // Backward kernels (DESIGN.md 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
 // BwdPlan):
 //
-// Two kernels, no atomics (bitwise reproducible; deterministic=True, SSA, head dims above 64):
+// Two kernels, no atomics (bitwise reproducible; deterministic=True, head dims above 64):
 // 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
 //    rowsum(dO * O) - dlse and the adaptive-temperature row gradient g (into the row-statistics
 //    workspace), dQ, and per-block partial sums of db, dn (reduced in a fixed order on the host
@@ -10,9 +10,10 @@
 //    head: dK, dV, looping over the query heads of its GQA group and their query blocks.
 // Seven GEMMs per tile (S, dP, dQ; S^T, dP^T, dV, dK), nine with the adaptive temperature.
 //
-// Fused (deterministic=False, softmax logits, D <= 64): the dQ kernel as a pre-pass (kPrep: the
-// row statistics, and with the adaptive temperature g, whose dbeta needs whole rows), then
-// attn_bwd_fused_kernel: FlashAttention-2's five GEMMs per tile, dQ added with fp32 atomics.
+// Fused (deterministic=False, D <= 64; traits.h, bwd_fused_for): the dQ kernel as a pre-pass
+// (kPrep: the row statistics, and with the adaptive temperature g, whose dbeta needs whole rows),
+// then attn_bwd_fused_kernel: FlashAttention-2's five GEMMs per tile, dQ added with fp32
+// atomics, SSA's db / dn as per-(key block, warp) partial sums.
 //
 // Per tile, with S' = beta * l and P' = softmax(S') the output weights (base-2 units inside):
 //     dS'  = P' * (dO V^T - delta)
@@ -398,7 +399,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 // it); dK += dS^T Q reads dS^T back from shared memory too (fewer live registers). The order of
 // the atomic adds across key blocks is the hardware's, so the fused path is not bitwise
 // reproducible: deterministic backwards run the two-kernel path. Where the fused kernel runs
-// (traits.h, bwd_fused_for: softmax logits, D <= 64) is set by register spills.
+// (traits.h, bwd_fused_for: D <= 64) is set by register spills. With SSA logits each warp sums
+// db / dn over a head's steps and writes one partial per (head, key block, warp).
 //
 // Pipeline per step (Q and the statistics double-buffered, dO single):
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T, dV += P^T dO_t (kFusedDq: dS^T to
@@ -432,8 +434,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // dS^T through shared memory to the dK GEMM (and the fused dQ GEMM)
   constexpr bool kStoreDs = kFusedDq || dkdv_stores_ds(kD, SSA_FLASH_ASYNC_COPIES ? kPathSm80 : kPathSm75);
   static_assert(!kFusedDq || (kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0), "fused dQ split");
-  // SSA runs the two-kernel path, whose dQ kernel sums db / dn (traits.h, bwd_fused_for)
-  static_assert(!(kSSA && kFusedDq), "no fused SSA backward");
+  // the fused SSA kernel sums db / dn per warp: each score must belong to one warp
+  static_assert(!(kSSA && kFusedDq) || kSplit == 1, "fused SSA backward: one warp per key strip");
 
 #if defined(__CUDA_ARCH__)
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
@@ -531,6 +533,10 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // this thread's first dQ accumulator element of a step, from the step's first row
   const int dq_off = (dq_strip * 16 + Frag::row(lane)) * kD + dq_col0 + Frag::col(lane, 0);
 
+  // SSA: this warp's sums for db / dn over the current head's steps (the fused kernel writes them
+  // per head, see below; in the dK/dV kernel the dQ kernel sums them and these are dead)
+  float db_acc = 0.0f, dn_acc = 0.0f;
+
   // One step: query rows [mm, mm + kBlockM) of the head whose logit context is ctx, from buffer buf; `next` the next step's
   // sources, if has_next; dq the step's first row of the dQ accumulator.
   auto step = [&](auto check, const LogitCtx& ctx, int mm, int buf, bool has_next, const Src& next, float* dq) {
@@ -553,7 +559,6 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     // the dV GEMM and the adaptive variants spilled on sm_70 / sm_75). Above D = 64 the chunks
     // are 16 queries (the K and V fragments are read once per chunk, 16 more ldmatrix per step,
     // but 16 fewer score registers: the fused kernel spilled at D = 128 otherwise).
-    float db_unused = 0.0f, dn_unused = 0.0f;
     uint32_t da[1][kBlockM / 16][4];
 #pragma unroll
     for (int q0 = 0; q0 < kBlockM; q0 += kQC) {
@@ -591,7 +596,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
               const int i = c + 2 * hi;
               float pp;
               dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
-                                                                 key_lo() + hi * Frag::kHi, r, pp, db_unused, dn_unused);
+                                                                 key_lo() + hi * Frag::kHi, r, pp, db_acc, dn_acc);
               s[0][mt][i] = pp;
             }
           }
@@ -688,6 +693,20 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       for (; mm < checked_end; mm += kBlockM) run(Bool<true>(), mm);
       if (pass == 0)
         for (; mm < m_last; mm += kBlockM) run(Bool<false>(), mm);
+    }
+    if (kSSA && kFusedDq) {
+      // db / dn partials of this head: one per (key block, warp), summed by the binding (every
+      // entry written, zero when the head had no step here)
+      // (indices from the special registers again: kept live from the prologue, they spilled)
+      const float db = warp_sum(db_acc), dn = warp_sum(dn_acc);
+      const int t = threadIdx.x;
+      if ((t & 31) == 0) {
+        const int64_t bh = static_cast<int64_t>(blockIdx.z) * p.heads + hh;
+        const int64_t idx = (bh * gridDim.x + blockIdx.x) * kNWarps + (t >> 5);
+        p.db_part[idx] = db * (ctx.n * p.scale);
+        p.dn_part[idx] = dn * kLn2;
+      }
+      db_acc = dn_acc = 0.0f;
     }
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)

@@ -113,20 +113,22 @@ template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
   if constexpr (D <= 64) {
-    if (plan.fused) {  // (never SSA, traits.h)
+    if (plan.fused) {
       {
         // pre-pass: delta (and the adaptive g)
         using Tr = DqTraits<D, T>;
         const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
         const int smem = bwd_prep_smem_bytes(D, sizeof(T), adaptive, path);
-        auto kernel = adaptive ? attn_bwd_dq_kernel<Tr, false, true, true> : attn_bwd_dq_kernel<Tr, false, false, true>;
+        auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true, true> : attn_bwd_dq_kernel<Tr, true, false, true>)
+                          : (adaptive ? attn_bwd_dq_kernel<Tr, false, true, true> : attn_bwd_dq_kernel<Tr, false, false, true>);
         std::string err = launch<T>(kernel, "attn_bwd_dq_kernel (pre-pass)", grid, Tr::kNThreads, smem, stream, p);
         if (!err.empty()) return err;
       }
       using Tr = FusedTraits<D, T>;
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
       const int smem = bwd_fused_smem_bytes(D, sizeof(T), adaptive, path);
-      auto kernel = adaptive ? attn_bwd_fused_kernel<Tr, false, true> : attn_bwd_fused_kernel<Tr, false, false>;
+      auto kernel = ssa ? (adaptive ? attn_bwd_fused_kernel<Tr, true, true> : attn_bwd_fused_kernel<Tr, true, false>)
+                        : (adaptive ? attn_bwd_fused_kernel<Tr, false, true> : attn_bwd_fused_kernel<Tr, false, false>);
       return launch<T>(kernel, "attn_bwd_fused_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }
@@ -167,8 +169,10 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adapti
   const bool known = device_info(arch, max_optin).empty();
   BwdPlan plan;
   plan.fused = !deterministic && known && bwd_fused_for(d, ssa, adaptive, ElemInfo<T>::kIsBF16, arch);
-  const int block = plan.fused ? dkdv_block_n(d) : dq_block_m(d);
-  plan.num_partials = ((plan.fused ? len_k : len_q) + block - 1) / block;
+  // SSA db / dn partials: per query block of the dQ kernel, or per (key block, warp) of the
+  // fused kernel
+  plan.num_partials = plan.fused ? (len_k + dkdv_block_n(d) - 1) / dkdv_block_n(d) * dkdv_warps(d)
+                                 : (len_q + dq_block_m(d) - 1) / dq_block_m(d);
   plan.stat_rows = bwd_stat_rows(len_q);
   plan.stat_count = dkdv_stat_count(adaptive);
   plan.accum_cols = d;

@@ -75,7 +75,7 @@ struct BwdParams : AttnShape {
   float* rowstat;
   int stat_rows;          // bwd_stat_rows(len_q) (traits.h)
   // SSA: partial sums of db, dn, (B, H, num_partials): per query block of the dQ kernel, or per
-  // key block of the fused kernel (launch.h, BwdPlan)
+  // (key block, warp) of the fused kernel (launch.h, BwdPlan)
   float* db_part;
   float* dn_part;
   // fused backward only: (B, H, stat_rows, padded head dim) float32, zero on entry; receives

@@ -21,18 +21,7 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
                           int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kTotal = kRows * kChunks;
-  if constexpr (kInRange && kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
-    constexpr int kStep = kNThreads / kChunks;
-    const int r0 = tid / kChunks;
-    const int col = (tid % kChunks) * 8;
-    T* dst = smem + r0 * kStride + col;
-    const T* src = gmem + static_cast<int64_t>(row0 + r0) * stride + col;
-    const bool col_ok = col < cols;
-#pragma unroll
-    for (int it = 0; it < kTotal / kNThreads; ++it) {
-      cp_async_16(dst + it * kStep * kStride, col_ok ? src + it * kStep * stride : gmem, col_ok);
-    }
-  } else if constexpr (kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
+  if constexpr (kNThreads % kChunks == 0 && kTotal % kNThreads == 0) {
     // Each thread copies the same column chunk of rows r0, r0 + kStep, ...: one shared and one
     // global base address plus constant offsets (few registers, which the forward at D = 128
     // needs: per-copy addresses were being spilled).
@@ -44,7 +33,7 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
     const bool col_ok = col < cols;
 #pragma unroll
     for (int it = 0; it < kTotal / kNThreads; ++it) {
-      const bool ok = col_ok && row0 + r0 + it * kStep < len;
+      const bool ok = col_ok && (kInRange || row0 + r0 + it * kStep < len);
       cp_async_16(dst + it * kStep * kStride, ok ? src + it * kStep * stride : gmem, ok);
     }
   } else {

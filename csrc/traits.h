@@ -126,16 +126,15 @@ constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
   return arch >= 750 && arch < 800 && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
 }
 
-// The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32
-// atomics) runs where ptxas compiles it without spilling: softmax logits (with or without the
-// adaptive temperature) at head dims up to 64, where the split of the architecture is one warp
-// per key strip. SSA needs per-element db / dn sums in the kernel, which cost about 70 registers
-// there (measured: 175 -> 247 at D = 32, sm_90a) and spill from D = 64; above D = 64 the dK / dV
-// accumulators (2 D / 4 per thread per strip of 16 keys) leave too few registers for the dQ GEMM
-// (spills of 8 to 190 bytes at D = 96 and 128 in every layout tried, docs/cuda.md). Elsewhere, and
-// whenever the caller asks for a deterministic backward, the two-kernel path runs.
+// The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32 atomics) runs
+// where ptxas compiles it without spilling: head dims up to 64, where the split of the
+// architecture is one warp per key strip, any variant, except SSA at D = 64 on sm_75 (4 bytes).
+// Above D = 64 the dK / dV accumulators (2 D / 4 per thread per strip of 16 keys) leave too few
+// registers for the dQ GEMM (spills of 8 to 190 bytes at D = 96 and 128 in every layout tried,
+// docs/cuda.md). Elsewhere, and whenever the caller asks for a deterministic backward, the
+// two-kernel path runs.
 constexpr bool bwd_fused_for(int d, bool ssa, bool adaptive, bool bf16, int arch) {
-  return !ssa && d <= 64 && dkdv_split_for(d, adaptive, bf16, arch) == 1;
+  return d <= 64 && dkdv_split_for(d, adaptive, bf16, arch) == 1 && !(ssa && d > 32 && arch >= 750 && arch < 800);
 }
 // Shared memory of the fused kernel: the dK/dV kernel's and dS^T (BN x (BM + 8)); on sm_70 the
 // gemm_rn scratch serves the dQ GEMM too (reduction size BN).

@@ -533,6 +533,19 @@ def test_cuda_symbol_description():
     assert cuda.describe_ssa_flash("_Z9probe_mmaPKjPfi") is None
 
 
+def test_cuda_section_unavailable_without_disassembler(tmp_path, monkeypatch):
+    """nvcc alone is not enough: without nvdisasm / cuobjdump the section (and
+    tests/test_audit_cuda.py) is skipped with the reason, not run into a FileNotFoundError."""
+    from ssa_flash.audit import compile as comp
+    from ssa_flash.audit import cuda
+
+    (tmp_path / "probe.cu").write_text(PROBE_CU)
+    monkeypatch.setattr(comp, "tool_dir", lambda: str(tmp_path / "no-tools"))
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvcc" if name == "nvcc" else None)
+    assert "nvdisasm not found" in cuda.unavailable(tmp_path)
+    assert cuda.audit(80, csrc=tmp_path)["skipped"].startswith("nvdisasm not found")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_cuda_section_on_a_known_kernel(tmp_path):
     """The CUDA section finds the one-mma.sync loop of a small .cu file compiled with nvcc."""

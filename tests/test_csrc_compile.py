@@ -421,20 +421,23 @@ def test_emulated_atomic_order_is_visible(emu_lib):
 
 
 def test_emulated_backward_plan(emu_lib):
-    """Which backward runs (csrc/traits.h, bwd_fused_for): the fused kernel for softmax logits at
-    head dims up to 64 unless deterministic=True; the two-kernel path otherwise. The emulated
-    checks above therefore cover both (softmax / adaptive at D <= 64: fused)."""
+    """Which backward runs (csrc/traits.h, bwd_fused_for): the fused kernel at head dims up to 64
+    unless deterministic=True, every variant; the two-kernel path otherwise. The emulated checks
+    above therefore cover both (D <= 64: fused). The SSA db / dn partials: one per (key block,
+    warp) when fused, per query block otherwise."""
     harness, lib = emu_lib
     emu = harness.Emulator(lib)
     for D in (24, 32, 64):
-        for adaptive in (False, True):
-            assert emu.plan(D, D, 100, 130, False, adaptive, False, False)["fused"], (D, adaptive)
-            assert not emu.plan(D, D, 100, 130, False, adaptive, True, False)["fused"], (D, adaptive)
-            assert not emu.plan(D, D, 100, 130, True, adaptive, False, True)["fused"], (D, adaptive)
+        for ssa in (False, True):
+            for adaptive in (False, True):
+                assert emu.plan(D, D, 100, 130, ssa, adaptive, False, False)["fused"], (D, ssa, adaptive)
+                assert not emu.plan(D, D, 100, 130, ssa, adaptive, True, False)["fused"], (D, ssa, adaptive)
     for D in (96, 128, 256):
-        assert not emu.plan(D, D, 100, 130, False, False, False, False)["fused"], D
+        for ssa in (False, True):
+            assert not emu.plan(D, D, 100, 130, ssa, False, False, False)["fused"], D
     plan = emu.plan(64, 64, 100, 130, False, True, False, True)
-    assert plan == {"fused": 1, "num_partials": 3, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
+    assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
+    assert emu.plan(64, 64, 100, 130, True, False, True, True)["num_partials"] == 2  # (100 / 64 query blocks)
 
 
 @pytest.mark.parametrize("mode", MODES)

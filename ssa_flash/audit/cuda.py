@@ -54,11 +54,19 @@ def nvcc_flags() -> List[str]:
 
 
 def unavailable(csrc: Path = CSRC) -> Optional[str]:
-    """Why the CUDA section cannot run here, or None."""
+    """Why the CUDA section cannot run here, or None: nvcc to compile, ``nvdisasm`` and
+    ``cuobjdump`` (Triton's bundled copies or PATH) to read the cubins."""
     if shutil.which("nvcc") is None:
         return "nvcc is not on PATH"
     if not csrc.is_dir() or not list(csrc.glob("*.cu")):
         return f"no .cu files in {csrc}"
+    try:
+        from . import compile as comp
+
+        for name in ("nvdisasm", "cuobjdump"):
+            comp.tool(name)
+    except (ImportError, FileNotFoundError) as err:
+        return str(err)
     return None
 
 

@@ -109,6 +109,11 @@ class Function:
     labels: Dict[str, int] = field(default_factory=dict)  # label -> index of the next instruction
 
 
+def _new_function(funcs: List[Function], name: str) -> Function:
+    funcs.append(Function(name))
+    return funcs[-1]
+
+
 def parse(text: str) -> List[Function]:
     """Split ``nvdisasm -c [-g]`` (or ``cuobjdump -sass``) output into functions."""
     funcs: List[Function] = []
@@ -119,8 +124,7 @@ def parse(text: str) -> List[Function]:
         if m:
             name = m.group(1) or m.group(2)
             if cur is None or cur.name != name:
-                cur = Function(name)
-                funcs.append(cur)
+                cur = _new_function(funcs, name)
             line = None
             continue
         m = _LINE_RE.search(raw)
@@ -129,9 +133,7 @@ def parse(text: str) -> List[Function]:
             continue
         m = _INSTR_RE.match(raw)
         if m:
-            if cur is None:
-                cur = Function("<anonymous>")
-                funcs.append(cur)
+            cur = cur or _new_function(funcs, "<anonymous>")
             body = m.group(2).strip().rstrip(";").strip()
             pm = _PRED_RE.match(body)
             pred = pm.group(0).strip() if pm else ""
@@ -146,9 +148,7 @@ def parse(text: str) -> List[Function]:
             continue
         m = _LABEL_RE.match(raw)
         if m:
-            if cur is None:
-                cur = Function("<anonymous>")
-                funcs.append(cur)
+            cur = cur or _new_function(funcs, "<anonymous>")
             cur.labels[m.group(1)] = len(cur.instrs)
     return funcs
 
