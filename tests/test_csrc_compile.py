@@ -474,7 +474,9 @@ def test_cu_compiles(cu_results, name):
 # Since the dK/dV kernel took the fused kernel's body (key-block steps through TileLoader
 # offsets, 16-byte statistics copies), ptxas keeps 8 bytes of loop-invariant state on the stack
 # in these three dK/dV instantiations (other layouts tried moved the spill, or made it 100+
-# bytes): Volta only, issue 14.
+# bytes): Volta only, issue 14. At D = 256 the SASS shows two per-thread offsets into the sm_70
+# per-warp scratch (row stride 40), stored in the prologue and reloaded once before the main
+# loops: no local-memory traffic inside them.
 KNOWN_SM70_SPILLS = {
     128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E"},
     256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb1E",
