@@ -440,7 +440,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #if defined(__CUDA_ARCH__)
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
   // kernel only where bwd_fused_for says)
-  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
+  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
       (kFusedDq && !bwd_fused_for(kD, kSSA, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))) {
     __trap();
   } else {
@@ -485,7 +485,6 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     int hh;
     int mm;
   };
-  auto src_at = [&](int hh, int mm) { return Src{hh, mm}; };
   auto load_q_stats = [&](const Src& src, int buf) {
     const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + src.hh * p.q_sh + static_cast<int64_t>(src.mm) * p.q_sm;
     const float* ws = p.rowstat + ((head0 + src.hh) * p.stat_rows + src.mm) * kNStat;
@@ -512,7 +511,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
   load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
   if (num_t > 0) {
-    const Src first = src_at(hk * p.group, m_first);
+    const Src first{hk * p.group, m_first};
     load_q_stats(first, 0);
     load_do(first);
   }
@@ -681,8 +680,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     auto run = [&](auto check, int mm) {
       constexpr bool kCheck = decltype(check)::value;
       const bool head_end = kCheck && mm == m_last;
-      const Src next = head_end ? src_at(last_head ? hh : hh + 1, m_first)  // (unused after the last head)
-                                : src_at(hh, mm + kBlockM);
+      const Src next = head_end ? Src{last_head ? hh : hh + 1, m_first}  // (unused after the last head)
+                                : Src{hh, mm + kBlockM};
       step(check, ctx, mm, buf, !(head_end && last_head), next, dq);
       buf ^= 1;
       if (kFusedDq) dq += kBlockM * kD;

@@ -143,7 +143,7 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
   }
   if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {
     int arch = 0, max_optin = 0;
-    if (device_info(arch, max_optin).empty() && dkdv_split_for(D, adaptive, false, arch) == 2) {
+    if (device_info(arch, max_optin).empty() && dkdv_split_for(D, false, arch) == 2) {
       using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
       const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75);

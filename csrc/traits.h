@@ -121,8 +121,7 @@ using DkdvTraits = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_warps(
 template <int D, typename T>
 using DkdvTraitsSm75 = KernelTraits<D, dkdv_block_m(D), dkdv_block_n(D), dkdv_block_n(D) / 16 * 2, T, 2>;
 // Warps per key strip of the dK/dV kernel that runs on architecture `arch` (100 major + 10 minor).
-constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
-  (void)adaptive;
+constexpr int dkdv_split_for(int d, bool bf16, int arch) {
   return arch >= 750 && arch < 800 && !bf16 && (d == 96 || d == 128) ? 2 : dkdv_col_split(d);
 }
 
@@ -134,7 +133,7 @@ constexpr int dkdv_split_for(int d, bool adaptive, bool bf16, int arch) {
 // docs/cuda.md). Elsewhere, and whenever the caller asks for a deterministic backward, the
 // two-kernel path runs.
 constexpr bool bwd_fused_for(int d, bool ssa, bool adaptive, bool bf16, int arch) {
-  return d <= 64 && dkdv_split_for(d, adaptive, bf16, arch) == 1 && !(ssa && d > 32 && arch >= 750 && arch < 800);
+  return d <= 64 && dkdv_split_for(d, bf16, arch) == 1 && !(ssa && d > 32 && arch >= 750 && arch < 800);
 }
 // Shared memory of the fused kernel: the dK/dV kernel's and dS^T (BN x (BM + 8)); on sm_70 the
 // gemm_rn scratch serves the dQ GEMM too (reduction size BN).
