@@ -1,7 +1,7 @@
 // Backward kernels (DESIGN.md 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
 // BwdPlan):
 //
-// Two kernels, no atomics (bitwise reproducible; deterministic=True, head dims above 64):
+// Two kernels, no atomics (bitwise reproducible; deterministic=True, D = 256, D > 64 on sm_70):
 // 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
 //    rowsum(dO * O) - dlse and the adaptive-temperature row gradient g (into the row-statistics
 //    workspace), dQ, and per-block partial sums of db, dn (reduced in a fixed order on the host
@@ -10,7 +10,7 @@
 //    head: dK, dV, looping over the query heads of its GQA group and their query blocks.
 // Seven GEMMs per tile (S, dP, dQ; S^T, dP^T, dV, dK), nine with the adaptive temperature.
 //
-// Fused (deterministic=False, D <= 64; traits.h, bwd_fused_for): the dQ kernel as a pre-pass
+// Fused (deterministic=False, D <= 128; traits.h, bwd_fused_for): the dQ kernel as a pre-pass
 // (kPrep: the row statistics, and with the adaptive temperature g, whose dbeta needs whole rows),
 // then attn_bwd_fused_kernel: FlashAttention-2's five GEMMs per tile, dQ added with fp32
 // atomics, SSA's db / dn as per-(key block, warp) partial sums.
@@ -399,8 +399,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 // it); dK += dS^T Q reads dS^T back from shared memory too (fewer live registers). The order of
 // the atomic adds across key blocks is the hardware's, so the fused path is not bitwise
 // reproducible: deterministic backwards run the two-kernel path. Where the fused kernel runs
-// (traits.h, bwd_fused_for: D <= 64) is set by register spills. With SSA logits each warp sums
-// db / dn over a head's steps and writes one partial per (head, key block, warp).
+// (traits.h, bwd_fused_for: D <= 128, 64 on sm_70) is set by register spills. With SSA logits
+// each warp sums db / dn over a head's steps and writes one partial per (head, key block, warp).
 //
 // Pipeline per step (Q and the statistics double-buffered, dO single):
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T, dV += P^T dO_t (kFusedDq: dS^T to
@@ -428,6 +428,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   constexpr int kQS = kBlockM / 16;
   constexpr int kDQ = kD / (kNWarps / kQS);
   constexpr int kDQC = 16;
+  // Above D = 64 the chunks are a rolled loop: unrolled, ptxas hoisted every chunk's K fragments
+  // and spilled at D = 96 / 128 (the audit, ssa_flash/audit/cuda.py, counts its kDQ / kDQC trips)
+  constexpr bool kDQRolled = kD > 64;
   // sm_70 / sm_75 (copies through registers) at D <= 128: see load_q_stats
   constexpr bool kSyncCopies = !SSA_FLASH_ASYNC_COPIES && kD <= 128;
   constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
@@ -536,9 +539,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // per head, see below; in the dK/dV kernel the dQ kernel sums them and these are dead)
   float db_acc = 0.0f, dn_acc = 0.0f;
 
-  // One step: query rows [mm, mm + kBlockM) of the head whose logit context is ctx, from buffer buf; `next` the next step's
-  // sources, if has_next; dq the step's first row of the dQ accumulator.
-  auto step = [&](auto check, const LogitCtx& ctx, int mm, int buf, bool has_next, const Src& next, float* dq) {
+  // One step: query rows [mm, mm + kBlockM) of head hh, whose logit context is ctx, from buffer
+  // buf; `next` the next step's sources, if has_next.
+  auto step = [&](auto check, const LogitCtx& ctx, int mm, int buf, bool has_next, const Src& next, int hh) {
     constexpr bool kCheck = decltype(check)::value;
     if (SSA_FLASH_ASYNC_COPIES && has_next) {
       load_q_stats(next, buf ^ 1);
@@ -636,8 +639,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       // dQ_t (this warp's strip and columns) += dS K_j, added to the fp32 accumulator
       uint32_t dsa[1][kBlockN / 16][4];
       load_frag_t<T, kBlockN, kSdS>(dsa[0], sdS + dq_strip * 16, lane);
-      float* dq_thr = dq + dq_off;
-#pragma unroll
+      float* dq_thr = p.dq_accum + ((head0 + hh) * p.stat_rows + mm) * kD + dq_off;
+#pragma unroll(kDQRolled ? 1 : kDQ / kDQC)
       for (int c0 = 0; c0 < kDQ; c0 += kDQC) {
         float dq_acc[1][kDQC / 8][4];
         zero(dq_acc);
@@ -671,20 +674,18 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // the next head's sources.
   const int m_last = m_first + (tiles_per_head - 1) * kBlockM;
   int buf = 0;
-  for (int head = 0; head < p.group; ++head) {
+  const int hh_end = (hk + 1) * p.group;  // heads of this key/value head: [hh_end - group, hh_end)
+  for (int hh = hh_end - p.group; hh < hh_end; ++hh) {
     const int m_diag = m_first + n_diag * kBlockM;  // (here: live across the loop, it spilled)
-    const int hh = hk * p.group + head;
-    const bool last_head = head + 1 == p.group;
-    float* dq = kFusedDq ? p.dq_accum + ((head0 + hh) * p.stat_rows + m_first) * kD : nullptr;  // (uniform)
+    const bool last_head = hh + 1 == hh_end;
     const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
     auto run = [&](auto check, int mm) {
       constexpr bool kCheck = decltype(check)::value;
       const bool head_end = kCheck && mm == m_last;
       const Src next = head_end ? Src{last_head ? hh : hh + 1, m_first}  // (unused after the last head)
                                 : Src{hh, mm + kBlockM};
-      step(check, ctx, mm, buf, !(head_end && last_head), next, dq);
+      step(check, ctx, mm, buf, !(head_end && last_head), next, hh);
       buf ^= 1;
-      if (kFusedDq) dq += kBlockM * kD;
     };
     int mm = m_first;
     for (int pass = 0; pass < 2; ++pass) {

@@ -112,7 +112,7 @@ std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
 template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
-  if constexpr (D <= 64) {
+  if constexpr (D <= 128) {
     if (plan.fused) {
       {
         // pre-pass: delta (and the adaptive g)

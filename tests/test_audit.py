@@ -366,6 +366,31 @@ def test_interior_loop_is_the_one_without_boundary_code():
     assert {name for name, _ in lines} >= {"common.py", "forward.py", "backward.py", "entropy.py"}
 
 
+def test_rolled_inner_loop():
+    """A step loop that holds one rolled loop of known trip count (the CUDA fused backward's dQ
+    column chunks): with inner_trips the step loop is the main loop and the inner body counts
+    that many times; without, the inner loop alone would be taken for the main loop."""
+    text = """
+.L_x_0:
+        /*0000*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0010*/                   FADD R1, R1, R2 ;
+.L_x_1:
+        /*0020*/                   HMMA.16816.F32.BF16 R20, R12, R16, RZ ;
+        /*0030*/                   RED.E.ADD.F32.FTZ.RN.STRONG.GPU [R4.64], R20 ;
+        /*0040*/               @P0 BRA `(.L_x_1) ;
+        /*0050*/               @P1 BRA `(.L_x_0) ;
+        /*0060*/                   EXIT ;
+"""
+    (func,) = sass.parse(text)
+    assert [(lp.head, lp.tail) for lp in sass.main_loops(func)] == [(2, 4)]
+    (main,) = sass.main_loops(func, inner_trips=4)
+    assert (main.head, main.tail) == (0, 5)
+    c = sass.count_loop(func, main, inner_trips=4)
+    assert c.instructions == 3 + 3 * 4
+    assert c.mma == {"HMMA.16816.F32.BF16": 5} and c.macs_per_warp == 5 * 16 * 8 * 16
+    assert sass.count_loop(func, main).instructions == 6
+
+
 def test_nested_and_split_loops():
     """Main loops are the innermost loops with MMA: an outer loop around two MMA loops (interior
     and boundary) is not one; a spin-wait loop without MMA inside a loop does not hide it."""
@@ -526,11 +551,15 @@ def test_cuda_symbol_description():
     d = cuda.describe_ssa_flash("_ZN9ssa_flash17attn_stats_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
                                 "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
     assert d == {"kernel": "stats", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
-                 "col_split": 1, "ssa": False, "adaptive": False, "prep": False}
+                 "col_split": 1, "ssa": False, "adaptive": False, "prep": False, "inner_trips": 1}
     d = cuda.describe_ssa_flash("_ZN9ssa_flash20attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6"
                                 "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")
     assert (d["kernel"], d["dtype"], d["col_split"], d["ssa"], d["adaptive"]) == ("bwd_dkdv", "fp16", 2, True, True)
     assert cuda.describe_ssa_flash("_Z9probe_mmaPKjPfi") is None
+    # the fused backward's rolled dQ chunk loop (D > 64): D / 2 columns per warp, 16 per trip
+    fused = ("_ZN9ssa_flash21attn_bwd_fused_kernelINS_12KernelTraitsILi{}ELi32ELi64ELi4E13__nv_bfloat16Li1EEELb1ELb0EEE"
+             "vNS_9BwdParamsE")
+    assert [cuda.describe_ssa_flash(fused.format(d))["inner_trips"] for d in (32, 64, 96, 128)] == [1, 1, 3, 4]
 
 
 def test_cuda_section_unavailable_without_disassembler(tmp_path, monkeypatch):

@@ -323,6 +323,15 @@ def test_emulated_head_dims(emu_lib, mode, D, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (96, torch.float16)])
+def test_emulated_fused_wide_heads(emu_lib, mode, D, dtype):
+    """The fused backward above D = 64 (its dQ GEMM a rolled loop over 16-column chunks: 4 at
+    D = 128, 3 at D = 96): interior query-block steps, GQA (two heads per key/value head), ragged
+    ends, the LSE gradient."""
+    _emu_check(emu_lib, mode, B=1, Hq=4, Hkv=2, Lq=100, Lk=150, D=D, dtype=dtype, with_dlse=True, lazy=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("Lq,Lk", [(1, 1), (1, 90), (90, 1)])
 def test_emulated_lengths(emu_lib, mode, Lq, Lk):
     _emu_check(emu_lib, mode, Lq=Lq, Lk=Lk, D=32, causal=Lq > 1, transpose=True)
@@ -420,24 +429,27 @@ def test_emulated_atomic_order_is_visible(emu_lib):
     assert torch.equal(first["dk"], second["dk"]) and torch.equal(first["dv"], second["dv"])
 
 
-def test_emulated_backward_plan(emu_lib):
-    """Which backward runs (csrc/traits.h, bwd_fused_for): the fused kernel at head dims up to 64
-    unless deterministic=True, every variant; the two-kernel path otherwise. The emulated checks
-    above therefore cover both (D <= 64: fused). The SSA db / dn partials: one per (key block,
-    warp) when fused, per query block otherwise."""
+def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
+    """Which backward runs (csrc/traits.h, bwd_fused_for): the fused kernel at head dims up to 128
+    (64 on sm_70) unless deterministic=True, every variant; the two-kernel path otherwise. The
+    emulated checks above therefore cover both (D <= 128: fused). The SSA db / dn partials: one
+    per (key block, warp) when fused, per query block otherwise."""
     harness, lib = emu_lib
     emu = harness.Emulator(lib)
-    for D in (24, 32, 64):
+    for D in (24, 32, 64, 96, 128):
         for ssa in (False, True):
             for adaptive in (False, True):
                 assert emu.plan(D, D, 100, 130, ssa, adaptive, False, False)["fused"], (D, ssa, adaptive)
                 assert not emu.plan(D, D, 100, 130, ssa, adaptive, True, False)["fused"], (D, ssa, adaptive)
-    for D in (96, 128, 256):
-        for ssa in (False, True):
-            assert not emu.plan(D, D, 100, 130, ssa, False, False, False)["fused"], D
+    for ssa in (False, True):
+        assert not emu.plan(256, 256, 100, 130, ssa, False, False, False)["fused"]
     plan = emu.plan(64, 64, 100, 130, False, True, False, True)
     assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
     assert emu.plan(64, 64, 100, 130, True, False, True, True)["num_partials"] == 2  # (100 / 64 query blocks)
+    # sm_70: the fused kernel spills above D = 64 there
+    emu70 = harness.Emulator(emu_lib_sm70[1])
+    assert emu70.plan(64, 64, 100, 130, True, True, False, False)["fused"]
+    assert not any(emu70.plan(D, D, 100, 130, True, False, False, False)["fused"] for D in (96, 128))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -472,16 +484,20 @@ def test_cu_compiles(cu_results, name):
 
 # Known sm_70 spills (strict: a listed kernel that stops spilling fails the test until removed).
 # Since the dK/dV kernel took the fused kernel's body (key-block steps through TileLoader
-# offsets, 16-byte statistics copies), ptxas keeps 8 bytes of loop-invariant state on the stack
-# in these three dK/dV instantiations (other layouts tried moved the spill, or made it 100+
-# bytes): Volta only, issue 14. At D = 256 the SASS shows two per-thread offsets into the sm_70
+# offsets, 16-byte statistics copies), ptxas keeps 4-8 bytes of loop-invariant state on the
+# stack in these dK/dV instantiations (other layouts tried moved the spill, or made it 100+
+# bytes): Volta only, issue 14. At D = 256 the SASS shows per-thread offsets into the sm_70
 # per-warp scratch (row stride 40), stored in the prologue and reloaded once before the main
-# loops: no local-memory traffic inside them; at D = 128 two 4-byte reloads per query-block step
-# (of ~1800 instructions) inside one of the two main loops.
+# loops; at D = 128 one or two 4-byte reloads per query-block step (of ~1800 instructions)
+# inside one of the two main loops. (The head loop counting heads by their index, which the
+# fused kernel needs at D = 96 / 128 on sm_80+, moved the D = 128 spill from SSA+adaptive alone
+# to both adaptive variants, and added the D = 256 softmax+adaptive one.)
 KNOWN_SM70_SPILLS = {
-    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E"},
+    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E",
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1E"},
     256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb1E",
-          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb0E"},
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb0E",
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb0ELb1E"},
 }
 
 

@@ -75,9 +75,10 @@ _KERNEL_RE = re.compile(r"attn_(fwd|stats|bwd_dq|bwd_dkdv|bwd_fused)_kernel")
 
 
 def describe_ssa_flash(symbol: str) -> Optional[dict]:
-    """``{kernel, head_dim, block_m, block_n, warps, dtype, col_split, ssa, adaptive, prep}`` of an
-    ``attn_*_kernel<KernelTraits<...>, bool...>`` symbol (mangled), or None (``prep``: the dQ
-    kernel as the fused backward's pre-pass)."""
+    """``{kernel, head_dim, block_m, block_n, warps, dtype, col_split, ssa, adaptive, prep,
+    inner_trips}`` of an ``attn_*_kernel<KernelTraits<...>, bool...>`` symbol (mangled), or None
+    (``prep``: the dQ kernel as the fused backward's pre-pass; ``inner_trips``: iterations of the
+    rolled loop inside each main loop, sass.main_loops)."""
     km = _KERNEL_RE.search(symbol)
     tm = _TRAITS_RE.search(symbol)
     if not km or not tm:
@@ -90,10 +91,14 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     dtype = "bf16" if "bfloat16" in elem else "fp16" if ("half" in elem or "__half" in elem) else elem
     bools = [b == "1" for b in re.findall(r"Lb([01])E", symbol[tm.end():])]
     kernel = km.group(1)
-    return {"kernel": kernel, "head_dim": ints[0], "block_m": ints[1], "block_n": ints[2], "warps": ints[3],
+    d, block_m, warps = ints[0], ints[1], ints[3]
+    # csrc/bwd_kernel.h: above D = 64 the fused kernel's dQ GEMM is a rolled loop over chunks of 16
+    # columns, kDQ = D / (warps / (block_m / 16)) columns per warp (kDQRolled)
+    inner_trips = d // (warps // (block_m // 16)) // 16 if kernel == "bwd_fused" and d > 64 else 1
+    return {"kernel": kernel, "head_dim": d, "block_m": block_m, "block_n": ints[2], "warps": warps,
             "dtype": dtype, "col_split": tail[0] if tail else 1,
             "ssa": bools[0] if bools else None, "adaptive": bools[1] if len(bools) > 1 else False,
-            "prep": bools[2] if len(bools) > 2 else False}
+            "prep": bools[2] if len(bools) > 2 else False, "inner_trips": inner_trips}
 
 
 #: Symbol describers, tried in order; the first non-None answer is used.
@@ -132,8 +137,9 @@ def analyse_cubin(cubin: bytes, ptxas_text: str, arch: int) -> List[dict]:
                "spill_store_bytes": p.spill_store_bytes, "spill_load_bytes": p.spill_load_bytes,
                "spills": bool(p.spill_store_bytes or p.spill_load_bytes or r.local_bytes),
                "static_shared_bytes": r.static_shared_bytes, "loops": []}
-        for lp in sass.main_loops(func):
-            c = sass.count_loop(func, lp)
+        trips = desc["inner_trips"] if desc else 1
+        for lp in sass.main_loops(func, trips):
+            c = sass.count_loop(func, lp, trips)
             loop = {"instructions": c.instructions, "mufu": c.mufu, "mma": c.mma, "inner_branches": c.inner_branches,
                     "by_category": c.by_category, "branch_line": (f"{c.branch_line[0].rsplit('/', 1)[-1]}:"
                                                                    f"{c.branch_line[1]}" if c.branch_line else None)}

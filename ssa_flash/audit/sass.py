@@ -213,11 +213,24 @@ def _has_mma(func: Function, lp: Loop) -> bool:
     return any(func.instrs[i].category == "tensor" for i in range(lp.head, lp.tail + 1))
 
 
-def main_loops(func: Function) -> List[Loop]:
-    """Innermost loops holding tensor instructions, in code order."""
+def main_loops(func: Function, inner_trips: int = 1) -> List[Loop]:
+    """Innermost loops holding tensor instructions, in code order.
+
+    ``inner_trips > 1``: the caller knows that each main loop of the kernel holds one inner loop
+    of that constant trip count (a loop kept rolled in the source, say over column chunks of a
+    GEMM): where such inner loops are found, the loops directly around them are the main loops
+    (to be counted with ``count_loop(..., inner_trips)``), not the inner loops themselves."""
     loops = find_loops(func)
     with_mma = [lp for lp in loops if _has_mma(func, lp)]
-    return [lp for lp in with_mma if not any(lp.contains(o) for o in with_mma)]
+    innermost = [lp for lp in with_mma if not any(lp.contains(o) for o in with_mma)]
+    if inner_trips <= 1:
+        return innermost
+    # loops whose tensor-holding loops inside are all innermost ones, and the innermost loops no
+    # such loop contains
+    outer = [lp for lp in with_mma if lp not in innermost and
+             all(o in innermost for o in with_mma if lp.contains(o))]
+    return sorted(outer + [lp for lp in innermost if not any(o.contains(lp) for o in outer)],
+                  key=lambda lp: lp.head)
 
 
 @dataclass
@@ -243,9 +256,16 @@ class LoopCounts:
     line_set: frozenset = frozenset()  # every (file name, line) seen in the body
 
 
-def count_loop(func: Function, lp: Loop) -> LoopCounts:
-    """Instruction mix of the body of ``lp``."""
+def count_loop(func: Function, lp: Loop, inner_trips: int = 1) -> LoopCounts:
+    """Instruction mix of the body of ``lp``; instructions of tensor-holding loops inside it count
+    ``inner_trips`` times (see :func:`main_loops`)."""
     body = func.instrs[lp.head:lp.tail + 1]
+    weight = [1] * len(body)
+    if inner_trips > 1:
+        for o in find_loops(func):
+            if lp.contains(o) and _has_mma(func, o):
+                for i in range(o.head, o.tail + 1):
+                    weight[i - lp.head] = inner_trips
     by_cat: Counter = Counter()
     by_op: Counter = Counter()
     mufu: Counter = Counter()
@@ -253,23 +273,23 @@ def count_loop(func: Function, lp: Loop) -> LoopCounts:
     macs = 0.0
     uniform = local = inner = calls = 0
     lines: Dict[str, List[int]] = {}
-    for ins in body:
+    for ins, w in zip(body, weight):
         cat = ins.category
-        by_cat[cat] += 1
-        by_op[ins.mnemonic] += 1
+        by_cat[cat] += w
+        by_op[ins.mnemonic] += w
         if cat == "mufu":
             kind = ins.opcode.split(".")[1] if "." in ins.opcode else "?"
-            mufu[kind] += 1
+            mufu[kind] += w
         elif cat == "tensor":
-            mma[mma_kind(ins)] += 1
+            mma[mma_kind(ins)] += w
             m, group = mma_macs(ins)
-            macs += m / group
+            macs += w * m / group
         if ins.mnemonic.startswith("U") and cat in ("integer", "move", "memory"):
-            uniform += 1
+            uniform += w
         if ins.mnemonic in ("LDL", "STL"):
-            local += 1
+            local += w
         if ins.mnemonic == "CALL":
-            calls += 1
+            calls += w
         if ins.mnemonic == "BRA" and ins.index != lp.tail and ins.target in func.labels:
             tgt = func.labels[ins.target]
             if ins.index < tgt <= lp.tail + 1:
@@ -278,7 +298,7 @@ def count_loop(func: Function, lp: Loop) -> LoopCounts:
             lines.setdefault(ins.line[0], []).append(ins.line[1])
     nested = sum(1 for o in find_loops(func) if lp.contains(o))
     return LoopCounts(
-        head=lp.head, tail=lp.tail, offset=body[0].offset if body else 0, instructions=len(body),
+        head=lp.head, tail=lp.tail, offset=body[0].offset if body else 0, instructions=sum(weight),
         by_category={c: by_cat.get(c, 0) for c in CATEGORIES}, by_opcode=dict(by_op.most_common()),
         mufu=dict(mufu.most_common()), mma=dict(mma.most_common()), macs_per_warp=int(round(macs)),
         uniform=uniform, local_memory=local, inner_branches=inner, calls=calls, nested_loops=nested,
