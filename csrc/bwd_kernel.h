@@ -427,7 +427,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // of kDQC columns (the accumulators of one chunk live at a time)
   constexpr int kQS = kBlockM / 16;
   constexpr int kDQ = kD / (kNWarps / kQS);
-  constexpr int kDQC = 16;
+  // (32-column chunks where they divide kDQ; 48 at D = 96 spilled)
+  constexpr int kDQC = kDQ % 32 == 0 ? 32 : 16;
   // Above D = 64 the chunks are a rolled loop: unrolled, ptxas hoisted every chunk's K fragments
   // and spilled at D = 96 / 128 (the audit, ssa_flash/audit/cuda.py, counts its kDQ / kDQC trips)
   constexpr bool kDQRolled = kD > 64;

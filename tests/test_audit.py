@@ -556,10 +556,10 @@ def test_cuda_symbol_description():
                                 "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")
     assert (d["kernel"], d["dtype"], d["col_split"], d["ssa"], d["adaptive"]) == ("bwd_dkdv", "fp16", 2, True, True)
     assert cuda.describe_ssa_flash("_Z9probe_mmaPKjPfi") is None
-    # the fused backward's rolled dQ chunk loop (D > 64): D / 2 columns per warp, 16 per trip
+    # the fused backward's rolled dQ chunk loop (D > 64): D / 2 columns per warp, 32 (else 16) per trip
     fused = ("_ZN9ssa_flash21attn_bwd_fused_kernelINS_12KernelTraitsILi{}ELi32ELi64ELi4E13__nv_bfloat16Li1EEELb1ELb0EEE"
              "vNS_9BwdParamsE")
-    assert [cuda.describe_ssa_flash(fused.format(d))["inner_trips"] for d in (32, 64, 96, 128)] == [1, 1, 3, 4]
+    assert [cuda.describe_ssa_flash(fused.format(d))["inner_trips"] for d in (32, 64, 96, 128)] == [1, 1, 3, 2]
 
 
 def test_cuda_section_unavailable_without_disassembler(tmp_path, monkeypatch):

@@ -325,9 +325,9 @@ def test_emulated_head_dims(emu_lib, mode, D, dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (96, torch.float16)])
 def test_emulated_fused_wide_heads(emu_lib, mode, D, dtype):
-    """The fused backward above D = 64 (its dQ GEMM a rolled loop over 16-column chunks: 4 at
-    D = 128, 3 at D = 96): interior query-block steps, GQA (two heads per key/value head), ragged
-    ends, the LSE gradient."""
+    """The fused backward above D = 64 (its dQ GEMM a rolled loop over column chunks: two of 32
+    at D = 128, three of 16 at D = 96): interior query-block steps, GQA (two heads per key/value
+    head), ragged ends, the LSE gradient."""
     _emu_check(emu_lib, mode, B=1, Hq=4, Hkv=2, Lq=100, Lk=150, D=D, dtype=dtype, with_dlse=True, lazy=True)
 
 

@@ -92,9 +92,12 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     bools = [b == "1" for b in re.findall(r"Lb([01])E", symbol[tm.end():])]
     kernel = km.group(1)
     d, block_m, warps = ints[0], ints[1], ints[3]
-    # csrc/bwd_kernel.h: above D = 64 the fused kernel's dQ GEMM is a rolled loop over chunks of 16
-    # columns, kDQ = D / (warps / (block_m / 16)) columns per warp (kDQRolled)
-    inner_trips = d // (warps // (block_m // 16)) // 16 if kernel == "bwd_fused" and d > 64 else 1
+    # csrc/bwd_kernel.h: above D = 64 the fused kernel's dQ GEMM is a rolled loop over chunks of
+    # kDQC = 32 (or 16) of the kDQ = D / (warps / (block_m / 16)) columns of a warp (kDQRolled)
+    inner_trips = 1
+    if kernel == "bwd_fused" and d > 64:
+        dq_cols = d // (warps // (block_m // 16))
+        inner_trips = dq_cols // (32 if dq_cols % 32 == 0 else 16)
     return {"kernel": kernel, "head_dim": d, "block_m": block_m, "block_n": ints[2], "warps": warps,
             "dtype": dtype, "col_split": tail[0] if tail else 1,
             "ssa": bools[0] if bools else None, "adaptive": bools[1] if len(bools) > 1 else False,
