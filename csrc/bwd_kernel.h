@@ -675,10 +675,16 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // the next head's sources.
   const int m_last = m_first + (tiles_per_head - 1) * kBlockM;
   int buf = 0;
-  const int hh_end = (hk + 1) * p.group;  // heads of this key/value head: [hh_end - group, hh_end)
-  for (int hh = hh_end - p.group; hh < hh_end; ++hh) {
+  // The heads of this key/value head, [hh0, hh0 + group). The fused kernel counts them by
+  // head index, the dK/dV kernel from 0: the same loop, but not to ptxas, which (fused, counting
+  // from 0) spilled the SSA variants at D = 96 / 128, and (dK/dV, by index) recomputed each
+  // step's head offset in the loop (6 integer instructions per step, sm_90a) and spilled 4 more
+  // bytes on sm_70.
+  const int hh0 = hk * p.group;
+  for (int head = kFusedDq ? hh0 : 0; head < (kFusedDq ? hh0 : 0) + p.group; ++head) {
+    const int hh = kFusedDq ? head : hh0 + head;
     const int m_diag = m_first + n_diag * kBlockM;  // (here: live across the loop, it spilled)
-    const bool last_head = hh + 1 == hh_end;
+    const bool last_head = hh + 1 == hh0 + p.group;
     const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
     auto run = [&](auto check, int mm) {
       constexpr bool kCheck = decltype(check)::value;

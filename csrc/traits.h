@@ -129,9 +129,9 @@ constexpr int dkdv_split_for(int d, bool bf16, int arch) {
 // where ptxas compiles it without spilling: head dims up to 128 (64 on sm_70) where the split of
 // the architecture is one warp per key strip, any variant, except SSA at D = 64 on sm_75 (4
 // bytes). At D = 96 / 128 the dK / dV accumulators (2 D / 4 registers per thread) leave room for
-// the dQ GEMM only one 16-column chunk at a time (bwd_kernel.h); on sm_70 it spilled 8 to 88
-// bytes there. At D = 256 (two warps per key strip) the two-kernel path runs, and wherever the
-// caller asks for a deterministic backward.
+// the dQ GEMM's accumulators of one chunk of columns at a time (32 at D = 128, 16 at D = 96;
+// bwd_kernel.h); on sm_70 it spilled 8 to 88 bytes there. At D = 256 (two warps per key strip)
+// the two-kernel path runs, and wherever the caller asks for a deterministic backward.
 constexpr bool bwd_fused_for(int d, bool ssa, bool adaptive, bool bf16, int arch) {
   return d <= (arch < 750 ? 64 : 128) && dkdv_split_for(d, bf16, arch) == 1 &&
          !(ssa && d > 32 && arch >= 750 && arch < 800);
