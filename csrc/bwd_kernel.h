@@ -445,7 +445,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
   // kernel only where bwd_fused_for says)
   if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
-      (kFusedDq && !bwd_fused_for(kD, kSSA, kAdaptive, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))) {
+      (kFusedDq && !bwd_fused_for(kD, kSSA, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))) {
     __trap();
   } else {
 #endif

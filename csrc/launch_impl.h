@@ -168,7 +168,7 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adapti
   int arch = 0, max_optin = 0;
   const bool known = device_info(arch, max_optin).empty();
   BwdPlan plan;
-  plan.fused = !deterministic && known && bwd_fused_for(d, ssa, adaptive, ElemInfo<T>::kIsBF16, arch);
+  plan.fused = !deterministic && known && bwd_fused_for(d, ssa, ElemInfo<T>::kIsBF16, arch);
   // SSA db / dn partials: per query block of the dQ kernel, or per (key block, warp) of the
   // fused kernel
   plan.num_partials = plan.fused ? (len_k + dkdv_block_n(d) - 1) / dkdv_block_n(d) * dkdv_warps(d)

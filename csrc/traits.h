@@ -132,7 +132,7 @@ constexpr int dkdv_split_for(int d, bool bf16, int arch) {
 // the dQ GEMM's accumulators of one chunk of columns at a time (32 at D = 128, 16 at D = 96;
 // bwd_kernel.h); on sm_70 it spilled 8 to 88 bytes there. At D = 256 (two warps per key strip)
 // the two-kernel path runs, and wherever the caller asks for a deterministic backward.
-constexpr bool bwd_fused_for(int d, bool ssa, bool adaptive, bool bf16, int arch) {
+constexpr bool bwd_fused_for(int d, bool ssa, bool bf16, int arch) {
   return d <= (arch < 750 ? 64 : 128) && dkdv_split_for(d, bf16, arch) == 1 &&
          !(ssa && d > 32 && arch >= 750 && arch < 800);
 }
