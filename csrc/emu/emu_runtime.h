@@ -14,7 +14,8 @@
 // holds which matrix element (not from the fragment arithmetic of utils.h / tile.h, which they
 // therefore check). cp.async copies are performed either at issue ("eager") or at the
 // cp.async.wait_group that retires them ("lazy"); both are legal hardware behaviours, so a
-// correct kernel gives identical results in both modes. Shared memory starts filled with NaNs.
+// correct kernel gives identical results in both modes (the sm_70 / sm_75 emulations, which have
+// no cp.async, copy at issue in both). Shared memory starts filled with NaNs.
 //
 // Not modelled: warp scheduling beyond the above, memory-model subtleties, timing.
 #pragma once
@@ -178,9 +179,17 @@ inline void do_copy(const Copy& c) {
   else std::memset(c.dst, 0, 16);
 }
 
+// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths a copy is a load and a
+// store (utils.h), complete at issue whatever the mode.
+#if defined(SSA_FLASH_EMULATE_SM70) || defined(SSA_FLASH_EMULATE_SM75)
+constexpr bool kCopiesCanLandLate = false;
+#else
+constexpr bool kCopiesCanLandLate = true;
+#endif
+
 inline void cp_async_16(void* smem, const void* gmem, bool pred) {
   const Copy c{smem, gmem, pred};
-  if (config().lazy_copies) me().open.push_back(c);
+  if (kCopiesCanLandLate && config().lazy_copies) me().open.push_back(c);
   else do_copy(c);
 }
 
