@@ -1,7 +1,8 @@
 // Backward kernels (DESIGN.md 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
 // BwdPlan):
 //
-// Two kernels, no atomics (bitwise reproducible; deterministic=True, D = 256, D > 64 on sm_70):
+// Two kernels, no atomics (bitwise reproducible; deterministic=True, D = 256, and where the fused
+// kernel spills: traits.h, bwd_fused_for):
 // 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
 //    rowsum(dO * O) - dlse and the adaptive-temperature row gradient g (into the row-statistics
 //    workspace), dQ, and per-block partial sums of db, dn (reduced in a fixed order on the host
