@@ -682,7 +682,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // step's head offset in the loop (6 integer instructions per step, sm_90a) and spilled 4 more
   // bytes on sm_70.
   const int hh0 = hk * p.group;
-  for (int head = kFusedDq ? hh0 : 0; head < (kFusedDq ? hh0 : 0) + p.group; ++head) {
+  const int head_first = kFusedDq ? hh0 : 0;
+  for (int head = head_first; head < head_first + p.group; ++head) {
     const int hh = kFusedDq ? head : hh0 + head;
     const int m_diag = m_first + n_diag * kBlockM;  // (here: live across the loop, it spilled)
     const bool last_head = hh + 1 == hh0 + p.group;

@@ -179,17 +179,11 @@ inline void do_copy(const Copy& c) {
   else std::memset(c.dst, 0, 16);
 }
 
-// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths a copy is a load and a
-// store (utils.h), complete at issue whatever the mode.
-#if defined(SSA_FLASH_EMULATE_SM70) || defined(SSA_FLASH_EMULATE_SM75)
-constexpr bool kCopiesCanLandLate = false;
-#else
-constexpr bool kCopiesCanLandLate = true;
-#endif
-
+// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths (utils.h,
+// SSA_FLASH_ASYNC_COPIES 0) a copy is a load and a store, complete at issue whatever the mode.
 inline void cp_async_16(void* smem, const void* gmem, bool pred) {
   const Copy c{smem, gmem, pred};
-  if (kCopiesCanLandLate && config().lazy_copies) me().open.push_back(c);
+  if (SSA_FLASH_ASYNC_COPIES && config().lazy_copies) me().open.push_back(c);
   else do_copy(c);
 }
 
