@@ -27,7 +27,8 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
-DEFAULT_ARCHS = "7.5;8.0;8.6;8.9;9.0"
+# 9.0a: the sm_90a target (wgmma; the dQ kernel's Hopper path), whose code runs on every sm_90 GPU
+DEFAULT_ARCHS = "7.5;8.0;8.6;8.9;9.0a"
 
 
 def csrc_files(patterns=("*.h", "*.cuh", "*.cu", "*.cpp")):

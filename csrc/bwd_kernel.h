@@ -107,6 +107,11 @@ SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, fl
 // dQ kernel. Pipeline per key block j (K double-buffered, V single):
 //   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
 //   dQ += dS K_j
+// On sm_90a at the head dims of dq_wgmma (traits.h) the three GEMMs are wgmma: the CTA's 4 warps
+// are one warpgroup and its 64 query rows one m64 tile; Q, dO, K, V sit in shared memory in the
+// 128-byte swizzled layout (Sw128Tile) and feed the tensor cores through descriptors (K also as
+// the N-major B operand of dQ = dS K), dS from registers. Each group is waited for at once, so
+// the step's structure (and every barrier) is the mma.sync one's.
 //
 // kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
 // (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
@@ -117,10 +122,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
+  using Pad = PaddedTile<kS>;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kNWarps = Tr::kNWarps;
   constexpr int kNT = kBlockN / 8;
   constexpr int kDT = kD / 8;
+  constexpr bool kWg = SSA_FLASH_WGMMA && dq_wgmma(kD);
+  static_assert(!kWg || (kBlockM == 64 && kNWarps == 4), "wgmma: the query tile is one warpgroup's m64");
+  using LQ = Select<kWg, Sw128Tile<kBlockM>, Pad>;  // Q, dO tiles
+  using LK = Select<kWg, Sw128Tile<kBlockN>, Pad>;  // K, V tiles
+  constexpr int kTileQ = LQ::elems(kBlockM, kD), kTileK = LK::elems(kBlockN, kD);
 
 #if defined(__CUDA_ARCH__)
   if (kernel_unsupported<T, kD>()) {
@@ -128,15 +139,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   } else {
 #endif
   extern __shared__ uint4 smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sdO = sQ + kBlockM * kS;
-  T* sK = sdO + kBlockM * kS;  // two buffers
-  T* sV = sK + 2 * kBlockN * kS;
+  T* sQ = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kTileQ;
+  T* sK = sdO + kTileQ;  // two buffers
+  T* sV = sK + 2 * kTileK;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  T* scratch = sV + kBlockN * kS + warp * gemm_rn_scratch_elems<1, kBlockN>();
+  T* scratch = sV + kTileK + warp * gemm_rn_scratch_elems<1, kBlockN>();
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y;
   const int bb = blockIdx.z;
@@ -154,8 +165,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const int r_hi = r_lo + Frag::kHi;
   const bool ok_lo = r_lo < p.len_q, ok_hi = r_hi < p.len_q;
 
-  if (!kPrep || kAdaptive) load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, m0, p.len_q, p.dim_v, tid);
+  if (!kPrep || kAdaptive) load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, m0, p.len_q, p.dim_v, tid);
   cp_async_commit();
 
   // Row statistics of this thread's two rows.
@@ -180,6 +191,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   }
 
   cp_async_wait<0>();
+  if (kWg) fence_proxy_async();  // (wgmma reads the tiles through the async proxy)
   __syncthreads();
 
   // delta = rowsum(dO * O) - dlse: the 4 lanes of a row split its columns in chunks of 8.
@@ -192,7 +204,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         const int row = half ? r_hi : r_lo;
         if (row >= p.len_q) continue;
         const uint4 ov = *reinterpret_cast<const uint4*>(o + row * p.o_sm + c);
-        const uint4 dv = *reinterpret_cast<const uint4*>(sdO + (lr + Frag::kHi * half) * kS + c);
+        const uint4 dv = *reinterpret_cast<const uint4*>(sdO + LQ::offset(lr + Frag::kHi * half, c));
         const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w};
         const uint32_t dw[4] = {dv.x, dv.y, dv.z, dv.w};
         float acc = 0.0f;
@@ -260,10 +272,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn (not in the pre-pass)
   for (int pass = kAdaptive ? 0 : 1; pass < (kPrep ? 1 : 2); ++pass) {
     float dbeta_lo = 0.0f, dbeta_hi = 0.0f;
-    load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
-    load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
+    load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+    load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
     cp_async_commit();
-    TileStream<kBlockN, kD, kS, kNThreads, T> k_stream, v_stream;  // from block 1 on
+    TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;  // from block 1 on
     k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
     v_stream.init(v, p.v_sm, kBlockN, p.dim_v, tid);
 
@@ -271,23 +283,33 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       constexpr bool kCheck = decltype(check)::value;
       const int n0 = j * kBlockN;
       const bool has_next = j + 1 < num_n;
-      const T* sKj = sK + (j & 1) * kBlockN * kS;
+      const T* sKj = sK + (j & 1) * kTileK;
       if (has_next) {
-        T* dst = sK + ((j + 1) & 1) * kBlockN * kS;
-        if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(dst, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+        T* dst = sK + ((j + 1) & 1) * kTileK;
+        if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(dst, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
         else k_stream.issue(dst, tid);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
         cp_async_wait<0>();
       }
+      if (kWg) fence_proxy_async();
       __syncthreads();  // K_j, V_j visible to every warp
 
       float s[1][kNT][4], dp[1][kNT][4];
-      zero(s);
-      zero(dp);
-      gemm_nt<T, 1, kBlockN, kD, kS, kS>(s, sQw, sKj, lane);
-      gemm_nt<T, 1, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
+      if constexpr (kWg) {
+        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[0], sQ, sKj);
+        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(dp[0], sdO, sV);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(s[0]);
+        wgmma_fence_operand(dp[0]);
+      } else {
+        zero(s);
+        zero(dp);
+        gemm_nt<T, 1, kBlockN, kD, kS, kS>(s, sQw, sKj, lane);
+        gemm_nt<T, 1, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
+      }
 
       if (kAdaptive && pass == 0) {
 #pragma unroll
@@ -314,14 +336,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
       __syncthreads();  // every warp is done with V_j
       if (has_next) {
-        if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0 + kBlockN, p.len_k, p.dim_v, tid);
+        if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, n0 + kBlockN, p.len_k, p.dim_v, tid);
         else v_stream.issue(sV, tid);
         cp_async_commit();
       }
       if (!kAdaptive || pass == 1) {
         uint32_t da[1][kBlockN / 16][4];
         acc_to_frag<T, kBlockN>(da[0], s[0]);
-        gemm_rn<T, 1, kD, kBlockN, kS>(dq_acc, da, sKj, lane, scratch);
+        if constexpr (kWg) {
+          wg_gemm_rn<T, kD, kBlockN, LK>(dq_acc[0], da[0], sKj);
+          wgmma_commit();
+          wgmma_wait<0>();
+          wgmma_fence_operand(dq_acc[0]);
+        } else {
+          gemm_rn<T, 1, kD, kBlockN, kS>(dq_acc, da, sKj, lane, scratch);
+        }
       }
       __syncthreads();  // every warp is done with K_j
     };
@@ -413,6 +442,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
+  using Pad = PaddedTile<kS>;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kNWarps = Tr::kNWarps;
   // queries per score GEMM (see the step): 16 in the fused kernel (its dQ registers), else all
@@ -476,9 +506,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
   const int num_t = tiles_per_head * p.group;
 
-  TileMap<kBlockM, kD, kS, kNThreads> tmap;
+  TileMap<kBlockM, kD, Pad, kNThreads> tmap;
   tmap.init(tid);
-  TileLoader<kBlockM, kD, kS, kNThreads, T> q_ld, do_ld;
+  TileLoader<kBlockM, kD, Pad, kNThreads, T> q_ld, do_ld;
   q_ld.init(tmap, p.q_sm);
   do_ld.init(tmap, p.do_sm);
   // Where the copies of a step come from: its head and first query; the addresses of its Q and dO
@@ -498,7 +528,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       // sm_70 / sm_75: copies go through registers, issued where few are free: no per-thread
       // loader state, statistics one float at a time (with either, ptxas spilled the dK/dV
       // kernels at D = 96 and 128 there)
-      load_tile<kBlockM, kD, kS, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, 0, p.len_q - src.mm, p.dim, tid);
+      load_tile<kBlockM, kD, Pad, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, 0, p.len_q - src.mm, p.dim, tid);
 #pragma unroll 1
       for (int i = tid; i < kBlockM * kNStat; i += kNThreads) stat[i] = ws[i];
     } else {
@@ -509,12 +539,12 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   };
   auto load_do = [&](const Src& src) {
     const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + src.hh * p.do_sh + static_cast<int64_t>(src.mm) * p.do_sm;
-    if (kSyncCopies) load_tile<kBlockM, kD, kS, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
+    if (kSyncCopies) load_tile<kBlockM, kD, Pad, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
     else do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
   };
 
-  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
-  load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+  load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, Pad, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
   if (num_t > 0) {
     const Src first{hk * p.group, m_first};
     load_q_stats(first, 0);

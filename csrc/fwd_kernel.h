@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
+  using Pad = PaddedTile<kS>;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kMS = Tr::kMS;      // 16-row strips per warp
   constexpr int kNT = kBlockN / 8;  // n8 tiles of a score strip
@@ -110,14 +111,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
   const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
 
-  load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+  load_tile<kBlockM, kD, Pad, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
   if (negate_q) {  // (block-uniform; visible to the other warps after the first barrier)
     cp_async_wait<0>();
-    negate_tile<kBlockM, kD, kS, kNThreads>(sQ, tid);
+    negate_tile<kBlockM, kD, Pad, kNThreads>(sQ, tid);
   }
-  TileStream<kBlockN, kD, kS, kNThreads, T> k_stream, v_stream;
+  TileStream<kBlockN, kD, Pad, kNThreads, T> k_stream, v_stream;
   k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
   v_stream.init(v, p.v_sm, 0, p.dim_v, tid);
 
@@ -139,14 +140,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
     if (kAsync) {
-      if (kCheck) load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      if (kCheck) load_tile<kBlockN, kD, Pad, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
       else v_stream.issue(sV, tid);
       cp_async_commit();
       cp_async_wait<1>();  // Q and K_j have landed
     } else {
       // synchronous: V_j now, before the scores are live (sV is free since step j - 1's last
       // barrier)
-      load_tile<kBlockN, kD, kS, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      load_tile<kBlockN, kD, Pad, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
       cp_async_commit();
     }
     __syncthreads();
@@ -238,14 +239,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     // P V GEMM on sm_75 and after it on sm_70 (where each order spills on the other path)
     constexpr bool kLateK = !kAsync && SSA_FLASH_SM70;
     if (!kLateK && j + 1 < num_n) {
-      if (kCheck || !kAsync) load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+      if (kCheck || !kAsync) load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       else k_stream.issue(sK, tid);
       cp_async_commit();
     }
     gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
     __syncthreads();  // every warp is done with V_j
     if (kLateK && j + 1 < num_n) {
-      load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+      load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       cp_async_commit();
     }
   };
@@ -315,6 +316,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
   constexpr int kS = Tr::kStride;
+  using Pad = PaddedTile<kS>;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kMS = Tr::kMS;
   constexpr int kNT = kBlockN / 8;
@@ -351,8 +353,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
 
-  load_tile<kBlockM, kD, kS, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, kS, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+  load_tile<kBlockM, kD, Pad, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
@@ -368,7 +370,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
     if (j + 1 < num_n) {
-      load_tile<kBlockN, kD, kS, kNThreads>(sK + ((j + 1) & 1) * kBlockN * kS, k, p.k_sm,
+      load_tile<kBlockN, kD, Pad, kNThreads>(sK + ((j + 1) & 1) * kBlockN * kS, k, p.k_sm,
                                             n0 + kBlockN, p.len_k, p.dim, tid);
       cp_async_commit();
       cp_async_wait<1>();

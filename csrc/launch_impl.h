@@ -29,6 +29,8 @@ inline std::string device_info(int& arch, int& max_optin) {
   arch = 700;
 #elif defined(SSA_FLASH_EMULATE_SM75)
   arch = 750;
+#elif defined(SSA_FLASH_EMULATE_SM90)
+  arch = 900;
 #else
   arch = 800;
 #endif

@@ -9,14 +9,53 @@
 namespace ssa_flash {
 
 // ------------------------------------------------------------------------------------------
+// Shared-memory tile layouts: where element (r, col) of a tile lives, in elements from the tile's
+// start (col a multiple of 8 for the 16-byte chunks copies move). A layout L gives
+//   L::offset(r, col); L::kLinearRows, L::kRowElems: rows r and r + j kLinearRows are
+//   j kLinearRows kRowElems elements apart (so copies of rows kStep apart, kStep a multiple of
+//   kLinearRows, advance by a constant); L::elems(rows, d): the tile's size in elements.
+
+// Rows of kStride = D + 8 elements (the mma.sync code paths: the 16-byte pad puts the 8 row
+// addresses of each ldmatrix in distinct bank groups).
+template <int kStride_>
+struct PaddedTile {
+  static constexpr int kStride = kStride_;
+  static constexpr int kLinearRows = 1;
+  static constexpr int kRowElems = kStride_;
+  static constexpr int elems(int rows, int) { return rows * kStride_; }
+  static SSA_DEVICE int offset(int r, int col) { return r * kStride_ + col; }
+};
+
+// The wgmma code path's K-major layout with the 128-byte swizzle (utils.h, wgmma_desc), for a
+// tile of kRows rows (a multiple of 8): the head dim in panels of 64 columns (128 bytes), panel
+// p a [kRows][64] block at p kRows 64, row r of it at r 64, and the 16-byte chunk c of the row
+// at position c ^ (r % 8). Copies of 8 consecutive chunks of a row hit 8 distinct bank groups, and
+// with the tile 1024-byte aligned every swizzle atom (8 rows of a panel) is: a 16-column slice of
+// a panel is then a K-major wgmma operand (SBO 1024 bytes), a 16-row slice an MN-major one
+// (k along the rows: SBO 1024 bytes; LBO: the next panel, kRows 128 bytes).
+template <int kRows_>
+struct Sw128Tile {
+  static_assert(kRows_ % 8 == 0, "Sw128Tile: whole swizzle atoms");
+  static constexpr int kRows = kRows_;
+  static constexpr int kLinearRows = 8;
+  static constexpr int kRowElems = 64;
+  static constexpr int kPanelElems = kRows_ * 64;
+  static constexpr int kPanelBytes = kRows_ * 128;
+  static constexpr int elems(int, int d) { return (d + 63) / 64 * kPanelElems; }
+  static SSA_DEVICE int offset(int r, int col) {
+    return (col >> 6) * kPanelElems + r * 64 + ((((col >> 3) ^ r) & 7) << 3) + (col & 7);
+  }
+};
+
+// ------------------------------------------------------------------------------------------
 // Global -> shared
 
 // Rows [row0, row0 + kRows) and columns [0, kHeadDim) of a row-major global matrix with row
-// stride `stride` (unit column stride), into shared memory with row stride kStride. Rows >= len
+// stride `stride` (unit column stride), into shared memory laid out as L. Rows >= len
 // and columns >= cols (a multiple of 8) are zero-filled. 16-byte cp.async per 8 elements.
 // kInRange: the caller knows rows [row0, row0 + kRows) are all < len (interior key blocks), so no
 // row predicate or fallback address is needed.
-template <int kRows, int kHeadDim, int kStride, int kNThreads, bool kInRange = false, typename T>
+template <int kRows, int kHeadDim, typename L, int kNThreads, bool kInRange = false, typename T>
 SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int len, int cols,
                           int tid) {
   constexpr int kChunks = kHeadDim / 8;
@@ -26,15 +65,16 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
     // global base address plus constant offsets (few registers, which the forward at D = 128
     // needs: per-copy addresses were being spilled).
     constexpr int kStep = kNThreads / kChunks;
+    static_assert(kStep % L::kLinearRows == 0, "load_tile: rows kStep apart must be a constant apart");
     const int r0 = tid / kChunks;
     const int col = (tid % kChunks) * 8;
-    T* dst = smem + r0 * kStride + col;
+    T* dst = smem + L::offset(r0, col);
     const T* src = gmem + static_cast<int64_t>(row0 + r0) * stride + col;
     const bool col_ok = col < cols;
 #pragma unroll
     for (int it = 0; it < kTotal / kNThreads; ++it) {
       const bool ok = col_ok && (kInRange || row0 + r0 + it * kStep < len);
-      cp_async_16(dst + it * kStep * kStride, ok ? src + it * kStep * stride : gmem, ok);
+      cp_async_16(dst + it * kStep * L::kRowElems, ok ? src + it * kStep * stride : gmem, ok);
     }
   } else {
     constexpr int kIters = (kTotal + kNThreads - 1) / kNThreads;
@@ -47,7 +87,7 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
       const int grow = row0 + r;
       const bool ok = grow < len && col < cols;
       const T* src = ok ? gmem + static_cast<int64_t>(grow) * stride + col : gmem;
-      cp_async_16(smem + r * kStride + col, src, ok);
+      cp_async_16(smem + L::offset(r, col), src, ok);
     }
   }
 }
@@ -59,13 +99,14 @@ SSA_DEVICE void load_tile(T* smem, const T* gmem, int64_t stride, int row0, int 
 // index * stride products and predicates of load_tile (which ptxas did not hoist out of the key
 // loop: about 1.5 integer instructions per score element in the forward at D = 64). A thread
 // whose chunk lies beyond the head dim (`cols`) zero-fills from a pointer that never moves.
-template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+template <int kRows, int kHeadDim, typename L, int kNThreads, typename T>
 struct TileStream {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kStep = kNThreads / kChunks;
   // Head dims whose chunks do not split evenly over the threads (D = 96 with 128 threads) use
   // load_tile's general mapping, with a running row index.
-  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
+  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0 &&
+                                (kNThreads / kChunks) % L::kLinearRows == 0;
   const T* src;     // even: the thread's first chunk of the next tile; else the matrix
   int64_t row_step; // even: elements between the thread's rows r0 and r0 + kStep (0 when it only
                     // zero-fills); else the row stride
@@ -81,7 +122,7 @@ struct TileStream {
       ok = col < cols_;
       row_step = ok ? kStep * stride : 0;
       src = ok ? gmem + static_cast<int64_t>(row0 + r0) * stride + col : gmem;
-      dst = r0 * kStride + col;
+      dst = L::offset(r0, col);
     } else {
       src = gmem;
       row_step = stride;
@@ -96,12 +137,12 @@ struct TileStream {
       const T* s = src;
 #pragma unroll
       for (int it = 0; it < kRows / kStep; ++it) {
-        cp_async_16(smem + dst + it * kStep * kStride, s, ok);
+        cp_async_16(smem + dst + it * kStep * L::kRowElems, s, ok);
         s += row_step;
       }
       src = s;
     } else {
-      load_tile<kRows, kHeadDim, kStride, kNThreads, true>(smem, src, row_step, dst, dst + kRows, cols, tid);
+      load_tile<kRows, kHeadDim, L, kNThreads, true>(smem, src, row_step, dst, dst + kRows, cols, tid);
       dst += kRows;
     }
   }
@@ -114,11 +155,12 @@ struct TileStream {
 // recomputes row * stride products per copy). The row mapping (TileMap) is shared by the
 // tensors; each has its own strides (TileLoader). Head dims whose chunks do not split evenly
 // over the threads use load_tile.
-template <int kRows, int kHeadDim, int kStride, int kNThreads>
+template <int kRows, int kHeadDim, typename L, int kNThreads>
 struct TileMap {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kStep = kNThreads / kChunks;
-  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0;
+  static constexpr bool kEven = kNThreads % kChunks == 0 && kRows % (kNThreads / kChunks) == 0 &&
+                                (kNThreads / kChunks) % L::kLinearRows == 0;
   int r0;   // the thread's first row
   int col;  // its column
   SSA_DEVICE void init(int tid) {
@@ -127,9 +169,9 @@ struct TileMap {
   }
 };
 
-template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+template <int kRows, int kHeadDim, typename L, int kNThreads, typename T>
 struct TileLoader {
-  using Map = TileMap<kRows, kHeadDim, kStride, kNThreads>;
+  using Map = TileMap<kRows, kHeadDim, L, kNThreads>;
   // even: the thread's first chunk from the tile's first row, elements; else 0. The only
   // per-thread state: the row step and the column bound are passed to each issue (the kernel's
   // strides: uniform registers), which keeps the register count of the kernels at D >= 96 down.
@@ -151,19 +193,19 @@ struct TileLoader {
 #pragma unroll
       for (int it = 0; it < kRows / Map::kStep; ++it) {
         const bool in = col_ok && m.r0 + it * Map::kStep < rows_left;
-        cp_async_16(smem + m.r0 * kStride + m.col + it * Map::kStep * kStride, in ? src : valid, in);
+        cp_async_16(smem + L::offset(m.r0, m.col) + it * Map::kStep * L::kRowElems, in ? src : valid, in);
         src += row_step;
       }
     } else {
       (void)valid;
-      load_tile<kRows, kHeadDim, kStride, kNThreads>(smem, tile, stride, 0, rows_left, cols, tid);
+      load_tile<kRows, kHeadDim, L, kNThreads>(smem, tile, stride, 0, rows_left, cols, tid);
     }
   }
 };
 
 // Flips the sign of the 16-bit elements this thread copied with load_tile (same mapping); the
 // caller has waited for its copies. Used on the Q tile of SSA heads with n < 0 (fwd_kernel.h).
-template <int kRows, int kHeadDim, int kStride, int kNThreads, typename T>
+template <int kRows, int kHeadDim, typename L, int kNThreads, typename T>
 SSA_DEVICE void negate_tile(T* smem, int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kTotal = kRows * kChunks;
@@ -172,7 +214,7 @@ SSA_DEVICE void negate_tile(T* smem, int tid) {
   for (int it = 0; it < kIters; ++it) {
     const int c = it * kNThreads + tid;
     if (kTotal % kNThreads != 0 && c >= kTotal) break;
-    uint4* ptr = reinterpret_cast<uint4*>(smem + (c / kChunks) * kStride + (c % kChunks) * 8);
+    uint4* ptr = reinterpret_cast<uint4*>(smem + L::offset(c / kChunks, (c % kChunks) * 8));
     uint4 x = *ptr;
     x.x ^= 0x80008000u;
     x.y ^= 0x80008000u;
@@ -307,6 +349,50 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
 #endif
 }
 
+// ------------------------------------------------------------------------------------------
+// Warpgroup GEMMs (sm_90a, wgmma; utils.h): the 4 warps of a CTA compute a 64-row product
+// together, warp w's accumulators being rows 16 w .. 16 w + 15 in the layout of the warp GEMMs
+// (kMS = 1), so the elementwise code after them is the same. Operands are Sw128Tile tiles read
+// by the tensor cores through descriptors (no ldmatrix). These only issue: the caller commits the
+// group and waits for it (wgmma_commit, wgmma_wait) before reading the accumulators.
+
+// Descriptor `desc` moved by `bytes` (a multiple of 16; stays inside shared memory, so the start
+// address field does not overflow).
+SSA_DEVICE uint64_t desc_add(uint64_t desc, int bytes) { return desc + static_cast<uint64_t>(bytes >> 4); }
+
+// acc (64 x kN) = A (64 x kK) B^T: A a 64-row tile, B a kN-row tile (as gemm_nt: both with k
+// along the columns, K-major). One wgmma per 16 columns of k (+32 bytes inside a panel).
+template <typename T, int kN, int kK, typename LA, typename LB>
+SSA_DEVICE void wg_gemm_nt(float (&acc)[kN / 8][4], const T* sA, const T* sB) {
+  static_assert(LA::kRows == 64 && LB::kRows == kN, "wg_gemm_nt: a 64-row A tile and a kN-row B tile");
+  const uint64_t da = wgmma_desc(sA, 16, 1024), db = wgmma_desc(sB, 16, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const int panel = kk / 4, within = (kk % 4) * 32;  // bytes
+    wgmma_ss<T, kN>(acc, desc_add(da, panel * LA::kPanelBytes + within), desc_add(db, panel * LB::kPanelBytes + within),
+                    kk > 0);
+  }
+}
+
+// acc (64 x kN) += A (64 x kK, per warp the A fragments of its 16 rows, as acc_to_frag makes
+// them) B, B a kK-row tile read with n along its columns (N-major), 64 columns (one panel) per
+// wgmma.
+template <typename T, int kN, int kK, typename LB>
+SSA_DEVICE void wg_gemm_rn(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], const T* sB) {
+  static_assert(LB::kRows == kK && kN % 64 == 0, "wg_gemm_rn: a kK-row B tile, whole 64-column panels");
+  const uint64_t db = wgmma_desc(sB, LB::kPanelBytes, 1024);
+  wgmma_fence_operand(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kb = 0; kb < kK / 16; ++kb) {
+#pragma unroll
+    for (int c = 0; c < kN / 64; ++c)
+      wgmma_rs_tb<T, 64>(*reinterpret_cast<float(*)[8][4]>(&acc[8 * c]), a[kb],
+                         desc_add(db, c * LB::kPanelBytes + kb * 16 * 128), 1);
+  }
+}
+
 // The A fragments (as acc_to_frag makes them) of a 16 x kK block stored row-major in shared
 // memory (k contiguous): ldmatrix as in gemm_nt on sm_75+, 32-bit loads at the positions struct
 // Frag gives on sm_70.
@@ -386,11 +472,23 @@ SSA_DEVICE void zero(float (&acc)[kMS][kN][4]) {
   for (int ms = 0; ms < kMS; ++ms) zero(acc[ms]);
 }
 
-// A compile-time bool for generic lambdas (no <type_traits> under NVRTC).
+// A compile-time bool for generic lambdas, and a type chosen by one (no <type_traits> under
+// NVRTC).
 template <bool B>
 struct Bool {
   static constexpr bool value = B;
 };
+
+template <bool B, typename A, typename C>
+struct SelectType {
+  using type = A;
+};
+template <typename A, typename C>
+struct SelectType<false, A, C> {
+  using type = C;
+};
+template <bool B, typename A, typename C>
+using Select = typename SelectType<B, A, C>::type;
 
 // ------------------------------------------------------------------------------------------
 // Logits, in base-2 units: l2 = phi(z) log2(e) + mask log2(e), z = scale * s for the raw dot

@@ -57,9 +57,20 @@ constexpr int sm70_scratch_bytes(int warps, int strips, int k, int elem_bytes) {
 constexpr int fwd_strips(int d) { return fwd_block_m(d) / (16 * fwd_warps(d)); }
 
 // The code path of an architecture (100 major + 10 minor): sm_70 (mma.m8n8k4, no ldmatrix),
-// sm_75 (m16n8k8, no cp.async), sm_80+ (m16n8k16, cp.async). Shared memory depends on it.
-enum CodePath : int { kPathSm70 = 0, kPathSm75 = 1, kPathSm80 = 2 };
-constexpr int code_path(int arch) { return arch < 750 ? kPathSm70 : arch < 800 ? kPathSm75 : kPathSm80; }
+// sm_75 (m16n8k8, no cp.async), sm_80+ (m16n8k16, cp.async), sm_90 (the sm_80 code, and wgmma
+// where a kernel has it and the build has sm_90a code). Shared memory depends on it.
+enum CodePath : int { kPathSm70 = 0, kPathSm75 = 1, kPathSm80 = 2, kPathSm90 = 3 };
+constexpr int code_path(int arch) {
+  return arch < 750 ? kPathSm70 : arch < 800 ? kPathSm75 : arch == 900 ? kPathSm90 : kPathSm80;
+}
+
+// The dQ kernel's GEMMs are wgmma on sm_90a at these head dims (bwd_kernel.h): its 64-row query
+// tile is one warpgroup's m64, and the head dim is whole 64-column panels of the swizzled tiles
+// (the dQ GEMM's N-major B operand is read a panel per wgmma).
+constexpr bool dq_wgmma(int d) { return d == 64 || d == 128; }
+// Bytes of a 128-byte-swizzled tile (tile.h, Sw128Tile): 64-column panels of 128-byte rows.
+constexpr int sw128_tile_bytes(int rows, int d) { return (d + 63) / 64 * rows * 128; }
+constexpr int max_int(int a, int b) { return a > b ? a : b; }
 
 // Shared memory of each kernel on code path `path`: sm_70 adds the gemm_rn scratch.
 constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
@@ -69,9 +80,14 @@ constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
 constexpr int stats_smem_bytes(int d, int elem_bytes) {
   return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes;
 }
+// On sm_90 the larger of the wgmma layout's (swizzled tiles, plus 1024 bytes to align them) and
+// the sm_80 one's, as the build may hold either code for the device.
 constexpr int dq_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
-  return (2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes +
-         (path == kPathSm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0);
+  return max_int((2 * dq_block_m(d) + 3 * dq_block_n(d)) * smem_row(d) * elem_bytes +
+                     (path == kPathSm70 ? sm70_scratch_bytes(dq_warps(d), 1, dq_block_n(d), elem_bytes) : 0),
+                 path == kPathSm90 && dq_wgmma(d)
+                     ? 2 * sw128_tile_bytes(dq_block_m(d), d) + 3 * sw128_tile_bytes(dq_block_n(d), d) + 1024
+                     : 0);
 }
 // per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
 constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
@@ -83,7 +99,7 @@ constexpr int bwd_stat_rows(int len_q) { return (len_q + 63) / 64 * 64; }
 // does) rather than registers: above D = 64 on sm_80+, where the 8 registers it frees per thread
 // keep ptxas from spilling (the dK / dV accumulators take 2 D / 4 registers; sm_75's 64 KiB do
 // not hold the extra tile at D = 128).
-constexpr bool dkdv_stores_ds(int d, int path) { return d > 64 && path == kPathSm80; }
+constexpr bool dkdv_stores_ds(int d, int path) { return d > 64 && path >= kPathSm80; }
 constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
          2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
@@ -152,7 +168,9 @@ constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int pat
 // Shared memory of the fused backward's pre-pass (the dQ kernel with kPrep): delta only needs the
 // dO tile (after the unused Q tile); the adaptive dbeta pass needs the dQ kernel's tiles.
 constexpr int bwd_prep_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
-  return adaptive ? dq_smem_bytes(d, elem_bytes, path) : 2 * dq_block_m(d) * smem_row(d) * elem_bytes;
+  return adaptive ? dq_smem_bytes(d, elem_bytes, path)
+                  : max_int(2 * dq_block_m(d) * smem_row(d) * elem_bytes,
+                            path == kPathSm90 && dq_wgmma(d) ? 2 * sw128_tile_bytes(dq_block_m(d), d) + 1024 : 0);
 }
 
 template <int D, typename T>

@@ -41,6 +41,15 @@
 #define SSA_FLASH_ASYNC_COPIES 1
 #endif
 
+// The Hopper code path (sm_90a, not plain sm_90): wgmma, the asynchronous warpgroup MMA, with
+// operands read from shared memory through matrix descriptors (tile.h, Sw128Tile). Used by the
+// kernels that say so (bwd_kernel.h, dq_wgmma); elsewhere sm_90 runs the sm_80 code.
+#if defined(SSA_FLASH_EMULATE_SM90) || (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#define SSA_FLASH_WGMMA 1
+#else
+#define SSA_FLASH_WGMMA 0
+#endif
+
 #ifdef SSA_FLASH_EMULATE
 // CPU emulation of the CUDA execution model for testing without a GPU (csrc/emu/).
 #include "emu/emu_runtime.h"
@@ -125,7 +134,15 @@ using ssa_emu::lg2;
 using ssa_emu::rcp;
 using ssa_emu::mma_1688_f16;
 using ssa_emu::mma_884;
+using ssa_emu::smem_u32;
 using ssa_emu::syncwarp;
+using ssa_emu::fence_proxy_async;
+using ssa_emu::wgmma_commit;
+using ssa_emu::wgmma_fence;
+using ssa_emu::wgmma_fence_operand;
+using ssa_emu::wgmma_rs_tb;
+using ssa_emu::wgmma_ss;
+using ssa_emu::wgmma_wait;
 #else
 // ------------------------------------------------------------------------------------------
 // Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
@@ -380,6 +397,141 @@ SSA_DEVICE void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], 
   __trap();
 #endif
 }
+#endif  // !SSA_FLASH_EMULATE
+
+// ------------------------------------------------------------------------------------------
+// wgmma (sm_90a): D (64 x N, f32) = A (64 x 16) * B (16 x N) [+ D], issued by a warpgroup (4
+// consecutive warps) and completed asynchronously: issue, commit the group, wait for it.
+// Register layouts (PTX ISA, "Matrix fragments for wgmma.m64nNk16"): warp w of the group holds
+// rows 16 w .. 16 w + 15, and inside them exactly the mma.m16n8k16 layouts above, so
+// accumulators are float[N / 8][4] as struct Frag describes and an A operand in registers is
+// the uint32_t[4] of one 16 x 16 block (acc_to_frag). Operands in shared memory are described by
+// a 64-bit matrix descriptor; the tiles here use the 128-byte swizzle only (tile.h, Sw128Tile):
+//   bits 0-13 start address >> 4, 16-29 leading-dimension byte offset >> 4, 32-45 stride-
+//   dimension byte offset >> 4, 49-51 base offset (0: every swizzle atom 1024-byte aligned),
+//   62-63 swizzle mode (1: 128 B).
+// K-major operand (k contiguous, 64 elements = 128 B per row of m or n): rows 8 apart are SBO
+// bytes apart; a k step of 16 elements inside the 128-byte row is +32 bytes on the start address
+// (the swizzle is a function of the address bits, 7-9 into 4-6). MN-major operand (n contiguous,
+// 64 n per 128-byte row of one k): k rows 8 apart are SBO apart, the next 64 n LBO apart.
+// Ordering: shared memory written through the generic proxy (st.shared, cp.async) must be fenced
+// (fence_proxy_async) by the writing threads before the barrier after which wgmma reads it; the
+// accumulators and the A registers must not be touched between issue and wait (the compiler is
+// kept from moving code across with wgmma_fence_operand).
+
+SSA_DEVICE uint64_t wgmma_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  const uint32_t addr = smem_u32(smem);
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// The first 1024-byte aligned address at or after `p` (shared memory; the kernel asks for 1024
+// bytes more than its tiles need).
+template <typename T>
+SSA_DEVICE T* align_smem_1024(void* p) {
+  return reinterpret_cast<T*>(static_cast<char*>(p) + ((1024 - (smem_u32(p) & 1023)) & 1023));
+}
+
+#ifndef SSA_FLASH_EMULATE
+SSA_DEVICE void fence_proxy_async() {
+#if SSA_FLASH_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+SSA_DEVICE void wgmma_fence() {
+#if SSA_FLASH_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+SSA_DEVICE void wgmma_commit() {
+#if SSA_FLASH_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+SSA_DEVICE void wgmma_wait() {
+#if SSA_FLASH_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// An empty asm that "modifies" each register: the compiler may not move reads or writes of
+// them across it (placed after a wait and before an issue).
+template <int N>
+SSA_DEVICE void wgmma_fence_operand(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    asm volatile("" : "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])::"memory");
+}
+
+template <int N>
+SSA_DEVICE void wgmma_fence_operand(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3])::"memory");
+}
+
+#define SSA_WG_D1(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define SSA_WG_D4(i) SSA_WG_D1(i), SSA_WG_D1(i + 1), SSA_WG_D1(i + 2), SSA_WG_D1(i + 3)
+#define SSA_WG_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define SSA_WG_R32                                                                                        \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// "accumulate" is scale-d: 0 gives D = A B (the old D is not read)
+#define SSA_WG_SS(N, REGS, TY, IA, IB, IS, ...)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IS ", 0;\n"                                    \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" IA ", %" IB \
+               ", p, 1, 1, 0, 0;\n}\n"                                                              \
+               : __VA_ARGS__                                                                        \
+               : "l"(da), "l"(db), "r"(accumulate))
+// A from registers (operands A0..A3), B N-major ("transposed")
+#define SSA_WG_RS_TB(N, REGS, TY, A0, A1, A2, A3, IB, IS, ...)                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IS ", 0;\n"                                      \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", {%" A0 ", %" A1 \
+               ", %" A2 ", %" A3 "}, %" IB ", p, 1, 1, 1;\n}\n"                                          \
+               : __VA_ARGS__                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate))
+
+// Both operands from shared memory, both K-major: d (64 x N) [+]= A (desc da) * B (desc db).
+template <typename T, int N>
+SSA_DEVICE void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate) {
+  static_assert(N == 32 || N == 64, "wgmma_ss: N = 32 or 64");
+#if SSA_FLASH_WGMMA
+  if constexpr (N == 32) {
+    if constexpr (ElemInfo<T>::kIsBF16) SSA_WG_SS(32, SSA_WG_R16, "bf16", "16", "17", "18", SSA_WG_D4(0));
+    else SSA_WG_SS(32, SSA_WG_R16, "f16", "16", "17", "18", SSA_WG_D4(0));
+  } else {
+    if constexpr (ElemInfo<T>::kIsBF16) SSA_WG_SS(64, SSA_WG_R32, "bf16", "32", "33", "34", SSA_WG_D4(0), SSA_WG_D4(4));
+    else SSA_WG_SS(64, SSA_WG_R32, "f16", "32", "33", "34", SSA_WG_D4(0), SSA_WG_D4(4));
+  }
+#else
+  (void)d; (void)da; (void)db; (void)accumulate;
+  __trap();
+#endif
+}
+
+// A from registers (one 16 x 16 block per warp, the mma.m16n8k16 A fragment), B from shared
+// memory N-major: d (64 x N) [+]= A * B (desc db).
+template <typename T, int N>
+SSA_DEVICE void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  static_assert(N == 64, "wgmma_rs_tb: N = 64");
+#if SSA_FLASH_WGMMA
+  if constexpr (ElemInfo<T>::kIsBF16)
+    SSA_WG_RS_TB(64, SSA_WG_R32, "bf16", "32", "33", "34", "35", "36", "37", SSA_WG_D4(0), SSA_WG_D4(4));
+  else SSA_WG_RS_TB(64, SSA_WG_R32, "f16", "32", "33", "34", "35", "36", "37", SSA_WG_D4(0), SSA_WG_D4(4));
+#else
+  (void)d; (void)a; (void)db; (void)accumulate;
+  __trap();
+#endif
+}
+#undef SSA_WG_D1
+#undef SSA_WG_D4
+#undef SSA_WG_R16
+#undef SSA_WG_R32
+#undef SSA_WG_SS
+#undef SSA_WG_RS_TB
 #endif  // !SSA_FLASH_EMULATE
 
 }  // namespace ssa_flash

@@ -56,15 +56,6 @@ THRESHOLDS = {
 XFAIL_REASON = "issue 14 item 3 target, CUDA kernels not there yet"
 # Keys: "<check>" -> set of ids ("sm90-bwd_dq-ssa-d128-bf16", ...). Remove an entry when it passes.
 KNOWN_FAILURES = {
-    # the dQ kernel on sm_90 (mma.sync against Triton's wgmma: Triton issues 0.38 / 1.12 tensor and
-    # 0.53 / 1.31 memory instructions per element at D = 64 / 128, mma.sync + ldmatrix 3 / 6 and
-    # 2.25 / 5.0; every other category is at or below Triton's; docs/cuda.md)
-    "vs_triton": {
-        "sm90-bwd_dq-softmax-d64-bf16",   # 11.84 vs 8.28 (1.43x)
-        "sm90-bwd_dq-ssa-d64-bf16",       # 19.88 vs 14.78 (1.34x)
-        "sm90-bwd_dq-softmax-d128-bf16",  # 19.75 vs 14.56 (1.36x)
-        "sm90-bwd_dq-ssa-d128-bf16",      # 27.75 vs 21.50 (1.29x)
-    },
     # D = 256: 64-row tiles (16 rows per warp); 32 rows x 256 columns of output accumulators are
     # 256 registers per thread (FlashAttention-2 also runs 16 rows per warp at D = 256)
     "fwd_rows_per_warp": {f"sm{a}-fwd-any-d256-bf16" for a in ARCHS},

@@ -277,6 +277,20 @@ def test_cuda_device_check(fake_gpu, cap, fp16, bf16):
     assert ("float16 or bfloat16" if fp16 else "sm_70") in (cuda_backend.supports(t, t, t, spec) or "")
 
 
+def test_jit_build_targets_sm90a(monkeypatch):
+    """A JIT build with no TORCH_CUDA_ARCH_LIST compiles an H100's code as sm_90a (the dQ kernel's
+    wgmma path; torch's default, plain sm_90, would leave it out), other GPUs as themselves."""
+    caps = [(9, 0), (8, 0), (9, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: caps[i])
+    assert cuda_backend.jit_arch_list() == "8.0;9.0a"
+    caps[:] = [(8, 6)]
+    assert cuda_backend.jit_arch_list() == "8.6"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_backend.jit_arch_list() is None
+
+
 def test_auto_never_picks_an_emulated_cuda_backend():
     with cuda_backend.emulated(object()):
         assert "cuda" in ssa_flash.available_backends("cpu")

@@ -128,3 +128,7 @@ extern "C" void ssa_emu_bwd_plan(int dim, int dim_v, int len_q, int len_k, int s
   out[3] = plan.stat_count;
   out[4] = plan.accum_cols;
 }
+
+// wgmma operations issued (per thread) in this process so far, by any emulator library loaded
+// (emu_runtime.h, Config): it grows only while a kernel runs its sm_90a path.
+extern "C" long ssa_emu_wgmma_issued() { return ssa_emu::config().wgmma_issued; }

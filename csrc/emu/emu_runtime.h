@@ -15,7 +15,12 @@
 // therefore check). cp.async copies are performed either at issue ("eager") or at the
 // cp.async.wait_group that retires them ("lazy"); both are legal hardware behaviours, so a
 // correct kernel gives identical results in both modes (the sm_70 / sm_75 emulations, which have
-// no cp.async, copy at issue in both). Shared memory starts filled with NaNs.
+// no cp.async, copy at issue in both). wgmma (sm_90a) is emulated the same way: the operation is
+// a synchronisation point of the block (its operands are collected there), and it is carried out
+// either at issue or at the wgmma.wait_group that retires it, reading shared memory through the
+// descriptor as the PTX ISA's canonical layouts define (128-byte swizzle). Shared memory starts
+// filled with NaNs, and its window starts at a shared address that is not 1024-byte aligned
+// (kSmemWindowBase), as the kernels must not assume it is.
 //
 // Not modelled: warp scheduling beyond the above, memory-model subtleties, timing.
 #pragma once
@@ -31,17 +36,28 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+namespace ssa_flash {
+// the dynamic shared memory of every kernel (`extern __shared__ uint4 smem_raw[]`)
+alignas(1024) inline uint4 smem_raw[256 * 1024 / sizeof(uint4)];
+}  // namespace ssa_flash
 
 namespace ssa_emu {
 
-enum SyncKind : int { kBar = 1, kBarOr, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync };
+// The shared-memory address of smem_raw[0] (what cvta.to.shared would give): 16-byte aligned but
+// not 1024-byte aligned, so a kernel that needs aligned swizzle atoms must align them itself.
+constexpr uint32_t kSmemWindowBase = 400;
+
+enum SyncKind : int { kBar = 1, kBarOr, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync, kWgmma };
 
 struct Slot {
   int kind;
@@ -51,6 +67,18 @@ struct Slot {
   const void* addr;
   float val;
   int off;
+  uint64_t desc[2];  // wgmma: A (when from shared memory) and B descriptors
+};
+
+// One wgmma of one thread: its accumulators and the operands (A rows of this thread collected at
+// issue when A is in registers; shared-memory operands read when the operation is carried out).
+struct WgmmaOp {
+  float* d;  // float[n / 8][4]
+  int n;
+  bool a_regs, trans_b, bf16, accumulate;
+  uint64_t desc_a, desc_b;
+  float a_rows[2][16];  // rows g and g + 8 of this warp's 16 (A in registers)
+  int warp_in_group, lane;
 };
 
 struct Copy {
@@ -69,12 +97,17 @@ struct Fiber {
   Slot slot[2];
   std::vector<Copy> open;
   std::deque<std::vector<Copy>> groups;
+  std::vector<WgmmaOp> wg_open;
+  std::deque<std::vector<WgmmaOp>> wg_groups;
 };
 
 struct Config {
-  bool lazy_copies = false;
+  bool lazy_copies = false;  // cp.async and wgmma complete at their wait, not at issue
   bool shuffle = true;
   unsigned seed = 1;
+  // wgmma issued, counted per thread (tests: the path ran). Process-wide, like every static of
+  // these inline functions: GCC makes them unique symbols, shared by all emulator libraries loaded.
+  long wgmma_issued = 0;
 };
 
 inline Config& config() {
@@ -360,6 +393,154 @@ inline void mma_884(float (&c_lo)[4], float (&c_hi)[4], uint32_t a0, uint32_t a1
 }
 
 // ------------------------------------------------------------------------------------------
+// wgmma (sm_90a), from the PTX ISA ("Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
+// wgmma.mma_async.m64nNk16.f32.{f16,bf16}: D (64 x N) = A (64 x 16) B (16 x N) + (scale-d ? D : 0).
+// Thread `lane` of warp w of the warpgroup (g = lane / 4, t = lane % 4) holds
+//   D: d[nt][i] at row 16 w + g + 8 (i / 2), column 8 nt + 2 t + (i % 2)
+//   A in registers: a0 (16 w + g, k 2t..2t+1), a1 (16 w + g + 8, 2t..), a2 (16 w + g, 2t+8..),
+//   a3 (16 w + g + 8, 2t+8..), lower k in the low half
+// Shared-memory operands through a matrix descriptor: start address (bits 0-13), leading byte
+// offset LBO (16-29), stride byte offset SBO (32-45), each >> 4; base offset (49-51); swizzle
+// mode (62-63; 1 = 128 B). Canonical layouts (CuTe notation, in elements, T = 8 16-bit
+// elements per 16 bytes), then Swizzle<3,4,3> of the byte address (bits 7-9 XORed into 4-6):
+//   K-major,  128 B swizzle: ((8, m), (T, 2k)) : ((8T, SBO), (1, T))
+//   MN-major, 128 B swizzle: ((T, 8, m), (8, k)) : ((1, T, LBO), (8T, SBO))
+// Only what the kernels use is modelled (16-bit types, the 128-byte swizzle, base offset 0);
+// anything else aborts the emulation.
+
+inline uint32_t smem_u32(const void* p) {
+  return kSmemWindowBase + static_cast<uint32_t>(static_cast<const char*>(p) -
+                                                 reinterpret_cast<const char*>(ssa_flash::smem_raw));
+}
+
+[[noreturn]] inline void emu_fail(const char* what) {
+  std::fprintf(stderr, "ssa_emu: %s\n", what);
+  std::abort();
+}
+
+// Element (mn, k) of the operand `desc` describes (K-major or MN-major), as a float.
+inline float wgmma_elem(uint64_t desc, int mn, int k, bool mn_major, bool bf16) {
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
+  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4;
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
+  if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0) emu_fail("wgmma: only the 128-byte swizzle with base offset 0 is emulated");
+  constexpr int kT = 8;
+  uint32_t off;
+  if (!mn_major) {
+    // mn = r0 + 8 r1 -> r0 * 8T + r1 * SBO; k (< 2T within one instruction) -> k
+    off = static_cast<uint32_t>((mn % 8) * 8 * kT * 2) + static_cast<uint32_t>(mn / 8) * sbo + static_cast<uint32_t>(k * 2);
+  } else {
+    // mn = n0 + T n1 + 8T n2 -> n0 + T n1 + n2 * LBO; k = k0 + 8 k1 -> k0 * 8T + k1 * SBO
+    off = static_cast<uint32_t>((mn % (8 * kT)) * 2) + static_cast<uint32_t>(mn / (8 * kT)) * lbo +
+          static_cast<uint32_t>((k % 8) * 8 * kT * 2) + static_cast<uint32_t>(k / 8) * sbo;
+  }
+  uint32_t addr = start + off;
+  addr ^= ((addr >> 7) & 7u) << 4;
+  if (addr < kSmemWindowBase || addr + 2 > kSmemWindowBase + sizeof(ssa_flash::smem_raw)) emu_fail("wgmma: operand outside shared memory");
+  const void* p = reinterpret_cast<const char*>(ssa_flash::smem_raw) + (addr - kSmemWindowBase);
+  return bf16 ? to_float<__nv_bfloat16>(load16(p, 0)) : to_float<__half>(load16(p, 0));
+}
+
+inline void wgmma_run(const WgmmaOp& op) {
+  const int g = op.lane / 4, t = op.lane % 4;
+  float A[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 16; ++k)
+      A[h][k] = op.a_regs ? op.a_rows[h][k] : wgmma_elem(op.desc_a, 16 * op.warp_in_group + g + 8 * h, k, false, op.bf16);
+  for (int nt = 0; nt < op.n / 8; ++nt) {
+    for (int c = 0; c < 2; ++c) {
+      const int col = 8 * nt + 2 * t + c;
+      float B[16];
+      for (int k = 0; k < 16; ++k) B[k] = wgmma_elem(op.desc_b, col, k, op.trans_b, op.bf16);
+      for (int h = 0; h < 2; ++h) {
+        float acc = 0.0f;
+        for (int k = 0; k < 16; ++k) acc += A[h][k] * B[k];
+        float& d = op.d[4 * nt + 2 * h + c];
+        d = (op.accumulate ? d : 0.0f) + acc;
+      }
+    }
+  }
+}
+
+// Issue: a synchronisation point of the block (the warpgroup's operands are collected; every
+// thread must pass the same descriptors), then carried out now or at the retiring wait.
+inline void wgmma_issue(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool accumulate,
+                        bool trans_b, bool bf16) {
+  Slot& s = deposit(kWgmma);
+  if (a) std::memcpy(s.a, a, sizeof(s.a));
+  s.desc[0] = desc_a;
+  s.desc[1] = desc_b;
+  s.off = accumulate;
+  const int par = finish_round();
+  Fiber& f = me();
+  const Slot& first = block()->fibers[f.linear & ~127].slot[par];
+  if (first.desc[0] != desc_a || first.desc[1] != desc_b || first.off != static_cast<int>(accumulate))
+    emu_fail("wgmma: operands differ between the threads of a warpgroup");
+  WgmmaOp op{};
+  op.d = d;
+  op.n = n;
+  op.a_regs = a != nullptr;
+  op.trans_b = trans_b;
+  op.bf16 = bf16;
+  op.accumulate = accumulate;
+  op.desc_a = desc_a;
+  op.desc_b = desc_b;
+  op.warp_in_group = (f.linear >> 5) & 3;
+  op.lane = f.linear & 31;
+  if (a) {
+    const int g = op.lane / 4;
+    for (int tt = 0; tt < 4; ++tt) {
+      const Slot& o = lane_slot(4 * g + tt, par);
+      for (int h = 0; h < 2; ++h) {
+        for (int hk = 0; hk < 2; ++hk) {  // a0 / a1: k 2tt..; a2 / a3: k 2tt + 8..
+          const uint32_t v = o.a[h + 2 * hk];
+          const int k = 2 * tt + 8 * hk;
+          op.a_rows[h][k] = bf16 ? to_float<__nv_bfloat16>(static_cast<uint16_t>(v & 0xffff))
+                                 : to_float<__half>(static_cast<uint16_t>(v & 0xffff));
+          op.a_rows[h][k + 1] = bf16 ? to_float<__nv_bfloat16>(static_cast<uint16_t>(v >> 16))
+                                     : to_float<__half>(static_cast<uint16_t>(v >> 16));
+        }
+      }
+    }
+  }
+  config().wgmma_issued++;
+  if (config().lazy_copies) f.wg_open.push_back(op);
+  else wgmma_run(op);
+}
+
+template <typename T, int N>
+inline void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_issue(&d[0][0], N, nullptr, da, db, accumulate != 0, false, std::is_same<T, __nv_bfloat16>::value);
+}
+
+template <typename T, int N>
+inline void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+  wgmma_issue(&d[0][0], N, a, 0, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value);
+}
+
+inline void wgmma_commit() {
+  Fiber& f = me();
+  f.wg_groups.push_back(std::move(f.wg_open));
+  f.wg_open.clear();
+}
+
+template <int N>
+inline void wgmma_wait() {
+  Fiber& f = me();
+  while (static_cast<int>(f.wg_groups.size()) > N) {
+    for (const WgmmaOp& op : f.wg_groups.front()) wgmma_run(op);
+    f.wg_groups.pop_front();
+  }
+}
+
+inline void wgmma_fence() {}
+inline void fence_proxy_async() {}
+template <int N>
+inline void wgmma_fence_operand(float (&)[N][4]) {}
+template <int N>
+inline void wgmma_fence_operand(uint32_t (&)[N][4]) {}
+
+// ------------------------------------------------------------------------------------------
 // Launch: blocks one after the other, threads as fibers.
 
 inline void trampoline() {
@@ -420,10 +601,6 @@ inline int ssa_emu_float_as_int(float f) {
 #define __float_as_int(f) ssa_emu_float_as_int(f)
 using std::min;
 
-namespace ssa_flash {
-// the dynamic shared memory of every kernel (`extern __shared__ uint4 smem_raw[]`)
-inline uint4 smem_raw[256 * 1024 / sizeof(uint4)];
-}  // namespace ssa_flash
 
 namespace ssa_emu {
 
@@ -480,7 +657,12 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
             if (_setjmp(b.sched_jb) == 0) _longjmp(b.fibers[i].jb, 1);
           }
           int done = 0;
-          for (const Fiber& f : b.fibers) done += f.done;
+          for (const Fiber& f : b.fibers) {
+            done += f.done;
+            if (f.done && (!f.wg_open.empty() || !f.wg_groups.empty()))
+              error = std::string(name) + ": a thread ended with a wgmma not waited for";
+          }
+          if (!error.empty()) break;
           if (done == threads) break;
           const Fiber& f0 = b.fibers[0];
           for (const Fiber& f : b.fibers) {

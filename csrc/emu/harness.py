@@ -50,23 +50,26 @@ def cuda_include_dir() -> Optional[Path]:
 
 
 def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str = "-O1",
-          sm75: bool = False, sm70: bool = False) -> Path:
+          sm75: bool = False, sm70: bool = False, sm90: bool = False) -> Path:
     """Compiles csrc/emu/emu_main.cpp (and through it every kernel) for the host; returns the
     shared library. ``head_dims`` limits the instantiated head dims (compile time); ``sm75``
     emulates the Turing code path (fp16 m16n8k16 as two m16n8k8; use eager copies, as sm_75's
     synchronous loads); ``sm70`` the Volta one (mma.m8n8k4 from plain shared-memory loads, the
-    sm_70 accumulator layout, P / dS through per-warp shared memory; fp16 only)."""
+    sm_70 accumulator layout, P / dS through per-warp shared memory; fp16 only); ``sm90`` the
+    sm_90a one (the kernels' wgmma paths, swizzled shared-memory tiles read through descriptors)."""
     inc = cuda_include_dir()
     if inc is None:
         raise RuntimeError("CUDA headers (cuda_fp16.h) not found")
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no host C++ compiler")
-    out = Path(out_dir) / ("libssa_emu_sm75.so" if sm75 else "libssa_emu_sm70.so" if sm70 else "libssa_emu.so")
+    suffix = "_sm75" if sm75 else "_sm70" if sm70 else "_sm90" if sm90 else ""
+    out = Path(out_dir) / f"libssa_emu{suffix}.so"
     defs = [f"-DSSA_FLASH_HEAD_DIM_{d}={int(d in head_dims)}" for d in (32, 64, 96, 128, 256)]
     cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
            *defs, *(["-DSSA_FLASH_EMULATE_SM75"] if sm75 else []),
            *(["-DSSA_FLASH_EMULATE_SM70"] if sm70 else []),
+           *(["-DSSA_FLASH_EMULATE_SM90"] if sm90 else []),
            "-I", str(CSRC), "-I", str(inc), str(HERE / "emu_main.cpp"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -86,6 +89,7 @@ class Emulator:
                                          ctypes.POINTER(ctypes.c_longlong), ctypes.c_double,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint,
                                          ctypes.c_int]
+        self.lib.ssa_emu_wgmma_issued.restype = ctypes.c_long
         self.lib.ssa_emu_bwd_plan.restype = None
         self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 8 + [ctypes.POINTER(ctypes.c_int)]
         self.lazy_copies = lazy_copies
@@ -135,6 +139,10 @@ class Emulator:
         self._run(1, q, k, q, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent}, mask,
                   mask_kind, b, n, scale, causal, group)
         return ent, lse_l
+
+    def wgmma_issued(self) -> int:
+        """wgmma operations (per thread) issued in this process so far (by any emulator library)."""
+        return int(self.lib.ssa_emu_wgmma_issued())
 
     def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16):
         """The backward's plan (csrc/launch.h, BwdPlan): a dict of fused, num_partials, stat_rows,

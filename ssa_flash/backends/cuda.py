@@ -158,14 +158,35 @@ def _build_blocker() -> Optional[str]:
     return None
 
 
+def jit_arch_list() -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST for a JIT build when none is set: the visible GPUs' architectures, an
+    sm_90 one as ``9.0a`` (torch's default would build plain sm_90 code, without the kernels'
+    wgmma path). None without a GPU (torch then decides)."""
+    if not torch.cuda.is_available():
+        return None
+    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return ";".join(f"{ma}.{mi}{'a' if (ma, mi) == (9, 0) else ''}" for ma, mi in archs) or None
+
+
 def _jit_build():
     from torch.utils.cpp_extension import load
 
     src = source_dir()
     sources = sorted(str(p) for p in src.glob("*.cu")) + [str(src / "api.cpp")]
-    return load(name="ssa_flash_cuda_ext", sources=sources, extra_include_paths=[str(src)],
-                extra_cflags=["-O3"], extra_cuda_cflags=list(NVCC_FLAGS),
-                verbose=os.environ.get("SSA_FLASH_VERBOSE_BUILD", "0") not in ("", "0"))
+    archs = None if os.environ.get("TORCH_CUDA_ARCH_LIST") else jit_arch_list()
+    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if archs:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    try:
+        return load(name="ssa_flash_cuda_ext", sources=sources, extra_include_paths=[str(src)],
+                    extra_cflags=["-O3"], extra_cuda_cflags=list(NVCC_FLAGS),
+                    verbose=os.environ.get("SSA_FLASH_VERBOSE_BUILD", "0") not in ("", "0"))
+    finally:
+        if archs:
+            if old is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = old
 
 
 def load_extension():
@@ -299,25 +320,28 @@ def _padded_head_dim(d: int) -> int:
 
 
 def _code_path(major: int, minor: int) -> int:
-    """csrc/traits.h's code_path: 0 sm_70, 1 sm_75, 2 sm_80+."""
+    """csrc/traits.h's code_path: 0 sm_70, 1 sm_75, 2 sm_80+, 3 sm_90."""
     arch = major * 100 + minor * 10
-    return 0 if arch < 750 else 1 if arch < 800 else 2
+    return 0 if arch < 750 else 1 if arch < 800 else 3 if arch == 900 else 2
 
 
 def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     """Largest dynamic shared memory of the kernels for padded head dim d on code path ``path``
-    (0 sm_70, 1 sm_75, 2 sm_80+; mirrors csrc/traits.h: the Volta code path adds per-warp
-    buffers)."""
+    (0 sm_70, 1 sm_75, 2 sm_80+, 3 sm_90; mirrors csrc/traits.h: the Volta code path adds
+    per-warp buffers; on sm_90 the dQ kernel may run with 128-byte-swizzled tiles at D = 64 / 128,
+    plus 1024 bytes to align them)."""
     sm70 = path == 0
     row = (d + 8) * 2
     fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
     fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
     dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32 if d <= 128 else 16)
     dq = (2 * dq_m + 3 * dq_n) * row + ((dq_m // 16) * 16 * (dq_n + 8) * 2 if sm70 else 0)
+    if path == 3 and d in (64, 128):  # traits.h dq_wgmma, sw128_tile_bytes
+        dq = max(dq, (2 * dq_m + 3 * dq_n) * (d // 64) * 128 + 1024)
     kv_n, kv_m = (64 if d <= 128 else 32), 32
     kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
     dkdv = ((2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
-            + (kv_n * (kv_m + 8) * 2 if d > 64 and path == 2 else 0)  # dS^T (dkdv_stores_ds)
+            + (kv_n * (kv_m + 8) * 2 if d > 64 and path >= 2 else 0)  # dS^T (dkdv_stores_ds)
             + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
     return max(fwd, dq, dkdv)
 
