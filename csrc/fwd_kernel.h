@@ -44,6 +44,10 @@ namespace ssa_flash {
 // Pipeline per key block j with cp.async (sm_80+; K and V single-buffered):
 //   issue V_j | wait K_j | S = Q K_j^T, row max | wait V_j, vote | weights | issue K_{j+1} |
 //   O += P V_j
+// On sm_90a at the head dims of fwd_wgmma (traits.h) both GEMMs are wgmma (tile.h, wg_gemm_*):
+// the 4 warps are one warpgroup, which computes the 128-row tile as two m64 halves (warp w owns
+// rows 16 w.. and 64 + 16 w.. of it: its two strips), Q, K, V in 128-byte-swizzled shared
+// memory, P from registers; each group is waited for at once, so the steps keep their structure.
 // Without cp.async (sm_70 / sm_75) the copies are synchronous: V_j before S (no score live),
 // K_{j+1} before O += P V_j (sm_75) or after it (sm_70), the orders ptxas compiles without
 // spills; every block rescales there (no steady-state loop: its second copy of the step spilled
@@ -62,6 +66,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   constexpr int kDT = kD / 8;       // n8 tiles of an output strip
   constexpr bool kAsync = SSA_FLASH_ASYNC_COPIES;
   constexpr float kRescaleSlack = 8.0f;
+  constexpr bool kWg = SSA_FLASH_WGMMA && fwd_wgmma(kD);
+  static_assert(!kWg || kBlockM == 64 * kMS, "wgmma: the query tile is kMS m64 halves of one warpgroup");
+  using LQ = Select<kWg, Sw128Tile<kBlockM>, Pad>;
+  using LK = Select<kWg, Sw128Tile<kBlockN>, Pad>;
+  // rows between a warp's strips: consecutive (mma.sync), or the two m64 halves (wgmma)
+  constexpr int kStripRows = kWg ? 64 : 16;
 
 #if defined(__CUDA_ARCH__)
   if (kernel_unsupported<T, kD>()) {
@@ -69,14 +79,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   } else {
 #endif
   extern __shared__ uint4 smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockM * kS;
-  T* sV = sK + kBlockN * kS;
+  T* sQ = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + LQ::elems(kBlockM, kD);
+  T* sV = sK + LK::elems(kBlockN, kD);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  T* scratch = sV + kBlockN * kS + warp * gemm_rn_scratch_elems<kMS, kBlockN>();
+  T* scratch = sV + LK::elems(kBlockN, kD) + warp * gemm_rn_scratch_elems<kMS, kBlockN>();
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y;
   const int bb = blockIdx.z;
@@ -91,9 +101,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   if (kSSA) ctx.n = fabsf(ctx.n);
   const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
 
-  // this thread's rows: row0 + 16 ms + Frag::kHi hi, for strip ms, hi = 0 / 1 (computed where
-  // needed rather than kept: at D = 128 every register counts)
-  const int row0 = m0 + warp * kMS * 16 + Frag::row(lane);
+  // this thread's rows: row0 + kStripRows ms + Frag::kHi hi, for strip ms, hi = 0 / 1 (computed
+  // where needed rather than kept: at D = 128 every register counts)
+  const int row0 = m0 + warp * (kWg ? 16 : kMS * 16) + Frag::row(lane);
   // The adaptive temperature beta of a row (1 without), and the row multiplier c of the interior
   // loop (see above; beta included). Only c stays in registers: the checked loop reloads beta.
   auto row_beta = [&](int r) { return kAdaptive && r < p.len_q ? p.beta[stat0 + r] : 1.0f; };
@@ -101,7 +111,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * 16 + hi * Frag::kHi));
+    for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
   }
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
@@ -111,14 +121,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
   const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
 
-  load_tile<kBlockM, kD, Pad, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+  load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
   if (negate_q) {  // (block-uniform; visible to the other warps after the first barrier)
     cp_async_wait<0>();
-    negate_tile<kBlockM, kD, Pad, kNThreads>(sQ, tid);
+    negate_tile<kBlockM, kD, LQ, kNThreads>(sQ, tid);
   }
-  TileStream<kBlockN, kD, Pad, kNThreads, T> k_stream, v_stream;
+  TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;
   k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
   v_stream.init(v, p.v_sm, 0, p.dim_v, tid);
 
@@ -140,20 +150,30 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
     if (kAsync) {
-      if (kCheck) load_tile<kBlockN, kD, Pad, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      if (kCheck) load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
       else v_stream.issue(sV, tid);
       cp_async_commit();
       cp_async_wait<1>();  // Q and K_j have landed
+      if (kWg) fence_proxy_async();  // (wgmma reads them through the async proxy)
     } else {
       // synchronous: V_j now, before the scores are live (sV is free since step j - 1's last
       // barrier)
-      load_tile<kBlockN, kD, Pad, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+      load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
       cp_async_commit();
     }
     __syncthreads();
 
-    zero(s);
-    gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK, lane);
+    if constexpr (kWg) {
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
+    } else {
+      zero(s);
+      gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK, lane);
+    }
 
     bool need = false;
 #pragma unroll
@@ -161,7 +181,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       float mask_mult[2];  // checked: log2(e) beta multiplies an additive mask
       if (kCheck) {
 #pragma unroll
-        for (int hi = 0; hi < 2; ++hi) mask_mult[hi] = kLog2e * row_beta(row0 + ms * 16 + hi * Frag::kHi);
+        for (int hi = 0; hi < 2; ++hi) mask_mult[hi] = kLog2e * row_beta(row0 + ms * kStripRows + hi * Frag::kHi);
       }
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -175,7 +195,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
           } else {
             float t, u;
             x = logit_raw<kSSA>(ctx, s[ms][nt][i], mult[ms][hi], t, u);
-            x = apply_mask(p, ctx, x, row0 + ms * 16 + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
+            x = apply_mask(p, ctx, x, row0 + ms * kStripRows + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
                            mask_mult[hi]);
           }
           s[ms][nt][i] = x;
@@ -190,6 +210,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       }
     }
     if (kAsync) cp_async_wait<0>();  // V_j has landed
+    if (kWg) fence_proxy_async();
     // V_j visible, every warp done with K_j, and the vote
     return __syncthreads_or(kCheck || need);
   };
@@ -239,14 +260,23 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     // P V GEMM on sm_75 and after it on sm_70 (where each order spills on the other path)
     constexpr bool kLateK = !kAsync && SSA_FLASH_SM70;
     if (!kLateK && j + 1 < num_n) {
-      if (kCheck || !kAsync) load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+      if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       else k_stream.issue(sK, tid);
       cp_async_commit();
     }
-    gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
+    if constexpr (kWg) {
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) wg_gemm_rn<T, kD, kBlockN, LK>(acc_o[ms], pa[ms], sV);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(acc_o[ms]);
+    } else {
+      gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
+    }
     __syncthreads();  // every warp is done with V_j
     if (kLateK && j + 1 < num_n) {
-      load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+      load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
       cp_async_commit();
     }
   };
@@ -285,7 +315,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     for (int hi = 0; hi < 2; ++hi) {
       const float l = quad_sum(l_run[ms][hi]);
       const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-      const int r = row0 + ms * 16 + hi * Frag::kHi;
+      const int r = row0 + ms * kStripRows + hi * Frag::kHi;
       if (r < p.len_q) {
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
@@ -320,6 +350,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kMS = Tr::kMS;
   constexpr int kNT = kBlockN / 8;
+  // sm_90a: S as wgmma, as in the forward
+  constexpr bool kWg = SSA_FLASH_WGMMA && fwd_wgmma(kD);
+  static_assert(!kWg || kBlockM == 64 * kMS, "wgmma: the query tile is kMS m64 halves of one warpgroup");
+  using LQ = Select<kWg, Sw128Tile<kBlockM>, Pad>;
+  using LK = Select<kWg, Sw128Tile<kBlockN>, Pad>;
+  constexpr int kTileK = LK::elems(kBlockN, kD);
 
 #if defined(__CUDA_ARCH__)
   if (kernel_unsupported<T, kD>()) {
@@ -327,8 +363,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   } else {
 #endif
   extern __shared__ uint4 smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kBlockM * kS;  // two buffers
+  T* sQ = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + LQ::elems(kBlockM, kD);  // two buffers
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -347,14 +383,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   int row[kMS][2];
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms)
-    for (int hi = 0; hi < 2; ++hi) row[ms][hi] = m0 + (warp * kMS + ms) * 16 + Frag::row(lane) + hi * Frag::kHi;
+    for (int hi = 0; hi < 2; ++hi)
+      row[ms][hi] = m0 + (kWg ? 64 * ms + 16 * warp : (warp * kMS + ms) * 16) + Frag::row(lane) + hi * Frag::kHi;
 
   const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
   const int num_n = (n_end + kBlockN - 1) / kBlockN;
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
 
-  load_tile<kBlockM, kD, Pad, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+  load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
   cp_async_commit();
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
@@ -370,18 +407,29 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
     if (j + 1 < num_n) {
-      load_tile<kBlockN, kD, Pad, kNThreads>(sK + ((j + 1) & 1) * kBlockN * kS, k, p.k_sm,
-                                            n0 + kBlockN, p.len_k, p.dim, tid);
+      load_tile<kBlockN, kD, LK, kNThreads>(sK + ((j + 1) & 1) * kTileK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim,
+                                           tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
+    if (kWg) fence_proxy_async();
     __syncthreads();
 
     float s[kMS][kNT][4];
-    zero(s);
-    gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK + (j & 1) * kBlockN * kS, lane);
+    if constexpr (kWg) {
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms)
+        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK + (j & 1) * kTileK);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
+    } else {
+      zero(s);
+      gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK + (j & 1) * kTileK, lane);
+    }
 
 #pragma unroll
     for (int ms = 0; ms < kMS; ++ms) {

@@ -106,7 +106,7 @@ template <typename T, int D>
 std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = stats_smem_bytes(D, sizeof(T));
+  const int smem = stats_smem_bytes(D, sizeof(T), device_path());
   auto kernel = ssa ? attn_stats_kernel<Tr, true> : attn_stats_kernel<Tr, false>;
   return launch<T>(kernel, "attn_stats_kernel", grid, Tr::kNThreads, smem, stream, p);
 }

@@ -68,17 +68,27 @@ constexpr int code_path(int arch) {
 // tile is one warpgroup's m64, and the head dim is whole 64-column panels of the swizzled tiles
 // (the dQ GEMM's N-major B operand is read a panel per wgmma).
 constexpr bool dq_wgmma(int d) { return d == 64 || d == 128; }
+// The forward's and the statistics pass's GEMMs likewise (fwd_kernel.h): their 128-row query tile
+// is two m64 halves of the warpgroup.
+constexpr bool fwd_wgmma(int d) { return d == 64 || d == 128; }
 // Bytes of a 128-byte-swizzled tile (tile.h, Sw128Tile): 64-column panels of 128-byte rows.
 constexpr int sw128_tile_bytes(int rows, int d) { return (d + 63) / 64 * rows * 128; }
 constexpr int max_int(int a, int b) { return a > b ? a : b; }
 
 // Shared memory of each kernel on code path `path`: sm_70 adds the gemm_rn scratch.
+// (on sm_90 at least the wgmma layout's: swizzled tiles plus 1024 bytes to align them)
 constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
-  return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes +
-         (path == kPathSm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0);
+  return max_int((fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes +
+                     (path == kPathSm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0),
+                 path == kPathSm90 && fwd_wgmma(d)
+                     ? sw128_tile_bytes(fwd_block_m(d), d) + 2 * sw128_tile_bytes(fwd_block_n(d), d) + 1024
+                     : 0);
 }
-constexpr int stats_smem_bytes(int d, int elem_bytes) {
-  return (fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes;
+constexpr int stats_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
+  return max_int((fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes,
+                 path == kPathSm90 && fwd_wgmma(d)
+                     ? sw128_tile_bytes(fwd_block_m(d), d) + 2 * sw128_tile_bytes(fwd_block_n(d), d) + 1024
+                     : 0);
 }
 // On sm_90 the larger of the wgmma layout's (swizzled tiles, plus 1024 bytes to align them) and
 // the sm_80 one's, as the build may hold either code for the device.

@@ -328,15 +328,16 @@ def _code_path(major: int, minor: int) -> int:
 def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     """Largest dynamic shared memory of the kernels for padded head dim d on code path ``path``
     (0 sm_70, 1 sm_75, 2 sm_80+, 3 sm_90; mirrors csrc/traits.h: the Volta code path adds
-    per-warp buffers; on sm_90 the dQ kernel may run with 128-byte-swizzled tiles at D = 64 / 128,
-    plus 1024 bytes to align them)."""
+    per-warp buffers; on sm_90 the forward, statistics and dQ kernels may run with
+    128-byte-swizzled tiles at D = 64 / 128, plus 1024 bytes to align them)."""
     sm70 = path == 0
     row = (d + 8) * 2
     fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
     fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
     dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32 if d <= 128 else 16)
     dq = (2 * dq_m + 3 * dq_n) * row + ((dq_m // 16) * 16 * (dq_n + 8) * 2 if sm70 else 0)
-    if path == 3 and d in (64, 128):  # traits.h dq_wgmma, sw128_tile_bytes
+    if path == 3 and d in (64, 128):  # traits.h fwd_wgmma / dq_wgmma, sw128_tile_bytes
+        fwd = max(fwd, (fwd_m + 2 * fwd_n) * (d // 64) * 128 + 1024)
         dq = max(dq, (2 * dq_m + 3 * dq_n) * (d // 64) * 128 + 1024)
     kv_n, kv_m = (64 if d <= 128 else 32), 32
     kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
