@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
           wgmma_wait<0>();
           wgmma_fence_operand(dq_acc[0]);
         } else {
-          gemm_rn<T, 1, kD, kBlockN, kS>(dq_acc, da, sKj, lane, scratch);
+          gemm_rn<T, 1, kD, kBlockN, Pad>(dq_acc, da, sKj, 0, lane, scratch);
         }
       }
       __syncthreads();  // every warp is done with K_j
@@ -445,9 +445,19 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   using Pad = PaddedTile<kS>;
   constexpr int kNThreads = Tr::kNThreads;
   constexpr int kNWarps = Tr::kNWarps;
-  // queries per score GEMM (see the step): 16 in the fused kernel (its dQ registers), else all
-  constexpr int kQC = kFusedDq ? 16 : kBlockM;
   constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
+  // sm_90a at the head dims of bwd_wgmma (traits.h): S^T, dP^T, dV and dK as wgmma, the CTA's 4
+  // warps (one 16-key strip each) one warpgroup and its 64 keys one m64 tile; K, V, Q, dO
+  // 128-byte swizzled (tile.h, Sw128Tile). The fused dQ (16 queries per warp: below m64) stays
+  // mma.sync, reading K from the swizzled tile.
+  constexpr bool kWg = SSA_FLASH_WGMMA && bwd_wgmma(kD) && kSplit == 1;
+  static_assert(!kWg || (kBlockN == 64 && Tr::kNWarps == 4), "wgmma: the key block is one warpgroup's m64");
+  using LK = Select<kWg, Sw128Tile<kBlockN>, Pad>;  // K, V
+  using LQ = Select<kWg, Sw128Tile<kBlockM>, Pad>;  // Q (two buffers), dO
+  constexpr int kTileK = LK::elems(kBlockN, kD), kTileQ = LQ::elems(kBlockM, kD);
+  // queries per score GEMM (see the step): 16 in the fused kernel (its dQ registers), else all
+  // (wgmma: all, as one n = 32 product)
+  constexpr int kQC = kFusedDq && !kWg ? 16 : kBlockM;
   constexpr int kDC = kD / kSplit;
   constexpr int kDT = kDC / 8;
   constexpr int kNStat = dkdv_stat_count(kAdaptive);
@@ -466,8 +476,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // sm_70 / sm_75 (copies through registers) at D <= 128: see load_q_stats
   constexpr bool kSyncCopies = !SSA_FLASH_ASYNC_COPIES && kD <= 128;
   constexpr int kSdS = kBlockM + 8;  // row stride of dS^T in shared memory
-  // dS^T through shared memory to the dK GEMM (and the fused dQ GEMM)
-  constexpr bool kStoreDs = kFusedDq || dkdv_stores_ds(kD, SSA_FLASH_ASYNC_COPIES ? kPathSm80 : kPathSm75);
+  // dS^T through shared memory to the dK GEMM (and the fused dQ GEMM; wgmma takes dK's from
+  // registers)
+  constexpr bool kStoreDs = kFusedDq || (!kWg && dkdv_stores_ds(kD, SSA_FLASH_ASYNC_COPIES ? kPathSm80 : kPathSm75));
   static_assert(!kFusedDq || (kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0), "fused dQ split");
   // the fused SSA kernel sums db / dn per warp: each score must belong to one warp
   static_assert(!(kSSA && kFusedDq) || kSplit == 1, "fused SSA backward: one warp per key strip");
@@ -481,11 +492,11 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   } else {
 #endif
   extern __shared__ uint4 smem_raw[];
-  T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + kBlockN * kS;
-  T* sQ = sV + kBlockN * kS;  // two buffers
-  T* sdO = sQ + 2 * kBlockM * kS;
-  float* sStat = reinterpret_cast<float*>(sdO + kBlockM * kS);  // [2][kBlockM][kNStat]
+  T* sK = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kTileK;
+  T* sQ = sV + kTileK;  // two buffers
+  T* sdO = sQ + 2 * kTileQ;
+  float* sStat = reinterpret_cast<float*>(sdO + kTileQ);  // [2][kBlockM][kNStat]
   // kStoreDs: dS^T [kBlockN][kSdS]; then (sm_70) the gemm_rn scratch
   T* sdS = reinterpret_cast<T*>(sStat + 2 * kNStat * kBlockM);
 
@@ -506,9 +517,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
   const int num_t = tiles_per_head * p.group;
 
-  TileMap<kBlockM, kD, Pad, kNThreads> tmap;
+  TileMap<kBlockM, kD, LQ, kNThreads> tmap;
   tmap.init(tid);
-  TileLoader<kBlockM, kD, Pad, kNThreads, T> q_ld, do_ld;
+  TileLoader<kBlockM, kD, LQ, kNThreads, T> q_ld, do_ld;
   q_ld.init(tmap, p.q_sm);
   do_ld.init(tmap, p.do_sm);
   // Where the copies of a step come from: its head and first query; the addresses of its Q and dO
@@ -528,23 +539,23 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       // sm_70 / sm_75: copies go through registers, issued where few are free: no per-thread
       // loader state, statistics one float at a time (with either, ptxas spilled the dK/dV
       // kernels at D = 96 and 128 there)
-      load_tile<kBlockM, kD, Pad, kNThreads>(sQ + buf * kBlockM * kS, q, p.q_sm, 0, p.len_q - src.mm, p.dim, tid);
+      load_tile<kBlockM, kD, LQ, kNThreads>(sQ + buf * kTileQ, q, p.q_sm, 0, p.len_q - src.mm, p.dim, tid);
 #pragma unroll 1
       for (int i = tid; i < kBlockM * kNStat; i += kNThreads) stat[i] = ws[i];
     } else {
       // (p.q: a valid address for the zero-filled rows)
-      q_ld.issue(tmap, sQ + buf * kBlockM * kS, q, p.q_sm, p.dim, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
+      q_ld.issue(tmap, sQ + buf * kTileQ, q, p.q_sm, p.dim, static_cast<const T*>(p.q), p.len_q - src.mm, tid);
       if (tid < kStatChunks) cp_async_16(stat + 4 * tid, ws + 4 * tid, true);
     }
   };
   auto load_do = [&](const Src& src) {
     const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + src.hh * p.do_sh + static_cast<int64_t>(src.mm) * p.do_sm;
-    if (kSyncCopies) load_tile<kBlockM, kD, Pad, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
+    if (kSyncCopies) load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
     else do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
   };
 
-  load_tile<kBlockN, kD, Pad, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
-  load_tile<kBlockN, kD, Pad, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, n0, p.len_k, p.dim_v, tid);
   if (num_t > 0) {
     const Src first{hk * p.group, m_first};
     load_q_stats(first, 0);
@@ -582,9 +593,10 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     } else {
       cp_async_wait<0>();
     }
+    if (kWg) fence_proxy_async();  // (wgmma reads the tiles through the async proxy)
     __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
 
-    const T* sQt = sQ + buf * kBlockM * kS;
+    const T* sQt = sQ + buf * kTileQ;
     const float* stat = sStat + buf * kNStat * kBlockM;
 
     // S^T = K Q^T and dP^T = V dO^T per chunk of kQC queries, then per 16-query block kk of the
@@ -592,15 +604,26 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     // block's are processed (with all of them live, ptxas interleaved the elementwise code with
     // the dV GEMM and the adaptive variants spilled on sm_70 / sm_75). Above D = 64 the chunks
     // are 16 queries (the K and V fragments are read once per chunk, 16 more ldmatrix per step,
-    // but 16 fewer score registers: the fused kernel spilled at D = 128 otherwise).
+    // but 16 fewer score registers: the fused kernel spilled at D = 128 otherwise). wgmma: one
+    // chunk, and dV += P^T dO once for the step (P^T of both blocks kept in pw).
     uint32_t da[1][kBlockM / 16][4];
+    uint32_t pw[1][kWg ? kBlockM / 16 : 1][4];
 #pragma unroll
     for (int q0 = 0; q0 < kBlockM; q0 += kQC) {
       float s[1][kQC / 8][4], dp[1][kQC / 8][4];
-      zero(s);
-      zero(dp);
-      gemm_nt<T, 1, kQC, kD, kS, kS>(s, sKw, sQt + q0 * kS, lane);   // S^T = K Q^T
-      gemm_nt<T, 1, kQC, kD, kS, kS>(dp, sVw, sdO + q0 * kS, lane);  // dP^T = V dO^T
+      if constexpr (kWg) {
+        wg_gemm_nt<T, kQC, kD, LK, LQ>(s[0], sK, sQt);   // S^T = K Q^T
+        wg_gemm_nt<T, kQC, kD, LK, LQ>(dp[0], sV, sdO);  // dP^T = V dO^T
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(s[0]);
+        wgmma_fence_operand(dp[0]);
+      } else {
+        zero(s);
+        zero(dp);
+        gemm_nt<T, 1, kQC, kD, kS, kS>(s, sKw, sQt + q0 * kS, lane);   // S^T = K Q^T
+        gemm_nt<T, 1, kQC, kD, kS, kS>(dp, sVw, sdO + q0 * kS, lane);  // dP^T = V dO^T
+      }
 #pragma unroll
       for (int kc = 0; kc < kQC / 16; ++kc) {
         const int kk = q0 / 16 + kc;  // 16-query block of the step
@@ -636,10 +659,11 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
           }
         }
         uint32_t pa[1][1][4];
-        pa[0][0][0] = pack2<T>(s[0][2 * kc][0], s[0][2 * kc][1]);
-        pa[0][0][1] = pack2<T>(s[0][2 * kc][2], s[0][2 * kc][3]);
-        pa[0][0][2] = pack2<T>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
-        pa[0][0][3] = pack2<T>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+        uint32_t (&pk)[4] = kWg ? pw[0][kWg ? kk : 0] : pa[0][0];  // P^T of block kk
+        pk[0] = pack2<T>(s[0][2 * kc][0], s[0][2 * kc][1]);
+        pk[1] = pack2<T>(s[0][2 * kc][2], s[0][2 * kc][3]);
+        pk[2] = pack2<T>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+        pk[3] = pack2<T>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
         da[0][kk][0] = pack2<T>(dp[0][2 * kc][0], dp[0][2 * kc][1]);
         da[0][kk][1] = pack2<T>(dp[0][2 * kc][2], dp[0][2 * kc][3]);
         da[0][kk][2] = pack2<T>(dp[0][2 * kc + 1][0], dp[0][2 * kc + 1][1]);
@@ -654,8 +678,14 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
           *reinterpret_cast<uint32_t*>(row_lo + Frag::col(lane, 2 * kk + 1)) = da[0][kk][2];
           *reinterpret_cast<uint32_t*>(row_hi + Frag::col(lane, 2 * kk + 1)) = da[0][kk][3];
         }
-        gemm_rn<T, 1, kDC, 16, kS>(dv_acc, pa, sdO + kk * 16 * kS + col0, lane, scratch);  // dV += P^T dO
+        if constexpr (!kWg) gemm_rn<T, 1, kDC, 16, Pad>(dv_acc, pa, sdO + kk * 16 * kS, col0, lane, scratch);  // dV += P^T dO
       }
+    }
+    if constexpr (kWg) {
+      wg_gemm_rn<T, kD, kBlockM, LQ>(dv_acc[0], pw[0], sdO);  // dV += P^T dO
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(dv_acc[0]);
     }
 
     __syncthreads();  // every warp is done with dO_t, and dS^T is complete
@@ -665,8 +695,15 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
     // kStoreDs: dS^T is in shared memory anyway: read it back rather than keep its registers
     // live through the elementwise work
-    if (kStoreDs) load_frag<T, kBlockM, kSdS>(da[0], sdS + strip * 16 * kSdS, lane);
-    gemm_rn<T, 1, kDC, kBlockM, kS>(dk_acc, da, sQt + col0, lane, scratch);  // dK += dS^T Q
+    if constexpr (kWg) {
+      wg_gemm_rn<T, kD, kBlockM, LQ>(dk_acc[0], da[0], sQt);  // dK += dS^T Q
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(dk_acc[0]);
+    } else {
+      if (kStoreDs) load_frag<T, kBlockM, kSdS>(da[0], sdS + strip * 16 * kSdS, lane);
+      gemm_rn<T, 1, kDC, kBlockM, Pad>(dk_acc, da, sQt, col0, lane, scratch);  // dK += dS^T Q
+    }
     if (kFusedDq) {
       // dQ_t (this warp's strip and columns) += dS K_j, added to the fp32 accumulator
       uint32_t dsa[1][kBlockN / 16][4];
@@ -676,7 +713,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       for (int c0 = 0; c0 < kDQ; c0 += kDQC) {
         float dq_acc[1][kDQC / 8][4];
         zero(dq_acc);
-        gemm_rn<T, 1, kDQC, kBlockN, kS>(dq_acc, dsa, sK + dq_col0 + c0, lane, scratch);
+        gemm_rn<T, 1, kDQC, kBlockN, LK>(dq_acc, dsa, sK, dq_col0 + c0, lane, scratch);
 #pragma unroll
         for (int dt = 0; dt < kDQC / 8; ++dt) {
           float* at = dq_thr + c0 + (Frag::col(lane, dt) - Frag::col(lane, 0));

@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 #pragma unroll
       for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(acc_o[ms]);
     } else {
-      gemm_rn<T, kMS, kD, kBlockN, kS>(acc_o, pa, sV, lane, scratch);
+      gemm_rn<T, kMS, kD, kBlockN, Pad>(acc_o, pa, sV, 0, lane, scratch);
     }
     __syncthreads();  // every warp is done with V_j
     if (kLateK && j + 1 < num_n) {

@@ -19,6 +19,7 @@ namespace ssa_flash {
 // addresses of each ldmatrix in distinct bank groups).
 template <int kStride_>
 struct PaddedTile {
+  static constexpr bool kSwizzled = false;
   static constexpr int kStride = kStride_;
   static constexpr int kLinearRows = 1;
   static constexpr int kRowElems = kStride_;
@@ -36,6 +37,7 @@ struct PaddedTile {
 template <int kRows_>
 struct Sw128Tile {
   static_assert(kRows_ % 8 == 0, "Sw128Tile: whole swizzle atoms");
+  static constexpr bool kSwizzled = true;
   static constexpr int kRows = kRows_;
   static constexpr int kLinearRows = 8;
   static constexpr int kRowElems = 64;
@@ -287,14 +289,16 @@ constexpr int gemm_rn_scratch_elems() {
   return SSA_FLASH_SM70 ? kMS * 16 * (kK + 8) : 0;
 }
 
-// acc (16 x kN per strip) += A (16 x kK, register fragments, see acc_to_frag) * B, B: shared
-// [kK][kN] (row stride kStrideB), n contiguous. Used for P V, dS K, P^T dO, dS^T Q. On sm_75+ B
-// is read transposed by ldmatrix.trans; on sm_70 the m8n8k4 A fragment (one row, 4 consecutive
-// k) is not what the accumulator layout gives a lane, so A goes through `scratch` (this warp's
-// gemm_rn_scratch_elems() elements of shared memory; unused on sm_75+).
-template <typename T, int kMS, int kN, int kK, int kStrideB>
+// acc (16 x kN per strip) += A (16 x kK, register fragments, see acc_to_frag) * B, B: columns
+// [col0, col0 + kN) of the kK rows of an LB tile starting at sB (k along the rows, n contiguous).
+// Used for P V, dS K, P^T dO, dS^T Q. On sm_75+ B is read transposed by ldmatrix.trans (from a
+// padded tile, or a swizzled one: the fused backward's K on sm_90a); on sm_70 the m8n8k4 A
+// fragment (one row, 4 consecutive k) is not what the accumulator layout gives a lane, so A goes
+// through `scratch` (this warp's gemm_rn_scratch_elems() elements of shared memory; unused on
+// sm_75+).
+template <typename T, int kMS, int kN, int kK, typename LB>
 SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][kK / 16][4], const T* sB,
-                        int lane, T* scratch) {
+                        int col0, int lane, T* scratch) {
   static_assert(kN % 16 == 0 && kK % 16 == 0, "gemm_rn: 16-multiples only");
 #if SSA_FLASH_SM70
   constexpr int kSS = kK + 8;
@@ -315,7 +319,9 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
   const int q = (lane >> 2) & 3;
   const T* a_ptr = scratch + (8 * (q & 1) + (lane & 3) + 4 * (lane >> 4)) * kSS;
   // ".row" B: lane holds k = lane % 4 of the k4 step, columns 4 (lane / 16) .. +4 of its n8 tile
-  const T* b_ptr = sB + (lane & 3) * kStrideB + 8 * (q >> 1) + 4 * (lane >> 4);
+  static_assert(!LB::kSwizzled, "gemm_rn: padded B tiles on sm_70");
+  constexpr int kStrideB = LB::kRowElems;
+  const T* b_ptr = sB + (lane & 3) * kStrideB + col0 + 8 * (q >> 1) + 4 * (lane >> 4);
 #pragma unroll
   for (int k0 = 0; k0 < kK; k0 += 4) {
     uint2 av[kMS];
@@ -331,14 +337,21 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
   syncwarp();  // every lane has read the scratch before it is written again
 #else
   (void)scratch;
-  // matrices (k 0-7, n 0-7) = b0, (k 8-15, n 0-7) = b1 of the first n8 tile, then the second
-  const T* b_ptr = sB + (lane & 15) * kStrideB + (lane >> 4) * 8;
+  // matrices (k 0-7, n 0-7) = b0, (k 8-15, n 0-7) = b1 of the first n8 tile, then the second.
+  // Padded: a per-lane pointer plus constants. Swizzled (Sw128Tile; the columns must lie in one
+  // 64-column panel, rows start at a multiple of 8): lane's row r has r % 8 = lane % 8, so the
+  // chunk of column c is at ((c >> 3) ^ lane) % 8; per n8 pair one add, xor and shift per lane.
+  const T* b_ptr;
+  if constexpr (LB::kSwizzled) b_ptr = sB + (col0 >> 6) * LB::kPanelElems + (lane & 15) * 64;
+  else b_ptr = sB + (lane & 15) * LB::kRowElems + col0 + (lane >> 4) * 8;
+  const int b_chunk = (col0 >> 3) + (lane >> 4);  // swizzled: the lane's first chunk, unswizzled
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; nt += 2) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, b_ptr + kk * 16 * kStrideB + nt * 8);
+      if constexpr (LB::kSwizzled) ldmatrix_x4_trans(b, b_ptr + kk * 16 * 64 + ((((b_chunk + nt) ^ lane) & 7) << 3));
+      else ldmatrix_x4_trans(b, b_ptr + kk * 16 * LB::kRowElems + nt * 8);
 #pragma unroll
       for (int ms = 0; ms < kMS; ++ms) {
         mma_16816<T>(acc[ms][nt], a[ms][kk], b[0], b[1]);
@@ -377,20 +390,21 @@ SSA_DEVICE void wg_gemm_nt(float (&acc)[kN / 8][4], const T* sA, const T* sB) {
 }
 
 // acc (64 x kN) += A (64 x kK, per warp the A fragments of its 16 rows, as acc_to_frag makes
-// them) B, B a kK-row tile read with n along its columns (N-major), 64 columns (one panel) per
-// wgmma.
+// them) B, B a kK-row tile read with n along its columns (N-major): whole 64-column panels, the
+// next panel LBO = kPanelBytes on (one wgmma per 16 rows of k up to kN = 128).
 template <typename T, int kN, int kK, typename LB>
 SSA_DEVICE void wg_gemm_rn(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], const T* sB) {
   static_assert(LB::kRows == kK && kN % 64 == 0, "wg_gemm_rn: a kK-row B tile, whole 64-column panels");
+  constexpr int kNI = kN <= 128 ? kN : 128;  // columns per wgmma
   const uint64_t db = wgmma_desc(sB, LB::kPanelBytes, 1024);
   wgmma_fence_operand(acc);
   wgmma_fence();
 #pragma unroll
   for (int kb = 0; kb < kK / 16; ++kb) {
 #pragma unroll
-    for (int c = 0; c < kN / 64; ++c)
-      wgmma_rs_tb<T, 64>(*reinterpret_cast<float(*)[8][4]>(&acc[8 * c]), a[kb],
-                         desc_add(db, c * LB::kPanelBytes + kb * 16 * 128), 1);
+    for (int c = 0; c < kN / kNI; ++c)
+      wgmma_rs_tb<T, kNI>(*reinterpret_cast<float(*)[kNI / 8][4]>(&acc[c * kNI / 8]), a[kb],
+                          desc_add(db, c * (kNI / 64) * LB::kPanelBytes + kb * 16 * 128), 1);
   }
 }
 

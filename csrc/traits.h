@@ -71,6 +71,8 @@ constexpr bool dq_wgmma(int d) { return d == 64 || d == 128; }
 // The forward's and the statistics pass's GEMMs likewise (fwd_kernel.h): their 128-row query tile
 // is two m64 halves of the warpgroup.
 constexpr bool fwd_wgmma(int d) { return d == 64 || d == 128; }
+// The key-block kernels' (dK/dV and fused backward, bwd_kernel.h): their 64-key block is the m64.
+constexpr bool bwd_wgmma(int d) { return d == 64 || d == 128; }
 // Bytes of a 128-byte-swizzled tile (tile.h, Sw128Tile): 64-column panels of 128-byte rows.
 constexpr int sw128_tile_bytes(int rows, int d) { return (d + 63) / 64 * rows * 128; }
 constexpr int max_int(int a, int b) { return a > b ? a : b; }
@@ -110,11 +112,16 @@ constexpr int bwd_stat_rows(int len_q) { return (len_q + 63) / 64 * 64; }
 // keep ptxas from spilling (the dK / dV accumulators take 2 D / 4 registers; sm_75's 64 KiB do
 // not hold the extra tile at D = 128).
 constexpr bool dkdv_stores_ds(int d, int path) { return d > 64 && path >= kPathSm80; }
+// (sm_90: at least the wgmma layout's, swizzled K, V, Q, dO without the dS^T tile, plus 1024)
 constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
-  return (2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
-         2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
-         (dkdv_stores_ds(d, path) ? dkdv_block_n(d) * (dkdv_block_m(d) + 8) * elem_bytes : 0) +
-         (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0);
+  return max_int((2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
+                     2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
+                     (dkdv_stores_ds(d, path) ? dkdv_block_n(d) * (dkdv_block_m(d) + 8) * elem_bytes : 0) +
+                     (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0),
+                 path == kPathSm90 && bwd_wgmma(d)
+                     ? 2 * sw128_tile_bytes(dkdv_block_n(d), d) + 3 * sw128_tile_bytes(dkdv_block_m(d), d) +
+                           2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 + 1024
+                     : 0);
 }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Elem_, int kColSplit_ = 1>
@@ -167,7 +174,10 @@ constexpr bool bwd_fused_for(int d, bool ssa, bool bf16, int arch) {
 // Queries per step of the fused kernel (as the dK/dV kernel's)
 constexpr int fused_block_m(int d) { return dkdv_block_m(d); }
 constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
-  return (2 * dkdv_block_n(d) + 3 * fused_block_m(d)) * smem_row(d) * elem_bytes +
+  return max_int((2 * dkdv_block_n(d) + 3 * fused_block_m(d)) * smem_row(d) * elem_bytes,
+                 path == kPathSm90 && bwd_wgmma(d)
+                     ? 2 * sw128_tile_bytes(dkdv_block_n(d), d) + 3 * sw128_tile_bytes(fused_block_m(d), d) + 1024
+                     : 0) +
          2 * dkdv_stat_count(adaptive) * fused_block_m(d) * 4 +
          dkdv_block_n(d) * (fused_block_m(d) + 8) * elem_bytes +
          (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1,

@@ -479,6 +479,11 @@ SSA_DEVICE void wgmma_fence_operand(uint32_t (&a)[N][4]) {
 #define SSA_WG_R32                                                                                        \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define SSA_WG_R64                                                                                         \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "   \
+  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "   \
+  "%62, %63}"
 // "accumulate" is scale-d: 0 gives D = A B (the old D is not read)
 #define SSA_WG_SS(N, REGS, TY, IA, IB, IS, ...)                                                    \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IS ", 0;\n"                                    \
@@ -516,11 +521,19 @@ SSA_DEVICE void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, int acc
 // memory N-major: d (64 x N) [+]= A * B (desc db).
 template <typename T, int N>
 SSA_DEVICE void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db, int accumulate) {
-  static_assert(N == 64, "wgmma_rs_tb: N = 64");
+  static_assert(N == 64 || N == 128, "wgmma_rs_tb: N = 64 or 128");
 #if SSA_FLASH_WGMMA
-  if constexpr (ElemInfo<T>::kIsBF16)
-    SSA_WG_RS_TB(64, SSA_WG_R32, "bf16", "32", "33", "34", "35", "36", "37", SSA_WG_D4(0), SSA_WG_D4(4));
-  else SSA_WG_RS_TB(64, SSA_WG_R32, "f16", "32", "33", "34", "35", "36", "37", SSA_WG_D4(0), SSA_WG_D4(4));
+  if constexpr (N == 64) {
+    if constexpr (ElemInfo<T>::kIsBF16)
+      SSA_WG_RS_TB(64, SSA_WG_R32, "bf16", "32", "33", "34", "35", "36", "37", SSA_WG_D4(0), SSA_WG_D4(4));
+    else SSA_WG_RS_TB(64, SSA_WG_R32, "f16", "32", "33", "34", "35", "36", "37", SSA_WG_D4(0), SSA_WG_D4(4));
+  } else {
+    if constexpr (ElemInfo<T>::kIsBF16)
+      SSA_WG_RS_TB(128, SSA_WG_R64, "bf16", "64", "65", "66", "67", "68", "69", SSA_WG_D4(0), SSA_WG_D4(4),
+                   SSA_WG_D4(8), SSA_WG_D4(12));
+    else SSA_WG_RS_TB(128, SSA_WG_R64, "f16", "64", "65", "66", "67", "68", "69", SSA_WG_D4(0), SSA_WG_D4(4),
+                      SSA_WG_D4(8), SSA_WG_D4(12));
+  }
 #else
   (void)d; (void)a; (void)db; (void)accumulate;
   __trap();
@@ -530,6 +543,7 @@ SSA_DEVICE void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64
 #undef SSA_WG_D4
 #undef SSA_WG_R16
 #undef SSA_WG_R32
+#undef SSA_WG_R64
 #undef SSA_WG_SS
 #undef SSA_WG_RS_TB
 #endif  // !SSA_FLASH_EMULATE

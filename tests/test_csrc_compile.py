@@ -10,9 +10,10 @@
    and ``cp.async`` written from the PTX ISA's definitions, and the results are held to the GPU
    tests' rule (FlashAttention's: error <= 2x the same-dtype naive error + a floor, against the
    float64 reference) over the four variants, masks, causality, GQA, odd head dims and lengths,
-   plus bitwise independence from the thread schedule and from when ``cp.async`` copies land.
-   What it cannot show: hardware timing, the sm_75 code path, true concurrency effects beyond
-   the schedules tried, and speed.
+   plus bitwise independence from the thread schedule and from when ``cp.async`` copies (and
+   ``wgmma`` operations) complete; the sm_70, sm_75 and sm_90a code paths in builds of their own.
+   What it cannot show: hardware timing, true concurrency effects beyond the schedules tried, a
+   misreading of the PTX ISA shared by the kernels and the emulation, and speed.
 
 Skipped when nvcc is not on PATH or torch's C++ headers are missing. All compilations start at
 once in a module-scoped fixture (one nvcc per file, both architectures per nvcc); the emulation
@@ -417,20 +418,20 @@ def test_emulated_sm70_path(emu_lib_sm70, mode, D):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("D", [64, 128])
 def test_emulated_sm90_path(emu_lib_sm90, mode, D):
-    """The sm_90a code path: the dQ kernel's three GEMMs as wgmma on 128-byte-swizzled tiles
-    (emulated from the PTX ISA's register fragments, descriptor format and canonical layouts, the
-    shared-memory window not 1024-byte aligned), in the deterministic two-kernel backward, with
-    wgmma completing at its wait (lazy) or at issue; the adaptive variants also through the fused
-    backward, whose pre-pass runs the dbeta pass on the same GEMMs. Odd head dims pad to 64 / 128."""
+    """The sm_90a code path: every kernel's GEMMs as wgmma on 128-byte-swizzled tiles (emulated
+    from the PTX ISA's register fragments, descriptor format and canonical layouts, the
+    shared-memory window not 1024-byte aligned), wgmma completing at its wait (lazy) or at issue:
+    forward and statistics, the fused backward (S^T, dP^T, dV, dK; its dQ mma.sync from the
+    swizzled K) and the two-kernel one (dQ kernel, dK/dV kernel). Odd head dims pad to 64 / 128."""
     harness, lib = emu_lib_sm90
     before = harness.Emulator(lib).wgmma_issued()
     mask = torch.rand(2, 1, 77, 130, generator=torch.Generator().manual_seed(8)) > 0.3
     mask[:, :, 5] = False
-    _emu_check(emu_lib_sm90, mode, B=2, Hq=4, Hkv=2, Lq=77, Lk=130, D=D, causal=True, mask=mask,
-               with_dlse=True, lazy=True, deterministic=True, dtype=torch.bfloat16)
-    _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5, deterministic=True)
-    if "adaptive" in mode:
-        _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=150, Lk=200, D=D, causal=True, lazy=True)
+    for deterministic, dtype, lazy in ((False, torch.bfloat16, True), (True, torch.float16, False)):
+        _emu_check(emu_lib_sm90, mode, B=2, Hq=4, Hkv=2, Lq=77, Lk=130, D=D, causal=True, mask=mask,
+                   with_dlse=True, lazy=lazy, deterministic=deterministic, dtype=dtype)
+        _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5, lazy=not lazy,
+                   deterministic=deterministic)
     assert harness.Emulator(lib).wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
 
 

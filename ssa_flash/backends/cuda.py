@@ -328,8 +328,8 @@ def _code_path(major: int, minor: int) -> int:
 def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     """Largest dynamic shared memory of the kernels for padded head dim d on code path ``path``
     (0 sm_70, 1 sm_75, 2 sm_80+, 3 sm_90; mirrors csrc/traits.h: the Volta code path adds
-    per-warp buffers; on sm_90 the forward, statistics and dQ kernels may run with
-    128-byte-swizzled tiles at D = 64 / 128, plus 1024 bytes to align them)."""
+    per-warp buffers; on sm_90 every kernel may run with 128-byte-swizzled tiles at D = 64 / 128,
+    plus 1024 bytes to align them)."""
     sm70 = path == 0
     row = (d + 8) * 2
     fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
@@ -341,9 +341,12 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
         dq = max(dq, (2 * dq_m + 3 * dq_n) * (d // 64) * 128 + 1024)
     kv_n, kv_m = (64 if d <= 128 else 32), 32
     kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
-    dkdv = ((2 * kv_n + 3 * kv_m) * row + 2 * (6 if adaptive else 2) * kv_m * 4
+    stats = 2 * (6 if adaptive else 2) * kv_m * 4
+    dkdv = ((2 * kv_n + 3 * kv_m) * row + stats
             + (kv_n * (kv_m + 8) * 2 if d > 64 and path >= 2 else 0)  # dS^T (dkdv_stores_ds)
             + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
+    if path == 3 and d in (64, 128):  # traits.h bwd_wgmma: swizzled tiles, no dS^T
+        dkdv = max(dkdv, (2 * kv_n + 3 * kv_m) * (d // 64) * 128 + stats + 1024)
     return max(fwd, dq, dkdv)
 
 
