@@ -104,6 +104,25 @@ void fill_shape(ssa_flash::AttnShape& s, const Tensor& q, const Tensor& k, int64
   }
 }
 
+// Dropout (params.h): rng the int64 (seed, offset) on the device, keep31 = round((1 - p) 2^31)
+// at most 2^31 - 1 (computed by the caller, ssa_flash.reference.dropout_keep_threshold, so every
+// backend rounds alike), scale = 1 / (1 - p) (0 for p = 1). No rng: no dropout.
+void fill_dropout(ssa_flash::AttnShape& s, const Tensor& q, const optional<Tensor>& rng, int64_t keep31,
+                  double scale) {
+  s.drop_rng = nullptr;
+  s.drop_keep_below = 0;
+  s.drop_scale = 0.0f;
+  if (!rng.has_value()) return;
+  TORCH_CHECK(rng->is_cuda() && rng->device() == q.device() && rng->scalar_type() == at::kLong &&
+                  rng->numel() == 2 && rng->is_contiguous(),
+              "ssa_flash: the dropout rng must be a contiguous int64 (2,) tensor (seed, offset) on ", q.device());
+  TORCH_CHECK(keep31 >= 0 && keep31 < (int64_t(1) << 31), "ssa_flash: dropout keep31 out of range: ", keep31);
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0, "ssa_flash: dropout scale must be finite and >= 0");
+  s.drop_rng = rng->data_ptr<int64_t>();
+  s.drop_keep_below = static_cast<uint32_t>(2 * keep31);
+  s.drop_scale = static_cast<float>(scale);
+}
+
 // The kernels take scale >= 0 (params.h: the forward's row max is taken on raw scores); a
 // negative scale is applied as |scale| to -q (a copy; the caller negates dq back).
 Tensor nonnegative_scale(const Tensor& q, double& scale) {
@@ -120,7 +139,8 @@ bool is_bf16(const Tensor& q) { return q.scalar_type() == at::kBFloat16; }
 std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                                int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
                                const optional<Tensor>& beta, double scale, bool causal, int64_t group,
-                               int64_t stream_handle) {
+                               int64_t stream_handle, const optional<Tensor>& drop_rng, int64_t drop_keep31,
+                               double drop_scale) {
   check_qkv_like(q_in, "query", q_in);
   const Tensor q = nonnegative_scale(q_in, scale);
   check_qkv_like(k, "key", q);
@@ -130,6 +150,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k, const Tensor
   check_stat(beta, "beta", q);
   ssa_flash::FwdParams p{};
   fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group);
+  fill_dropout(p, q, drop_rng, drop_keep31, drop_scale);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   p.q = q.data_ptr();
@@ -158,6 +179,7 @@ std::tuple<Tensor, Tensor> stats(const Tensor& q_in, const Tensor& k, const opti
   check_qkv_like(k, "key", q);
   ssa_flash::FwdParams p{};
   fill_shape(p, q, k, q.size(3), mask, mask_kind, b, n, scale, causal, group);
+  fill_dropout(p, q, c10::nullopt, 0, 0.0);  // (the statistics are of the undropped rows)
   Tensor ent = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor lse = at::empty_like(ent);
   p.q = q.data_ptr();
@@ -183,7 +205,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const optional<Tensor>& dlse, const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
     const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
-    int64_t stream_handle, bool deterministic) {
+    int64_t stream_handle, bool deterministic, const optional<Tensor>& drop_rng, int64_t drop_keep31,
+    double drop_scale) {
   check_qkv_like(q_in, "query", q_in);
   check_qkv_like(dout_in, "grad_out", q_in);
   const bool negated = scale < 0;
@@ -208,11 +231,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_stat(dbeta_dh, "dbeta_dh", q);
   ssa_flash::BwdParams p{};
   fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group);
-  const bool ssa = p.ssa_b != nullptr;
+  fill_dropout(p, q, drop_rng, drop_keep31, drop_scale);
+  const bool ssa = p.ssa_b != nullptr, dropout = p.drop_rng != nullptr;
   auto f32 = q.options().dtype(at::kFloat);
   const ssa_flash::BwdPlan plan =
-      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic)
-                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic);
+      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout)
+                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout);
   // the fused path accumulates dQ / scale in float32 with atomics (zeroed here; rows and columns
   // padded to whole tiles), converted below
   Tensor dq_accum = plan.fused ? at::zeros({q.size(0), q.size(1), plan.stat_rows, plan.accum_cols}, f32) : Tensor();
@@ -267,7 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ssa_flash CUDA kernels (see ssa_flash/cuda.py for the Python API)";
   m.def("fwd", &fwd, "attention forward: (out, lse)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("scale"), py::arg("causal"),
-        py::arg("group"), py::arg("stream"));
+        py::arg("group"), py::arg("stream"), py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
+        py::arg("drop_scale") = 0.0);
   m.def("stats", &stats, "statistics pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
         py::arg("mask"), py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("stream"));
@@ -275,5 +300,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dlse"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
         py::arg("dbeta_dh"), py::arg("scale"), py::arg("causal"), py::arg("group"), py::arg("stream"),
-        py::arg("deterministic") = false);
+        py::arg("deterministic") = false, py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
+        py::arg("drop_scale") = 0.0);
 }

@@ -58,6 +58,9 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // respect to z / scale's dot product, before the final scale), accumulating the SSA partials
 // db / (n scale) and dn / ln 2 (per-head factors applied once at the end; no division by n, so
 // n = 0 gives finite gradients). kCheck: bounds, causality and masks (see apply_mask).
+// Dropout: the caller passes dp already multiplied by the weight's dropout factor z (1 / (1 - p)
+// kept, 0 dropped): the forward used z P' V, so dP' = z dO V^T (and dV takes z P'; delta =
+// rowsum(dO O) already is the dropped output's).
 template <bool kSSA, bool kAdaptive, bool kCheck>
 SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
@@ -89,7 +92,8 @@ SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, fl
   return dl;
 }
 
-// dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible.
+// dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible; dp as in
+// score_grad.
 template <bool kSSA, bool kCheck>
 SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
@@ -296,6 +300,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       if (kWg) fence_proxy_async();
       __syncthreads();  // K_j, V_j visible to every warp
 
+      // dropout flags (checked steps: a dropout call has no interior ones), evaluated before the
+      // scores are live (tile.h, drop_tile_bits)
+      const bool drop = kCheck && p.drop_rng != nullptr;
+      DropFlags keep;
+      static_assert(kNT <= 16, "DropFlags: 16 tiles");
+      if (drop) {
+        const DropCtx dc = make_drop_ctx(p.drop_rng, p.drop_keep_below, bb, h);
+        keep.clear();
+#pragma unroll 1
+        for (int nt = 0; nt < kNT; ++nt) keep.set(nt, drop_tile_bits(dc, r_lo, n0 + Frag::col(lane, nt)));
+      }
+
       float s[1][kNT][4], dp[1][kNT][4];
       if constexpr (kWg) {
         wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[0], sQ, sKj);
@@ -311,6 +327,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         gemm_nt<T, 1, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
       }
 
+      // dropout: dP' = z dO V^T (z = 1 / (1 - p) kept, 0 dropped)
+      if (drop) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dp[0][nt][i] = keep.apply(nt, i, dp[0][nt][i], p.drop_scale);
+      }
       if (kAdaptive && pass == 0) {
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -464,6 +487,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   constexpr int kStatChunks = kBlockM * kNStat / 4;  // 16-byte copies of a tile's statistics
   static_assert(kBlockN == 16 * Tr::kNWarps / kSplit, "one 16-key strip per kSplit warps");
   static_assert(kStatChunks <= kNThreads, "statistics: one copy per thread");
+  static_assert(kNThreads * 4 <= key_block_drop_bytes(kD), "drop_slot: a word per thread");
   // dQ: warp w takes query strip w % kQS and column group w / kQS (kDQ columns), in chunks
   // of kDQC columns (the accumulators of one chunk live at a time)
   constexpr int kQS = kBlockM / 16;
@@ -491,6 +515,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     __trap();
   } else {
 #endif
+  if (kFusedDq && p.drop_rng != nullptr) __trap();  // (the host plans dropout on the two-kernel path)
   extern __shared__ uint4 smem_raw[];
   T* sK = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kTileK;
@@ -570,8 +595,16 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   const int col0 = (warp % kSplit) * kDC;  // first dK/dV column of this warp
   const T* sKw = sK + strip * 16 * kS;
   const T* sVw = sV + strip * 16 * kS;
-  T* scratch = kStoreDs ? sdS + kBlockN * kSdS + warp * gemm_rn_scratch_elems<1, (kBlockN > kBlockM ? kBlockN : kBlockM)>()
-                        : sdS + warp * gemm_rn_scratch_elems<1, kBlockM>();
+  // the sm_70 gemm_rn scratch (per warp), then a word per thread where the step's dropout flags
+  // wait for their uses (volatile: in a register through the step, they spilled the fused SSA
+  // kernels at D = 96 / 128; the address too is formed at each use, from sK)
+  T* scratch0 = kStoreDs ? sdS + kBlockN * kSdS : sdS;
+  constexpr int kScratch = kStoreDs ? gemm_rn_scratch_elems<1, (kBlockN > kBlockM ? kBlockN : kBlockM)>()
+                                    : gemm_rn_scratch_elems<1, kBlockM>();
+  T* scratch = scratch0 + warp * kScratch;
+  constexpr int kDropOff = 2 * kTileK + 3 * kTileQ + 2 * kNStat * kBlockM * 4 / static_cast<int>(sizeof(T)) +
+                           (kStoreDs ? kBlockN * kSdS : 0) + kNWarps * kScratch;  // elements from sK
+  auto drop_slot = [&]() { return reinterpret_cast<volatile uint32_t*>(sK + kDropOff) + threadIdx.x; };
   // this thread's two key rows (recomputed where used: kept live, they spilled at D = 128)
   auto key_lo = [&]() { return n0 + strip * 16 + Frag::row(lane); };
   const int dq_strip = warp % kQS, dq_col0 = (warp / kQS) * kDQ;  // this warp's part of dQ
@@ -598,6 +631,22 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 
     const T* sQt = sQ + buf * kTileQ;
     const float* stat = sStat + buf * kNStat * kBlockM;
+
+    // dropout flags of the step (checked steps: a dropout call has no interior ones), evaluated
+    // before the scores are live: bit e + 4 u of 16-query block kk (byte kk) for element e of its
+    // tile u, parked in shared memory (drop_slot) until used. Not in the fused kernel: its
+    // registers are spent (the SSA variants at D = 96 / 128 spilled with this code on sm_80), and
+    // a dropout backward runs the two-kernel path (launch_impl.h, plan_bwd).
+    const bool drop = !kFusedDq && kCheck && p.drop_rng != nullptr;
+    if (drop) {
+      const DropCtx dc = make_drop_ctx(p.drop_rng, p.drop_keep_below, bb, hh);
+      uint32_t bits = 0;
+#pragma unroll 1
+      for (int kk = 0; kk < kBlockM / 16; ++kk) bits |= drop_bits_keys(dc, n0 + strip * 16, mm + 16 * kk, lane) << (8 * kk);
+      *drop_slot() = bits;
+    }
+    // x times the dropout factor of element e of tile u of a block's flags `b` (its byte)
+    auto drop_apply = [&](uint32_t b, int e, float x) { return (b >> e) & 1u ? x * p.drop_scale : 0.0f; };
 
     // S^T = K Q^T and dP^T = V dO^T per chunk of kQC queries, then per 16-query block kk of the
     // chunk the elementwise work and dV += P^T dO: each block's scores die before the next
@@ -627,6 +676,12 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
       for (int kc = 0; kc < kQC / 16; ++kc) {
         const int kk = q0 / 16 + kc;  // 16-query block of the step
+        // dropout: dP'^T = z (V dO^T) now, P'^T z for dV below
+        if (drop) {
+          const uint32_t b = *drop_slot() >> (8 * kk);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dp[0][2 * kc + e / 4][e % 4] = drop_apply(b, e, dp[0][2 * kc + e / 4][e % 4]);
+        }
 #pragma unroll
         for (int mt = 2 * kc; mt < 2 * kc + 2; ++mt) {
 #pragma unroll
@@ -657,6 +712,11 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
               s[0][mt][i] = pp;
             }
           }
+        }
+        if (drop) {
+          const uint32_t b = *drop_slot() >> (8 * kk);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s[0][2 * kc + e / 4][e % 4] = drop_apply(b, e, s[0][2 * kc + e / 4][e % 4]);
         }
         uint32_t pa[1][1][4];
         uint32_t (&pk)[4] = kWg ? pw[0][kWg ? kk : 0] : pa[0][0];  // P^T of block kk
@@ -733,7 +793,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 
   // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
   // ragged key block every step needs the checks. Steps alternate buffers across heads too.
-  const bool all_checked = p.mask_kind != kMaskNone || n0 + kBlockN > p.len_k;
+  const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || n0 + kBlockN > p.len_k;
   const int n_diag = all_checked ? tiles_per_head
                                  : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
                                             : 0;

@@ -99,14 +99,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
   const bool negate_q = kSSA && ctx.n < 0.0f;
   if (kSSA) ctx.n = fabsf(ctx.n);
-  const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
+  // the (batch, head)'s first row of the per-row statistics, formed where used (kept from the
+  // prologue to the epilogue, it spilled the D = 128 forward on sm_75)
+  auto stat0 = [&]() { return (static_cast<int64_t>(blockIdx.z) * p.heads + blockIdx.y) * p.len_q; };
 
   // this thread's rows: row0 + kStripRows ms + Frag::kHi hi, for strip ms, hi = 0 / 1 (computed
   // where needed rather than kept: at D = 128 every register counts)
   const int row0 = m0 + warp * (kWg ? 16 : kMS * 16) + Frag::row(lane);
   // The adaptive temperature beta of a row (1 without), and the row multiplier c of the interior
   // loop (see above; beta included). Only c stays in registers: the checked loop reloads beta.
-  auto row_beta = [&](int r) { return kAdaptive && r < p.len_q ? p.beta[stat0 + r] : 1.0f; };
+  auto row_beta = [&](int r) { return kAdaptive && r < p.len_q ? p.beta[stat0() + r] : 1.0f; };
   float mult[kMS][2];
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
@@ -143,6 +145,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const T* sQw = sQ + warp * kMS * 16 * kS;
   float s[kMS][kNT][4];   // scores, then logits (checked) or x (interior), then weights
   float mq[kMS][2];       // this block's row max of s (quad-reduced)
+  // dropout flags of the block's weights (checked blocks), from step_a to step_b in a
+  // shared-memory word per thread (in registers, they spilled the D = 128 forward on sm_75)
+  static_assert(kMS * kNT <= 16, "DropFlags: 16 tiles");
+  constexpr int kDropOff = LQ::elems(kBlockM, kD) + 2 * LK::elems(kBlockN, kD) +
+                           Tr::kNWarps * gemm_rn_scratch_elems<kMS, kBlockN>();  // elements from sQ
+  auto drop_slot = [&]() { return reinterpret_cast<volatile uint64_t*>(sQ + kDropOff) + threadIdx.x; };
 
   // First half of step j: copies, S = Q K_j^T, the logits (checked) or x (interior), the row
   // max. Returns the block's vote: does some row need its reference max moved?
@@ -162,6 +170,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       cp_async_commit();
     }
     __syncthreads();
+
+    // dropout flags of this block's weights (checked blocks), evaluated before the scores are live
+    if (kCheck && p.drop_rng != nullptr) {
+      const DropCtx dc = make_drop_ctx(p.drop_rng, p.drop_keep_below, blockIdx.z, blockIdx.y);
+      DropFlags keep;
+      keep.clear();
+#pragma unroll 1
+      for (int t = 0; t < kMS * kNT; ++t)
+        keep.set(t, drop_tile_bits(dc, row0 + (t / kNT) * kStripRows, n0 + Frag::col(lane, t % kNT)));
+      *drop_slot() = keep.w;
+    }
 
     if constexpr (kWg) {
 #pragma unroll
@@ -254,6 +273,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
           l_run[ms][hi] += s[ms][nt][i];
         }
       }
+      // dropout (checked blocks only: a dropout call has no interior ones): the dropped weights
+      // leave P V, not the row sum; the kept ones are scaled by 1 / (1 - p) at the end
+      if (kCheck && p.drop_rng != nullptr) {
+        DropFlags keep;
+        keep.w = *drop_slot();
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[ms][nt][i] = keep.apply(ms * kNT + nt, i, s[ms][nt][i], 1.0f);
+      }
       acc_to_frag<T, kBlockN>(pa[ms], s[ms]);
     }
     // K_{j+1}: cp.async, or synchronous (visible after step j + 1's first barrier) before the
@@ -314,7 +343,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       const float l = quad_sum(l_run[ms][hi]);
-      const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+      const float inv = l == 0.0f ? 0.0f : (p.drop_rng != nullptr ? p.drop_scale : 1.0f) / l;
       const int r = row0 + ms * kStripRows + hi * Frag::kHi;
       if (r < p.len_q) {
 #pragma unroll
@@ -324,7 +353,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
             *reinterpret_cast<uint32_t*>(o + r * p.o_sm + col) =
                 pack2<T>(acc_o[ms][dt][2 * hi] * inv, acc_o[ms][dt][2 * hi + 1] * inv);
         }
-        if (Frag::rank(lane) == 0) p.lse[stat0 + r] = l == 0.0f ? neg_inf() : (m_run[ms][hi] + log2f(l)) * kLn2;
+        if (Frag::rank(lane) == 0) p.lse[stat0() + r] = l == 0.0f ? neg_inf() : (m_run[ms][hi] + log2f(l)) * kLn2;
       }
     }
   }

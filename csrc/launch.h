@@ -30,8 +30,10 @@ struct BwdPlan {
   int stat_count;   // the fused path's dQ accumulator (B, H, stat_rows, accum_cols), float32
   int accum_cols;   // the kernels' padded head dim
 };
-BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic);
-BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic);
+BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
+                      bool dropout);
+BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
+                      bool dropout);
 
 // backward as planned: dq (two-kernel) or p.dq_accum (fused), dk, dv, delta, g (adaptive),
 // db/dn partials (ssa)

@@ -28,6 +28,13 @@ struct AttnShape {
   int64_t mask_sb, mask_sh, mask_sm, mask_sn;
   const float* ssa_b;                 // (H,) or nullptr (softmax logits)
   const float* ssa_n;
+  // Dropout (DESIGN.md 1.5), nullptr drop_rng without: the int64 (seed, offset) on the device;
+  // weight (b, h, i, j) is kept iff its Philox word is below drop_keep_below (utils.h, drop_bits;
+  // ssa_flash.reference.dropout_keep_mask), kept weights scaled by drop_scale = 1 / (1 - p)
+  // (0 for p = 1, where nothing is kept).
+  const int64_t* drop_rng;
+  uint32_t drop_keep_below;
+  float drop_scale;
 };
 
 struct FwdParams : AttnShape {

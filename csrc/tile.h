@@ -581,10 +581,83 @@ SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int
   return ok ? l2 : neg_inf();
 }
 
+// Dropout flags of one n8 tile of a strip, bit e for this thread's accumulator e (rows `row` and
+// row + Frag::kHi, columns `col` and col + 1, col even; struct Frag's element order). One Philox
+// evaluation on the m16n8 layouts (rows 8 apart), two on sm_70's. Kernels evaluate the flags of
+// a step before its GEMMs, when the score registers are not live (with the scores live, the
+// evaluation's registers spilled the D = 128 forward), and apply them after (drop_apply).
+SSA_DEVICE uint32_t drop_tile_bits(const DropCtx& d, int row, int col) {
+  const uint32_t lo = drop_bits(d, row, col);
+  const uint32_t hi = Frag::kHi == 8 ? lo : drop_bits(d, row + Frag::kHi, col);
+  uint32_t out = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    out |= static_cast<uint32_t>(drop_kept(e >> 1 ? hi : lo, row + (e >> 1) * Frag::kHi, col + (e & 1))) << e;
+  return out;
+}
+
+// Packed dropout flags of up to 16 n8 tiles, 4 per tile (bit 4 tile + e). Kernels fill them in a
+// rolled loop, one Philox evaluation at a time (unrolled, ptxas interleaved the independent
+// evaluations and the kernels at 255 registers spilled), and read them with constant shifts.
+struct DropFlags {
+  uint64_t w;
+  SSA_DEVICE void clear() { w = 0; }
+  SSA_DEVICE void set(int tile, uint32_t bits4) { w |= static_cast<uint64_t>(bits4) << (4 * tile); }
+  // x times the dropout factor of element e of `tile`: `scale` (1 / (1 - p)) kept, 0 dropped
+  SSA_DEVICE float apply(int tile, int e, float x, float scale) const {
+    return (w >> (4 * tile + e)) & 1u ? x * scale : 0.0f;
+  }
+};
+
+// Dropout flags of the key-block kernels' transposed scores (rows: keys, columns: queries) for
+// one 16-query block: bit c + 2 hi + 4 u for this thread's element (key key0 + Frag::row(lane) +
+// Frag::kHi hi, query q0 + Frag::col(lane, u) + c), key0 the warp strip's first key and q0 the
+// block's first query (multiples of 16). Here one Philox evaluation's words {i, i + 8} x {j, j + 1}
+// belong to different threads; on the m16n8 layouts (keys g, g + 8, queries 2t, 2t + 1, 8 + ...)
+// lane (g, t) evaluates the two counters of key pair (g / 2) + 4 (g % 2), queries 2t, 2t + 1, and
+// swaps with lane ^ 4 (g ^ 1, the other key of each pair) the half the partner needs: two
+// evaluations and one shuffle per 16 x 16 block, as the forward. sm_70: one evaluation per score.
+SSA_DEVICE uint32_t drop_bits_keys(const DropCtx& d, int key0, int q0, int lane) {
+  uint32_t out = 0;
+  if constexpr (Frag::kHi == 8) {
+    const int g = lane >> 2, t = lane & 3, par = g & 1;
+    const int kp = (g >> 1) + 4 * par;  // this lane's key pair: keys key0 + 2 kp, + 1
+    uint32_t mine = 0, send = 0;        // bit c + 2 u: query q0 + 8 u + 2 t + c
+#pragma unroll 1
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t b = drop_bits(d, q0 + 2 * t + c, key0 + 2 * kp);  // bit u + 2 s
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        mine |= ((b >> (u + 2 * par)) & 1u) << (c + 2 * u);
+        send |= ((b >> (u + 2 * (par ^ 1))) & 1u) << (c + 2 * u);
+      }
+    }
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, 4);
+    const uint32_t lo = par ? recv : mine, hi = par ? mine : recv;  // keys g, g + 8
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        out |= ((lo >> (c + 2 * u)) & 1u) << (c + 4 * u);
+        out |= ((hi >> (c + 2 * u)) & 1u) << (c + 2 + 4 * u);
+      }
+    }
+  } else {
+#pragma unroll 1
+    for (int b = 0; b < 8; ++b) {  // (one chain at a time: sm_70's kernels have no registers to spare)
+      const int u = b >> 2, e = b & 3;
+      const int q = q0 + Frag::col(lane, u) + (e & 1), key = key0 + Frag::row(lane) + (e >> 1) * Frag::kHi;
+      out |= static_cast<uint32_t>(drop_kept(drop_bits(d, q, key), q, key)) << b;
+    }
+  }
+  return out;
+}
+
 // Number of leading key blocks of size kBlockN that need no masking for query rows
-// [row0, row0 + rows): fully inside the keys and, under causal, at or below the first row.
+// [row0, row0 + rows): fully inside the keys and, under causal, at or below the first row. With a
+// mask or dropout, none (every block runs the checked loop, which applies them).
 SSA_DEVICE int interior_key_blocks(const AttnShape& p, int row0, int block_n) {
-  if (p.mask_kind != kMaskNone) return 0;
+  if (p.mask_kind != kMaskNone || p.drop_rng != nullptr) return 0;
   const int end = p.causal ? min(p.len_k, row0 + 1) : p.len_k;
   return end / block_n;
 }

@@ -78,13 +78,16 @@ constexpr int sw128_tile_bytes(int rows, int d) { return (d + 63) / 64 * rows * 
 constexpr int max_int(int a, int b) { return a > b ? a : b; }
 
 // Shared memory of each kernel on code path `path`: sm_70 adds the gemm_rn scratch.
-// (on sm_90 at least the wgmma layout's: swizzled tiles plus 1024 bytes to align them)
+// (on sm_90 at least the wgmma layout's: swizzled tiles plus 1024 bytes to align them; then 8
+// bytes per thread of dropout flags, fwd_kernel.h drop_slot)
+constexpr int fwd_drop_bytes(int d) { return fwd_warps(d) * 32 * 8; }
 constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return max_int((fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes +
                      (path == kPathSm70 ? sm70_scratch_bytes(fwd_warps(d), fwd_strips(d), fwd_block_n(d), elem_bytes) : 0),
                  path == kPathSm90 && fwd_wgmma(d)
                      ? sw128_tile_bytes(fwd_block_m(d), d) + 2 * sw128_tile_bytes(fwd_block_n(d), d) + 1024
-                     : 0);
+                     : 0) +
+         fwd_drop_bytes(d);
 }
 constexpr int stats_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return max_int((fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes,
@@ -101,6 +104,9 @@ constexpr int dq_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
                      ? 2 * sw128_tile_bytes(dq_block_m(d), d) + 3 * sw128_tile_bytes(dq_block_n(d), d) + 1024
                      : 0);
 }
+// the key-block kernels' per-thread word of dropout flags (bwd_kernel.h, drop_slot), for up to 8
+// warps (sm_75's split dK/dV kernels, DkdvTraitsSm75, have 8 at D = 96 / 128)
+constexpr int key_block_drop_bytes(int) { return 8 * 32 * 4; }
 // per query row of a dK/dV tile: lse, delta, and (adaptive) beta, lse_l, entropy, g; two buffers
 constexpr int dkdv_stat_count(bool adaptive) { return adaptive ? 6 : 2; }
 // Rows of the backward's row-statistics workspace and fused dQ accumulator: len_q rounded up to
@@ -117,10 +123,11 @@ constexpr int dkdv_smem_bytes(int d, int elem_bytes, bool adaptive, int path = k
   return max_int((2 * dkdv_block_n(d) + 3 * dkdv_block_m(d)) * smem_row(d) * elem_bytes +
                      2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 +
                      (dkdv_stores_ds(d, path) ? dkdv_block_n(d) * (dkdv_block_m(d) + 8) * elem_bytes : 0) +
-                     (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0),
+                     (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1, dkdv_block_m(d), elem_bytes) : 0) +
+                     key_block_drop_bytes(d),
                  path == kPathSm90 && bwd_wgmma(d)
                      ? 2 * sw128_tile_bytes(dkdv_block_n(d), d) + 3 * sw128_tile_bytes(dkdv_block_m(d), d) +
-                           2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 + 1024
+                           2 * dkdv_stat_count(adaptive) * dkdv_block_m(d) * 4 + key_block_drop_bytes(d) + 1024
                      : 0);
 }
 
@@ -183,7 +190,8 @@ constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int pat
          (path == kPathSm70 ? sm70_scratch_bytes(dkdv_warps(d), 1,
                                                  dkdv_block_n(d) > fused_block_m(d) ? dkdv_block_n(d) : fused_block_m(d),
                                                  elem_bytes)
-                            : 0);
+                            : 0) +
+         key_block_drop_bytes(d);
 }
 // Shared memory of the fused backward's pre-pass (the dQ kernel with kPrep): delta only needs the
 // dO tile (after the unused Q tile); the adaptive dbeta pass needs the dQ kernel's tiles.

@@ -179,6 +179,56 @@ SSA_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
 SSA_DEVICE float safe_max(float m) { return m == neg_inf() ? 0.0f : m; }
 
 // ------------------------------------------------------------------------------------------
+// Dropout bits: Philox4x32-10 (Random123's philox4x32_R(10), cuRAND's Philox4_32_10), the
+// generator of the Triton kernels and of ssa_flash.reference.dropout_keep_mask, so a (seed,
+// offset) gives every backend the same mask. Weight (b, h, i, j) (query i, key j) is kept iff
+// word bit3(i) + 2 bit0(j) of Philox under the key (seed low, seed high) and the counter
+// (j / 2, (i / 16) 8 + i % 8, h, (b + offset) mod 2^32) is below keep_below: one evaluation
+// serves {i, i + 8} x {j, j + 1}, which on the m16n8 layouts is exactly one thread's 4
+// accumulators of an n8 tile (rows g and g + 8, columns 2t and 2t + 1).
+
+struct DropCtx {
+  uint32_t k0, k1;  // the seed
+  uint32_t head, batch;  // counter words 2 and 3 (batch: b + offset)
+  uint32_t keep_below;
+};
+
+SSA_DEVICE DropCtx make_drop_ctx(const int64_t* rng, uint32_t keep_below, int batch, int head) {
+  const uint64_t seed = static_cast<uint64_t>(rng[0]);
+  DropCtx d;
+  d.k0 = static_cast<uint32_t>(seed);
+  d.k1 = static_cast<uint32_t>(seed >> 32);
+  d.head = static_cast<uint32_t>(head);
+  d.batch = static_cast<uint32_t>(static_cast<uint64_t>(batch) + static_cast<uint64_t>(rng[1]));
+  d.keep_below = keep_below;
+  return d;
+}
+
+// Keep bits of (i0 + 8 u, j0 + s), bit u + 2 s, for i0 = i with bit 3 cleared and j0 = j rounded
+// down to even: one Philox evaluation (10 rounds of two 32 x 32 -> 64-bit products).
+SSA_DEVICE uint32_t drop_bits(const DropCtx& d, int i, int j) {
+  uint32_t c0 = static_cast<uint32_t>(j) >> 1, c1 = ((static_cast<uint32_t>(i) >> 4) << 3) + (static_cast<uint32_t>(i) & 7u);
+  uint32_t c2 = d.head, c3 = d.batch, k0 = d.k0, k1 = d.k1;
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint64_t p0 = static_cast<uint64_t>(c0) * 0xD2511F53u, p1 = static_cast<uint64_t>(c2) * 0xCD9E8D57u;
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return static_cast<uint32_t>(c0 < d.keep_below) | (static_cast<uint32_t>(c1 < d.keep_below) << 1) |
+         (static_cast<uint32_t>(c2 < d.keep_below) << 2) | (static_cast<uint32_t>(c3 < d.keep_below) << 3);
+}
+
+// Whether weight (i, j) is kept, from drop_bits of its pair.
+SSA_DEVICE bool drop_kept(uint32_t bits, int i, int j) { return (bits >> (((i >> 3) & 1) + 2 * (j & 1))) & 1u; }
+
+// ------------------------------------------------------------------------------------------
 // Where the accumulators of a 16-row strip live. A strip of N columns is held as float[N / 8][4];
 // element (nt, i) of lane `lane` is at
 //     row = Frag::row(lane) + Frag::kHi * (i / 2),   col = Frag::col(lane, nt) + (i % 2),

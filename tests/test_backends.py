@@ -321,21 +321,28 @@ def _half_case(mode, *, B=2, Hq=4, Hkv=2, Lq=37, Lk=45, D=30, Dv=20, transpose=F
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", ["gqa_causal_float16_mask", "transposed_bool_mask"])
+@pytest.mark.parametrize("case", ["gqa_causal_float16_mask", "transposed_bool_mask", "dropout_gqa_causal"])
 def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypatch):
     """ssa_flash.*(backend="cuda") on CPU float16 tensors: padding of odd head dims (30, 20),
-    non-contiguous inputs, masks, GQA, LSE gradients, db/dn reduction; held to FlashAttention's
-    rule against the float64 reference, and the emulated kernels did run."""
+    non-contiguous inputs, masks, GQA, LSE gradients, db/dn reduction, dropout (the seed's mask,
+    ssa_flash.dropout_mask, given to the reference); held to FlashAttention's rule against the
+    float64 reference, and the emulated kernels did run."""
     q, k, v, b, n = _half_case(mode, transpose=case.startswith("transposed"))
     Lq, Lk = q.shape[2], k.shape[2]
     g = torch.Generator().manual_seed(7)
     if case.startswith("gqa"):
         mask = torch.randn(2, 1, 1, Lk, generator=g).half()
         kw = dict(attn_mask=mask, is_causal=True, enable_gqa=True)
-    else:
+    elif case.startswith("transposed"):
         mask = torch.rand(Lq, Lk, generator=g) > 0.3
         mask[4] = False
         kw = dict(attn_mask=mask, enable_gqa=True)
+    else:
+        kw = dict(is_causal=True, enable_gqa=True, dropout_p=0.3)
+    drop_kw = {}
+    if "dropout_p" in kw:
+        torch.manual_seed(21)
+        drop_kw = dict(dropout_mask=ssa_flash.dropout_mask((q.shape[0], q.shape[1], Lq, Lk), kw["dropout_p"]))
     calls = []
     for fn in ("fwd", "stats", "bwd"):
         orig = getattr(emulator, fn)
@@ -350,14 +357,15 @@ def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypa
         return out, lse, dict(zip("qkvbn", torch.autograd.grad(loss, leaves)))
 
     with cuda_backend.emulated(emulator):
+        torch.manual_seed(21)
         ours = run(ssa_flash, q, k, v, b, n, backend="cuda")
     assert calls.count("fwd") == 1 and calls.count("bwd") == 1
     assert calls.count("stats") == (1 if "adaptive" in mode else 0)
-    naive = run(reference, q, k, v, b, n)
+    naive = run(reference, q, k, v, b, n, **drop_kw)
     d64 = [None if t is None else t.detach().double().requires_grad_() for t in (q, k, v, b, n)]
     gold_kw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
                for key, val in kw.items()}
-    out, lse = call(reference, mode, *d64, return_lse=True, **gold_kw)
+    out, lse = call(reference, mode, *d64, return_lse=True, **gold_kw, **drop_kw)
     loss = (out * dout.double()).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
     gold = (out, lse, dict(zip("qkvbn", torch.autograd.grad(loss, _leaves(*d64)))))
     floor = FLOORS[torch.float16]

@@ -232,12 +232,13 @@ def _emu_built(jobs, name):
     return built
 
 
-def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale=None):
+def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale=None, drop=None):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if b is not None:
         b, n = b.detach().requires_grad_(), n.detach().requires_grad_()
+    kw = {} if drop is None else dict(dropout_p=drop[0], dropout_mask=drop[1])
     out, lse = call(reference, mode, q, k, v, b, n, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
-                    return_lse=True, scale=scale)
+                    return_lse=True, scale=scale, **kw)
     loss = (out.double() * dout.double()).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).double() * dlse.double()).sum()
@@ -251,10 +252,11 @@ def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa
 
 def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=None, dtype=torch.float16,
               causal=False, mask=None, with_dlse=False, lazy=False, seed=1, transpose=False, n_value=None,
-              scale=None, key_ramp=None, deterministic=False):
+              scale=None, key_ramp=None, deterministic=False, dropout_p=0.0, drop_seed=(2**40 + 7, 3)):
     """``key_ramp``: per 64-key block, a multiple of a common direction added to the keys (and half
     of it to every query), so that the row max of the logits jumps from block to block by chosen
-    amounts (the forward's conditional rescaling)."""
+    amounts (the forward's conditional rescaling). ``dropout_p``: with the Philox (seed, offset)
+    ``drop_seed``; the reference gets the mask ``ssa_flash.reference.dropout_keep_mask`` gives."""
     harness, lib = emu_lib
     at, reference = _import_testing()
     Hkv, Lk, Dv = Hkv or Hq, Lk or Lq, Dv or D
@@ -279,20 +281,24 @@ def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=No
             n = torch.as_tensor(n_value, dtype=n.dtype).expand(Hq).clone()
     emu = harness.Emulator(lib, lazy_copies=lazy, seed=seed)
     full_mask = None if mask is None else mask.expand(B, Hq, Lq, Lk)
+    drop = rng = None
+    if dropout_p > 0:
+        rng = torch.tensor(drop_seed, dtype=torch.int64)
+        drop = (dropout_p, reference.dropout_keep_mask(*drop_seed, (B, Hq, Lq, Lk), dropout_p))
     ours = emu.attention(q, k, v, mask=full_mask, b=b, n=n, causal=causal, group=Hq // Hkv,
                          adaptive="adaptive" in mode, dout=dout, dlse=dlse, scale=scale,
-                         deterministic=deterministic)
-    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv, scale)
+                         deterministic=deterministic, dropout_p=dropout_p, dropout_rng=rng)
+    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv, scale, drop)
 
 
 def _emu_check(emu_lib, mode, **kw):
     at, reference = _import_testing()
-    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale) = _emu_case(emu_lib, mode, **kw)
-    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale)
+    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop) = _emu_case(emu_lib, mode, **kw)
+    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop)
     d64 = lambda t: None if t is None else t.double()  # noqa: E731
     gmask = mask if mask is None or mask.dtype == torch.bool else mask.double()
     gold = _ref_run(reference, at.call, mode, d64(q), d64(k), d64(v), d64(b), d64(n), dout, dlse, gmask, causal, gqa,
-                    scale)
+                    scale, drop)
     floor = at.FLOORS[q.dtype]
     finite = torch.isfinite(gold["lse"])
     assert torch.equal(torch.isfinite(ours["lse"]), finite), "lse: -inf exactly on the rows with no admissible key"
@@ -400,7 +406,7 @@ def test_emulated_sm75_path(emu_lib_sm75, mode, D):
     """The Turing code path: fp16 m16n8k16 as two m16n8k8, copies synchronous (eager)."""
     mask = torch.rand(1, 1, 77, 100, generator=torch.Generator().manual_seed(6)) > 0.2
     _emu_check(emu_lib_sm75, mode, B=1, Hq=4, Hkv=2, Lq=77, Lk=100, D=D, causal=True, mask=mask,
-               with_dlse=True, lazy=False)
+               with_dlse=True, lazy=False, dropout_p=0.2 if D == 64 else 0.0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -411,8 +417,9 @@ def test_emulated_sm70_path(emu_lib_sm70, mode, D):
     mask = torch.rand(1, 1, 77, 100, generator=torch.Generator().manual_seed(7)) > 0.2
     _emu_check(emu_lib_sm70, mode, B=1, Hq=4, Hkv=2, Lq=77, Lk=100, D=D, causal=True, mask=mask,
                with_dlse=True, lazy=False)
-    # interior (unmasked) key blocks, several query blocks, odd head dim
-    _emu_check(emu_lib_sm70, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5)
+    # interior (unmasked) key blocks, several query blocks, odd head dim; dropout (sm_70's
+    # accumulator rows are 2 apart: the per-score Philox path)
+    _emu_check(emu_lib_sm70, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5, dropout_p=0.3 if D == 64 else 0.0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -431,7 +438,7 @@ def test_emulated_sm90_path(emu_lib_sm90, mode, D):
         _emu_check(emu_lib_sm90, mode, B=2, Hq=4, Hkv=2, Lq=77, Lk=130, D=D, causal=True, mask=mask,
                    with_dlse=True, lazy=lazy, deterministic=deterministic, dtype=dtype)
         _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5, lazy=not lazy,
-                   deterministic=deterministic)
+                   deterministic=deterministic, dropout_p=0.25 if deterministic else 0.0)
     assert harness.Emulator(lib).wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
 
 
@@ -449,6 +456,39 @@ def test_emulated_sm90_schedule_independent(emu_lib, emu_lib_sm90):
     before = harness.Emulator(lib).wgmma_issued()
     _emu_case(emu_lib, "softmax", **kw)
     assert harness.Emulator(lib).wgmma_issued() == before
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_dropout(emu_lib, mode):
+    """Dropout (the kernels' Philox bits, the mask ssa_flash.reference.dropout_keep_mask defines, so
+    the Triton and reference backends' too) against the reference given that mask: GQA, causal, a
+    boolean mask with an empty row, dlse, both copy modes, the backward on the two-kernel path
+    (the plan's, deterministic or not); p = 1 (nothing kept: outputs 0, finite gradients)."""
+    mask = torch.rand(2, 1, 77, 130, generator=torch.Generator().manual_seed(9)) > 0.3
+    mask[:, :, 5] = False
+    for deterministic in (False, True):
+        _emu_check(emu_lib, mode, B=2, Hq=4, Hkv=2, Lq=77, Lk=130, D=64, causal=True, mask=mask,
+                   with_dlse=True, lazy=not deterministic, deterministic=deterministic, dropout_p=0.3)
+    _emu_check(emu_lib, mode, B=1, Hq=2, Lq=150, Lk=200, D=123, dtype=torch.bfloat16, dropout_p=0.6,
+               drop_seed=(12345, 2**33 + 5))
+    ours = _emu_check(emu_lib, mode, B=1, Hq=2, Lq=40, Lk=70, D=32, with_dlse=True, dropout_p=1.0)
+    assert torch.equal(ours["out"], torch.zeros_like(ours["out"]))
+
+
+def test_emulated_dropout_mask_is_the_seeds(emu_lib):
+    """The check above has teeth: the reference run with another seed's mask disagrees with the
+    emulated output (so the kernels apply that seed's mask, not merely some mask)."""
+    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop) = _emu_case(
+        emu_lib, "softmax", B=1, Hq=2, Lq=70, Lk=90, D=64, dropout_p=0.3)
+    at, reference = _import_testing()
+    other = (0.3, reference.dropout_keep_mask(2**40 + 8, 3, (1, 2, 70, 90), 0.3))
+    d64 = lambda t: t.double()  # noqa: E731
+    same = _ref_run(reference, at.call, "softmax", d64(q), d64(k), d64(v), None, None, dout, None, None, False, False,
+                    None, drop)
+    wrong = _ref_run(reference, at.call, "softmax", d64(q), d64(k), d64(v), None, None, dout, None, None, False, False,
+                     None, other)
+    assert (ours["out"].double() - same["out"]).abs().max() < 1e-2
+    assert (ours["out"].double() - wrong["out"]).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive"])
@@ -543,6 +583,8 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
         assert not emu.plan(256, 256, 100, 130, ssa, False, False, False)["fused"]
     plan = emu.plan(64, 64, 100, 130, False, True, False, True)
     assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
+    # dropout: the two-kernel path (the fused kernel has no dropout code: registers)
+    assert not any(emu.plan(D, D, 100, 130, True, False, False, False, dropout=True)["fused"] for D in (32, 64, 128))
     assert emu.plan(64, 64, 100, 130, True, False, True, True)["num_partials"] == 2  # (100 / 64 query blocks)
     # sm_70: the fused kernel spills above D = 64 there
     emu70 = harness.Emulator(emu_lib_sm70[1])
@@ -577,23 +619,54 @@ def test_cu_compiles(cu_results, name):
     warnings = _own_warnings(output)
     assert not warnings, f"{name}: compiler warnings in csrc/:\n" + "\n".join(warnings[:50])
     spills = _spills(output)
-    assert not spills, f"{name}: register spills ({' '.join(ARCHS)}):\n" + "\n".join(spills)
+    unknown = [sp for sp in spills if not _known_spill(sp, KNOWN_SM75_SPILLS, "sm_75")]
+    assert not unknown, f"{name}: register spills ({' '.join(ARCHS)}):\n" + "\n".join(unknown)
 
 
-# Known sm_70 spills (strict: a listed kernel that stops spilling fails the test until removed).
-# Since the dK/dV kernel took the fused kernel's body (key-block steps through TileLoader
-# offsets, 16-byte statistics copies), ptxas keeps 8 bytes of loop-invariant state on the stack
-# in these three dK/dV instantiations (other layouts tried moved the spill, or made it 100+
+def _known_spill(spill: str, known: dict, arch: str = "") -> bool:
+    """Whether `spill` (a _spills line, of `arch` if given) is one of `known` (kernel name fragment
+    -> byte cap), within its cap."""
+    if arch and f"({arch})" not in spill:
+        return False
+    cap = next((c for k, c in known.items() if k in spill), None)
+    return cap is not None and max(int(x) for x in re.findall(r"(\d+) bytes spill", spill)) <= cap
+
+
+# Known sm_75 spills (nvcc, sm_75: synchronous copies, m16n8k8 pairs), name fragment -> byte cap.
+# Dropout's code in the checked step (the flags' Philox evaluation) costs this forward two
+# registers: ptxas keeps three loop-invariant values (the K / V base pointers, a row offset) on
+# the stack, stored in the prologue and reloaded after the interior loop and before the epilogue
+# (not inside the main loops; checked in the SASS, 2026-11-25).
+KNOWN_SM75_SPILLS = {
+    "attn_fwd_kernelINS_12KernelTraitsILi128ELi128ELi32ELi4E6__halfLi1EEELb1ELb0E": 12,
+}
+
+
+def test_known_sm75_spills_still_spill(cu_results):
+    """Strict: a kernel listed in KNOWN_SM75_SPILLS that no longer spills fails until removed."""
+    spills = [sp for name in cu_results for sp in _spills(cu_results[name][1]) if "(sm_75)" in sp]
+    gone = [k for k in KNOWN_SM75_SPILLS if not any(k in sp for sp in spills)]
+    if "75" not in ARCHS:
+        pytest.skip("sm_75 not compiled (SSA_FLASH_COMPILE_ARCHS)")
+    assert not gone, f"listed in KNOWN_SM75_SPILLS but no longer spilling (remove them): {gone}"
+
+
+# Known sm_70 spills (strict: a listed kernel that stops spilling fails the test until removed),
+# name fragment -> byte cap. Since the dK/dV kernel took the fused kernel's body (key-block steps
+# through TileLoader offsets, 16-byte statistics copies), ptxas keeps loop-invariant state on the
+# stack in these dK/dV instantiations (other layouts tried moved the spill, or made it 100+
 # bytes): Volta only, issue 14. At D = 256 the SASS shows per-thread offsets into the sm_70
 # per-warp scratch (row stride 40), stored in the prologue and reloaded once before the main
-# loops; at D = 128 one or two 4-byte reloads per query-block step (of ~1800 instructions)
-# inside one of the two main loops. (Which instantiations spill moves with unrelated changes:
-# with the head loop of csrc/bwd_kernel.h counting head indices, as the fused kernel's does,
-# there were five.)
+# loops. At D = 128 the adaptive variants: 8 bytes before dropout's code joined the checked step
+# (one or two 4-byte reloads per query-block step), 20-24 since (stores in the prologue, reloads
+# before the loops and in the epilogue; the flags' Philox evaluation needs registers this path
+# does not have). (Which instantiations spill moves with unrelated changes: with the head loop of
+# csrc/bwd_kernel.h counting head indices, as the fused kernel's does, there were five.)
 KNOWN_SM70_SPILLS = {
-    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E"},
-    256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb1E",
-          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb0ELb1E"},
+    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E": 28,
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1E": 28},
+    256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb1E": 8,
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb0ELb1E": 8},
 }
 
 
@@ -601,7 +674,7 @@ KNOWN_SM70_SPILLS = {
 def test_sm70_compiles_with_cuda12_wheels(jobs, head_dim):
     """The Volta (mma.m8n8k4) code path of every float16 kernel, compiled to sm_70 SASS by the
     CUDA 12.9 NVRTC and ptxas from PyPI (CUDA 13's nvcc has no sm_70): no errors, no spills
-    beyond KNOWN_SM70_SPILLS (at most 8 bytes each)."""
+    beyond KNOWN_SM70_SPILLS (each within its byte cap)."""
     res = jobs[f"nvrtc_sm70_d{head_dim}"].result()
     if res is None:
         pytest.skip("CUDA 12 wheels (nvidia-cuda-nvrtc-cu12, -nvcc-cu12, -runtime-cu12) not installed")
@@ -609,9 +682,8 @@ def test_sm70_compiles_with_cuda12_wheels(jobs, head_dim):
     assert rc == 0, f"sm_70 build failed ({seconds:.0f}s):\n{output[-20000:]}"
     assert "mma.sync.aligned.m8n8k4" in (Path(output.split("cubin: ")[-1].strip()).with_suffix(".ptx")).read_text()
     spills = _spills(output)
-    known = KNOWN_SM70_SPILLS.get(head_dim, set())
-    unknown = [sp for sp in spills if not any(k in sp for k in known) or
-               max(int(x) for x in re.findall(r"(\d+) bytes spill", sp)) > 8]
+    known = KNOWN_SM70_SPILLS.get(head_dim, {})
+    unknown = [sp for sp in spills if not _known_spill(sp, known)]
     assert not unknown, "register spills on sm_70:\n" + "\n".join(unknown)
     gone = [k for k in known if not any(k in sp for sp in spills)]
     assert not gone, f"listed in KNOWN_SM70_SPILLS but no longer spilling (remove them): {gone}"

@@ -249,6 +249,40 @@ def test_backward_deterministic(mode):
         assert torch.equal(first[2][name], second[2][name]), f"d{name} differs between runs"
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dropout(mode, deterministic):
+    """Dropout: the mask of the seed (ssa_flash.dropout_mask after the same torch.manual_seed, the
+    mask of the Triton and reference backends) against the reference given that mask; the Triton
+    backend after the same seed agrees; the call is reproducible under the seed."""
+    q, k, v = make_qkv(B=2, Hq=4, Hkv=2, Lq=150, Lk=170, D=64, dtype=torch.float16)
+    b, n = head_params(4, device=q.device) if "ssa" in mode else (None, None)
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(2, 4, 150, 64, generator=g).to(q.device)
+    p = 0.3
+    kw = dict(is_causal=True, enable_gqa=True, dropout_p=p)
+    torch.manual_seed(11)
+    keep = ssa_flash.dropout_mask((2, 4, 150, 170), p, device=q.device)
+    torch.manual_seed(11)
+    ours = run("cuda", mode, q, k, v, b, n, dout, **kw, deterministic=deterministic)
+    torch.manual_seed(11)
+    again = run("cuda", mode, q, k, v, b, n, dout, **kw, deterministic=True)
+    assert torch.equal(ours[0], again[0])
+    ref_kw = dict(is_causal=True, enable_gqa=True, dropout_p=p, dropout_mask=keep)
+    naive = run("reference", mode, q, k, v, b, n, dout, **ref_kw)
+    cast = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    gold = run("reference", mode, cast(q), cast(k), cast(v), cast(b), cast(n), dout, **ref_kw)
+    floor = FLOORS[torch.float16]
+    fa_tolerance_check("out", ours[0], naive[0], gold[0], floor)
+    for name, grad in ours[2].items():
+        gfloor = floor * (math.sqrt(150 * 170) if name in "bn" else 4)
+        fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
+    if "triton" in ssa_flash.available_backends(q.device):
+        torch.manual_seed(11)
+        tri = run("triton", mode, q, k, v, b, n, dout, **kw)
+        fa_tolerance_check("out vs triton", ours[0], naive[0], tri[0], 2 * floor)
+
+
 def test_unsupported_inputs_raise_clearly():
     q, k, v = make_qkv(B=1, Hq=2, Lq=10, D=64, dtype=torch.float32)
     with pytest.raises(ssa_flash.BackendUnavailableError, match="float16 or bfloat16"):

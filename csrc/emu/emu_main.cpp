@@ -20,9 +20,9 @@ std::string& last_error() {
 }
 
 // ints: B, H, Hkv, group, Lq, Lk, D, Dv, causal, mask_kind, mask strides (4), then (b, h, row)
-// strides of q, k, v, o, dout, dq, dk, dv (8 x 3)
+// strides of q, k, v, o, dout, dq, dk, dv (8 x 3), stat_rows, dropout keep31
 template <typename P>
-void fill(P& p, const long long* iv, double scale, void* const* ptr) {
+void fill(P& p, const long long* iv, double scale, void* const* ptr, double drop_scale) {
   p.batch = static_cast<int>(iv[0]);
   p.heads = static_cast<int>(iv[1]);
   p.heads_kv = static_cast<int>(iv[2]);
@@ -41,16 +41,20 @@ void fill(P& p, const long long* iv, double scale, void* const* ptr) {
   p.mask = ptr[18];
   p.ssa_b = static_cast<const float*>(ptr[19]);
   p.ssa_n = static_cast<const float*>(ptr[20]);
+  p.drop_rng = static_cast<const int64_t*>(ptr[22]);
+  p.drop_keep_below = static_cast<uint32_t>(2 * iv[39]);
+  p.drop_scale = static_cast<float>(drop_scale);
 }
 
 }  // namespace
 
 // ptr: q, k, v, o, dout, dq, dk, dv, lse, dlse, rowstat, beta, lse_l, entropy, dbeta_dh, (unused),
-//      db_part, dn_part, mask, b, n, dq_accum; iv[38]: stat_rows (backward)
+//      db_part, dn_part, mask, b, n, dq_accum, dropout rng (int64 seed, offset; or null);
+// iv[38]: stat_rows (backward), iv[39]: dropout keep31
 // deterministic: the backward's plan (launch.h); dq_accum must then be given iff the plan is fused
 extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, const long long* iv,
                                    double scale, void* const* ptr, int lazy_copies, unsigned seed,
-                                   int deterministic) {
+                                   int deterministic, double drop_scale) {
   using namespace ssa_flash;
   ssa_emu::config().lazy_copies = lazy_copies != 0;
   ssa_emu::config().seed = seed;
@@ -59,7 +63,7 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
   std::string err;
   if (op == 0 || op == 1) {  // forward / statistics
     FwdParams p{};
-    fill(p, iv, scale, ptr);
+    fill(p, iv, scale, ptr, drop_scale);
     p.q = ptr[0];
     p.k = ptr[1];
     p.v = ptr[2];
@@ -78,7 +82,7 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
       err = bf16 ? detail::run_stats<__nv_bfloat16>(p, ssa, nullptr) : detail::run_stats<__half>(p, ssa, nullptr);
   } else {
     BwdParams p{};
-    fill(p, iv, scale, ptr);
+    fill(p, iv, scale, ptr, drop_scale);
     p.q = ptr[0];
     p.k = ptr[1];
     p.v = ptr[2];
@@ -106,8 +110,9 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
     p.db_part = static_cast<float*>(ptr[16]);
     p.dn_part = static_cast<float*>(ptr[17]);
     p.dq_accum = static_cast<float*>(ptr[21]);
-    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic)
-                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic);
+    const bool dropout = p.drop_rng != nullptr;
+    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout)
+                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout);
     if (plan.fused != (p.dq_accum != nullptr)) err = "dq_accum given or missing against the plan";
     else err = bf16 ? detail::run_bwd<__nv_bfloat16>(p, ssa, adaptive, plan, nullptr)
                     : detail::run_bwd<__half>(p, ssa, adaptive, plan, nullptr);
@@ -118,10 +123,10 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
 
 // The backward's plan (launch.h): out = {fused, num_partials, stat_rows, stat_count, accum_cols}.
 extern "C" void ssa_emu_bwd_plan(int dim, int dim_v, int len_q, int len_k, int ssa, int adaptive, int deterministic,
-                                 int bf16, int* out) {
+                                 int bf16, int dropout, int* out) {
   using namespace ssa_flash;
-  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic)
-                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic);
+  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, dropout)
+                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, dropout);
   out[0] = plan.fused;
   out[1] = plan.num_partials;
   out[2] = plan.stat_rows;

@@ -186,12 +186,17 @@ inline int syncthreads_or(int pred) {
   return 0;
 }
 
-inline float shfl_xor(float v, int off) {
+// __shfl_xor_sync of a 4-byte value (float, int, unsigned), bits moved unchanged
+template <typename V>
+inline V shfl_xor(V v, int off) {
+  static_assert(sizeof(V) == 4, "shfl_xor: 4-byte values");
   Slot& s = deposit(kShfl);
-  s.val = v;
+  std::memcpy(&s.val, &v, 4);
   s.off = off;
   const int par = finish_round();
-  return lane_slot(lane_id() ^ off, par).val;
+  V out;
+  std::memcpy(&out, &lane_slot(lane_id() ^ off, par).val, 4);
+  return out;
 }
 
 // ------------------------------------------------------------------------------------------

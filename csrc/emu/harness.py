@@ -88,22 +88,23 @@ class Emulator:
         self.lib.ssa_emu_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                          ctypes.POINTER(ctypes.c_longlong), ctypes.c_double,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint,
-                                         ctypes.c_int]
+                                         ctypes.c_int, ctypes.c_double]
         self.lib.ssa_emu_wgmma_issued.restype = ctypes.c_long
         self.lib.ssa_emu_bwd_plan.restype = None
-        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 8 + [ctypes.POINTER(ctypes.c_int)]
+        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
         self.lazy_copies = lazy_copies
         self.seed = seed
 
     def _run(self, op, q, k, v, o, dout, grads, stats, mask_t, kind, b, n, scale, causal, group,
-             dq_accum=None, deterministic=False, stat_rows=0):
+             dq_accum=None, deterministic=False, stat_rows=0, drop=(None, 0, 0.0)):
         B, H, Lq, D = q.shape
         Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
         ms = mask_t.stride() if mask_t is not None else (0, 0, 0, 0)
         ints = [B, H, Hkv, group, Lq, Lk, D, Dv, int(causal), kind, *ms]
         for t in (q, k, v, o, dout, *grads):
             ints += list(t.stride()[:3]) if t is not None else [0, 0, 0]
-        ints.append(stat_rows)
+        drop_rng, drop_keep31, drop_scale = drop
+        ints += [stat_rows, int(drop_keep31)]
         iv = (ctypes.c_longlong * len(ints))(*ints)
 
         def ptr(t):
@@ -111,11 +112,11 @@ class Emulator:
 
         names = ["lse", "dlse", "rowstat", "beta", "lse_l", "entropy", "dbeta_dh", "unused", "db_part", "dn_part"]
         ptrs = [ptr(q), ptr(k), ptr(v), ptr(o), ptr(dout), *(ptr(t) for t in grads),
-                *(ptr(stats.get(nm)) for nm in names), ptr(mask_t), ptr(b), ptr(n), ptr(dq_accum)]
+                *(ptr(stats.get(nm)) for nm in names), ptr(mask_t), ptr(b), ptr(n), ptr(dq_accum), ptr(drop_rng)]
         arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
         err = self.lib.ssa_emu_run(op, int(q.dtype == torch.bfloat16), int(b is not None),
                                    int(stats.get("beta") is not None), iv, float(scale), arr,
-                                   int(self.lazy_copies), self.seed, int(deterministic))
+                                   int(self.lazy_copies), self.seed, int(deterministic), float(drop_scale))
         if err:
             raise RuntimeError(err.decode())
 
@@ -123,13 +124,14 @@ class Emulator:
 
     # A negative scale is applied as |scale| to -q, as csrc/api.cpp does (the kernels take scale >= 0).
 
-    def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0):
+    def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0, drop_rng=None,
+            drop_keep31=0, drop_scale=0.0):
         q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         o = torch.full((B, H, Lq, v.shape[-1]), float("nan"), dtype=q.dtype)
         lse = torch.full((B, H, Lq), float("nan"))
         self._run(0, q, k, v, o, None, (None, None, None), {"lse": lse, "beta": beta}, mask, mask_kind,
-                  b, n, scale, causal, group)
+                  b, n, scale, causal, group, drop=(drop_rng, drop_keep31, drop_scale))
         return o, lse
 
     def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0):
@@ -144,21 +146,22 @@ class Emulator:
         """wgmma operations (per thread) issued in this process so far (by any emulator library)."""
         return int(self.lib.ssa_emu_wgmma_issued())
 
-    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16):
+    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16, dropout=False):
         """The backward's plan (csrc/launch.h, BwdPlan): a dict of fused, num_partials, stat_rows,
         stat_count, accum_cols."""
         out = (ctypes.c_int * 5)()
-        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16), out)
+        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16), int(dropout),
+                                  out)
         return dict(zip(("fused", "num_partials", "stat_rows", "stat_count", "accum_cols"), out))
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
-            scale, causal, group, stream=0, deterministic=False):
+            scale, causal, group, stream=0, deterministic=False, drop_rng=None, drop_keep31=0, drop_scale=0.0):
         negated = scale < 0
         q, scale = (-q, -scale) if negated else (q, scale)
         B, H, Lq, D = q.shape
         nan = float("nan")
         plan = self.plan(D, v.shape[-1], Lq, k.shape[2], b is not None, beta is not None, deterministic,
-                         q.dtype == torch.bfloat16)
+                         q.dtype == torch.bfloat16, drop_rng is not None)
         fused = plan["fused"]
         # as csrc/api.cpp: the fused path accumulates dQ / scale in a zeroed float32 buffer padded
         # to whole tiles; the row-statistics workspace starts as NaN (every row read is written)
@@ -171,7 +174,8 @@ class Emulator:
         if b is not None:
             stats.update(db_part=parts[0], dn_part=parts[1])
         self._run(2, q, k, v, o, dout, (None if fused else dq, dk, dv), stats, mask, mask_kind, b, n, scale,
-                  causal, group, dq_accum=dq_accum, deterministic=deterministic, stat_rows=plan["stat_rows"])
+                  causal, group, dq_accum=dq_accum, deterministic=deterministic, stat_rows=plan["stat_rows"],
+                  drop=(drop_rng, drop_keep31, drop_scale))
         if fused:
             dq = (dq_accum[:, :, :Lq, :D] * (-scale if negated else scale)).to(q.dtype)
         elif negated:
@@ -181,7 +185,8 @@ class Emulator:
     # ---- what backend="cuda" computes --------------------------------------------------------
 
     def attention(self, q, k, v, mask=None, b=None, n=None, scale=None, causal=False, group=1,
-                  adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None, deterministic=False):
+                  adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None, deterministic=False,
+                  dropout_p=0.0, dropout_rng=None):
         """Forward and (if dout is given) backward on CPU tensors through the package's custom ops
         with ``backend="cuda"`` and this emulator as the extension (what
         ssa_flash.cuda.CudaAttentionFunction does, plus ``deterministic``). Returns a dict: out,
@@ -196,7 +201,8 @@ class Emulator:
         leaves = [t.detach().requires_grad_(dout is not None) if t is not None else None
                   for t in (q, k, v, b, n)]
         spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group), adaptive=bool(adaptive),
-                             poly=poly, threshold=float(threshold), deterministic=bool(deterministic))
+                             poly=poly, threshold=float(threshold), deterministic=bool(deterministic),
+                             dropout_p=float(dropout_p), dropout_rng=dropout_rng)
         with backend.emulated(self):
             why = backend.supports(q, k, v, spec)
             if why is not None:

@@ -37,6 +37,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .. import reference as spec_code
 from ..errors import BackendUnavailableError
 from ._compile import constant_for_compile
 from .spec import AttentionSpec, TemperatureState
@@ -334,27 +335,29 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     row = (d + 8) * 2
     fwd_m, fwd_n = (128 if d <= 128 else 64), (64 if d <= 64 else 32)
     fwd = (fwd_m + 2 * fwd_n) * row + (4 * (fwd_m // 64) * 16 * (fwd_n + 8) * 2 if sm70 else 0)
+    fwd_drop = 4 * 32 * 8  # dropout flags, 8 bytes per thread (fwd_drop_bytes)
     dq_m, dq_n = (64 if d <= 128 else 32), (64 if d <= 64 else 32 if d <= 128 else 16)
     dq = (2 * dq_m + 3 * dq_n) * row + ((dq_m // 16) * 16 * (dq_n + 8) * 2 if sm70 else 0)
     if path == 3 and d in (64, 128):  # traits.h fwd_wgmma / dq_wgmma, sw128_tile_bytes
         fwd = max(fwd, (fwd_m + 2 * fwd_n) * (d // 64) * 128 + 1024)
         dq = max(dq, (2 * dq_m + 3 * dq_n) * (d // 64) * 128 + 1024)
+    fwd += fwd_drop
     kv_n, kv_m = (64 if d <= 128 else 32), 32
     kv_warps = kv_n // 16 * (1 if d <= 128 else 2)
     stats = 2 * (6 if adaptive else 2) * kv_m * 4
+    drop = 8 * 32 * 4  # a word of dropout flags per thread, up to 8 warps (key_block_drop_bytes)
     dkdv = ((2 * kv_n + 3 * kv_m) * row + stats
             + (kv_n * (kv_m + 8) * 2 if d > 64 and path >= 2 else 0)  # dS^T (dkdv_stores_ds)
-            + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0))
+            + (kv_warps * 16 * (kv_m + 8) * 2 if sm70 else 0) + drop)
     if path == 3 and d in (64, 128):  # traits.h bwd_wgmma: swizzled tiles, no dS^T
-        dkdv = max(dkdv, (2 * kv_n + 3 * kv_m) * (d // 64) * 128 + stats + 1024)
+        dkdv = max(dkdv, (2 * kv_n + 3 * kv_m) * (d // 64) * 128 + stats + drop + 1024)
     return max(fwd, dq, dkdv)
 
 
 def _feature_reason(spec: AttentionSpec) -> Optional[str]:
-    """Why the kernels cannot compute ``spec`` (dropout, windows: not implemented), or None."""
-    if spec.dropout_p > 0:
-        return (f"the CUDA kernels do not implement dropout (dropout_p={spec.dropout_p}); "
-                "the Triton backend does")
+    """Why the kernels cannot compute ``spec`` (windows: not implemented), or None."""
+    if spec.dropout_p > 0 and spec.dropout_rng is None:
+        return "dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng"
     if spec.window_left >= 0 or spec.window_right >= 0:
         return (f"the CUDA kernels do not implement local attention (window_size=("
                 f"{spec.window_left}, {spec.window_right})); the Triton backend does")
@@ -450,6 +453,16 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _dropout_args(spec: AttentionSpec) -> dict:
+    """The kernels' dropout arguments (csrc/api.cpp, fill_dropout): the (seed, offset) tensor,
+    keep31 rounded as every backend rounds it, and 1 / (1 - p) (0 for p = 1); none without."""
+    if spec.dropout_p <= 0:
+        return {}
+    p = float(spec.dropout_p)
+    return dict(drop_rng=spec.dropout_rng, drop_keep31=spec_code.dropout_keep_threshold(p),
+                drop_scale=1.0 / (1.0 - p) if p < 1.0 else 0.0)
+
+
 # --------------------------------------------------------------------------------------------
 # The backend interface
 
@@ -473,7 +486,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     with _on_device(q.device):
         o, lse = ext.fwd(_prep(q, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
                          _head_param(n), beta, float(spec.scale), bool(spec.causal), int(spec.group),
-                         _stream(q.device))
+                         _stream(q.device), **_dropout_args(spec))
     return _unpad(o, v.shape[-1]), lse
 
 
@@ -494,7 +507,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
             _prep(dout.to(q.dtype), dv8), _prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
             bf, nf, beta, lse_l, ent, dbeta_dh, float(spec.scale), bool(spec.causal), int(spec.group),
-            _stream(q.device), deterministic=bool(spec.deterministic))
+            _stream(q.device), deterministic=bool(spec.deterministic), **_dropout_args(spec))
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
