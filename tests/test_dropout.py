@@ -220,18 +220,20 @@ def test_gradcheck_across_blocks():
 # Plumbing
 
 
-def test_cuda_backend_refuses_dropout_and_auto_takes_triton(monkeypatch):
+def test_cuda_backend_takes_dropout_and_auto_keeps_it(monkeypatch):
+    """The CUDA kernels run dropout (numerics: tests/test_backends.py, emulated, and
+    tests/test_cuda_backend.py on a GPU); a spec without its (seed, offset) tensor is refused."""
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     spec = AttentionSpec(scale=0.3, dropout_p=0.1, dropout_rng=torch.tensor([1, 2]))
-    assert "dropout" in cuda_backend._feature_reason(spec)
-    with pytest.raises(ValueError, match="dropout"):
-        cuda_backend.forward(q, k, v, None, None, None, None, spec)
-    with cuda_backend.emulated(object()):  # the CUDA backend "available" on the CPU
-        with pytest.raises(ssa_flash.BackendUnavailableError, match="dropout"):
-            ssa_flash.ssa_attention(q, k, v, dropout_p=0.1, backend="cuda")
-        # auto on a verified CUDA backend: falls back to Triton for dropout
-        monkeypatch.setattr(backends, "resolve", lambda *a: ("cuda", ""))
-        assert ssa_flash.ops._resolve_backend("auto", q, k, v, spec) == "triton"
+    assert cuda_backend._feature_reason(spec) is None
+    no_rng = AttentionSpec(scale=0.3, dropout_p=0.1)
+    assert "dropout_rng" in cuda_backend._feature_reason(no_rng)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        cuda_backend.forward(q, k, v, None, None, None, None, no_rng)
+    # auto on a verified CUDA backend keeps it for dropout
+    monkeypatch.setattr(backends, "resolve", lambda *a: ("cuda", ""))
+    with cuda_backend.emulated(object()):
+        assert ssa_flash.ops._resolve_backend("auto", q, k, v, spec) == "cuda"
 
 
 def test_validation():
