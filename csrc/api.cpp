@@ -51,10 +51,12 @@ void check_stat(const optional<Tensor>& t, const char* name, const Tensor& q) {
 
 const float* stat_ptr(const optional<Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
-// Sizes, scale, causality, mask and SSA parameters common to every launch.
+// Sizes, scale, causality, window, mask and SSA parameters common to every launch. window_left /
+// window_right: DESIGN.md 1.5's window_size (-1: that side unbounded).
 void fill_shape(ssa_flash::AttnShape& s, const Tensor& q, const Tensor& k, int64_t dim_v,
                 const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
-                const optional<Tensor>& n, double scale, bool causal, int64_t group) {
+                const optional<Tensor>& n, double scale, bool causal, int64_t group, int64_t window_left,
+                int64_t window_right) {
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "ssa_flash: key does not match query");
   TORCH_CHECK(group >= 1 && q.size(1) == k.size(1) * group, "ssa_flash: query heads must be group * key heads");
   TORCH_CHECK(q.size(2) > 0 && k.size(2) > 0, "ssa_flash: empty sequences are handled by the caller");
@@ -69,6 +71,10 @@ void fill_shape(ssa_flash::AttnShape& s, const Tensor& q, const Tensor& k, int64
   s.dim_v = static_cast<int>(dim_v);
   s.scale = static_cast<float>(scale);
   s.causal = causal;
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "ssa_flash: window bounds must be >= -1, got (",
+              window_left, ", ", window_right, ")");
+  TORCH_CHECK(q.size(2) + k.size(2) < (int64_t(1) << 31) - 1024, "ssa_flash: sequences too long");
+  ssa_flash::set_band(s, window_left, window_right);
   s.mask_kind = static_cast<int>(mask_kind);
   s.mask = nullptr;
   s.mask_sb = s.mask_sh = s.mask_sm = s.mask_sn = 0;
@@ -140,7 +146,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k, const Tensor
                                int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
                                const optional<Tensor>& beta, double scale, bool causal, int64_t group,
                                int64_t stream_handle, const optional<Tensor>& drop_rng, int64_t drop_keep31,
-                               double drop_scale) {
+                               double drop_scale, int64_t window_left, int64_t window_right) {
   check_qkv_like(q_in, "query", q_in);
   const Tensor q = nonnegative_scale(q_in, scale);
   check_qkv_like(k, "key", q);
@@ -149,7 +155,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k, const Tensor
               "ssa_flash: value does not match key");
   check_stat(beta, "beta", q);
   ssa_flash::FwdParams p{};
-  fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group);
+  fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right);
   fill_dropout(p, q, drop_rng, drop_keep31, drop_scale);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -173,12 +179,13 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q_in, const Tensor& k, const Tensor
 
 std::tuple<Tensor, Tensor> stats(const Tensor& q_in, const Tensor& k, const optional<Tensor>& mask,
                                  int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
-                                 double scale, bool causal, int64_t group, int64_t stream_handle) {
+                                 double scale, bool causal, int64_t group, int64_t stream_handle,
+                                 int64_t window_left, int64_t window_right) {
   check_qkv_like(q_in, "query", q_in);
   const Tensor q = nonnegative_scale(q_in, scale);
   check_qkv_like(k, "key", q);
   ssa_flash::FwdParams p{};
-  fill_shape(p, q, k, q.size(3), mask, mask_kind, b, n, scale, causal, group);
+  fill_shape(p, q, k, q.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right);
   fill_dropout(p, q, c10::nullopt, 0, 0.0);  // (the statistics are of the undropped rows)
   Tensor ent = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor lse = at::empty_like(ent);
@@ -206,7 +213,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
     int64_t stream_handle, bool deterministic, const optional<Tensor>& drop_rng, int64_t drop_keep31,
-    double drop_scale) {
+    double drop_scale, int64_t window_left, int64_t window_right) {
   check_qkv_like(q_in, "query", q_in);
   check_qkv_like(dout_in, "grad_out", q_in);
   const bool negated = scale < 0;
@@ -230,13 +237,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_stat(entropy, "entropy", q);
   check_stat(dbeta_dh, "dbeta_dh", q);
   ssa_flash::BwdParams p{};
-  fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group);
+  fill_shape(p, q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right);
   fill_dropout(p, q, drop_rng, drop_keep31, drop_scale);
-  const bool ssa = p.ssa_b != nullptr, dropout = p.drop_rng != nullptr;
+  const bool ssa = p.ssa_b != nullptr, unfused = p.drop_rng != nullptr || p.window;
   auto f32 = q.options().dtype(at::kFloat);
   const ssa_flash::BwdPlan plan =
-      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout)
-                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout);
+      is_bf16(q) ? ssa_flash::plan_bwd_bf16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, unfused)
+                 : ssa_flash::plan_bwd_fp16(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, unfused);
   // the fused path accumulates dQ / scale in float32 with atomics (zeroed here; rows and columns
   // padded to whole tiles), converted below
   Tensor dq_accum = plan.fused ? at::zeros({q.size(0), q.size(1), plan.stat_rows, plan.accum_cols}, f32) : Tensor();
@@ -292,14 +299,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "attention forward: (out, lse)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("stream"), py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
-        py::arg("drop_scale") = 0.0);
+        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1);
   m.def("stats", &stats, "statistics pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
         py::arg("mask"), py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("scale"), py::arg("causal"),
-        py::arg("group"), py::arg("stream"));
+        py::arg("group"), py::arg("stream"), py::arg("window_left") = -1, py::arg("window_right") = -1);
   m.def("bwd", &bwd, "attention backward: (dq, dk, dv, db_part, dn_part)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dlse"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
         py::arg("dbeta_dh"), py::arg("scale"), py::arg("causal"), py::arg("group"), py::arg("stream"),
         py::arg("deterministic") = false, py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
-        py::arg("drop_scale") = 0.0);
+        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1);
 }

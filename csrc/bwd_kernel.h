@@ -57,16 +57,17 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
 // respect to z / scale's dot product, before the final scale), accumulating the SSA partials
 // db / (n scale) and dn / ln 2 (per-head factors applied once at the end; no division by n, so
-// n = 0 gives finite gradients). kCheck: bounds, causality and masks (see apply_mask).
+// n = 0 gives finite gradients). kCheck: bounds, causality, windows and masks (see apply_mask;
+// kBand false: no window).
 // Dropout: the caller passes dp already multiplied by the weight's dropout factor z (1 / (1 - p)
 // kept, 0 dropped): the forward used z P' V, so dP' = z dO V^T (and dV takes z P'; delta =
 // rowsum(dO O) already is the dropped output's).
-template <bool kSSA, bool kAdaptive, bool kCheck>
+template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true>
 SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
   float t, u;
   float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
-  if (kCheck) l2 = apply_mask(p, ctx, l2, row, col, kLog2e);
+  if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
   const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
   p_out = pp;
   float dl = pp * (dp - r.delta);
@@ -94,13 +95,13 @@ SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, fl
 
 // dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible; dp as in
 // score_grad.
-template <bool kSSA, bool kCheck>
+template <bool kSSA, bool kCheck, bool kBand = true>
 SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
   float t, u;
   float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
   if (kCheck) {
-    l2 = apply_mask(p, ctx, l2, row, col, kLog2e);
+    l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
     if (l2 == neg_inf()) return 0.0f;
   }
   const float pp = ex2(fmaf(l2, r.beta, -r.lse2));
@@ -255,8 +256,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
   if (kPrep && !kAdaptive) return;  // (the pre-pass needs delta only)
 
-  const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
-  const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  // key blocks [j_lo, num_n): the causal bound and the window's band (0 and len_k otherwise)
+  const int j_lo = key_block_lo(p, m0, kBlockN);
+  const int num_n = (key_end(p, m0, kBlockM) + kBlockN - 1) / kBlockN;
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
   // Interior steps copy the next K / V block through running pointers (TileStream: one pointer
   // add per 16-byte copy, where load_tile recomputed row * stride products and predicates: about
@@ -276,10 +278,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn (not in the pre-pass)
   for (int pass = kAdaptive ? 0 : 1; pass < (kPrep ? 1 : 2); ++pass) {
     float dbeta_lo = 0.0f, dbeta_hi = 0.0f;
-    load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
-    load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, 0, p.len_k, p.dim_v, tid);
+    load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, j_lo * kBlockN, p.len_k, p.dim, tid);
+    load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, j_lo * kBlockN, p.len_k, p.dim_v, tid);
     cp_async_commit();
-    TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;  // from block 1 on
+    // from block 1 on (a window call, the only one with j_lo > 0, has no interior blocks)
+    TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;
     k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
     v_stream.init(v, p.v_sm, kBlockN, p.dim_v, tid);
 
@@ -287,9 +290,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       constexpr bool kCheck = decltype(check)::value;
       const int n0 = j * kBlockN;
       const bool has_next = j + 1 < num_n;
-      const T* sKj = sK + (j & 1) * kTileK;
+      const int buf = (j - j_lo) & 1;  // K_j's buffer (the prologue filled buffer 0 with block j_lo)
+      const T* sKj = sK + buf * kTileK;
       if (has_next) {
-        T* dst = sK + ((j + 1) & 1) * kTileK;
+        T* dst = sK + (buf ^ 1) * kTileK;
         if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(dst, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
         else k_stream.issue(dst, tid);
         cp_async_commit();
@@ -377,9 +381,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       }
       __syncthreads();  // every warp is done with K_j
     };
-    int j = 0;
+    int j = j_lo;
     for (; j < n_int; ++j) step(j, Bool<false>());
     for (; j < num_n; ++j) step(j, Bool<true>());
+    cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's copies)
 
     if (kAdaptive && pass == 0) {
       st_lo.g = quad_sum(dbeta_lo) * dbdh_lo;
@@ -515,7 +520,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     __trap();
   } else {
 #endif
-  if (kFusedDq && p.drop_rng != nullptr) __trap();  // (the host plans dropout on the two-kernel path)
+  // (the host plans dropout and windows on the two-kernel path)
+  if (kFusedDq && (p.drop_rng != nullptr || p.window)) __trap();
   extern __shared__ uint4 smem_raw[];
   T* sK = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kTileK;
@@ -537,9 +543,11 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
   const int64_t head0 = static_cast<int64_t>(bb) * p.heads;  // (batch, head) index of head 0
 
-  // Under causal, query blocks before this key block never see it.
-  const int m_first = p.causal ? (n0 / kBlockM) * kBlockM : 0;
-  const int tiles_per_head = m_first < p.len_q ? (p.len_q - m_first + kBlockM - 1) / kBlockM : 0;
+  // Query blocks [m_first, m_end) see this key block: under causal, none before it; with a
+  // window (not in the fused kernel, where the band's bounds spilled), those meeting its band.
+  const int m_first = kFusedDq ? (p.causal ? (n0 / kBlockM) * kBlockM : 0) : query_block_lo(p, n0, kBlockM);
+  const int m_end = kFusedDq ? p.len_q : query_end(p, n0, kBlockN);
+  const int tiles_per_head = m_first < m_end ? (m_end - m_first + kBlockM - 1) / kBlockM : 0;
   const int num_t = tiles_per_head * p.group;
 
   TileMap<kBlockM, kD, LQ, kNThreads> tmap;
@@ -707,8 +715,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
             for (int hi = 0; hi < 2; ++hi) {
               const int i = c + 2 * hi;
               float pp;
-              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq,
-                                                                 key_lo() + hi * Frag::kHi, r, pp, db_acc, dn_acc);
+              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck, !kFusedDq>(
+                  p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq, key_lo() + hi * Frag::kHi, r, pp, db_acc, dn_acc);
               s[0][mt][i] = pp;
             }
           }
@@ -791,9 +799,11 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
   };
 
-  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask or a
-  // ragged key block every step needs the checks. Steps alternate buffers across heads too.
-  const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || n0 + kBlockN > p.len_k;
+  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask, dropout,
+  // a window or a ragged key block every step needs the checks. Steps alternate buffers across
+  // heads too.
+  const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || (!kFusedDq && p.window) ||
+                           n0 + kBlockN > p.len_k;
   const int n_diag = all_checked ? tiles_per_head
                                  : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
                                             : 0;

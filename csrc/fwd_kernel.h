@@ -116,15 +116,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
   }
 
-  const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
-  const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  // key blocks [j_lo, num_n): the causal bound and the window's band (0 and len_k otherwise)
+  const int j_lo = key_block_lo(p, m0, kBlockN);
+  const int num_n = (key_end(p, m0, kBlockM) + kBlockN - 1) / kBlockN;
   // Interior blocks: no masking, and (cp.async) the K block they prefetch is inside the keys
   // too, or there is none: the last interior block before a ragged one runs the checked loop.
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
   const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, j_lo * kBlockN, p.len_k, p.dim, tid);
   cp_async_commit();
   if (negate_q) {  // (block-uniform; visible to the other warps after the first barrier)
     cp_async_wait<0>();
@@ -310,7 +311,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     }
   };
 
-  int j = 0;
+  int j = j_lo;  // (a window call has no interior blocks: the streams start at block 0)
   if (kAsync) {
     while (j < n_int) {
       // the steady state: no rescaling (the audit's interior loop)
@@ -336,6 +337,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     step_a(j, Bool<true>());
     step_b(j, Bool<true>(), Bool<true>());
   }
+  cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
   T* o = static_cast<T*>(p.o) + bb * p.o_sb + h * p.o_sh;
 #pragma unroll
@@ -415,12 +417,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     for (int hi = 0; hi < 2; ++hi)
       row[ms][hi] = m0 + (kWg ? 64 * ms + 16 * warp : (warp * kMS + ms) * 16) + Frag::row(lane) + hi * Frag::kHi;
 
-  const int n_end = p.causal ? min(p.len_k, m0 + kBlockM) : p.len_k;
-  const int num_n = (n_end + kBlockN - 1) / kBlockN;
+  const int j_lo = key_block_lo(p, m0, kBlockN);
+  const int num_n = (key_end(p, m0, kBlockM) + kBlockN - 1) / kBlockN;
   const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, 0, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, j_lo * kBlockN, p.len_k, p.dim, tid);
   cp_async_commit();
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
@@ -435,8 +437,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   auto step = [&](int j, auto check) {
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
+    const int buf = (j - j_lo) & 1;  // K_j's buffer (the prologue filled buffer 0 with block j_lo)
     if (j + 1 < num_n) {
-      load_tile<kBlockN, kD, LK, kNThreads>(sK + ((j + 1) & 1) * kTileK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim,
+      load_tile<kBlockN, kD, LK, kNThreads>(sK + (buf ^ 1) * kTileK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim,
                                            tid);
       cp_async_commit();
       cp_async_wait<1>();
@@ -450,14 +453,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     if constexpr (kWg) {
 #pragma unroll
       for (int ms = 0; ms < kMS; ++ms)
-        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK + (j & 1) * kTileK);
+        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK + buf * kTileK);
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
       for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
     } else {
       zero(s);
-      gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK + (j & 1) * kTileK, lane);
+      gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK + buf * kTileK, lane);
     }
 
 #pragma unroll
@@ -504,9 +507,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     }
     __syncthreads();  // every warp is done with this K buffer before it is refilled
   };
-  int j = 0;
+  int j = j_lo;
   for (; j < n_full; ++j) step(j, Bool<false>());
   for (; j < num_n; ++j) step(j, Bool<true>());
+  cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {

@@ -31,9 +31,9 @@ struct BwdPlan {
   int accum_cols;   // the kernels' padded head dim
 };
 BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
-                      bool dropout);
+                      bool unfused_features);
 BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
-                      bool dropout);
+                      bool unfused_features);
 
 // backward as planned: dq (two-kernel) or p.dq_accum (fused), dk, dv, delta, g (adaptive),
 // db/dn partials (ssa)

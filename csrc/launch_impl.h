@@ -165,14 +165,15 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
 // The backward's plan on the current device (launch.h).
 template <typename T>
 BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
-                 bool dropout) {
+                 bool unfused_features) {
   const int padded = padded_head_dim(dim > dim_v ? dim : dim_v);
   const int d = padded < 0 ? 256 : padded;
   int arch = 0, max_optin = 0;
   const bool known = device_info(arch, max_optin).empty();
   BwdPlan plan;
-  // (dropout: the two-kernel path; the fused kernel has no dropout code, see bwd_kernel.h)
-  plan.fused = !deterministic && !dropout && known && bwd_fused_for(d, ssa, ElemInfo<T>::kIsBF16, arch);
+  // (dropout or a window: the two-kernel path; the fused kernel has no code for them, see
+  // bwd_kernel.h)
+  plan.fused = !deterministic && !unfused_features && known && bwd_fused_for(d, ssa, ElemInfo<T>::kIsBF16, arch);
   // SSA db / dn partials: per query block of the dQ kernel, or per (key block, warp) of the
   // fused kernel
   plan.num_partials = plan.fused ? (len_k + dkdv_block_n(d) - 1) / dkdv_block_n(d) * dkdv_warps(d)

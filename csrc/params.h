@@ -23,6 +23,12 @@ struct AttnShape {
   int dim, dim_v;                     // actual head dims (multiples of 8)
   float scale;                        // softmax scale applied to q.k, >= 0 (api.cpp negates q otherwise)
   bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
+  // Key j visible to query i iff i - win_left <= j <= i + win_right: the local window (DESIGN.md
+  // 1.5) and causality as one band (set_band); window: a band narrower than causality's (every
+  // visited block then runs the checked loop).
+  int win_left, win_right;
+  int win_width;                      // win_left + win_right (>= 0)
+  bool window;
   int mask_kind;
   const void* mask;                   // uint8 or float32, see mask_kind
   int64_t mask_sb, mask_sh, mask_sm, mask_sn;
@@ -36,6 +42,18 @@ struct AttnShape {
   uint32_t drop_keep_below;
   float drop_scale;
 };
+
+// The band of window_size = (window_left, window_right) (-1: that side unbounded; both >= -1) with
+// causality folded in (win_right = 0 under causal); an unbounded side, or one past the sequence,
+// is the sequence's length, so row + win_right stays in int when len_q + len_k < 2^31 - 1024 (the
+// binding checks both). Needs len_q, len_k and causal set.
+inline void set_band(AttnShape& s, int64_t window_left, int64_t window_right) {
+  const int64_t right = window_right < 0 || window_right > s.len_k ? s.len_k : window_right;
+  s.win_left = static_cast<int>(window_left < 0 || window_left > s.len_q ? s.len_q : window_left);
+  s.win_right = static_cast<int>(s.causal ? 0 : right);
+  s.win_width = s.win_left + s.win_right;
+  s.window = window_left >= 0 || (window_right >= 0 && !s.causal);
+}
 
 struct FwdParams : AttnShape {
   const void* q;

@@ -562,13 +562,20 @@ SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, flo
 }
 
 // l2 where key `col` is admissible for query `row`, else -inf: out of range (rows past the
-// queries are -inf too: the mask is not read there), after the query under causal, masked out;
-// additive masks are added (times `mask_mult`, log2(e) times the
-// row's beta). Only the tiles on the diagonal, the ragged last tile, and every tile of a masked
-// call need this (the kernels skip it elsewhere).
+// queries are -inf too: the mask is not read there), outside the band (a window, or after the
+// query under causal), masked out; additive masks are added (times `mask_mult`, log2(e) times
+// the row's beta). Only the tiles on the diagonal, the ragged last tile, and every tile of a
+// masked or windowed call need this (the kernels skip it elsewhere). kBand = false: causality
+// only, for a kernel that never runs a window (the fused backward: the band's two bounds spilled
+// it at D = 96).
+template <bool kBand = true>
 SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int row, int col,
                             float mask_mult) {
-  bool ok = row < p.len_q && col < p.len_k && (!p.causal || col <= row);
+  // the band -win_left <= col - row <= win_right (causality folded in, params.h) as one unsigned
+  // compare: fewer live values than two bounds per row (they spilled the D = 128 forward)
+  const bool in_band = kBand ? static_cast<unsigned>(col - row + p.win_left) <= static_cast<unsigned>(p.win_width)
+                             : !p.causal || col <= row;
+  bool ok = row < p.len_q && col < p.len_k && in_band;
   if (p.mask_kind != kMaskNone && ok) {
     const int64_t off = c.batch * p.mask_sb + c.head * p.mask_sh + static_cast<int64_t>(row) * p.mask_sm +
                         static_cast<int64_t>(col) * p.mask_sn;
@@ -653,11 +660,26 @@ SSA_DEVICE uint32_t drop_bits_keys(const DropCtx& d, int key0, int q0, int lane)
   return out;
 }
 
+// Keys visited by query rows [m0, m0 + rows): blocks of block_n keys from key_block_lo up to
+// key_end (exclusive): inside the keys, at or below the last row under causal (win_right folds
+// it in), and intersecting the window's band. Without a window, [0, len_k or the causal bound).
+SSA_DEVICE int key_block_lo(const AttnShape& p, int m0, int block_n) {
+  return m0 - p.win_left > 0 ? (m0 - p.win_left) / block_n : 0;
+}
+SSA_DEVICE int key_end(const AttnShape& p, int m0, int rows) { return min(p.len_k, m0 + rows + p.win_right); }
+
+// Query rows visited by the key block [n0, n0 + block_n) (the key-block kernels): from
+// query_block_lo (a multiple of block_m) up to query_end (exclusive).
+SSA_DEVICE int query_block_lo(const AttnShape& p, int n0, int block_m) {
+  return n0 - p.win_right > 0 ? (n0 - p.win_right) / block_m * block_m : 0;
+}
+SSA_DEVICE int query_end(const AttnShape& p, int n0, int block_n) { return min(p.len_q, n0 + block_n + p.win_left); }
+
 // Number of leading key blocks of size kBlockN that need no masking for query rows
 // [row0, row0 + rows): fully inside the keys and, under causal, at or below the first row. With a
 // mask or dropout, none (every block runs the checked loop, which applies them).
 SSA_DEVICE int interior_key_blocks(const AttnShape& p, int row0, int block_n) {
-  if (p.mask_kind != kMaskNone || p.drop_rng != nullptr) return 0;
+  if (p.mask_kind != kMaskNone || p.drop_rng != nullptr || p.window) return 0;
   const int end = p.causal ? min(p.len_k, row0 + 1) : p.len_k;
   return end / block_n;
 }

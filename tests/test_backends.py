@@ -321,12 +321,13 @@ def _half_case(mode, *, B=2, Hq=4, Hkv=2, Lq=37, Lk=45, D=30, Dv=20, transpose=F
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", ["gqa_causal_float16_mask", "transposed_bool_mask", "dropout_gqa_causal"])
+@pytest.mark.parametrize("case", ["gqa_causal_float16_mask", "transposed_bool_mask", "dropout_gqa_causal",
+                                  "window_causal_bool_mask", "window_two_sided"])
 def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypatch):
     """ssa_flash.*(backend="cuda") on CPU float16 tensors: padding of odd head dims (30, 20),
     non-contiguous inputs, masks, GQA, LSE gradients, db/dn reduction, dropout (the seed's mask,
-    ssa_flash.dropout_mask, given to the reference); held to FlashAttention's rule against the
-    float64 reference, and the emulated kernels did run."""
+    ssa_flash.dropout_mask, given to the reference), local windows; held to FlashAttention's rule
+    against the float64 reference, and the emulated kernels did run."""
     q, k, v, b, n = _half_case(mode, transpose=case.startswith("transposed"))
     Lq, Lk = q.shape[2], k.shape[2]
     g = torch.Generator().manual_seed(7)
@@ -337,6 +338,11 @@ def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypa
         mask = torch.rand(Lq, Lk, generator=g) > 0.3
         mask[4] = False
         kw = dict(attn_mask=mask, enable_gqa=True)
+    elif case.startswith("window_causal"):
+        mask = torch.rand(Lq, Lk, generator=g) > 0.3
+        kw = dict(attn_mask=mask, is_causal=True, enable_gqa=True, window_size=(9, -1))
+    elif case.startswith("window"):
+        kw = dict(enable_gqa=True, window_size=(4, 7))
     else:
         kw = dict(is_causal=True, enable_gqa=True, dropout_p=0.3)
     drop_kw = {}
@@ -383,12 +389,13 @@ def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypa
 def test_emulated_cuda_entropy(emulator):
     q, k, _, b, n = _half_case("ssa")
     q, k, b, n = (t.detach() for t in (q, k, b, n))
-    with cuda_backend.emulated(emulator):
-        ours = ssa_flash.attention_entropy(q, k, is_causal=True, enable_gqa=True, b=b, n=n, backend="cuda")
-    gold = reference.attention_entropy(q.double(), k.double(), None, True, None, True, b=b.double(), n=n.double())
-    naive = reference.attention_entropy(q, k, None, True, None, True, b=b, n=n)
-    assert ours.dtype == torch.float32 and ours.shape == gold.shape
-    fa_tolerance_check("entropy", ours, naive, gold, FLOORS[torch.float16])
+    for kw in (dict(is_causal=True), dict(window_size=(3, 5))):
+        with cuda_backend.emulated(emulator):
+            ours = ssa_flash.attention_entropy(q, k, enable_gqa=True, b=b, n=n, backend="cuda", **kw)
+        gold = reference.attention_entropy(q.double(), k.double(), enable_gqa=True, b=b.double(), n=n.double(), **kw)
+        naive = reference.attention_entropy(q, k, enable_gqa=True, b=b, n=n, **kw)
+        assert ours.dtype == torch.float32 and ours.shape == gold.shape
+        fa_tolerance_check("entropy", ours, naive, gold, FLOORS[torch.float16])
 
 
 def test_emulated_cuda_refuses_what_the_kernels_do_not_run(emulator):

@@ -232,11 +232,14 @@ def _emu_built(jobs, name):
     return built
 
 
-def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale=None, drop=None):
+def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale=None, drop=None,
+             window=(-1, -1)):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if b is not None:
         b, n = b.detach().requires_grad_(), n.detach().requires_grad_()
     kw = {} if drop is None else dict(dropout_p=drop[0], dropout_mask=drop[1])
+    if tuple(window) != (-1, -1):
+        kw["window_size"] = tuple(window)
     out, lse = call(reference, mode, q, k, v, b, n, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
                     return_lse=True, scale=scale, **kw)
     loss = (out.double() * dout.double()).sum()
@@ -252,11 +255,13 @@ def _ref_run(reference, call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa
 
 def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=None, dtype=torch.float16,
               causal=False, mask=None, with_dlse=False, lazy=False, seed=1, transpose=False, n_value=None,
-              scale=None, key_ramp=None, deterministic=False, dropout_p=0.0, drop_seed=(2**40 + 7, 3)):
+              scale=None, key_ramp=None, deterministic=False, dropout_p=0.0, drop_seed=(2**40 + 7, 3),
+              window=(-1, -1)):
     """``key_ramp``: per 64-key block, a multiple of a common direction added to the keys (and half
     of it to every query), so that the row max of the logits jumps from block to block by chosen
     amounts (the forward's conditional rescaling). ``dropout_p``: with the Philox (seed, offset)
-    ``drop_seed``; the reference gets the mask ``ssa_flash.reference.dropout_keep_mask`` gives."""
+    ``drop_seed``; the reference gets the mask ``ssa_flash.reference.dropout_keep_mask`` gives.
+    ``window``: window_size (left, right), -1 unbounded."""
     harness, lib = emu_lib
     at, reference = _import_testing()
     Hkv, Lk, Dv = Hkv or Hq, Lk or Lq, Dv or D
@@ -287,18 +292,18 @@ def _emu_case(emu_lib, mode, *, B=1, Hq=2, Hkv=None, Lq=70, Lk=None, D=64, Dv=No
         drop = (dropout_p, reference.dropout_keep_mask(*drop_seed, (B, Hq, Lq, Lk), dropout_p))
     ours = emu.attention(q, k, v, mask=full_mask, b=b, n=n, causal=causal, group=Hq // Hkv,
                          adaptive="adaptive" in mode, dout=dout, dlse=dlse, scale=scale,
-                         deterministic=deterministic, dropout_p=dropout_p, dropout_rng=rng)
-    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv, scale, drop)
+                         deterministic=deterministic, dropout_p=dropout_p, dropout_rng=rng, window_size=window)
+    return ours, (q, k, v, b, n, dout, dlse, mask, causal, Hq != Hkv, scale, drop, window)
 
 
 def _emu_check(emu_lib, mode, **kw):
     at, reference = _import_testing()
-    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop) = _emu_case(emu_lib, mode, **kw)
-    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop)
+    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop, window) = _emu_case(emu_lib, mode, **kw)
+    naive = _ref_run(reference, at.call, mode, q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop, window)
     d64 = lambda t: None if t is None else t.double()  # noqa: E731
     gmask = mask if mask is None or mask.dtype == torch.bool else mask.double()
     gold = _ref_run(reference, at.call, mode, d64(q), d64(k), d64(v), d64(b), d64(n), dout, dlse, gmask, causal, gqa,
-                    scale, drop)
+                    scale, drop, window)
     floor = at.FLOORS[q.dtype]
     finite = torch.isfinite(gold["lse"])
     assert torch.equal(torch.isfinite(ours["lse"]), finite), "lse: -inf exactly on the rows with no admissible key"
@@ -413,13 +418,15 @@ def test_emulated_sm75_path(emu_lib_sm75, mode, D):
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_emulated_sm70_path(emu_lib_sm70, mode, D):
     """The Volta code path: mma.m8n8k4 (emulated from the PTX ISA's quad-pair fragment layout),
-    its accumulator layout, P / dS through per-warp shared memory, synchronous copies."""
+    its accumulator layout, P / dS through per-warp shared memory, synchronous copies; a window."""
     mask = torch.rand(1, 1, 77, 100, generator=torch.Generator().manual_seed(7)) > 0.2
     _emu_check(emu_lib_sm70, mode, B=1, Hq=4, Hkv=2, Lq=77, Lk=100, D=D, causal=True, mask=mask,
                with_dlse=True, lazy=False)
     # interior (unmasked) key blocks, several query blocks, odd head dim; dropout (sm_70's
     # accumulator rows are 2 apart: the per-score Philox path)
     _emu_check(emu_lib_sm70, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5, dropout_p=0.3 if D == 64 else 0.0)
+    if D == 64:  # a window (the band's blocks only, from an odd first block)
+        _emu_check(emu_lib_sm70, mode, B=1, Hq=2, Lq=200, Lk=260, D=D, window=(90, 40), with_dlse=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -439,6 +446,8 @@ def test_emulated_sm90_path(emu_lib_sm90, mode, D):
                    with_dlse=True, lazy=lazy, deterministic=deterministic, dtype=dtype)
         _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=150, Lk=200, D=D - 5, lazy=not lazy,
                    deterministic=deterministic, dropout_p=0.25 if deterministic else 0.0)
+    if D == 64:  # a window (the band's blocks only, from an odd first block)
+        _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=200, Lk=260, D=D, window=(90, 40), with_dlse=True)
     assert harness.Emulator(lib).wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
 
 
@@ -478,7 +487,7 @@ def test_emulated_dropout(emu_lib, mode):
 def test_emulated_dropout_mask_is_the_seeds(emu_lib):
     """The check above has teeth: the reference run with another seed's mask disagrees with the
     emulated output (so the kernels apply that seed's mask, not merely some mask)."""
-    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop) = _emu_case(
+    ours, (q, k, v, b, n, dout, dlse, mask, causal, gqa, scale, drop, _) = _emu_case(
         emu_lib, "softmax", B=1, Hq=2, Lq=70, Lk=90, D=64, dropout_p=0.3)
     at, reference = _import_testing()
     other = (0.3, reference.dropout_keep_mask(2**40 + 8, 3, (1, 2, 70, 90), 0.3))
@@ -489,6 +498,28 @@ def test_emulated_dropout_mask_is_the_seeds(emu_lib):
                      None, other)
     assert (ours["out"].double() - same["out"]).abs().max() < 1e-2
     assert (ours["out"].double() - wrong["out"]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_emulated_windows(emu_lib, mode):
+    """Local windows (window_size): the forward, statistics and dQ kernels start at the band's
+    first key block (K double-buffered from there: odd first blocks too), the key-block kernels at
+    its first query block; with causality, a mask (an empty row), GQA, dlse, dropout; query blocks
+    the band leaves no key (rows past Lk with a (0, 0) window: output 0, lse -inf) and key blocks it
+    leaves no query (dK, dV 0); the backward on the two-kernel path (deterministic or not), and
+    fused where the band is causality's own (a right bound under causal)."""
+    mask = torch.rand(1, 1, 300, 290, generator=torch.Generator().manual_seed(11)) > 0.2
+    mask[:, :, 7] = False
+    _emu_check(emu_lib, mode, B=1, Hq=4, Hkv=2, Lq=300, Lk=290, D=64, mask=mask, window=(70, 9),
+               with_dlse=True, lazy=True)
+    _emu_check(emu_lib, mode, B=1, Hq=2, Lq=260, Lk=330, D=40, causal=True, window=(100, -1),
+               deterministic=True, dropout_p=0.25)
+    _emu_check(emu_lib, mode, B=1, Hq=2, Lq=200, Lk=150, D=32, window=(-1, 3), with_dlse=True)
+    ours = _emu_check(emu_lib, mode, B=1, Hq=2, Lq=330, Lk=100, D=64, window=(0, 0))
+    assert torch.equal(ours["out"][:, :, 100:], torch.zeros_like(ours["out"][:, :, 100:]))
+    ours = _emu_check(emu_lib, mode, B=1, Hq=2, Lq=60, Lk=270, D=64, window=(5, 0), deterministic=True)
+    assert torch.equal(ours["dk"][:, :, 128:], torch.zeros_like(ours["dk"][:, :, 128:]))
+    _emu_check(emu_lib, mode, B=1, Hq=2, Lq=90, Lk=100, D=64, causal=True, window=(-1, 5))
 
 
 @pytest.mark.parametrize("mode", ["ssa", "ssa_adaptive"])
@@ -583,8 +614,9 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
         assert not emu.plan(256, 256, 100, 130, ssa, False, False, False)["fused"]
     plan = emu.plan(64, 64, 100, 130, False, True, False, True)
     assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
-    # dropout: the two-kernel path (the fused kernel has no dropout code: registers)
-    assert not any(emu.plan(D, D, 100, 130, True, False, False, False, dropout=True)["fused"] for D in (32, 64, 128))
+    # dropout, windows: the two-kernel path (the fused kernel has no code for them: registers)
+    assert not any(emu.plan(D, D, 100, 130, True, False, False, False, unfused_features=True)["fused"]
+                   for D in (32, 64, 128))
     assert emu.plan(64, 64, 100, 130, True, False, True, True)["num_partials"] == 2  # (100 / 64 query blocks)
     # sm_70: the fused kernel spills above D = 64 there
     emu70 = harness.Emulator(emu_lib_sm70[1])
@@ -660,11 +692,15 @@ def test_known_sm75_spills_still_spill(cu_results):
 # loops. At D = 128 the adaptive variants: 8 bytes before dropout's code joined the checked step
 # (one or two 4-byte reloads per query-block step), 20-24 since (stores in the prologue, reloads
 # before the loops and in the epilogue; the flags' Philox evaluation needs registers this path
-# does not have). (Which instantiations spill moves with unrelated changes: with the head loop of
-# csrc/bwd_kernel.h counting head indices, as the fused kernel's does, there were five.)
+# does not have). Since windows (the band's query-block range and bounds): SSA adaptive 32 / 48
+# bytes (stores in the prologue; per query-block step, 3 four-byte reloads in one step loop of
+# ~2,700 instructions and 4 in the other of ~1,800), softmax adaptive 4 / 4 (cuobjdump -sass of
+# csrc/tools/nvrtc_build.py's cubin, 2026-11-25). (Which instantiations spill moves with unrelated
+# changes: with the head loop of csrc/bwd_kernel.h counting head indices, as the fused kernel's
+# does, there were five.)
 KNOWN_SM70_SPILLS = {
-    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E": 28,
-          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1E": 28},
+    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E": 48,
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1E": 4},
     256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb1E": 8,
           "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb0ELb1E": 8},
 }

@@ -283,6 +283,16 @@ def test_dropout(mode, deterministic):
         fa_tolerance_check("out vs triton", ours[0], naive[0], tri[0], 2 * floor)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window,causal,Lq,Lk", [((70, 9), False, 300, 290), ((100, -1), True, 260, 330),
+                                                 ((0, 0), False, 330, 100), ((5, 0), False, 60, 270)])
+def test_windows(mode, window, causal, Lq, Lk):
+    """Local windows: the band's key (query) blocks only, empty query blocks (output 0, lse -inf),
+    key blocks no query sees (dK, dV 0); against the reference and the Triton backend."""
+    q, k, v = make_qkv(B=1, Hq=4, Hkv=2, Lq=Lq, Lk=Lk, D=64, dtype=torch.float16)
+    check(mode, q, k, v, with_dlse=True, window_size=window, is_causal=causal, enable_gqa=True)
+
+
 def test_unsupported_inputs_raise_clearly():
     q, k, v = make_qkv(B=1, Hq=2, Lq=10, D=64, dtype=torch.float32)
     with pytest.raises(ssa_flash.BackendUnavailableError, match="float16 or bfloat16"):

@@ -126,8 +126,6 @@ def spec_dtype(dtype):
 def test_opcheck_forward(variant, on_backend):
     """Schema, fake (meta) implementation, autograd registration, AOT dispatch (static and dynamic)."""
     backend, dtype, context = on_backend
-    if backend == "cuda" and variant == "ssa_dropout_window":
-        pytest.skip("the CUDA backend does not implement windows")
     with context:
         torch.library.opcheck(torch.ops.ssa_flash.attn_fwd.default, _fwd_args(variant, dtype, backend))
 

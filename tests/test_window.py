@@ -161,16 +161,16 @@ def test_unbounded_windows_are_no_window():
                                ssa_flash.ssa_attention(q, k, v, backend="triton"))
 
 
-def test_cuda_backend_refuses_windows():
-    assert "window" in cuda_backend._feature_reason(AttentionSpec(scale=1.0, window_left=3))
-    assert cuda_backend._feature_reason(AttentionSpec(scale=1.0)) is None
+def test_cuda_backend_takes_windows():
+    """The CUDA kernels run windows (numerics: tests/test_csrc_compile.py and tests/test_backends.py,
+    emulated; tests/test_cuda_backend.py on a GPU): the spec's bounds reach the kernels' arguments,
+    and a call without a window passes none (the extension's defaults, -1)."""
+    spec = AttentionSpec(scale=1.0, window_left=3)
+    assert cuda_backend._feature_reason(spec) is None
+    assert cuda_backend._window_args(spec) == dict(window_left=3, window_right=-1)
+    assert cuda_backend._window_args(AttentionSpec(scale=1.0)) == {}
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     with cuda_backend.emulated(object()):
-        with pytest.raises(ssa_flash.BackendUnavailableError, match="window"):
-            ssa_flash.ssa_attention(q, k, v, window_size=(2, 2), backend="cuda")
-        # trivially unbounded: nothing to refuse (the emulator object is never called: no window
-        # reaches supports, then the call fails inside the fake extension)
-        spec = AttentionSpec(scale=1.0, window_left=-1, window_right=-1)
         assert cuda_backend.supports(q, k, v, spec) is None
 
 

@@ -20,7 +20,7 @@ std::string& last_error() {
 }
 
 // ints: B, H, Hkv, group, Lq, Lk, D, Dv, causal, mask_kind, mask strides (4), then (b, h, row)
-// strides of q, k, v, o, dout, dq, dk, dv (8 x 3), stat_rows, dropout keep31
+// strides of q, k, v, o, dout, dq, dk, dv (8 x 3), stat_rows, dropout keep31, window_size (2)
 template <typename P>
 void fill(P& p, const long long* iv, double scale, void* const* ptr, double drop_scale) {
   p.batch = static_cast<int>(iv[0]);
@@ -44,13 +44,14 @@ void fill(P& p, const long long* iv, double scale, void* const* ptr, double drop
   p.drop_rng = static_cast<const int64_t*>(ptr[22]);
   p.drop_keep_below = static_cast<uint32_t>(2 * iv[39]);
   p.drop_scale = static_cast<float>(drop_scale);
+  ssa_flash::set_band(p, iv[40], iv[41]);
 }
 
 }  // namespace
 
 // ptr: q, k, v, o, dout, dq, dk, dv, lse, dlse, rowstat, beta, lse_l, entropy, dbeta_dh, (unused),
 //      db_part, dn_part, mask, b, n, dq_accum, dropout rng (int64 seed, offset; or null);
-// iv[38]: stat_rows (backward), iv[39]: dropout keep31
+// iv[38]: stat_rows (backward), iv[39]: dropout keep31, iv[40], iv[41]: window_size
 // deterministic: the backward's plan (launch.h); dq_accum must then be given iff the plan is fused
 extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, const long long* iv,
                                    double scale, void* const* ptr, int lazy_copies, unsigned seed,
@@ -110,9 +111,9 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
     p.db_part = static_cast<float*>(ptr[16]);
     p.dn_part = static_cast<float*>(ptr[17]);
     p.dq_accum = static_cast<float*>(ptr[21]);
-    const bool dropout = p.drop_rng != nullptr;
-    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout)
-                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, dropout);
+    const bool unfused = p.drop_rng != nullptr || p.window;
+    const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, unfused)
+                              : detail::plan_bwd<__half>(p.dim, p.dim_v, p.len_q, p.len_k, ssa, adaptive, deterministic, unfused);
     if (plan.fused != (p.dq_accum != nullptr)) err = "dq_accum given or missing against the plan";
     else err = bf16 ? detail::run_bwd<__nv_bfloat16>(p, ssa, adaptive, plan, nullptr)
                     : detail::run_bwd<__half>(p, ssa, adaptive, plan, nullptr);
@@ -123,10 +124,10 @@ extern "C" const char* ssa_emu_run(int op, int bf16, int ssa, int adaptive, cons
 
 // The backward's plan (launch.h): out = {fused, num_partials, stat_rows, stat_count, accum_cols}.
 extern "C" void ssa_emu_bwd_plan(int dim, int dim_v, int len_q, int len_k, int ssa, int adaptive, int deterministic,
-                                 int bf16, int dropout, int* out) {
+                                 int bf16, int unfused_features, int* out) {
   using namespace ssa_flash;
-  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, dropout)
-                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, dropout);
+  const BwdPlan plan = bf16 ? detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, unfused_features)
+                            : detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, unfused_features);
   out[0] = plan.fused;
   out[1] = plan.num_partials;
   out[2] = plan.stat_rows;

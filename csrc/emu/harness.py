@@ -96,7 +96,7 @@ class Emulator:
         self.seed = seed
 
     def _run(self, op, q, k, v, o, dout, grads, stats, mask_t, kind, b, n, scale, causal, group,
-             dq_accum=None, deterministic=False, stat_rows=0, drop=(None, 0, 0.0)):
+             dq_accum=None, deterministic=False, stat_rows=0, drop=(None, 0, 0.0), window=(-1, -1)):
         B, H, Lq, D = q.shape
         Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
         ms = mask_t.stride() if mask_t is not None else (0, 0, 0, 0)
@@ -104,7 +104,7 @@ class Emulator:
         for t in (q, k, v, o, dout, *grads):
             ints += list(t.stride()[:3]) if t is not None else [0, 0, 0]
         drop_rng, drop_keep31, drop_scale = drop
-        ints += [stat_rows, int(drop_keep31)]
+        ints += [stat_rows, int(drop_keep31), int(window[0]), int(window[1])]
         iv = (ctypes.c_longlong * len(ints))(*ints)
 
         def ptr(t):
@@ -125,43 +125,48 @@ class Emulator:
     # A negative scale is applied as |scale| to -q, as csrc/api.cpp does (the kernels take scale >= 0).
 
     def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0, drop_rng=None,
-            drop_keep31=0, drop_scale=0.0):
+            drop_keep31=0, drop_scale=0.0, window_left=-1, window_right=-1):
         q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         o = torch.full((B, H, Lq, v.shape[-1]), float("nan"), dtype=q.dtype)
         lse = torch.full((B, H, Lq), float("nan"))
         self._run(0, q, k, v, o, None, (None, None, None), {"lse": lse, "beta": beta}, mask, mask_kind,
-                  b, n, scale, causal, group, drop=(drop_rng, drop_keep31, drop_scale))
+                  b, n, scale, causal, group, drop=(drop_rng, drop_keep31, drop_scale),
+                  window=(window_left, window_right))
         return o, lse
 
-    def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0):
+    def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0, window_left=-1,
+              window_right=-1):
         q, scale = (-q, -scale) if scale < 0 else (q, scale)
         B, H, Lq, _ = q.shape
         ent, lse_l = torch.full((B, H, Lq), float("nan")), torch.full((B, H, Lq), float("nan"))
         self._run(1, q, k, q, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent}, mask,
-                  mask_kind, b, n, scale, causal, group)
+                  mask_kind, b, n, scale, causal, group, window=(window_left, window_right))
         return ent, lse_l
 
     def wgmma_issued(self) -> int:
         """wgmma operations (per thread) issued in this process so far (by any emulator library)."""
         return int(self.lib.ssa_emu_wgmma_issued())
 
-    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16, dropout=False):
+    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16, unfused_features=False):
         """The backward's plan (csrc/launch.h, BwdPlan): a dict of fused, num_partials, stat_rows,
-        stat_count, accum_cols."""
+        stat_count, accum_cols. unfused_features: dropout or a window (the two-kernel path)."""
         out = (ctypes.c_int * 5)()
-        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16), int(dropout),
-                                  out)
+        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16),
+                                  int(unfused_features), out)
         return dict(zip(("fused", "num_partials", "stat_rows", "stat_count", "accum_cols"), out))
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
-            scale, causal, group, stream=0, deterministic=False, drop_rng=None, drop_keep31=0, drop_scale=0.0):
+            scale, causal, group, stream=0, deterministic=False, drop_rng=None, drop_keep31=0, drop_scale=0.0,
+            window_left=-1, window_right=-1):
         negated = scale < 0
         q, scale = (-q, -scale) if negated else (q, scale)
         B, H, Lq, D = q.shape
         nan = float("nan")
+        # (a window: as csrc/params.h set_band's flag, which the emulated run checks the plan against)
+        window = window_left >= 0 or (window_right >= 0 and not causal)
         plan = self.plan(D, v.shape[-1], Lq, k.shape[2], b is not None, beta is not None, deterministic,
-                         q.dtype == torch.bfloat16, drop_rng is not None)
+                         q.dtype == torch.bfloat16, drop_rng is not None or window)
         fused = plan["fused"]
         # as csrc/api.cpp: the fused path accumulates dQ / scale in a zeroed float32 buffer padded
         # to whole tiles; the row-statistics workspace starts as NaN (every row read is written)
@@ -175,7 +180,7 @@ class Emulator:
             stats.update(db_part=parts[0], dn_part=parts[1])
         self._run(2, q, k, v, o, dout, (None if fused else dq, dk, dv), stats, mask, mask_kind, b, n, scale,
                   causal, group, dq_accum=dq_accum, deterministic=deterministic, stat_rows=plan["stat_rows"],
-                  drop=(drop_rng, drop_keep31, drop_scale))
+                  drop=(drop_rng, drop_keep31, drop_scale), window=(window_left, window_right))
         if fused:
             dq = (dq_accum[:, :, :Lq, :D] * (-scale if negated else scale)).to(q.dtype)
         elif negated:
@@ -186,7 +191,7 @@ class Emulator:
 
     def attention(self, q, k, v, mask=None, b=None, n=None, scale=None, causal=False, group=1,
                   adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None, deterministic=False,
-                  dropout_p=0.0, dropout_rng=None):
+                  dropout_p=0.0, dropout_rng=None, window_size=(-1, -1)):
         """Forward and (if dout is given) backward on CPU tensors through the package's custom ops
         with ``backend="cuda"`` and this emulator as the extension (what
         ssa_flash.cuda.CudaAttentionFunction does, plus ``deterministic``). Returns a dict: out,
@@ -202,7 +207,8 @@ class Emulator:
                   for t in (q, k, v, b, n)]
         spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group), adaptive=bool(adaptive),
                              poly=poly, threshold=float(threshold), deterministic=bool(deterministic),
-                             dropout_p=float(dropout_p), dropout_rng=dropout_rng)
+                             dropout_p=float(dropout_p), dropout_rng=dropout_rng,
+                             window_left=int(window_size[0]), window_right=int(window_size[1]))
         with backend.emulated(self):
             why = backend.supports(q, k, v, spec)
             if why is not None:

@@ -355,12 +355,9 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
 
 
 def _feature_reason(spec: AttentionSpec) -> Optional[str]:
-    """Why the kernels cannot compute ``spec`` (windows: not implemented), or None."""
+    """Why the kernels cannot compute ``spec``, or None."""
     if spec.dropout_p > 0 and spec.dropout_rng is None:
         return "dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng"
-    if spec.window_left >= 0 or spec.window_right >= 0:
-        return (f"the CUDA kernels do not implement local attention (window_size=("
-                f"{spec.window_left}, {spec.window_right})); the Triton backend does")
     return None
 
 
@@ -463,6 +460,13 @@ def _dropout_args(spec: AttentionSpec) -> dict:
                 drop_scale=1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
+def _window_args(spec: AttentionSpec) -> dict:
+    """The kernels' window_size (csrc/params.h, set_band); none without a window."""
+    if not spec.window:
+        return {}
+    return dict(window_left=int(spec.window_left), window_right=int(spec.window_right))
+
+
 # --------------------------------------------------------------------------------------------
 # The backend interface
 
@@ -474,7 +478,8 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     mask_t, kind = _prep_mask(mask)
     with _on_device(q.device):
         return ext.stats(_prep(q, d8), _prep(k, d8), mask_t, kind, _head_param(b), _head_param(n),
-                         float(spec.scale), bool(spec.causal), int(spec.group), _stream(q.device))
+                         float(spec.scale), bool(spec.causal), int(spec.group), _stream(q.device),
+                         **_window_args(spec))
 
 
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
@@ -486,7 +491,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     with _on_device(q.device):
         o, lse = ext.fwd(_prep(q, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
                          _head_param(n), beta, float(spec.scale), bool(spec.causal), int(spec.group),
-                         _stream(q.device), **_dropout_args(spec))
+                         _stream(q.device), **_dropout_args(spec), **_window_args(spec))
     return _unpad(o, v.shape[-1]), lse
 
 
@@ -507,7 +512,8 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
             _prep(dout.to(q.dtype), dv8), _prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
             bf, nf, beta, lse_l, ent, dbeta_dh, float(spec.scale), bool(spec.causal), int(spec.group),
-            _stream(q.device), deterministic=bool(spec.deterministic), **_dropout_args(spec))
+            _stream(q.device), deterministic=bool(spec.deterministic), **_dropout_args(spec),
+            **_window_args(spec))
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
