@@ -256,18 +256,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
   if (kPrep && !kAdaptive) return;  // (the pre-pass needs delta only)
 
-  // key blocks [j_lo, num_n): the causal bound and the window's band (0 and len_k otherwise)
-  const int j_lo = key_block_lo(p, m0, kBlockN);
-  const int num_n = (key_end(p, m0, kBlockM) + kBlockN - 1) / kBlockN;
-  const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
-  // Interior steps copy the next K / V block through running pointers (TileStream: one pointer
-  // add per 16-byte copy, where load_tile recomputed row * stride products and predicates: about
-  // 4 integer instructions per score element at D = 64), so the block they prefetch must be
-  // inside the keys: the last interior block before a ragged one runs the checked step. Not at
-  // D = 256 (two streams' registers spilled the SSA+adaptive kernel on sm_90a; with 16-key blocks
-  // the copies are a small part of the step there).
+  // The key blocks and their order (tile.h, key_blocks). Interior steps copy the next K / V
+  // block through running pointers (TileStream: one pointer add per 16-byte copy, where
+  // load_tile recomputed row * stride products and predicates: about 4 integer instructions per
+  // score element at D = 64). Not at D = 256 (two streams' registers spilled the SSA+adaptive
+  // kernel on sm_90a; with 16-key blocks the copies are a small part of the step there).
   constexpr bool kAsync = SSA_FLASH_ASYNC_COPIES && kD <= 128;
-  const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
+  const auto kb = key_blocks(p, m0, kBlockM, kBlockN, kAsync);
   const T* sQw = sQ + warp * 16 * kS;
   const T* sdOw = sdO + warp * 16 * kS;
 
@@ -278,23 +273,26 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn (not in the pre-pass)
   for (int pass = kAdaptive ? 0 : 1; pass < (kPrep ? 1 : 2); ++pass) {
     float dbeta_lo = 0.0f, dbeta_hi = 0.0f;
-    load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, j_lo * kBlockN, p.len_k, p.dim, tid);
-    load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, j_lo * kBlockN, p.len_k, p.dim_v, tid);
+    const int first = kb.first();
+    load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, first * kBlockN, p.len_k, p.dim, tid);
+    load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, first * kBlockN, p.len_k, p.dim_v, tid);
     cp_async_commit();
-    // from block 1 on (a window call, the only one with j_lo > 0, has no interior blocks)
+    // the interior blocks' next K / V (unused without interior blocks)
     TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;
-    k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
-    v_stream.init(v, p.v_sm, kBlockN, p.dim_v, tid);
-
-    auto step = [&](int j, auto check) {
+    k_stream.init(k, p.k_sm, (kb.a + 1) * kBlockN, p.dim, tid);
+    v_stream.init(v, p.v_sm, (kb.a + 1) * kBlockN, p.dim_v, tid);
+    // Step `it` of the order (tile.h KeyBlocks) runs key block j from K buffer it & 1 (the
+    // prologue filled buffer 0). (A buffer flag toggled per step instead moved the sm_90a
+    // descriptors' arithmetic off the uniform datapath: +44 instructions per interior step.)
+    auto step = [&](int j, int it, auto check) {
       constexpr bool kCheck = decltype(check)::value;
       const int n0 = j * kBlockN;
-      const bool has_next = j + 1 < num_n;
-      const int buf = (j - j_lo) & 1;  // K_j's buffer (the prologue filled buffer 0 with block j_lo)
+      const bool has_next = it + 1 < kb.steps();
+      const int buf = it & 1;
       const T* sKj = sK + buf * kTileK;
       if (has_next) {
         T* dst = sK + (buf ^ 1) * kTileK;
-        if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(dst, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+        if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(dst, k, p.k_sm, kb.next(j) * kBlockN, p.len_k, p.dim, tid);
         else k_stream.issue(dst, tid);
         cp_async_commit();
         cp_async_wait<1>();
@@ -363,7 +361,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
       __syncthreads();  // every warp is done with V_j
       if (has_next) {
-        if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, n0 + kBlockN, p.len_k, p.dim_v, tid);
+        if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(sV, v, p.v_sm, kb.next(j) * kBlockN, p.len_k, p.dim_v, tid);
         else v_stream.issue(sV, tid);
         cp_async_commit();
       }
@@ -381,9 +379,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       }
       __syncthreads();  // every warp is done with K_j
     };
-    int j = j_lo;
-    for (; j < n_int; ++j) step(j, Bool<false>());
-    for (; j < num_n; ++j) step(j, Bool<true>());
+    int j = kb.a;
+    for (; j < kb.n_int; ++j) step(j, j - kb.a, Bool<false>());
+    j = kb.first_checked();
+    for (int it = kb.n_int - kb.a; it < kb.steps(); ++it, j = kb.next(j)) step(j, it, Bool<true>());
     cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's copies)
 
     if (kAdaptive && pass == 0) {
@@ -799,16 +798,20 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
   };
 
-  // Per head, the first n_diag query blocks straddle the causal diagonal; with a mask, dropout,
-  // a window or a ragged key block every step needs the checks. Steps alternate buffers across
+  // Per head, the first n_diag query blocks are cut by the band's right edge (the causal
+  // diagonal, or the window's right bound: query mm sees key n0 + kBlockN - 1 only if
+  // n0 + kBlockN - 1 - mm <= win_right); with a mask, dropout or a ragged key block every step
+  // needs the checks, and with a window on sm_70 / sm_75 (as tile.h key_blocks: the window's
+  // interior steps spilled their D = 128 adaptive dK/dV kernels). Steps alternate buffers across
   // heads too.
-  const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || (!kFusedDq && p.window) ||
-                           n0 + kBlockN > p.len_k;
+  const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || n0 + kBlockN > p.len_k ||
+                           (!SSA_FLASH_ASYNC_COPIES && p.window);
+  const int diag_rows = n0 + kBlockN - 1 - p.win_right - m_first;  // rows before the first uncut one
   const int n_diag = all_checked ? tiles_per_head
-                                 : p.causal ? min(tiles_per_head, (n0 + kBlockN - 1 - m_first + kBlockM - 1) / kBlockM)
-                                            : 0;
-  // Steps of a head in order: checked ones (the causal diagonal, or all with a mask or a
-  // ragged key block), interior ones, and the head's last query block checked too: interior
+                                 : diag_rows > 0 ? min(tiles_per_head, (diag_rows + kBlockM - 1) / kBlockM) : 0;
+  // Steps of a head in order: checked ones (cut by the right edge, or all with a mask, dropout
+  // or a ragged key block), interior ones, then checked ones again: those cut by the window's
+  // left edge (query rows past n0 + win_left) and always the head's last query block. Interior
   // steps then always prefetch the same head's next block, and only a checked step switches to
   // the next head's sources.
   const int m_last = m_first + (tiles_per_head - 1) * kBlockM;
@@ -823,6 +826,13 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   for (int head = head_first; head < head_first + p.group; ++head) {
     const int hh = kFusedDq ? head : hh0 + head;
     const int m_diag = m_first + n_diag * kBlockM;  // (here: live across the loop, it spilled)
+    // the first query block cut by the window's left edge (row mm + kBlockM - 1 sees key n0 only
+    // if it is at most n0 + win_left), or the last block (no window in the fused kernel, nor
+    // windowed interior steps on sm_70 / sm_75)
+    const int tail_rows = n0 + p.win_left - kBlockM + 1 - m_first;  // rows before the first cut block
+    const int m_tail = kFusedDq || !SSA_FLASH_ASYNC_COPIES
+                           ? m_last
+                           : min(m_last, m_first + (tail_rows >= 0 ? tail_rows / kBlockM + 1 : 0) * kBlockM);
     const bool last_head = hh + 1 == hh0 + p.group;
     const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
     auto run = [&](auto check, int mm) {
@@ -838,7 +848,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       const int checked_end = pass == 0 ? min(m_diag, m_last) : m_last + kBlockM;
       for (; mm < checked_end; mm += kBlockM) run(Bool<true>(), mm);
       if (pass == 0)
-        for (; mm < m_last; mm += kBlockM) run(Bool<false>(), mm);
+        for (; mm < m_tail; mm += kBlockM) run(Bool<false>(), mm);
     }
     if (kSSA && kFusedDq) {
       // db / dn partials of this head: one per (key block, warp), summed by the binding (every

@@ -116,24 +116,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
   }
 
-  // key blocks [j_lo, num_n): the causal bound and the window's band (0 and len_k otherwise)
-  const int j_lo = key_block_lo(p, m0, kBlockN);
-  const int num_n = (key_end(p, m0, kBlockM) + kBlockN - 1) / kBlockN;
-  // Interior blocks: no masking, and (cp.async) the K block they prefetch is inside the keys
-  // too, or there is none: the last interior block before a ragged one runs the checked loop.
-  const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
-  const int n_int = n_full == num_n || n_full < p.len_k / kBlockN || !kAsync ? n_full : n_full - 1;
+  // the key blocks and their order (tile.h): interior ones first (streamed copies with cp.async)
+  const auto kb = key_blocks(p, m0, kBlockM, kBlockN, kAsync);
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, j_lo * kBlockN, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, kb.first() * kBlockN, p.len_k, p.dim, tid);
   cp_async_commit();
   if (negate_q) {  // (block-uniform; visible to the other warps after the first barrier)
     cp_async_wait<0>();
     negate_tile<kBlockM, kD, LQ, kNThreads>(sQ, tid);
   }
+  // (the interior blocks' V and next K; unused without interior blocks)
   TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;
-  k_stream.init(k, p.k_sm, kBlockN, p.dim, tid);
-  v_stream.init(v, p.v_sm, 0, p.dim_v, tid);
+  k_stream.init(k, p.k_sm, (kb.a + 1) * kBlockN, p.dim, tid);
+  v_stream.init(v, p.v_sm, kb.a * kBlockN, p.dim_v, tid);
 
   float acc_o[kMS][kDT][4];
   zero(acc_o);
@@ -236,11 +232,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   };
 
   // Second half of step j: the weights (after moving the reference max and rescaling when
-  // kRescale), issue K_{j+1}, O += P V_j.
-  auto step_b = [&](int j, auto check, auto rescale) {
+  // kRescale), issue the next block's K (kb.next(j), if has_next), O += P V_j.
+  auto step_b = [&](int j, bool has_next, auto check, auto rescale) {
     constexpr bool kCheck = decltype(check)::value;
     constexpr bool kRescale = decltype(rescale)::value;
-    const int n0 = j * kBlockN;
     uint32_t pa[kMS][kBlockN / 16][4];
 #pragma unroll
     for (int ms = 0; ms < kMS; ++ms) {
@@ -289,8 +284,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     // K_{j+1}: cp.async, or synchronous (visible after step j + 1's first barrier) before the
     // P V GEMM on sm_75 and after it on sm_70 (where each order spills on the other path)
     constexpr bool kLateK = !kAsync && SSA_FLASH_SM70;
-    if (!kLateK && j + 1 < num_n) {
-      if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+    if (!kLateK && has_next) {
+      if (kCheck || !kAsync) load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, kb.next(j) * kBlockN, p.len_k, p.dim, tid);
       else k_stream.issue(sK, tid);
       cp_async_commit();
     }
@@ -305,22 +300,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       gemm_rn<T, kMS, kD, kBlockN, Pad>(acc_o, pa, sV, 0, lane, scratch);
     }
     __syncthreads();  // every warp is done with V_j
-    if (kLateK && j + 1 < num_n) {
-      load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim, tid);
+    if (kLateK && has_next) {
+      load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, kb.next(j) * kBlockN, p.len_k, p.dim, tid);
       cp_async_commit();
     }
   };
 
-  int j = j_lo;  // (a window call has no interior blocks: the streams start at block 0)
+  // interior blocks [a, n_int); an interior step j has a next block iff j + 1 < last
+  const int n_int = kb.n_int, last = kb.a + kb.steps();
+  int j = kb.a;
   if (kAsync) {
     while (j < n_int) {
       // the steady state: no rescaling (the audit's interior loop)
       for (; j < n_int; ++j) {
         if (step_a(j, Bool<false>())) break;
-        step_b(j, Bool<false>(), Bool<false>());
+        step_b(j, j + 1 < last, Bool<false>(), Bool<false>());
       }
       if (j < n_int) {
-        step_b(j, Bool<false>(), Bool<true>());
+        step_b(j, j + 1 < last, Bool<false>(), Bool<true>());
         ++j;
       }
     }
@@ -330,12 +327,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     // forward at D = 64 (SSA, adaptive), 96 and 128 on sm_75).
     for (; j < n_int; ++j) {
       step_a(j, Bool<false>());
-      step_b(j, Bool<false>(), Bool<true>());
+      step_b(j, j + 1 < last, Bool<false>(), Bool<true>());
     }
   }
-  for (; j < num_n; ++j) {
+  j = kb.first_checked();
+  for (int it = kb.n_int - kb.a; it < kb.steps(); ++it, j = kb.next(j)) {
     step_a(j, Bool<true>());
-    step_b(j, Bool<true>(), Bool<true>());
+    step_b(j, it + 1 < kb.steps(), Bool<true>(), Bool<true>());
   }
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
@@ -417,12 +415,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     for (int hi = 0; hi < 2; ++hi)
       row[ms][hi] = m0 + (kWg ? 64 * ms + 16 * warp : (warp * kMS + ms) * 16) + Frag::row(lane) + hi * Frag::kHi;
 
-  const int j_lo = key_block_lo(p, m0, kBlockN);
-  const int num_n = (key_end(p, m0, kBlockM) + kBlockN - 1) / kBlockN;
-  const int n_full = min(num_n, interior_key_blocks(p, m0, kBlockN));
+  // the key blocks and their order (tile.h); every copy through load_tile
+  const auto kb = key_blocks(p, m0, kBlockM, kBlockN, false);
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
-  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, j_lo * kBlockN, p.len_k, p.dim, tid);
+  load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, kb.first() * kBlockN, p.len_k, p.dim, tid);
   cp_async_commit();
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
@@ -434,13 +431,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     }
   const T* sQw = sQ + warp * kMS * 16 * kS;
 
-  auto step = [&](int j, auto check) {
+  // step `it` of the order runs key block j from K buffer it & 1 (the prologue filled buffer 0)
+  auto step = [&](int j, int it, auto check) {
     constexpr bool kCheck = decltype(check)::value;
     const int n0 = j * kBlockN;
-    const int buf = (j - j_lo) & 1;  // K_j's buffer (the prologue filled buffer 0 with block j_lo)
-    if (j + 1 < num_n) {
-      load_tile<kBlockN, kD, LK, kNThreads>(sK + (buf ^ 1) * kTileK, k, p.k_sm, n0 + kBlockN, p.len_k, p.dim,
-                                           tid);
+    const int buf = it & 1;
+    if (it + 1 < kb.steps()) {
+      load_tile<kBlockN, kD, LK, kNThreads>(sK + (buf ^ 1) * kTileK, k, p.k_sm, kb.next(j) * kBlockN, p.len_k,
+                                           p.dim, tid);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -507,9 +505,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     }
     __syncthreads();  // every warp is done with this K buffer before it is refilled
   };
-  int j = j_lo;
-  for (; j < n_full; ++j) step(j, Bool<false>());
-  for (; j < num_n; ++j) step(j, Bool<true>());
+  int j = kb.a;
+  for (; j < kb.n_int; ++j) step(j, j - kb.a, Bool<false>());
+  j = kb.first_checked();
+  for (int it = kb.n_int - kb.a; it < kb.steps(); ++it, j = kb.next(j)) step(j, it, Bool<true>());
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
 #pragma unroll

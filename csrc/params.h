@@ -12,6 +12,7 @@
 #pragma once
 
 #include "int_types.h"
+#include "traits.h"
 
 namespace ssa_flash {
 
@@ -44,12 +45,13 @@ struct AttnShape {
 };
 
 // The band of window_size = (window_left, window_right) (-1: that side unbounded; both >= -1) with
-// causality folded in (win_right = 0 under causal); an unbounded side, or one past the sequence,
-// is the sequence's length, so row + win_right stays in int when len_q + len_k < 2^31 - 1024 (the
-// binding checks both). Needs len_q, len_k and causal set.
+// causality folded in (win_right = 0 under causal). An unbounded side, or one past the sequence,
+// is the sequence's length (left: plus kMaxBlockRows, so that a query tile's last row, even one
+// past len_q, never bounds its keys: tile.h key_blocks), so row + win_right stays in int when
+// len_q + len_k < 2^31 - 1024 (the binding checks both). Needs len_q, len_k and causal set.
 inline void set_band(AttnShape& s, int64_t window_left, int64_t window_right) {
   const int64_t right = window_right < 0 || window_right > s.len_k ? s.len_k : window_right;
-  s.win_left = static_cast<int>(window_left < 0 || window_left > s.len_q ? s.len_q : window_left);
+  s.win_left = static_cast<int>(window_left < 0 || window_left > s.len_q ? s.len_q + kMaxBlockRows : window_left);
   s.win_right = static_cast<int>(s.causal ? 0 : right);
   s.win_width = s.win_left + s.win_right;
   s.window = window_left >= 0 || (window_right >= 0 && !s.causal);

@@ -660,13 +660,52 @@ SSA_DEVICE uint32_t drop_bits_keys(const DropCtx& d, int key0, int q0, int lane)
   return out;
 }
 
-// Keys visited by query rows [m0, m0 + rows): blocks of block_n keys from key_block_lo up to
-// key_end (exclusive): inside the keys, at or below the last row under causal (win_right folds
-// it in), and intersecting the window's band. Without a window, [0, len_k or the causal bound).
-SSA_DEVICE int key_block_lo(const AttnShape& p, int m0, int block_n) {
-  return m0 - p.win_left > 0 ? (m0 - p.win_left) / block_n : 0;
+// The key blocks (of block_n keys) that query rows [m0, m0 + rows) visit, and the order the
+// row-streaming kernels (forward, statistics, dQ) run them in. Visited: [lo, end), the blocks
+// meeting the rows' band (causality and the window folded in, params.h set_band; every key
+// without either). Interior: [a, n_int), the blocks that need no checks (inside the keys, every
+// pair of a query tile row and a key inside the band, no mask, no dropout). The order is
+// [lo, end) rotated to start at `a`: the interior blocks, then the checked ones, [n_int, end)
+// (the causal diagonal or the window's right edge, the ragged last block), then [lo, a) (cut by
+// the window's left edge); next(j) is the block after j (`a` after the last), steps() the number
+// of blocks. Interior first keeps the interior loop as it is without a window: a windowed call
+// pays the checks only on the band's edges. Streamed (cp.async kernels): an interior step
+// prefetches the next block through TileStream, which copies only the next contiguous, full
+// block, so when the block after the interior is not that (ragged, or the left edge's first),
+// the last interior block runs checked. kWindowInterior = false (sm_70 / sm_75, whose registers
+// are spent: the rotation spilled their D = 128 forward): a windowed call has no interior
+// blocks, and the order is plain [lo, end).
+template <bool kWindowInterior>
+struct KeyBlocks {
+  int lo, a, n_int, end;
+  SSA_DEVICE int next(int j) const { return kWindowInterior && j + 1 == end ? lo : j + 1; }
+  SSA_DEVICE int first() const { return n_int > a ? a : first_checked(); }
+  SSA_DEVICE int first_checked() const { return !kWindowInterior || n_int < end ? n_int : lo; }
+  SSA_DEVICE int steps() const { return end - lo; }
+};
+
+template <bool kWindowInterior = SSA_FLASH_ASYNC_COPIES>
+SSA_DEVICE KeyBlocks<kWindowInterior> key_blocks(const AttnShape& p, int m0, int rows, int block_n, bool streamed) {
+  KeyBlocks<kWindowInterior> kb;
+  kb.lo = m0 > p.win_left ? (m0 - p.win_left) / block_n : 0;
+  kb.end = (min(p.len_k, m0 + rows + p.win_right) + block_n - 1) / block_n;
+  int a = kb.lo, i_end = kb.lo;
+  if (p.mask_kind == kMaskNone && p.drop_rng == nullptr && (kWindowInterior || !p.window)) {
+    // block [n0, n0 + block_n) is interior iff n0 >= last row - win_left and
+    // n0 + block_n <= min(len_k, m0 + win_right + 1). (The tile's last row, even past len_q:
+    // min(m0 + rows, len_q) here moved the sm_90a dQ kernel's loop counter off the uniform
+    // datapath, +20% instructions in its interior loop; rows past len_q are no loss without a
+    // left bound, set_band.)
+    const int left = m0 + rows - 1 - p.win_left;
+    a = max(kb.lo, left > 0 ? (left + block_n - 1) / block_n : 0);
+    i_end = min(kb.end, min(p.len_k, m0 + p.win_right + 1) / block_n);
+    if (streamed && i_end > a && !(i_end < kb.end ? (i_end + 1) * block_n <= p.len_k : kb.lo == a)) --i_end;
+    if (i_end <= a) a = i_end = kb.lo;
+  }
+  kb.a = a;
+  kb.n_int = i_end;
+  return kb;
 }
-SSA_DEVICE int key_end(const AttnShape& p, int m0, int rows) { return min(p.len_k, m0 + rows + p.win_right); }
 
 // Query rows visited by the key block [n0, n0 + block_n) (the key-block kernels): from
 // query_block_lo (a multiple of block_m) up to query_end (exclusive).
@@ -674,14 +713,5 @@ SSA_DEVICE int query_block_lo(const AttnShape& p, int n0, int block_m) {
   return n0 - p.win_right > 0 ? (n0 - p.win_right) / block_m * block_m : 0;
 }
 SSA_DEVICE int query_end(const AttnShape& p, int n0, int block_n) { return min(p.len_q, n0 + block_n + p.win_left); }
-
-// Number of leading key blocks of size kBlockN that need no masking for query rows
-// [row0, row0 + rows): fully inside the keys and, under causal, at or below the first row. With a
-// mask or dropout, none (every block runs the checked loop, which applies them).
-SSA_DEVICE int interior_key_blocks(const AttnShape& p, int row0, int block_n) {
-  if (p.mask_kind != kMaskNone || p.drop_rng != nullptr || p.window) return 0;
-  const int end = p.causal ? min(p.len_k, row0 + 1) : p.len_k;
-  return end / block_n;
-}
 
 }  // namespace ssa_flash

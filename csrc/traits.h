@@ -28,6 +28,8 @@ constexpr int padded_head_dim(int d) {
 // forward and statistics pass: BM query rows (4 warps), BN keys per step
 constexpr int fwd_block_m(int d) { return d <= 128 ? 128 : 64; }
 constexpr int fwd_block_n(int d) { return d <= 64 ? 64 : 32; }
+// the largest query tile of any kernel (params.h set_band relies on it)
+constexpr int kMaxBlockRows = 128;
 constexpr int fwd_warps(int) { return 4; }
 
 // dQ kernel (also delta, the adaptive-temperature g and the db/dn partials)
@@ -137,6 +139,7 @@ struct KernelTraits {
   static constexpr int kColSplit = kColSplit_;  // warps sharing a 16-row strip (dK/dV kernel)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
+  static_assert(kBlockM_ <= kMaxBlockRows, "kMaxBlockRows: the largest query tile");
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = 32 * kNWarps_;

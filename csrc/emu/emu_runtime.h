@@ -604,6 +604,7 @@ inline int ssa_emu_float_as_int(float f) {
   return i;
 }
 #define __float_as_int(f) ssa_emu_float_as_int(f)
+using std::max;
 using std::min;
 
 

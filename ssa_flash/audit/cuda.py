@@ -236,6 +236,7 @@ def audit(arch: int, csrc: Path = CSRC, progress=None, dump_dir: Optional[str] =
         todo.append((path, cached))
     with tempfile.TemporaryDirectory(prefix="ssa_flash_audit_cu_") as tmp:
         out_dir = Path(dump_dir) if dump_dir else Path(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)  # (nvcc does not create it)
 
         def one(item):
             path, cached = item
