@@ -379,10 +379,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       }
       __syncthreads();  // every warp is done with K_j
     };
-    int j = kb.a;
-    for (; j < kb.n_int; ++j) step(j, j - kb.a, Bool<false>());
-    j = kb.first_checked();
-    for (int it = kb.n_int - kb.a; it < kb.steps(); ++it, j = kb.next(j)) step(j, it, Bool<true>());
+    for (int j = kb.a; j < kb.n_int; ++j) step(j, j - kb.a, Bool<false>());
+    kb.each_checked([&](int j, int it) { step(j, it, Bool<true>()); });
     cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's copies)
 
     if (kAdaptive && pass == 0) {

@@ -330,11 +330,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       step_b(j, j + 1 < last, Bool<false>(), Bool<true>());
     }
   }
-  j = kb.first_checked();
-  for (int it = kb.n_int - kb.a; it < kb.steps(); ++it, j = kb.next(j)) {
-    step_a(j, Bool<true>());
-    step_b(j, it + 1 < kb.steps(), Bool<true>(), Bool<true>());
-  }
+  kb.each_checked([&](int jc, int it) {
+    step_a(jc, Bool<true>());
+    step_b(jc, it + 1 < kb.steps(), Bool<true>(), Bool<true>());
+  });
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
   T* o = static_cast<T*>(p.o) + bb * p.o_sb + h * p.o_sh;
@@ -505,10 +504,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     }
     __syncthreads();  // every warp is done with this K buffer before it is refilled
   };
-  int j = kb.a;
-  for (; j < kb.n_int; ++j) step(j, j - kb.a, Bool<false>());
-  j = kb.first_checked();
-  for (int it = kb.n_int - kb.a; it < kb.steps(); ++it, j = kb.next(j)) step(j, it, Bool<true>());
+  for (int j = kb.a; j < kb.n_int; ++j) step(j, j - kb.a, Bool<false>());
+  kb.each_checked([&](int j, int it) { step(j, it, Bool<true>()); });
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
 #pragma unroll

@@ -25,8 +25,8 @@ struct AttnShape {
   float scale;                        // softmax scale applied to q.k, >= 0 (api.cpp negates q otherwise)
   bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
   // Key j visible to query i iff i - win_left <= j <= i + win_right: the local window (DESIGN.md
-  // 1.5) and causality as one band (set_band); window: a band narrower than causality's (every
-  // visited block then runs the checked loop).
+  // 1.5) and causality as one band (set_band); window: a band narrower than causality's (the
+  // backward then takes the two-kernel path; on sm_70 / sm_75 every visited block is checked).
   int win_left, win_right;
   int win_width;                      // win_left + win_right (>= 0)
   bool window;

@@ -682,6 +682,12 @@ struct KeyBlocks {
   SSA_DEVICE int first() const { return n_int > a ? a : first_checked(); }
   SSA_DEVICE int first_checked() const { return !kWindowInterior || n_int < end ? n_int : lo; }
   SSA_DEVICE int steps() const { return end - lo; }
+  // f(j, it) for each checked block j, `it` its step in the order (after the interior blocks)
+  template <class F>
+  SSA_DEVICE void each_checked(F&& f) const {
+    int j = first_checked();
+    for (int it = n_int - a; it < steps(); ++it, j = next(j)) f(j, it);
+  }
 };
 
 template <bool kWindowInterior = SSA_FLASH_ASYNC_COPIES>
