@@ -333,23 +333,24 @@ def _split_grid(grid, consts):
 def _compile_errors() -> tuple:
     """The exceptions by which Triton says a configuration cannot be built for this GPU (what its
     own autotuner skips): too much shared memory or too many registers (``OutOfResources``),
-    ptxas failing (``PTXASError``: ``triton.runtime.errors`` in 3.3+, the NVIDIA backend's
-    compiler module before), a ``tl.static_assert`` or a shape rule failing at compile time
-    (``CompilationError``, of which ``CompileTimeAssertionFailure`` is one). Looked up
-    defensively: a name missing from the installed Triton is left out."""
+    ptxas failing (``PTXASError`` of ``triton.runtime.errors``; Triton 3.2 has none and raises a
+    plain ``RuntimeError``, which is not skipped, as its own autotuner does not skip it), a
+    ``tl.static_assert`` or a shape rule failing at compile time (``CompilationError``, of which
+    ``CompileTimeAssertionFailure`` is one). Looked up defensively: a name missing from the
+    installed Triton is left out."""
+    places = {"OutOfResources": ("triton.runtime.errors", "triton.runtime.autotuner"),
+              "PTXASError": ("triton.runtime.errors", "triton.runtime.autotuner"),
+              "CompilationError": ("triton.compiler.errors", "triton.compiler")}
     found = []
-    for module, names in (("triton.runtime.errors", ("OutOfResources", "PTXASError")),
-                          ("triton.runtime.autotuner", ("OutOfResources", "PTXASError")),
-                          ("triton.backends.nvidia.compiler", ("PTXASError",)),
-                          ("triton.compiler.errors", ("CompilationError", "CompileTimeAssertionFailure"))):
-        try:
-            mod = importlib.import_module(module)
-        except Exception:  # absent in this version, or a backend that cannot load here
-            continue
-        for attr in names:
-            cls = getattr(mod, attr, None)
-            if isinstance(cls, type) and issubclass(cls, Exception) and cls not in found:
+    for name, modules in places.items():
+        for module in modules:
+            try:
+                cls = getattr(importlib.import_module(module), name, None)
+            except Exception:  # absent in this version, or a backend that cannot load here
+                continue
+            if isinstance(cls, type) and issubclass(cls, Exception):
                 found.append(cls)
+                break
     return tuple(found)
 
 
