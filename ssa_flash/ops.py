@@ -310,8 +310,10 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
         backend: "auto", "triton", "cuda" or "reference".
         return_lse: also return the natural-log log-sum-exp of each normalised row, (B, Hq, Lq),
             float32 (float64 for float64 inputs), ``-inf`` for rows with no admissible key.
-        deterministic: bitwise reproducible backward. The Triton backend is deterministic always
-            (no atomics: per-block partial sums reduced in a fixed order).
+        deterministic: bitwise reproducible forward and backward across calls, processes and ranks
+            on the same GPU model and software versions (fixed block configurations, no
+            floating-point atomics); the default may use timed choices and atomics
+            (docs/reliability.md).
         window_size: ``(left, right)`` local attention: query i attends key j only if
             ``i - left <= j <= i + right`` (top-left aligned like ``is_causal``; -1: that side
             unbounded; ``(-1, -1)``, the default: no window). Intersects with ``is_causal`` and

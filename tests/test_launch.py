@@ -26,16 +26,38 @@ class FakeKernel:
 
 
 @pytest.fixture
-def on_fake_gpu(monkeypatch):
+def on_fake_gpu(monkeypatch, tmp_path):
+    """A pretend sm_90 GPU named "Fake GPU", an empty in-memory choice table and a tuning cache
+    in a fresh folder."""
     monkeypatch.setattr(launch, "_device_arch", lambda device: 90)
+    monkeypatch.setattr(launch, "_gpu_name", lambda device: "Fake GPU")
     monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("SSA_FLASH_AUTOTUNE", raising=False)
     return monkeypatch
 
 
-def _launch(kernel, name="fwd", head_block=64, grid=1000):
+def _launch(kernel, name="fwd", head_block=64, grid=1000, deterministic=False):
     return launch._launch(kernel, name, lambda blk: (grid,), lambda blk: (), {"SSA": True},
-                          torch.device("cpu"), head_block, torch.bfloat16)
+                          torch.device("cpu"), head_block, torch.bfloat16, deterministic)
+
+
+def _prefer_last(on_fake_gpu, kernel, cands):
+    """A fake timer under which the last candidate is the fastest; returns the list of the
+    configurations it timed."""
+    timed = []
+
+    def fake_timed(run):
+        run()
+        timed.append(kernel.calls[-1])
+        return 1.0 / (1 + cands.index(kernel.calls[-1]))
+
+    on_fake_gpu.setattr(launch, "_timed", fake_timed)
+    return timed
+
+
+def _no_timing(on_fake_gpu):
+    on_fake_gpu.setattr(launch, "_timed", lambda run: pytest.fail("timed a configuration"))
 
 
 def test_autotune_picks_the_fastest_and_remembers(on_fake_gpu):
@@ -74,6 +96,204 @@ def test_no_configuration_fits(on_fake_gpu):
     cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
     with pytest.raises(RuntimeError, match="no block configuration"):
         _launch(FakeKernel(too_big=cands))
+
+
+# --- deterministic=True: a fixed configuration, never timed ---------------------------------------
+
+
+def test_deterministic_takes_the_first_that_fits_untimed(on_fake_gpu):
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    assert len(set(cands)) > 2
+    kernel = FakeKernel()
+    timed = _prefer_last(on_fake_gpu, kernel, cands)
+    # the default tunes: the fake timer's favourite
+    assert _launch(kernel) == cands[-1] and timed
+    # deterministic ignores that remembered (in memory and on disk) timed choice
+    timed.clear()
+    kernel.calls.clear()
+    assert _launch(kernel, deterministic=True) == cands[0]
+    assert not timed and kernel.calls == [cands[0]]
+    # a configuration that does not build is skipped, still without timing
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    kernel = FakeKernel(too_big=[cands[0]])
+    timed = _prefer_last(on_fake_gpu, kernel, cands)
+    assert _launch(kernel, deterministic=True) == cands[1] and not timed
+
+
+def test_deterministic_reaches_every_launch(on_fake_gpu):
+    """The backend's ``spec.deterministic`` reaches the launcher's spec, and every kernel launch
+    of the forward, the statistics and the backward then runs its first candidate untimed."""
+    from ssa_flash.backends import spec as bspec
+    from ssa_flash.backends import triton as tbackend
+
+    for det in (False, True):
+        assert tbackend._spec(launch, bspec.AttentionSpec(scale=0.5, deterministic=det), None).deterministic is det
+    _no_timing(on_fake_gpu)
+    kernels = {}
+    for attr in ("attention_fwd_kernel", "row_entropy_kernel", "attention_bwd_dq_kernel",
+                 "attention_bwd_dkdv_kernel"):
+        kernels[attr] = FakeKernel()
+        on_fake_gpu.setattr(launch, attr, kernels[attr])
+    q = torch.zeros(1, 2, 40, 64, dtype=torch.bfloat16)
+    b = n = torch.ones(2)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, ssa=True, adaptive=False, deterministic=True)
+    o, lse = launch.forward(q, q, q, None, b, n, None, spec)
+    launch.row_entropy(q, q, None, b, n, spec)
+    launch.backward(o, q, q, q, o, lse, None, None, b, n, None, spec)
+    for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "stats"),
+                       ("attention_bwd_dq_kernel", "bwd_dq"), ("attention_bwd_dkdv_kernel", "bwd_dkdv")):
+        first = launch.block_candidates(90, 64, torch.bfloat16, name)[0]
+        assert kernels[attr].calls == [first], attr
+
+
+# --- the tuning cache on disk -----------------------------------------------------------------------
+
+
+def test_tuned_choice_is_read_back_by_another_process(on_fake_gpu, tmp_path):
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    kernel = FakeKernel()
+    _prefer_last(on_fake_gpu, kernel, cands)
+    assert _launch(kernel) == cands[-1]
+    files = list((tmp_path / "cache" / "autotune").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".json"  # no temporary file left behind
+    # "another process": nothing in memory; the choice comes from disk, one launch, no timing
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    _no_timing(on_fake_gpu)
+    kernel.calls.clear()
+    assert _launch(kernel) == cands[-1] and kernel.calls == [cands[-1]]
+    # another GPU model does not read it
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(launch, "_gpu_name", lambda device: "Other GPU")
+    timed = _prefer_last(on_fake_gpu, kernel, cands)
+    _launch(kernel)
+    assert timed
+
+
+def test_cache_key_names_what_decides_the_choice(on_fake_gpu):
+    from ssa_flash import __version__
+
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    key = launch._cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
+                            {"SSA": True}, cands)
+    for part in ("Fake GPU", torch.__version__, triton.__version__, __version__, "attention_fwd_kernel", "1024"):
+        assert part in key
+    other = launch._cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
+                              {"SSA": False}, cands)
+    assert launch._cache_path(key) != launch._cache_path(other)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign", "not_a_candidate"])
+def test_a_damaged_cache_file_is_ignored(on_fake_gpu, damage):
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    kernel = FakeKernel()
+    _prefer_last(on_fake_gpu, kernel, cands)
+    _launch(kernel)
+    (path,) = launch.cache_dir().iterdir()
+    text = path.read_text()
+    path.write_text({"garbage": "\x00not json{", "truncated": text[: len(text) // 2],
+                     "foreign": text.replace('"key": "', '"key": "x'),
+                     "not_a_candidate": text.replace('"blocks": [', '"blocks": [3, ')}[damage])
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    timed = _prefer_last(on_fake_gpu, kernel, cands)
+    assert _launch(kernel) == cands[-1] and timed  # tuned again, and the file mended
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    _no_timing(on_fake_gpu)
+    assert _launch(kernel) == cands[-1]
+
+
+def test_an_unwritable_cache_does_not_break_a_call(on_fake_gpu, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    on_fake_gpu.setenv("SSA_FLASH_CACHE_DIR", str(blocker / "cache"))  # cannot be created
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    kernel = FakeKernel()
+    _prefer_last(on_fake_gpu, kernel, cands)
+    assert _launch(kernel) == cands[-1]
+    assert _launch(kernel) == cands[-1]  # remembered in memory
+
+
+def test_a_stale_cached_choice_that_no_longer_builds_falls_back(on_fake_gpu):
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    kernel = FakeKernel()
+    _prefer_last(on_fake_gpu, kernel, cands)
+    _launch(kernel)
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    _no_timing(on_fake_gpu)
+    assert _launch(FakeKernel(too_big=[cands[-1]])) == cands[0]
+
+
+def test_cache_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path))
+    assert launch.cache_dir() == tmp_path / "autotune"
+    monkeypatch.delenv("SSA_FLASH_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert launch.cache_dir() == tmp_path / "xdg" / "ssa_flash" / "autotune"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert launch.cache_dir() == tmp_path / "home" / ".cache" / "ssa_flash" / "autotune"
+
+
+# --- candidates that cannot be built, slow tuning -------------------------------------------------
+
+
+def _compile_error(cls):
+    err = cls.__new__(cls)  # the constructors' signatures differ between Triton versions
+    Exception.__init__(err, "cannot build")
+    return err
+
+
+@pytest.mark.parametrize("error", ["OutOfResources", "PTXASError", "CompilationError",
+                                   "CompileTimeAssertionFailure"])
+def test_a_candidate_that_does_not_build_is_skipped(on_fake_gpu, error):
+    import triton.compiler.errors
+    import triton.runtime.errors
+
+    cls = getattr(triton.runtime.errors, error, None) or getattr(triton.compiler.errors, error)
+    assert issubclass(cls, launch._COMPILE_ERRORS)
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+
+    class Failing(FakeKernel):
+        def __getitem__(self, grid):
+            run = super().__getitem__(grid)
+
+            def failing(*args, **kw):
+                run(*args, **kw)
+                if self.calls[-1] == cands[0]:
+                    raise _compile_error(cls)
+            return failing
+
+    kernel = Failing()
+    timed = _prefer_last(on_fake_gpu, kernel, cands)
+    assert _launch(kernel) == cands[-1] and cands[0] not in timed
+    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    assert _launch(kernel, deterministic=True) == cands[1]
+
+
+def test_other_errors_are_not_swallowed(on_fake_gpu):
+    class Broken(FakeKernel):
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                raise TypeError("a bug, not a configuration that does not fit")
+            return run
+
+    with pytest.raises(TypeError, match="a bug"):
+        _launch(Broken())
+
+
+def test_slow_tuning_logs_one_line(on_fake_gpu, caplog):
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    kernel = FakeKernel()
+    _prefer_last(on_fake_gpu, kernel, cands)
+    on_fake_gpu.setattr(launch, "_SLOW_TUNING_S", 1e9)
+    with caplog.at_level("INFO", logger="ssa_flash"):
+        _launch(kernel, grid=1000)
+    assert not [r for r in caplog.records if r.name == "ssa_flash"]
+    on_fake_gpu.setattr(launch, "_SLOW_TUNING_S", 0.0)
+    with caplog.at_level("INFO", logger="ssa_flash"):
+        _launch(kernel, grid=10)  # another size bucket: tuned again
+    (rec,) = [r for r in caplog.records if r.name == "ssa_flash"]
+    msg = rec.getMessage()
+    assert "\n" not in msg and "fwd" in msg and str(launch.cache_dir()) in msg and "SSA_FLASH_AUTOTUNE" in msg
 
 
 @pytest.mark.parametrize("arch", [80, 90])

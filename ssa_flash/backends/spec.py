@@ -90,7 +90,14 @@ class AttentionSpec:
     threshold: float = DEFAULT_THRESHOLD
     """the temperature is 1 on rows whose entropy is at most this"""
     deterministic: bool = False
-    """bitwise reproducible backward (every backend today is deterministic whatever this says)"""
+    """bitwise reproducible forward and backward: the same inputs give the same bits across calls,
+    processes and ranks on the same GPU model and software versions. The CUDA backend then runs
+    its backward without floating-point atomics (its default fused backward accumulates dQ with
+    float32 atomics, whose order varies from run to run); the Triton backend takes a fixed block
+    configuration per kernel (the first that builds) instead of the fastest one timed in this
+    process or read from the tuning cache (its kernels use no atomics either way); both reduce
+    db/dn as per-block partial sums in a fixed order. False: a backend may use atomics and timed
+    choices."""
     cu_seqlens_q: Optional[Tensor] = field(default=None, compare=False)
     """packed variable-length batch: int32 ``(batch + 1,)`` offsets of each sequence's query rows
     (tensors are then ``(total, H, D)``, see the module docstring); None: dense"""

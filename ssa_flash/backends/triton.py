@@ -3,8 +3,9 @@
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
 packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts; dropout
-(Philox bits generated in the kernels, regenerated in the backward) and windows. The
-backward is deterministic always (per-block partial sums of db/dn reduced in a fixed order).
+(Philox bits generated in the kernels, regenerated in the backward) and windows. No atomics
+(per-block partial sums of db/dn reduced in a fixed order); ``spec.deterministic`` fixes the block
+configurations, which are otherwise timed (see ``launch._launch``).
 Triton is imported on first use, so the package works without it.
 """
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _spec(launch, spec: AttentionSpec, b):
     return launch.AttentionSpec(scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
                                 ssa=b is not None, adaptive=bool(spec.adaptive),
                                 dropout_p=float(spec.dropout_p), rng=spec.dropout_rng,
-                                window_left=int(spec.window_left), window_right=int(spec.window_right))
+                                window_left=int(spec.window_left), window_right=int(spec.window_right),
+                                deterministic=bool(spec.deterministic))
 
 
 def _layout(launch, spec: AttentionSpec):

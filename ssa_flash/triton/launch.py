@@ -16,9 +16,19 @@ Two other layouts (``layout=``, see ``common.py``'s ``VARLEN``):
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib
+import inspect
+import json
+import logging
 import os
+import statistics
+import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -55,6 +65,9 @@ class AttentionSpec:
     rng: Optional[torch.Tensor] = field(default=None, compare=False)  # (seed, offset) int64 (2,)
     window_left: int = -1  # query i attends keys j >= i - window_left; -1: unbounded
     window_right: int = -1  # ... and j <= i + window_right; -1: unbounded
+    # a fixed block configuration per kernel (the first that builds), never a timed one: bitwise
+    # the same results in every process on the same GPU model and software (see _launch)
+    deterministic: bool = False
 
 
 class Packed(NamedTuple):
@@ -273,9 +286,39 @@ def _autotuning() -> bool:
     return os.environ.get("SSA_FLASH_AUTOTUNE", "1") not in ("", "0")
 
 
+def _on_device(device: torch.device):
+    """Context making ``device`` the current CUDA device for the launches inside it.
+
+    Triton launches on the current device and that device's current stream, whatever device the
+    tensors are on: tensors on ``cuda:1`` while ``cuda:0`` is current (a model split with
+    ``device_map="auto"``) fail ("pointer cannot be accessed") or, with peer access, run on the
+    wrong GPU racing the right one's stream. Entering the tensors' device is cheap when it is
+    already current. Nothing to enter for the CPU (interpreter) or ``meta`` tensors (capture)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _timed(run) -> float:
-    """Median milliseconds of ``run()`` after warm-up (``triton.testing.do_bench``)."""
-    return float(triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"))
+    """Median milliseconds of ``run()`` on the current stream, timed with CUDA events after two
+    warm-up runs: 3 to 20 runs, as many as fit ~50 ms. No L2 flush between runs (unlike
+    ``triton.testing.do_bench``, which allocates a 256 MB buffer to clear the cache: the GPU may
+    be nearly full when a model's first call tunes); every candidate is timed alike."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    reps = int(max(3, min(20, 50.0 / max(start.elapsed_time(end), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        run()
+        e.record()
+    events[-1][1].synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in events))
 
 
 def _split_grid(grid, consts):
@@ -287,15 +330,143 @@ def _split_grid(grid, consts):
     return (grid if split else grid[:1]), dict(consts, SPLIT=split)
 
 
-def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype):
-    """Launch ``kernel`` with the best block configuration for this GPU.
+def _compile_errors() -> tuple:
+    """The exceptions by which Triton says a configuration cannot be built for this GPU (what its
+    own autotuner skips): too much shared memory or too many registers (``OutOfResources``),
+    ptxas failing (``PTXASError`` of ``triton.runtime.errors``; Triton 3.2 has none and raises a
+    plain ``RuntimeError``, which is not skipped, as its own autotuner does not skip it), a
+    ``tl.static_assert`` or a shape rule failing at compile time (``CompilationError``, of which
+    ``CompileTimeAssertionFailure`` is one). Looked up defensively: a name missing from the
+    installed Triton is left out."""
+    places = {"OutOfResources": ("triton.runtime.errors", "triton.runtime.autotuner"),
+              "PTXASError": ("triton.runtime.errors", "triton.runtime.autotuner"),
+              "CompilationError": ("triton.compiler.errors", "triton.compiler")}
+    found = []
+    for name, modules in places.items():
+        for module in modules:
+            try:
+                cls = getattr(importlib.import_module(module), name, None)
+            except Exception:  # absent in this version, or a backend that cannot load here
+                continue
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                found.append(cls)
+                break
+    return tuple(found)
+
+
+_COMPILE_ERRORS = _compile_errors()
+
+# Tuned choices on disk, one small JSON file per choice (see _cache_key); writes go to a
+# temporary file in the same folder renamed over the target, so readers never see half a file.
+CACHE_ENV = "SSA_FLASH_CACHE_DIR"
+_SLOW_TUNING_S = 5.0  # tuning longer than this is logged (one line, logger "ssa_flash")
+logger = logging.getLogger("ssa_flash")
+
+
+def cache_dir() -> Path:
+    """Where tuned block configurations are kept: ``$SSA_FLASH_CACHE_DIR/autotune``, by default
+    ``~/.cache/ssa_flash/autotune`` (``$XDG_CACHE_HOME/ssa_flash/autotune`` if that is set)."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "ssa_flash")
+    return Path(root) / "autotune"
+
+
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -> Optional[str]:
+    """The text a tuned choice is filed under: everything that decides which configuration wins
+    (the GPU model, torch, Triton and ssa_flash versions, the kernel's source with the JIT
+    functions it calls, as Triton keys its compiled kernels, the specialisation, the size bucket
+    and the candidate list). None when it cannot be formed (nothing is cached then)."""
+    try:
+        from .. import __version__ as ours
+
+        source = getattr(kernel, "cache_key", None) or _source_hash(kernel)
+        parts = (f"gpu={_gpu_name(device)}", f"torch={torch.__version__}", f"triton={triton.__version__}",
+                 f"ssa_flash={ours}", f"kernel={source}", f"name={name}", f"head_block={head_block}",
+                 f"dtype={dtype}", f"bucket={bucket}", f"consts={sorted((k, repr(v)) for k, v in consts.items())}",
+                 f"candidates={[tuple(vars(c).values()) for c in cands]}")
+        return "\n".join(parts)
+    except Exception as err:  # e.g. no device name: tune, but keep the choice in memory only
+        logger.debug("ssa_flash: no autotuning cache key (%r)", err)
+        return None
+
+
+def _source_hash(kernel) -> str:
+    """A kernel without Triton's ``cache_key`` (the interpreter's, a test's stand-in): its name
+    and a hash of its Python source where there is one."""
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        src = ""
+    name = getattr(fn, "__name__", type(kernel).__name__)
+    return f"{name}:{hashlib.sha256(src.encode('utf-8')).hexdigest()[:16]}"
+
+
+def _cache_path(key: str) -> Path:
+    return cache_dir() / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + ".json")
+
+
+def _cache_load(key: Optional[str], cands) -> Optional[Blocks]:
+    """The choice filed under ``key`` if it is one of ``cands``, else None. A missing, unreadable,
+    corrupt or foreign file is None: the caller tunes again."""
+    if key is None:
+        return None
+    try:
+        data = json.loads(_cache_path(key).read_text())
+        if data.get("key") != key:
+            return None
+        blk = Blocks(*(int(x) for x in data["blocks"]))
+    except Exception:
+        return None
+    return blk if blk in cands else None
+
+
+def _cache_store(key: Optional[str], blk: Blocks, timings) -> None:
+    """File ``blk`` under ``key`` (atomically: temporary file + rename). Failing to write (a
+    read-only home, a full disk) only costs the next process a new tuning."""
+    if key is None:
+        return
+    tmp = None
+    try:
+        path = _cache_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"key": key, "blocks": [blk.m, blk.n, blk.warps, blk.stages],
+                "timings_ms": [[[c.m, c.n, c.warps, c.stages], ms] for c, ms in timings]}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+        tmp = None
+    except Exception as err:
+        logger.debug("ssa_flash: could not write the autotuning cache (%r)", err)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype, deterministic: bool = False):
+    """Launch ``kernel`` with the best block configuration for this GPU, on ``device`` (the
+    tensors' device, made current: see :func:`_on_device`) and its current stream.
 
     Names ending in ``_decode`` take the decoding table (:func:`_decode_candidates`), the others
-    :func:`block_candidates`. The first time a specialisation meets a problem size (bucketed by
-    the power of two of its program count), every candidate that fits the GPU's resources is
-    timed on the real arguments and the fastest is kept (all kernels of the family are idempotent:
-    they only write their outputs). ``SSA_FLASH_AUTOTUNE=0``, CUDA-graph capture and the
-    interpreter take the first candidate that fits instead."""
+    :func:`block_candidates`. A candidate that cannot be built for this GPU (see
+    :func:`_compile_errors`) is skipped. The first time a specialisation meets a problem size
+    (bucketed by the power of two of its program count), every candidate that builds is timed on
+    the real arguments and the fastest is kept (all kernels of the family are idempotent: they
+    only write their outputs), in memory and on disk (:func:`cache_dir`), so that later calls and
+    later processes on the same GPU model and software skip the timing.
+
+    ``deterministic=True``, ``SSA_FLASH_AUTOTUNE=0`` and the interpreter take the first candidate
+    that builds, without timing and without the cache: a fixed choice, the same in every process
+    (outputs depend on the tiles in their last bits). So does a CUDA-graph capture without a
+    remembered choice (no timing during capture)."""
     arch = _capture_arch if _capture is not None else _device_arch(device)
     if name.endswith("_decode"):
         cands = _decode_candidates(arch, head_block, dtype)
@@ -309,14 +480,29 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
         _capture.append(KernelLaunch(name, kernel, grid, tuple(args(blk)),
                                      dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
         return blk
+    with _on_device(device):
+        return _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dtype,
+                               bool(deterministic), arch, list(dict.fromkeys(cands)))
+
+
+def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dtype, deterministic, arch, cands):
+    """:func:`_launch`'s choice and launches, with ``device`` current; ``cands`` de-duplicated."""
     bucket = triton.next_power_of_2(max(1, grid_fn(cands[0])[0]))
-    key = (name, device, head_block, dtype, bucket, tuple(sorted(consts.items())))
-    if key in _chosen_blocks:
-        cands = [_chosen_blocks[key]]
-    tune = (arch is not None and len(cands) > 1 and _autotuning()
-            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    key = (name, device, head_block, dtype, bucket, tuple(sorted(consts.items())), deterministic)
+    may_tune = not deterministic and arch is not None and len(cands) > 1 and _autotuning()
+    disk_key = None
+    chosen = _chosen_blocks.get(key)
+    if chosen is None and may_tune:
+        disk_key = _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands)
+        chosen = _cache_load(disk_key, cands)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    tune = may_tune and chosen is None and not capturing
+    if chosen is not None:  # remembered; should it no longer build, the first candidate that does
+        cands = [chosen] + [c for c in cands if c != chosen]
+    started = time.perf_counter()
     best, best_ms, last_err, blk = None, float("inf"), None, None
-    for blk in dict.fromkeys(cands):  # de-duplicated, in order
+    timings = []
+    for blk in cands:
         grid, kconsts = _split_grid(grid_fn(blk), consts)
         if grid[0] > _MAX_GRID or (len(grid) > 1 and grid[1] > 65535):
             raise ValueError(f"ssa_flash: problem too large for one launch ({grid} programs)")
@@ -328,13 +514,15 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
 
         try:
             run()
-        except triton.runtime.errors.OutOfResources as err:  # too much shared memory / registers
+        except _COMPILE_ERRORS as err:  # this configuration cannot be built for this GPU
             last_err = err
+            logger.debug("ssa_flash: %s %s skipped: %s", name, blk, type(err).__name__)
             continue
         if not tune:
             _chosen_blocks[key] = blk
             return blk
         ms = _timed(run)
+        timings.append((blk, ms))
         if ms < best_ms:
             best, best_ms = blk, ms
     if best is None:
@@ -344,6 +532,13 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype)
         extra = {"num_warps": best.warps, "num_stages": best.stages}
         kernel[grid](*args(best), **kconsts, BLOCK_M=best.m, BLOCK_N=best.n, **extra)
     _chosen_blocks[key] = best
+    _cache_store(disk_key, best, timings)
+    elapsed = time.perf_counter() - started
+    if elapsed > _SLOW_TUNING_S:
+        logger.warning("ssa_flash: tuning the Triton kernel %s (head dim block %d, %s, ~%d programs) took "
+                       "%.1f s over %d block configurations; the choice is kept in %s for later processes "
+                       "(SSA_FLASH_AUTOTUNE=0: the first that fits, no timing)", name, head_block,
+                       str(dtype).replace("torch.", ""), bucket, elapsed, len(timings), cache_dir())
     return best
 
 
@@ -585,11 +780,13 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
 
-    _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"], q.dtype)
+    _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"], q.dtype,
+            spec.deterministic)
     if state.get("splits", 1) > 1 and _capture is None:
         ent_part, lse_part = state["parts"]
-        merge_entropy_kernel[(ent.numel(),)](ent_part, lse_part, ent, lse_l, state["splits"], ent.numel(),
-                                             BLOCK_S=_merge_block_s(state["splits"]), ACC=_acc_dtype(q.dtype))
+        with _on_device(q.device):
+            merge_entropy_kernel[(ent.numel(),)](ent_part, lse_part, ent, lse_l, state["splits"], ent.numel(),
+                                                 BLOCK_S=_merge_block_s(state["splits"]), ACC=_acc_dtype(q.dtype))
     return ent, lse_l
 
 
@@ -628,7 +825,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
                 torch.empty((splits,) + tuple(o.shape), device=q.device, dtype=acc_torch),
                 torch.empty((splits,) + tuple(lse.shape), device=q.device, dtype=acc_torch))
             stride_os = o_out.stride(0)
-            o_out = o_out[0]
+            o_out = o_out.select(0, 0)
         return (q4, k4, v4, o_out, lse_out, beta if spec.adaptive else q, b if spec.ssa else q,
                 n if spec.ssa else q, mask_t,
                 *q4.stride(), *k4.stride(), *v4.stride(), *o_out.stride(), *ms,
@@ -640,13 +837,14 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
 
     _launch(attention_fwd_kernel, name, grid, args, dict(consts, SPLIT=None), q.device,
-            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype)
+            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic)
     splits = state.get("splits", 1)
     if splits > 1 and _capture is None:
         o_part, lse_part = state["parts"]
-        merge_output_kernel[(lse.numel(),)](
-            o_part, lse_part, o, lse, *o_part.stride(), *o.stride(), H, lay.Lq, DV, splits, lse.numel(),
-            BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype))
+        with _on_device(q.device):
+            merge_output_kernel[(lse.numel(),)](
+                o_part, lse_part, o, lse, *o_part.stride(), *o.stride(), H, lay.Lq, DV, splits, lse.numel(),
+                BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype))
     return o, lse
 
 
@@ -734,7 +932,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     if g_given:  # only then: the default specialisations' constexprs stay as they were
         dq_consts["G_GIVEN"] = True
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(lay.Lq, blk.m) * B * H,), dq_args,
-            dq_consts, q.device, head_block, q.dtype)
+            dq_consts, q.device, head_block, q.dtype, spec.deterministic)
     if dbeta_only:
         return g
 
@@ -745,7 +943,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
                 *feat_args)
 
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
-            dkdv_args, consts, q.device, head_block, q.dtype)
+            dkdv_args, consts, q.device, head_block, q.dtype, spec.deterministic)
     db = dn = None
     if spec.ssa:
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
@@ -775,7 +973,8 @@ def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
     # tiles unlike any attention kernel's (which use 16 x 16 under the interpreter)
     bm, bn = (32, 64) if _device_arch(rng.device) is None else (64, 128)
     num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
-    dropout_mask_kernel[(num_m * num_n * B * H,)](
-        out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
-        BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
+    with _on_device(rng.device):
+        dropout_mask_kernel[(num_m * num_n * B * H,)](
+            out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
+            BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
     return out.bool()
