@@ -117,8 +117,7 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     additive mask broadcastable to ``(B, Hq, Lq, Lk)``. Uses ``module.ssa`` (added by
     :func:`enable_ssa`) for the per-head ``b``, ``n``. ``dropout`` is the attention dropout
     probability, which transformers passes as 0 outside training (as to SDPA); it is applied to
-    the final weights in the kernels (the Triton and reference backends; ``backend="auto"`` picks
-    Triton for it on a GPU). A sliding window reaches this function inside ``attention_mask``
+    the final weights in the kernels, by whichever backend runs (docs/support.md). A sliding window reaches this function inside ``attention_mask``
     (transformers builds it into the mask). Returns ``(out (B, Lq, Hq, Dv), None)``: attention
     weights are never materialised."""
     ssa = getattr(module, SUBMODULE, None)
@@ -175,7 +174,7 @@ def _tracing() -> bool:
 
 def _padding_free(ssa: SSAttention, *tensors) -> bool:
     """Whether the packed / KV-cache kernels may serve this call: enabled, not traced, a backend
-    that implements them (the CUDA C++ backend does not)."""
+    that implements them (the CUDA C++ backend does not: docs/support.md)."""
     return PADDING_FREE and ssa.backend != "cuda" and not _tracing()
 
 
