@@ -171,9 +171,7 @@ def fall_back_on_failure(base):
             except Exception as err:  # noqa: BLE001 - any failure means: no extension
                 if build_flag() == "1":
                     raise
-                msg = fallback_message(err)
-                print(msg, file=sys.stderr)
-                print(msg)  # pip shows stdout with -v; stderr of a failing step otherwise
+                print(fallback_message(err), file=sys.stderr)  # (pip shows it with -v)
                 # nothing to copy (inplace / editable) or install: get_outputs() lists none
                 self.extensions = []
 

@@ -385,6 +385,21 @@ def test_backend_refuses_a_gpu_the_extension_has_no_image_for(fake_extension):
     assert cuda_backend.unavailable_reason(torch.device("cuda")) is None
 
 
+def test_supports_refuses_inputs_on_a_gpu_without_an_image(fake_extension):
+    from types import SimpleNamespace
+
+    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends.spec import AttentionSpec
+
+    q = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 2, 8, 64))
+    spec = AttentionSpec(scale=0.125)
+    fake_extension((12, 0), (2, 80), (2, 90, "a"))
+    why = cuda_backend.supports(q, q, q, spec)
+    assert why is not None and "no kernel image for this sm_120 GPU" in why
+    fake_extension((12, 0), (2, 80), (2, 90, "a"), (1, 89))
+    assert cuda_backend.supports(q, q, q, spec) is None
+
+
 def test_jit_arch_list_builds_9_0_as_9_0a(monkeypatch):
     from ssa_flash.backends import cuda as cuda_backend
 
