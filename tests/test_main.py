@@ -145,7 +145,9 @@ def fake_cuda(monkeypatch):
     # only this backend (the Triton interpreter is slow), one case
     monkeypatch.setattr(ssa_flash, "available_backends", lambda device: ("cuda", "reference"))
     monkeypatch.setattr(selfcheck, "CASES", (CASE,))
-    return state
+    threads = torch.get_num_threads()  # main() sets 1 for its tiny CPU ops
+    yield state
+    torch.set_num_threads(threads)
 
 
 def test_self_check_runs_only_the_dtypes_a_backend_supports(fake_cuda, capsys):

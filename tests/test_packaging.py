@@ -7,7 +7,6 @@ Everything here is offline: the sdist and wheel are built with this environment'
 (``python setup.py sdist``, ``pip wheel --no-build-isolation --no-deps``).
 """
 import importlib.util
-import io
 import os
 import re
 import shutil
@@ -73,7 +72,8 @@ def sdist(tmp_path_factory):
     (archive,) = out.glob("ssa_flash-*.tar.gz")
     with tarfile.open(archive) as tar:
         names = tar.getnames()
-        tar.extractall(out / "unpacked")
+        # (the "data" filter where this Python has it: 3.12+ warns without a filter)
+        tar.extractall(out / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     top = names[0].split("/")[0]
     members = {n.split("/", 1)[1] for n in names if "/" in n}
     return archive, members, out / "unpacked" / top
@@ -132,14 +132,16 @@ def test_wheel_from_the_sdist_ships_py_typed_csrc_and_license(sdist, tmp_path):
     (wheel,) = tmp_path.glob("ssa_flash-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "ssa_flash/py.typed" in names
-    assert "ssa_flash/_csrc/api.cpp" in names and any(n.startswith("ssa_flash/_csrc/") and n.endswith(".cu") for n in names)
+    assert "ssa_flash/_csrc/api.cpp" in names
+    assert any(n.startswith("ssa_flash/_csrc/") and n.endswith(".cu") for n in names)
     assert any(re.fullmatch(r"ssa_flash-[^/]+\.dist-info/licenses/LICENSE", n) for n in names), sorted(names)[-10:]
 
 
 def test_license_is_apache_2():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
-    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text and "END OF TERMS AND CONDITIONS" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^license = "Apache-2\.0"$', pyproject, flags=re.M)
     assert re.search(r'^license-files = \["LICENSE"\]$', pyproject, flags=re.M)
@@ -202,7 +204,7 @@ def test_arch_list(monkeypatch, capsys):
 
 
 def test_normalize_arch_list():
-    assert cb.normalize_arch_list("9.0") [0] == "9.0a"
+    assert cb.normalize_arch_list("9.0")[0] == "9.0a"
     assert cb.normalize_arch_list("8.0;9.0a")[0] == "8.0;9.0a" and cb.normalize_arch_list("8.0;9.0a")[1] == []
     archs, notes = cb.normalize_arch_list("8.0;9.0+PTX")
     assert archs == "8.0;9.0+PTX" and len(notes) == 1 and "wgmma" in notes[0]
@@ -212,7 +214,8 @@ def test_normalize_arch_list():
 class _FailingBuild:
     """Stands in for torch's BuildExtension whose build_extensions raises."""
 
-    error = RuntimeError("The detected CUDA version (13.0) mismatches the version that was used to compile PyTorch (12.8)")
+    error = RuntimeError("The detected CUDA version (13.0) mismatches the version that was used to compile "
+                         "PyTorch (12.8)")
 
     def __init__(self):
         self.extensions = ["ssa_flash._C"]
