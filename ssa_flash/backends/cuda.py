@@ -17,7 +17,9 @@ softmax or SSA logits, fixed or adaptive temperature. The backward is one fused 
 pre-pass (FlashAttention-2's five GEMMs per tile, dQ accumulated with float32 atomics) where the
 device and head dim allow it, and the two-kernel path (dQ kernel, dK/dV kernel, no atomics) with
 ``deterministic=True`` or elsewhere; db/dn are per-block partial sums reduced in a fixed order
-either way.
+either way. A built extension runs on the GPUs its shared object holds code for (cubins of the
+GPU's major version, or PTX of an older architecture, ``_cuda_build``); elsewhere
+:func:`supports` and :func:`unavailable_reason` say so rather than a launch failing.
 
 Testing without a GPU: inside ``with emulated(ext):`` CPU tensors run through ``ext``, any object
 with the extension's ``fwd``/``stats``/``bwd`` (``csrc/emu/harness.py``'s ``Emulator``: the real
