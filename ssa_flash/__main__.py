@@ -235,12 +235,17 @@ def self_check(device, backends: List[str], dtypes, stream=None) -> List[CheckRe
 def prepare_cuda(build: bool, stream=None) -> Optional[str]:
     """Makes the CUDA extension usable before the checks: builds it (JIT, minutes on first use)
     unless it is prebuilt or loaded, saying so and how long it took. Returns why the CUDA backend
-    is not checked (``build`` false and nothing built, or the build failed), or None."""
+    is not checked (``build`` false and nothing built, the build failed, or a prebuilt extension
+    does not import), or None."""
     from .backends import cuda as cuda_backend
     from .errors import BackendUnavailableError
 
     stream = stream or sys.stdout
-    if cuda_backend.ready():
+    if cuda_backend.ready():  # loaded, or prebuilt: importing it is quick (and may fail: ABI)
+        try:
+            cuda_backend.load_extension()
+        except BackendUnavailableError as err:
+            return f"{err}"
         return None
     if not build:
         return "the CUDA extension is not built (--no-build-cuda)"
