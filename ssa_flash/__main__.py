@@ -6,10 +6,16 @@
    twice the error of the naive reference run in the same dtype, plus a small floor.
    On CUDA: float16, bfloat16, float32. Without a GPU: the Triton kernels through Triton's CPU
    interpreter (``TRITON_INTERPRET=1``, set here before Triton is imported) in float32 and float64.
+   Each backend is checked on what its ``supports()`` accepts; the rest is listed as skipped with
+   its reason (the CUDA C++ backend takes float16 and bfloat16 only). A CUDA extension that is
+   neither prebuilt nor loaded is JIT-built first, saying so and how long it took
+   (``--no-build-cuda``: skip the CUDA backend instead); a build that fails leaves the CUDA
+   backend unchecked, reported as such, without failing the run (``backend="auto"`` never uses
+   an unbuilt extension).
 2. A small timing table reusing ``ssa_flash.bench`` (CUDA: our kernels vs SDPA's flash backend,
    median ms; CPU: tiny sizes through the interpreter, which measures the interpreter, not kernels).
 
-Exit status 0 when every check passes, 1 otherwise. ``--help`` for options.
+Exit status 0 when every check run passes, 1 otherwise. ``--help`` for options.
 """
 from __future__ import annotations
 
@@ -131,6 +137,7 @@ class CheckResult:
     ok: bool
     worst: str  # "tensor: err / tol"
     detail: str = ""
+    skipped: bool = False  # not run: the backend's supports() refuses these inputs (detail says why)
 
 
 def check(variant: str, case: Case, dtype, device, backend: str,
@@ -169,28 +176,97 @@ def check(variant: str, case: Case, dtype, device, backend: str,
     return CheckResult(backend, dname, variant, case.name, ok, worst)
 
 
-def self_check(device, backends: List[str], dtypes, stream=sys.stdout) -> List[CheckResult]:
+def support_reason(backend: str, variant: str, case: Case, dtype, device) -> Optional[str]:
+    """Why ``backend`` does not run ``variant`` on ``case``'s inputs in ``dtype`` (its
+    ``supports()`` on the same tensors the check would use), or None."""
+    from .backends import AttentionSpec, get
+
+    if backend == "reference":
+        return None
+    t = make_case_inputs(case, device)
+    q, k, v = (t[x].to(dtype) for x in "qkv")
+    spec = AttentionSpec(scale=case.d ** -0.5, causal=case.causal, group=case.hq // case.hkv,
+                         adaptive=variant in ("adaptive", "ssa_adaptive"))
+    try:
+        return get(backend).supports(q, k, v, spec)
+    except Exception:  # a probe that raises is a finding, not a skip: the check runs and reports it
+        return None
+
+
+def _line(r: CheckResult) -> str:
+    status = "skipped" if r.skipped else "ok" if r.ok else "FAIL"
+    return (f"{r.backend:8s} {r.dtype:9s} {r.variant:13s} {r.case:19s} {r.worst:34s} "
+            f"{status}{'  ' + r.detail if r.detail else ''}")
+
+
+def self_check(device, backends: List[str], dtypes, stream=None) -> List[CheckResult]:
+    """Every (backend, dtype, case, variant) check; the ones the backend's ``supports()`` refuses
+    are skipped results (one line for a dtype refused everywhere, with the reason)."""
+    stream = stream or sys.stdout
     results = []
     header = f"{'backend':8s} {'dtype':9s} {'variant':13s} {'case':19s} {'worst: error / tolerance':34s} result"
     print(header, file=stream)
     print("-" * len(header), file=stream)
     for backend in backends:
         for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            why = {(case, variant): support_reason(backend, variant, case, dtype, device)
+                   for case in CASES for variant in VARIANTS}
+            reasons = set(why.values())
+            if None not in reasons and len(reasons) == 1:  # the whole dtype refused, one reason
+                reason = reasons.pop()
+                results.extend(CheckResult(backend, dname, variant, case.name, True, "-", reason, skipped=True)
+                               for case in CASES for variant in VARIANTS)
+                print(f"{backend:8s} {dname:9s} {'(all)':13s} {'(all)':19s} {'-':34s} skipped  {reason}",
+                      file=stream, flush=True)
+                continue
             for case in CASES:
                 for variant in VARIANTS:
-                    r = check(variant, case, dtype, device, backend)
+                    reason = why[(case, variant)]
+                    if reason is not None:
+                        r = CheckResult(backend, dname, variant, case.name, True, "-", reason, skipped=True)
+                    else:
+                        r = check(variant, case, dtype, device, backend)
                     results.append(r)
-                    print(f"{r.backend:8s} {r.dtype:9s} {r.variant:13s} {r.case:19s} {r.worst:34s} "
-                          f"{'ok' if r.ok else 'FAIL'}{'  ' + r.detail if r.detail else ''}",
-                          file=stream, flush=True)
+                    print(_line(r), file=stream, flush=True)
     return results
+
+
+def prepare_cuda(build: bool, stream=None) -> Optional[str]:
+    """Makes the CUDA extension usable before the checks: builds it (JIT, minutes on first use)
+    unless it is prebuilt or loaded, saying so and how long it took. Returns why the CUDA backend
+    is not checked (``build`` false and nothing built, the build failed, or a prebuilt extension
+    does not import), or None."""
+    from .backends import cuda as cuda_backend
+    from .errors import BackendUnavailableError
+
+    stream = stream or sys.stdout
+    if cuda_backend.ready():  # loaded, or prebuilt: importing it is quick (and may fail: ABI)
+        try:
+            cuda_backend.load_extension()
+        except BackendUnavailableError as err:
+            return f"{err}"
+        return None
+    if not build:
+        return "the CUDA extension is not built (--no-build-cuda)"
+    print("building the CUDA extension (first use, may take minutes; --no-build-cuda skips it; cached "
+          "by torch afterwards)...", file=stream, flush=True)
+    t0 = time.monotonic()
+    try:
+        cuda_backend.load_extension()
+    except BackendUnavailableError as err:
+        print(f"the CUDA extension build failed after {time.monotonic() - t0:.0f} s", file=stream, flush=True)
+        return f"{err}"
+    print(f"built the CUDA extension in {time.monotonic() - t0:.0f} s\n", file=stream, flush=True)
+    return None
 
 
 # ------------------------------------------------------------------------------------ timing
 
 
-def timing_table(device, backends: List[str], stream=sys.stdout) -> None:
+def timing_table(device, backends: List[str], stream=None) -> None:
     """Median ms of forward and forward+backward, ours vs SDPA's flash backend (softmax)."""
+    stream = stream or sys.stdout
     import torch
 
     from .bench import impls, timing
@@ -254,6 +330,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ssa_flash", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="check on the CPU through the Triton interpreter even with a GPU")
     p.add_argument("--no-timing", action="store_true", help="skip the timing table")
+    p.add_argument("--no-build-cuda", action="store_true",
+                   help="do not JIT-build the CUDA extension when it is not built yet (minutes); the "
+                        "CUDA backend is then not checked")
     args = p.parse_args(argv)
 
     t0 = time.monotonic()
@@ -278,6 +357,17 @@ def main(argv=None) -> int:
     print(f"ssa_flash {ssa_flash.__version__} self-check on {where}")
     print(f"torch {torch.__version__}, triton {triton_version}, CUDA {torch.version.cuda}; "
           f"kernel backends here: {', '.join(backends) or 'none'}")
+    not_checked = {}
+    if "cuda" in backends:
+        why = prepare_cuda(not args.no_build_cuda)
+        if why is None:  # built: the extension may still lack this GPU's kernels
+            from .backends import cuda as cuda_backend
+
+            why = cuda_backend.unavailable_reason(device)
+        if why is not None:
+            not_checked["cuda"] = why
+            backends.remove("cuda")
+            print(f"not checked: backend 'cuda': {why}")
     if not backends:
         print("FAILED: no kernel backend can run here (install triton; on the CPU it runs through "
               "TRITON_INTERPRET=1), so nothing was checked")
@@ -287,14 +377,18 @@ def main(argv=None) -> int:
           f"floors {', '.join(f'{k} {v:g}' for k, v in FLOORS.items() if k in [str(d).replace('torch.', '') for d in dtypes])}\n")
     results = self_check(device, backends, dtypes)
     failed = [r for r in results if not r.ok]
-    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed "
-          f"({time.monotonic() - t0:.1f} s)" + ("" if not failed else f"; {len(failed)} FAILED"))
+    skipped = [r for r in results if r.skipped]
+    run = len(results) - len(skipped)
+    print(f"\n{run - len(failed)} of {run} checks passed ({time.monotonic() - t0:.1f} s)"
+          + ("" if not skipped else f"; {len(skipped)} skipped (inputs the backend does not take)")
+          + ("" if not failed else f"; {len(failed)} FAILED"))
     if not args.no_timing:
         try:
             timing_table(device, backends)
         except Exception as err:  # timing is informative; the exit status reflects the checks
             print(f"timing table failed: {type(err).__name__}: {err}")
-    print(f"\n{'FAILED' if failed else 'OK'} ({time.monotonic() - t0:.1f} s)")
+    unchecked = "".join(f"; backend {name!r} not checked: {why}" for name, why in not_checked.items())
+    print(f"\n{'FAILED' if failed else 'OK'} ({time.monotonic() - t0:.1f} s){unchecked}")
     return 1 if failed else 0
 
 

@@ -106,3 +106,125 @@ def test_check_passes_on_cuda(dtype):
         for variant in ("ssa", "ssa_adaptive"):
             r = selfcheck.check(variant, selfcheck.CASES[1], dtype, torch.device("cuda"), backend)
             assert r.ok, r
+
+
+# ------------------------------------------------------------------------------------------------
+# Backends that take some dtypes only, and a CUDA extension not built yet (CPU, faked availability)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The CUDA backend made available on the CPU, refusing float32 as the real one does, computing
+    through the reference backend, with an extension that is not built yet: ``state`` counts the
+    load_extension() calls (``load_calls``); ``state["fail"]`` makes it raise."""
+    import ssa_flash
+    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import reference as ref_backend
+    from ssa_flash.errors import BackendUnavailableError
+
+    state = {"built": False, "load_calls": 0, "fail": None}
+
+    def supports(q, k, v, spec):
+        if q.dtype == torch.float32:
+            return f"the CUDA kernels take float16 or bfloat16 inputs, got {q.dtype}"
+        return None
+
+    def load_extension():
+        state["load_calls"] += 1
+        if state["fail"]:
+            raise BackendUnavailableError(state["fail"])
+        state["built"] = True
+        return object()
+
+    monkeypatch.setattr(cuda_backend, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(cuda_backend, "supports", supports)
+    monkeypatch.setattr(cuda_backend, "ready", lambda: state["built"])
+    monkeypatch.setattr(cuda_backend, "load_extension", load_extension)
+    for fn in ("forward", "backward", "row_entropy"):
+        monkeypatch.setattr(cuda_backend, fn, getattr(ref_backend, fn))
+    # only this backend (the Triton interpreter is slow), one case
+    monkeypatch.setattr(ssa_flash, "available_backends", lambda device: ("cuda", "reference"))
+    monkeypatch.setattr(selfcheck, "CASES", (CASE,))
+    threads = torch.get_num_threads()  # main() sets 1 for its tiny CPU ops
+    yield state
+    torch.set_num_threads(threads)
+
+
+def test_self_check_runs_only_the_dtypes_a_backend_supports(fake_cuda, capsys):
+    assert selfcheck.main(["--no-timing", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    n = len(selfcheck.VARIANTS)
+    # float32 refused by supports(): one skipped line with the backend's reason, no FAIL
+    assert re.search(r"^cuda\s+float32\s.*skipped\s+the CUDA kernels take float16 or bfloat16", out, flags=re.M), out
+    assert "FAIL" not in out
+    assert len(re.findall(r"^cuda\s+float64\s.*\sok$", out, flags=re.M)) == n
+    assert f"{n} of {n} checks passed" in out and f"{n} skipped" in out
+    # the build was announced and timed, before the checks
+    assert fake_cuda["load_calls"] == 1
+    assert re.search(r"building the CUDA extension \(first use, may take minutes.*\n"
+                     r"built the CUDA extension in \d+ s", out), out
+    assert out.index("built the CUDA extension") < out.index("checks passed")
+    assert out.rstrip().splitlines()[-1].startswith("OK")
+
+
+def test_self_check_does_not_announce_loading_a_built_extension(fake_cuda, capsys):
+    fake_cuda["built"] = True
+    assert selfcheck.main(["--no-timing", "--cpu"]) == 0
+    assert fake_cuda["load_calls"] == 1  # load_extension(): an import, nothing built
+    out = capsys.readouterr().out
+    assert "building the CUDA extension" not in out and "not checked" not in out
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """A second kernel backend next to the fake CUDA one: "triton" computing through the reference
+    backend (the interpreter is slow)."""
+    import ssa_flash
+    from ssa_flash.backends import reference as ref_backend
+    from ssa_flash.backends import triton as triton_backend
+
+    for fn in ("forward", "backward", "row_entropy"):
+        monkeypatch.setattr(triton_backend, fn, getattr(ref_backend, fn))
+    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(ssa_flash, "available_backends", lambda device: ("triton", "cuda", "reference"))
+
+
+def test_self_check_no_build_cuda_skips_the_unbuilt_backend(fake_cuda, fake_triton, capsys):
+    assert selfcheck.main(["--no-timing", "--cpu", "--no-build-cuda"]) == 0
+    out = capsys.readouterr().out
+    assert fake_cuda["load_calls"] == 0 and "building the CUDA extension" not in out
+    assert "not checked: backend 'cuda': the CUDA extension is not built (--no-build-cuda)" in out
+    assert not re.search(r"^cuda\s", out, flags=re.M)
+    n = 2 * len(selfcheck.VARIANTS)
+    assert len(re.findall(r"^triton\s+float(32|64)\s.*\sok$", out, flags=re.M)) == n
+
+
+def test_self_check_reports_a_failed_build_without_failing(fake_cuda, fake_triton, capsys):
+    fake_cuda["fail"] = "the CUDA extension ssa_flash._C is not built and its JIT build failed: nvcc mismatch"
+    assert selfcheck.main(["--no-timing", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert fake_cuda["load_calls"] == 1
+    assert "the CUDA extension build failed after" in out
+    assert "not checked: backend 'cuda': the CUDA extension ssa_flash._C is not built and its JIT build failed" in out
+    assert not re.search(r"^cuda\s", out, flags=re.M)  # no check line for it
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("OK") and "backend 'cuda' not checked: " in last
+
+
+def test_support_reason_asks_the_backend_with_the_checked_inputs(monkeypatch):
+    from ssa_flash.backends import cuda as cuda_backend
+
+    seen = []
+
+    def supports(q, k, v, spec):
+        seen.append((q.dtype, q.shape, k.shape, spec.causal, spec.group, spec.adaptive))
+        return None
+
+    monkeypatch.setattr(cuda_backend, "supports", supports)
+    case = selfcheck.CASES[1]
+    assert selfcheck.support_reason("cuda", "ssa_adaptive", case, torch.float16, DEVICE) is None
+    assert seen == [(torch.float16, (case.batch, case.hq, case.lq, case.d), (case.batch, case.hkv, case.lk, case.d),
+                     case.causal, case.hq // case.hkv, True)]
+    # the real backend refuses float32 (and, without a GPU, the CPU device): a reason, not None
+    monkeypatch.undo()
+    assert selfcheck.support_reason("cuda", "softmax", case, torch.float32, DEVICE)

@@ -12,7 +12,8 @@ Results are cached per file and architecture (``runner.cache_dir()``, files ``cu
 under a hash of every source in ``csrc`` (``*.cu``, ``*.h``), nvcc's version, the flags, the
 architecture and the analysing modules, so an unchanged tree is not recompiled.
 
-Skipped (with the reason) when nvcc or ``csrc`` is absent. The tensor column reports ``gemms`` =
+Skipped (with the reason) when nvcc or the sources are absent (:func:`source_dir`: csrc/ of a
+checkout, ``ssa_flash/_csrc`` of an installed package). The tensor column reports ``gemms`` =
 tensor multiply-adds per score element / padded head dim (2 for a forward: QK^T and PV).
 """
 from __future__ import annotations
@@ -33,7 +34,16 @@ from typing import Callable, Dict, List, Optional
 from . import model, resources, sass
 
 ROOT = Path(__file__).resolve().parents[2]
-CSRC = ROOT / "csrc"
+
+
+def source_dir() -> Path:
+    """The CUDA sources to audit: the CUDA backend's :func:`~ssa_flash.backends.cuda.source_dir`
+    (csrc/ of a source checkout, or ``ssa_flash/_csrc`` of an installed package), else the
+    checkout's csrc/ path (then reported missing)."""
+    from ..backends.cuda import source_dir as backend_sources
+
+    found = backend_sources()
+    return Path(found) if found is not None else ROOT / "csrc"
 
 _FALLBACK_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
                    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -53,9 +63,11 @@ def nvcc_flags() -> List[str]:
     return flags
 
 
-def unavailable(csrc: Path = CSRC) -> Optional[str]:
-    """Why the CUDA section cannot run here, or None: nvcc to compile, ``nvdisasm`` and
-    ``cuobjdump`` (Triton's bundled copies or PATH) to read the cubins."""
+def unavailable(csrc: Optional[Path] = None) -> Optional[str]:
+    """Why the CUDA section cannot run here, or None: nvcc to compile, the sources (``csrc``,
+    default :func:`source_dir`), ``nvdisasm`` and ``cuobjdump`` (Triton's bundled copies or PATH)
+    to read the cubins."""
+    csrc = source_dir() if csrc is None else Path(csrc)
     if shutil.which("nvcc") is None:
         return "nvcc is not on PATH"
     if not csrc.is_dir() or not list(csrc.glob("*.cu")):
@@ -210,11 +222,13 @@ def _audit_file(path: Path, arch: int, out_dir: Path, extra_flags=()) -> dict:
     return {"compile": compile_row, "kernels": kernels}
 
 
-def audit(arch: int, csrc: Path = CSRC, progress=None, dump_dir: Optional[str] = None,
+def audit(arch: int, csrc: Optional[Path] = None, progress=None, dump_dir: Optional[str] = None,
           files: Optional[List[Path]] = None, jobs: int = 1, use_cache: bool = True,
           extra_flags=()) -> dict:
     """Compile and analyse every ``.cu`` file of ``csrc`` for ``sm_<arch>`` (``jobs`` nvcc
-    processes at once; cached unless ``use_cache`` is false or ``dump_dir`` is given)."""
+    processes at once; cached unless ``use_cache`` is false or ``dump_dir`` is given). ``csrc``:
+    default :func:`source_dir`."""
+    csrc = source_dir() if csrc is None else Path(csrc)
     why = unavailable(csrc)
     if why:
         return {"skipped": why}

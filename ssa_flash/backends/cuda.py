@@ -17,7 +17,9 @@ softmax or SSA logits, fixed or adaptive temperature. The backward is one fused 
 pre-pass (FlashAttention-2's five GEMMs per tile, dQ accumulated with float32 atomics) where the
 device and head dim allow it, and the two-kernel path (dQ kernel, dK/dV kernel, no atomics) with
 ``deterministic=True`` or elsewhere; db/dn are per-block partial sums reduced in a fixed order
-either way.
+either way. A built extension runs on the GPUs its shared object holds code for (cubins of the
+GPU's major version, or PTX of an older architecture, ``_cuda_build``); elsewhere
+:func:`supports` and :func:`unavailable_reason` say so rather than a launch failing.
 
 Testing without a GPU: inside ``with emulated(ext):`` CPU tensors run through ``ext``, any object
 with the extension's ``fwd``/``stats``/``bwd`` (``csrc/emu/harness.py``'s ``Emulator``: the real
@@ -31,6 +33,7 @@ import functools
 import importlib.util
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 
 from .. import reference as spec_code
 from ..errors import BackendUnavailableError
+from . import _cuda_build
 from ._compile import constant_for_compile
 from .spec import AttentionSpec, TemperatureState
 
@@ -160,9 +164,16 @@ def _build_blocker() -> Optional[str]:
 
 
 def jit_arch_list() -> Optional[str]:
-    """TORCH_CUDA_ARCH_LIST for a JIT build when none is set: the visible GPUs' architectures, an
-    sm_90 one as ``9.0a`` (torch's default would build plain sm_90 code, without the kernels'
-    wgmma path). None without a GPU (torch then decides)."""
+    """TORCH_CUDA_ARCH_LIST for a JIT build: the user's, with a plain ``9.0`` built as ``9.0a``
+    (warned), or when none is set the visible GPUs' architectures, an sm_90 one as ``9.0a``
+    (torch's default would build plain sm_90 code, without the kernels' wgmma path). None without
+    a GPU and without a user list (torch then decides)."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if given:
+        archs, notes = _cuda_build.normalize_arch_list(given)
+        for note in notes:
+            warnings.warn(f"ssa_flash CUDA JIT build: {note}", stacklevel=2)
+        return archs
     if not torch.cuda.is_available():
         return None
     archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
@@ -174,7 +185,7 @@ def _jit_build():
 
     src = source_dir()
     sources = sorted(str(p) for p in src.glob("*.cu")) + [str(src / "api.cpp")]
-    archs = None if os.environ.get("TORCH_CUDA_ARCH_LIST") else jit_arch_list()
+    archs = jit_arch_list()
     old = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if archs:
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
@@ -245,6 +256,41 @@ def _capability(device: torch.device) -> Tuple[int, int, int]:
     return int(major), int(minor), int(optin)
 
 
+def _extension_file() -> Optional[str]:
+    """The shared object of the loaded or prebuilt extension, without importing or building it
+    (None when there is none yet)."""
+    if _ext is not None:
+        return getattr(_ext, "__file__", None)
+    if _ext_error is not None:
+        return None
+    try:
+        spec = importlib.util.find_spec("ssa_flash._C")
+    except Exception:
+        return None
+    return spec.origin if spec is not None else None
+
+
+@functools.lru_cache(maxsize=None)
+def _image_reason_for(path: str, major: int, minor: int) -> Optional[str]:
+    # (by path: the file of a loaded module does not change under it; a reinstall needs a restart)
+    return _cuda_build.image_reason((major, minor), _cuda_build.fatbin_images(path))
+
+
+@constant_for_compile
+def _image_reason(device: torch.device) -> Optional[str]:
+    """Why the built extension has no kernel image that runs on ``device`` (a CUDA device), read
+    from the fat binaries in its shared object (cubins and PTX with their architectures), or None
+    (also when nothing is built yet, or the file holds no fat binary this can read). A launch
+    without an image fails with "no kernel image is available for execution on the device"."""
+    path = _extension_file()
+    if not path:
+        return None
+    major, minor, _ = _capability(device)
+    if major == 0:
+        return None
+    return _image_reason_for(path, major, minor)
+
+
 def _device_reason(device: Optional[torch.device]) -> Optional[str]:
     if device is not None and device.type == "cpu" and active_emulator() is not None:
         return None
@@ -261,10 +307,13 @@ def _device_reason(device: Optional[torch.device]) -> Optional[str]:
 
 def _reason(device: Optional[torch.device]) -> Optional[str]:
     why = _device_reason(device)
-    if why is not None or _ext is not None:
+    if why is not None:
         return why
     if device is not None and device.type == "cpu":  # emulated
         return None
+    why = _image_reason(device if device is not None else torch.device("cuda"))
+    if why is not None or _ext is not None:
+        return why
     if _ext_error is not None:
         return _ext_error
     if _prebuilt():
@@ -387,6 +436,9 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
         return why
     if q.device.type != "cuda":  # emulated: no hardware limits
         return None
+    why = _image_reason(q.device)
+    if why is not None:
+        return why
     major, minor, optin = _capability(q.device)
     if q.dtype == torch.bfloat16 and major < 8:
         return f"bfloat16 needs sm_80 or newer, this GPU is sm_{major}{minor}"
