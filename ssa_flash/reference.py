@@ -198,7 +198,9 @@ def _with_sink(logits: Tensor, allowed: Tensor, sinks) -> tuple:
     """``(logits, allowed)`` with one more column, the sink logit ``s_h`` of each row's head:
     ``(..., Hq, Lq, Lk + 1)``. A sink of -inf is inadmissible (the same rows as without it)."""
     hq = logits.shape[-3]
-    s = torch.as_tensor(sinks, device=logits.device)
+    # a Python number is taken in the logits' dtype (as_tensor alone would round it to float32)
+    s = torch.as_tensor(sinks, dtype=None if isinstance(sinks, Tensor) else logits.dtype,
+                        device=logits.device)
     if s.numel() not in (1, hq):
         raise ValueError(f"sinks must be a number or have one entry per query head ({hq}), "
                          f"got shape {tuple(s.shape)}")
