@@ -22,7 +22,7 @@ Equations (see docs/maths.md):
                 weights ``softmax(beta * l)`` (Velickovic et al. 2025, Fig. 4); with sinks the
                 row is ``[l, s_h]``: the sink counts in ``H`` and is tempered too
 * LSE           ``logsumexp`` of the row normalised (tempered, with the sink)
-* packed batch  ``varlen_attention``: each sequence on its own, concatenated (DESIGN.md 1.5)
+* packed batch  ``varlen_attention``: each sequence on its own, concatenated
 * KV cache      ``attention_with_kvcache``: each batch element over its valid cache rows,
                 bottom-right causal alignment
 * dropout       final weights ``P * M / (1 - p)`` with the keep mask ``M`` (0 if ``p = 1``);
