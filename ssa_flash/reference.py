@@ -6,22 +6,30 @@ Everything is computed in the inputs' dtype (so this is also "the naive implemen
 precision" that FlashAttention's error rule compares against); call it on float64 copies for a
 gold standard. Memory is O(Lq * Lk): use it for testing, not for training.
 
-Equations (see DESIGN.md, section 1):
+Equations (see docs/maths.md):
 
 * logits        ``z = scale * q k^T``
+* soft-capping  ``softcap = c > 0``: ``z <- c * tanh(z / c)`` before anything else (0: off)
 * SSA           ``phi(z) = n * sgn(z) * log1p(b |z|)``, i.e. weights ``(1 + b|z|)^(sgn(z) n)``
 * logit row     ``l = phi(z) + mask``  (``phi = identity`` for softmax attention)
 * admissible    key ``j`` for query ``i``: ``j <= i`` if causal, ``i - left <= j <= i + right``
                 for ``window_size = (left, right)`` (-1: that side unbounded), the boolean mask
 * weights       ``P = softmax(l)``; a row with no admissible key gets ``P = 0``
+* sinks         ``sinks = s`` (per query head): every row of head ``h`` gets one more logit ``s_h``
+                whose value is 0: ``P = softmax([l, s_h])`` without its last column, so a row
+                sums to ``1 - P_sink`` (a row with no admissible key: all on the sink, output 0)
 * adaptive      ``H = -sum P log P``; ``beta = max(poly(H), 1) if H > threshold else 1``;
-                weights ``softmax(beta * l)`` (Velickovic et al. 2025, Fig. 4)
-* packed batch  ``varlen_attention``: each sequence on its own, concatenated (DESIGN.md 1.5)
+                weights ``softmax(beta * l)`` (Velickovic et al. 2025, Fig. 4); with sinks the
+                row is ``[l, s_h]``: the sink counts in ``H`` and is tempered too
+* LSE           ``logsumexp`` of the row normalised (tempered, with the sink)
+* packed batch  ``varlen_attention``: each sequence on its own, concatenated
 * KV cache      ``attention_with_kvcache``: each batch element over its valid cache rows,
                 bottom-right causal alignment
 * dropout       final weights ``P * M / (1 - p)`` with the keep mask ``M`` (0 if ``p = 1``);
                 the LSE is the undropped row's. ``M`` is :func:`dropout_keep_mask`, the kernels'
-                Philox mask, unless a mask is given (``dropout_mask=``)
+                Philox mask, unless a mask is given (``dropout_mask=``). The sink is not subject
+                to dropout (it has no value, so it would not change the output; the keep mask
+                has one entry per key, none for the sink)
 """
 from __future__ import annotations
 
@@ -150,14 +158,25 @@ def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
     return band
 
 
+def _check_softcap(softcap) -> float:
+    softcap = float(softcap)
+    if not softcap >= 0.0:  # also NaN
+        raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}")
+    return softcap
+
+
 def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=None,
-                window_size=(-1, -1)):
-    """The logit rows ``l = phi(z) + mask`` (B, Hq, Lq, Lk) and the admissible set as a boolean."""
+                window_size=(-1, -1), softcap=0.0):
+    """The logit rows ``l = phi(cap(z)) + mask`` (B, Hq, Lq, Lk) and the admissible set as a
+    boolean; ``cap(z) = softcap * tanh(z / softcap)``, the identity for ``softcap = 0``."""
     hq, hk = query.shape[-3], key.shape[-3]
     if enable_gqa and hq != hk:
         key = key.repeat_interleave(hq // hk, dim=-3)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     z = scale * (query @ key.transpose(-2, -1))
+    softcap = _check_softcap(softcap)
+    if softcap > 0.0:
+        z = softcap * torch.tanh(z / softcap)
     logits = z if b is None else ssa_logits(z, _per_head(b, hq, z), _per_head(n, hq, z))
     lq, lk = z.shape[-2], z.shape[-1]
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device)
@@ -173,6 +192,21 @@ def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=N
     allowed = allowed & (logits != float("-inf"))  # NaN stays admissible, so it propagates
     logits = logits.masked_fill(~allowed, float("-inf"))
     return logits, allowed.expand_as(logits)
+
+
+def _with_sink(logits: Tensor, allowed: Tensor, sinks) -> tuple:
+    """``(logits, allowed)`` with one more column, the sink logit ``s_h`` of each row's head:
+    ``(..., Hq, Lq, Lk + 1)``. A sink of -inf is inadmissible (the same rows as without it)."""
+    hq = logits.shape[-3]
+    # a Python number is taken in the logits' dtype (as_tensor alone would round it to float32)
+    s = torch.as_tensor(sinks, dtype=None if isinstance(sinks, Tensor) else logits.dtype,
+                        device=logits.device)
+    if s.numel() not in (1, hq):
+        raise ValueError(f"sinks must be a number or have one entry per query head ({hq}), "
+                         f"got shape {tuple(s.shape)}")
+    s = s.to(logits.dtype).reshape(-1).expand(hq).reshape(hq, 1, 1)
+    col = s.expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, col], dim=-1), torch.cat([allowed, col != float("-inf")], dim=-1)
 
 
 def _masked_softmax(logits: Tensor, allowed: Tensor) -> Tensor:
@@ -199,14 +233,18 @@ def _adaptive_beta(logits, allowed, poly, threshold):
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
             b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-            window_size=(-1, -1), dropout_mask=None):
+            window_size=(-1, -1), dropout_mask=None, sinks=None, softcap=0.0):
     logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
-                                  window_size)
+                                  window_size, softcap)
+    if sinks is not None:  # the sink is part of the row: of its entropy, temperature and LSE
+        logits, allowed = _with_sink(logits, allowed, sinks)
     if adaptive:
         beta = _adaptive_beta(logits, allowed, poly, threshold).unsqueeze(-1)
         # zero the inadmissible entries before scaling: d(beta * -inf)/d beta would be NaN
         logits = (beta * logits.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
     probs = _masked_softmax(logits, allowed)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's value vector is zero: drop its weight
     if dropout_p > 0.0:
         if dropout_mask is None:
             seed, offset = draw_dropout_rng(query.device).tolist()
@@ -227,67 +265,84 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
 # Every function below takes SDPA's arguments plus ``window_size=(left, right)`` (see
 # ``window_band``) and ``dropout_mask``: None (with ``dropout_p > 0``: the kernels' Philox mask for a
 # (seed, offset) drawn by ``draw_dropout_rng``, as the kernels do) or a bool tensor broadcastable to
-# ``(B, Hq, Lq, Lk)``, True = kept.
+# ``(B, Hq, Lq, Lk)``, True = kept. And two keywords (docs/maths.md, "Attention sinks and
+# soft-capping"):
+#
+# * ``softcap=c`` (float, 0 = off; negative: ValueError): the scaled score ``z`` becomes
+#   ``c * tanh(z / c)`` before the logit transform; masks are added after.
+# * ``sinks=s`` (None, a number or a ``(Hq,)`` tensor, may require grad): head ``h``'s rows get one
+#   more logit ``s_h`` with a zero value vector. The weights of a row then sum to ``1 - P_sink``;
+#   a row with no admissible key puts all its weight on the sink: output 0, LSE ``s_h`` (its
+#   one-entry row has entropy 0, so the adaptive temperature is ``beta(0)`` = 1 there for the
+#   default polynomial), finite gradients. ``s = -inf`` is the same as no sink.
 
 
 def softmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                       scale=None, enable_gqa=False, *, return_lse=False, window_size=(-1, -1),
-                      dropout_mask=None, **_ignored):
+                      dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
     """Plain softmax attention (what SDPA computes), except that empty rows give 0, not NaN."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                   window_size=window_size, dropout_mask=dropout_mask)
+                   window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
 
 
 def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, *, b: Scalar = 1.0, n: Scalar = 1.5,
                   adaptive_temperature=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                  return_lse=False, window_size=(-1, -1), dropout_mask=None, **_ignored):
+                  return_lse=False, window_size=(-1, -1), dropout_mask=None, sinks=None,
+                  softcap=0.0, **_ignored):
     """SSA attention: weights ``(1 + b|z|)^(sgn(z) n)`` normalised over keys; ``b``, ``n`` per head."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, b=b, n=n, adaptive=adaptive_temperature, poly=poly,
-                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask)
+                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
+                   sinks=sinks, softcap=softcap)
 
 
 def adaptive_temperature_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                    is_causal=False, scale=None, enable_gqa=False, *,
                                    poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
                                    return_lse=False, window_size=(-1, -1), dropout_mask=None,
-                                   **_ignored):
+                                   sinks=None, softcap=0.0, **_ignored):
     """Softmax attention with the entropy-driven temperature of "Softmax is not Enough"."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, adaptive=True, poly=poly, threshold=threshold,
-                   window_size=window_size, dropout_mask=dropout_mask)
+                   window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
 
 
 def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
                       *, b: Optional[Scalar] = None, n: Optional[Scalar] = None,
-                      window_size=(-1, -1)) -> Tensor:
-    """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given."""
+                      window_size=(-1, -1), sinks=None, softcap=0.0) -> Tensor:
+    """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given.
+    With ``sinks``, the entropy of the whole row ``softmax([l, s_h])``, sink entry included (the
+    entropy that drives the adaptive temperature)."""
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
     logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
-                                  window_size)
+                                  window_size, softcap)
+    if sinks is not None:
+        logits, allowed = _with_sink(logits, allowed, sinks)
     return _entropy(logits, allowed)
 
 
 def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, ssa, b, n, adaptive, poly, threshold,
-                  dropout_p=0.0, window_size=(-1, -1), dropout_mask=None):
-    """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys; no key: 0, -inf."""
+                  dropout_p=0.0, window_size=(-1, -1), dropout_mask=None, sinks=None, softcap=0.0):
+    """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys; no key: 0, -inf
+    (with sinks: 0 and the LSE of the sink-only row, through the ordinary path)."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 and sinks is None:
         out = q.new_zeros((*q.shape[:-1], v.shape[-1])) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
         return out, torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _attend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, True,
                    b=b if ssa else None, n=n if ssa else None, adaptive=adaptive, poly=poly,
-                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask)
+                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
+                   sinks=sinks, softcap=softcap)
 
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, ssa=True,
                      b: Scalar = 1.0, n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
                      threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                     dropout_mask=None, **_ignored):
+                     dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
     """Packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``, ``value
     (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending
     to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule (causality top-left, as in
@@ -297,7 +352,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     top-left aligned inside each sequence. Dropout: sequence ``s`` is batch element ``s`` of the
     dense rule, i.e. its keep mask is ``dropout_mask[s, :, :Lq_s, :Lk_s]`` of a ``(batch, Hq,
     max_seqlen_q, max_seqlen_k)`` bool mask (None with ``dropout_p > 0``: the kernels' Philox mask
-    for a freshly drawn ``(seed, offset)``)."""
+    for a freshly drawn ``(seed, offset)``). ``sinks``/``softcap``: per row, as in ``ssa_attention``
+    (a sequence with no key puts its rows on the sink)."""
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if dropout_p > 0.0 and dropout_mask is None:
         seed, offset = draw_dropout_rng(query.device).tolist()
@@ -317,7 +373,8 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         if dropout_p > 0.0:
             keep = dropout_mask[s:s + 1, :, :q_s.shape[2], :k_s.shape[2]]
         o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal, scale, enable_gqa, ssa, b, n,
-                               adaptive_temperature, poly, threshold, dropout_p, window_size, keep)
+                               adaptive_temperature, poly, threshold, dropout_p, window_size, keep,
+                               sinks, softcap)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -330,7 +387,7 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
                            is_causal=False, scale=None, enable_gqa=False, ssa=True, b: Scalar = 1.0,
                            n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
                            threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                           cache_leftpad=None, **_ignored):
+                           cache_leftpad=None, sinks=None, softcap=0.0, **_ignored):
     """Attention of ``query (B, Hq, Lq, D)`` over a KV cache ``(B, Hkv, Lcache, D)`` of which batch
     element ``b`` holds ``cache_seqlens[b]`` valid rows. New ``key``/``value`` ``(B, Hkv, Lnew, D)``
     are first written into the caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew``
@@ -339,7 +396,9 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
     = cache_seqlens[b] + Lnew``) and sees the rows up to it. Returns ``out (B, Hq, Lq, Dv)`` (and
     ``lse (B, Hq, Lq)``); a batch element with no row to attend gets 0 (lse -inf).
     ``window_size = (left, right)`` is bottom-right aligned like ``is_causal``: query ``i`` sees
-    rows ``j`` with ``pos_i - left <= j <= pos_i + right`` (-1: that side unbounded)."""
+    rows ``j`` with ``pos_i - left <= j <= pos_i + right`` (-1: that side unbounded).
+    ``sinks``/``softcap``: per row, as in ``ssa_attention`` (a batch element with no row to attend
+    puts its rows on the sink: output 0, lse ``s_h``)."""
     lengths = [int(x) for x in cache_seqlens.tolist()]
     starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     if key is not None:
@@ -361,7 +420,7 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
         if window_size[1] >= 0:
             mask = mask & (j <= pos + window_size[1])
         o, lse = _one_sequence(query[i:i + 1], k_s, v_s, mask, False, scale, enable_gqa, ssa, b, n,
-                               adaptive_temperature, poly, threshold)
+                               adaptive_temperature, poly, threshold, sinks=sinks, softcap=softcap)
         outs.append(o)
         lses.append(lse)
     out, lse = torch.cat(outs), torch.cat(lses)
