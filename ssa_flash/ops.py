@@ -41,6 +41,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 Scalar = Union[float, Tensor]
 
+try:  # numpy is optional (torch does not require it)
+    import numpy as _numpy
+
+    _NUMPY_BOOL: tuple = (_numpy.bool_,)
+except ImportError:  # pragma: no cover
+    _NUMPY_BOOL = ()
+
 
 # --------------------------------------------------------------------------------------------
 # Validation
@@ -65,9 +72,9 @@ def _check_tensor(name: str, x) -> None:
 
 
 def _is_numpy_bool(x) -> bool:
-    # numpy.bool_ (numpy.bool in numpy 2) without importing numpy: it is no subclass of bool
-    t = type(x)
-    return t.__module__.startswith("numpy") and t.__name__ in ("bool_", "bool")
+    # numpy.bool_ (numpy.bool in numpy 2) is no subclass of bool; an isinstance test (rather than
+    # a look at the type's module name) is what torch.compile can trace
+    return isinstance(x, _NUMPY_BOOL)
 
 
 def _check_bool(name: str, x) -> bool:
