@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import ssa_attention
+from .ops import BACKENDS, _check_bool, ssa_attention
 
 __all__ = ["SSAttention", "B_MIN"]
 
@@ -74,7 +74,9 @@ class SSAttention(nn.Module):
             trained) instead of parameters.
         adaptive_temperature: apply the entropy-driven temperature of "Softmax is not Enough" on
             top of SSA (see :func:`ssa_flash.ssa_attention`).
-        backend: passed to :func:`ssa_flash.ssa_attention` ("auto", "triton", "cuda", "reference").
+        backend: passed to :func:`ssa_flash.ssa_attention`: "auto", "triton", "cuda" or
+            "reference" (another name raises ``ValueError`` here; whether the backend can run the
+            inputs is decided at each call).
         device, dtype: of the raw tensors (default float32: ``b`` and ``n`` are cast to the
             kernels' accumulation dtype anyway).
 
@@ -89,12 +91,13 @@ class SSAttention(nn.Module):
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-        if not isinstance(learnable, bool):
-            raise TypeError(f"learnable must be a bool, got {type(learnable).__name__}")
-        if not isinstance(adaptive_temperature, bool):
-            raise TypeError(f"adaptive_temperature must be a bool, got {type(adaptive_temperature).__name__}")
+        learnable = _check_bool("learnable", learnable)
+        adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        # checked here, not at the first forward: a typo must not survive model construction
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         dtype = torch.float32 if dtype is None else dtype
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")

@@ -1,8 +1,10 @@
 """Public functions: argument validation, the choice of backend, then the custom ops.
 
 Positional arguments are those of ``torch.nn.functional.scaled_dot_product_attention``, so each
-function is a drop-in at an SDPA call site. Validation looks only at shapes, dtypes, devices and
-Python values: it never reads tensor data from the GPU (no device synchronisation).
+function is a drop-in at an SDPA call site. Validation looks at shapes, dtypes, devices and
+Python values, and at the values of CPU tensors (``b``, ``n``, ``cu_seqlens_*``,
+``cache_seqlens``); it never reads tensor data from a GPU (no device synchronisation), so
+there values outside the documented ranges are not caught.
 
 The top layer (see ``ssa_flash.backends``): the kernels run through ``ssa_flash.autograd``'s
 custom ops, whichever the backend; ``backend="reference"`` (and inputs with no rows, keys or head
@@ -39,47 +41,83 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 Scalar = Union[float, Tensor]
 
+try:  # numpy is optional (torch does not require it)
+    import numpy as _numpy
+
+    _NUMPY_BOOL: tuple = (_numpy.bool_,)
+except ImportError:  # pragma: no cover
+    _NUMPY_BOOL = ()
+
 
 # --------------------------------------------------------------------------------------------
 # Validation
 
 
+def _type_name(x) -> str:
+    """``x``'s type as a user would write it: ``int``, ``numpy.bool``, ``torch.Tensor``."""
+    t = type(x)
+    module = t.__module__
+    if module == "builtins":
+        return t.__qualname__
+    if module.startswith("numpy"):
+        module = "numpy"  # numpy.bool_, not numpy._core.multiarray... (numpy's own spelling)
+    elif module.startswith("torch"):
+        module = "torch"
+    return f"{module}.{t.__qualname__}"
+
+
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(x)}")
 
 
-def _check_bool(name: str, x) -> None:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+def _is_numpy_bool(x) -> bool:
+    # numpy.bool_ (numpy.bool in numpy 2) is no subclass of bool; an isinstance test (rather than
+    # a look at the type's module name) is what torch.compile can trace
+    return isinstance(x, _NUMPY_BOOL)
 
 
-def _check_qkv(query, key, value, enable_gqa: bool) -> int:
-    """Validates the three inputs (4-D each); returns the GQA group size ``Hq // Hkv``."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
+def _check_bool(name: str, x) -> bool:
+    """``x`` as a Python bool: a bool or a numpy bool (what ``np.any``, comparisons of numpy scalars
+    and config files parsed into numpy give). Ints (``1``, ``0``) are refused: a flag given an int
+    is more often a misplaced positional argument than a truth value."""
+    if isinstance(x, bool):
+        return x
+    if _is_numpy_bool(x):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {_type_name(x)}")
+
+
+def _check_qkv(query, key, value, enable_gqa: bool, *, names=("query", "key", "value"),
+               dims: str = "4 dims (B, H, L, D) or 3 (H, L, D)") -> int:
+    """Validates the three inputs (4-D each); returns the GQA group size ``Hq // Hkv``. ``names``:
+    the arguments as the caller calls them (``k_cache``, ``v_cache`` for a KV cache), ``dims``
+    the layouts the caller accepts, for the messages."""
+    qn, kn, vn = names
+    for name, x in zip(names, (query, key, value)):
         _check_tensor(name, x)
         if x.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (B, H, L, D) or 3 (H, L, D), got shape {tuple(x.shape)}")
+            raise ValueError(f"{name} must have {dims}, got shape {tuple(x.shape)}")
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise TypeError(f"{qn}, {kn} and {vn} must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     if key.device != query.device or value.device != query.device:
-        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+        raise ValueError(f"{qn}, {kn} and {vn} must be on one device, got {query.device}, {key.device}, {value.device}")
     B, Hq, Lq, D = query.shape
     if key.shape[0] != B or value.shape[0] != B:
-        raise ValueError(f"batch sizes differ: query {B}, key {key.shape[0]}, value {value.shape[0]}")
+        raise ValueError(f"batch sizes differ: {qn} {B}, {kn} {key.shape[0]}, {vn} {value.shape[0]}")
     if key.shape[-1] != D:
-        raise ValueError(f"key's head dim {key.shape[-1]} must equal query's {D}")
+        raise ValueError(f"{kn}'s head dim {key.shape[-1]} must equal {qn}'s {D}")
     if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must agree in heads and length")
+        raise ValueError(f"{kn} {tuple(key.shape)} and {vn} {tuple(value.shape)} must agree in heads and length")
     Hkv = key.shape[1]
     if Hq == Hkv:
         return 1
     if not enable_gqa:
-        raise ValueError(f"query has {Hq} heads but key/value have {Hkv}: pass enable_gqa=True for grouped-query attention")
+        raise ValueError(f"{qn} has {Hq} heads but {kn}/{vn} have {Hkv}: pass enable_gqa=True for grouped-query attention")
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"enable_gqa needs query heads ({Hq}) to be a multiple of key/value heads ({Hkv})")
+        raise ValueError(f"enable_gqa needs {qn} heads ({Hq}) to be a multiple of {kn}/{vn} heads ({Hkv})")
     return Hq // Hkv
 
 
@@ -106,8 +144,8 @@ def _check_mask(attn_mask, query: Tensor, key: Tensor) -> Optional[Tensor]:
 
 
 def _check_number(name: str, x, *, positive: bool = False) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    if isinstance(x, bool) or _is_numpy_bool(x) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_type_name(x)}")
     x = float(x)
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
@@ -117,6 +155,8 @@ def _check_number(name: str, x, *, positive: bool = False) -> float:
 
 
 def _check_common(dropout_p, is_causal, scale, head_dim: int, return_lse) -> float:
+    """Checks ``dropout_p``, the two flags and ``scale``; returns the scale (callers that keep the
+    flags convert them with :func:`_check_bool` first, so that numpy bools become bools)."""
     dropout_p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
@@ -156,8 +196,21 @@ def _effective_window(window: Tuple[int, int], lq: int, lk: int, is_causal: bool
 
 
 def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
-    """``b`` or ``n``: a positive number or a tensor of shape () or (Hq,). Returns (Hq,) in the
-    accumulation dtype, differentiable with respect to the caller's tensor."""
+    """``b`` or ``n``: a finite number or a tensor of shape () or (Hq,) of finite values, ``b > 0``
+    and ``n >= 0``, one rule for numbers and tensors. (``b <= 0`` leaves the maths' domain:
+    ``log1p(b |z|)`` is NaN for ``b |z| <= -1``. ``n = 0`` is the degenerate end of SSA, uniform
+    weights over the admissible keys, which the kernels compute with finite gradients ``dn``, so
+    a learnable ``n`` may pass through it; ``n < 0`` would rank keys backwards and is refused.
+    The paper's ``n >= 1`` is a modelling choice that :class:`ssa_flash.nn.SSAttention`
+    enforces.) Returns (Hq,) in the accumulation dtype, differentiable with respect to the
+    caller's tensor.
+
+    A tensor's values are checked wherever reading them is free: CPU tensors, whether they
+    require grad or not. CUDA tensors are not read (that would synchronise the device on every
+    call), nor is anything while torch.compile traces (a data-dependent branch would break the
+    graph): there, values outside the domain give NaN or meaningless weights, not an error."""
+    positive = name == "b"  # b > 0; n >= 0
+    rule = "> 0" if positive else ">= 0"
     acc = torch.float64 if like.dtype == torch.float64 else torch.float32
     if isinstance(x, Tensor):
         if not x.is_floating_point():
@@ -167,12 +220,17 @@ def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
         if x.device != like.device:
             raise ValueError(f"{name} is on {x.device} but query is on {like.device}")
         # Reads the values, so only where that costs no device sync (CPU) and not while
-        # torch.compile traces (a data-dependent branch would break the graph).
-        if (x.device.type == "cpu" and not x.requires_grad and not torch.compiler.is_compiling()
-                and bool((x <= 0).any() | ~torch.isfinite(x).all())):
-            raise ValueError(f"{name} must be finite and > 0 for every head")
+        # torch.compile traces (a data-dependent branch would break the graph). A tensor that
+        # requires grad is checked too (detached: the check is no part of the graph).
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            values = x.detach()
+            outside = values <= 0 if positive else values < 0
+            if bool(outside.any() | ~torch.isfinite(values).all()):
+                raise ValueError(f"{name} must be finite and {rule} for every head, got {values.tolist()}")
         return x.to(acc).expand(heads).contiguous()
-    value = _check_number(name, x, positive=True)
+    value = _check_number(name, x)
+    if (value <= 0) if positive else (value < 0):
+        raise ValueError(f"{name} must be {rule}, got {value}")
     return torch.full((heads,), value, dtype=acc, device=like.device)
 
 
@@ -232,8 +290,9 @@ def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, b, n,
                adaptive, poly, threshold, backend, return_lse, deterministic, window_size):
-    _check_bool("enable_gqa", enable_gqa)
-    _check_bool("deterministic", deterministic)
+    enable_gqa = _check_bool("enable_gqa", enable_gqa)
+    deterministic = _check_bool("deterministic", deterministic)
+    adaptive = _check_bool("adaptive_temperature", adaptive)
     _check_tensor("query", query)
     unbatched = query.dim() == 3
     if unbatched:
@@ -245,6 +304,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if isinstance(attn_mask, Tensor) and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(0)
     group = _check_qkv(query, key, value, enable_gqa)
+    is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(dropout_p, is_causal, scale, query.shape[-1], return_lse)
     dropout_p = float(dropout_p)
     left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
@@ -298,13 +358,15 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
             is the undropped row's; 1 gives zeros. Applied whenever > 0 (pass 0 in eval mode, as
             with SDPA). The bits come from a Philox generator in the kernels keyed by a (seed,
             offset) drawn from torch's default generator for the device, so ``torch.manual_seed``
-            reproduces a call; :func:`dropout_mask` materialises the mask. Triton and reference
-            backends (the reference uses the same bits); not the CUDA C++ backend.
+            reproduces a call; :func:`dropout_mask` materialises the mask. Every backend draws the
+            same bits for the same (seed, offset): Triton, CUDA C++ and the reference.
         is_causal: key j is visible to query i iff j <= i (SDPA's top-left alignment); combines
             with ``attn_mask`` when both are given.
         scale: defaults to ``1 / sqrt(D)``.
         enable_gqa: query head h uses key/value head ``h // (Hq // Hkv)``.
-        b, n: positive numbers or tensors of shape () or (Hq,); gradients flow to tensors.
+        b, n: numbers or tensors of shape () or (Hq,), ``b > 0`` and ``n >= 0`` (``n = 0``:
+            uniform weights); gradients flow to tensors. A tensor's values are checked when it is
+            on the CPU, never on a GPU (no device synchronisation; see ``_check_head_param``).
         adaptive_temperature: apply the entropy-driven temperature of "Softmax is not Enough" to
             the SSA log-weights, with polynomial ``poly`` (highest degree first) and ``threshold``.
         backend: "auto", "triton", "cuda" or "reference".
@@ -318,7 +380,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
             ``i - left <= j <= i + right`` (top-left aligned like ``is_causal``; -1: that side
             unbounded; ``(-1, -1)``, the default: no window). Intersects with ``is_causal`` and
             ``attn_mask`` (Mistral's sliding window W: ``is_causal=True, window_size=(W - 1, -1)``).
-            Key blocks outside the window are skipped. Triton and reference backends.
+            Key blocks outside the window are skipped (Triton and CUDA C++ backends; the
+            reference masks them).
 
     Returns:
         ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)``. Rows with no admissible key
@@ -370,7 +433,7 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
     over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
     admit. Rows with no admissible key have entropy 0. Not differentiable (a diagnostic)."""
-    _check_bool("enable_gqa", enable_gqa)
+    enable_gqa = _check_bool("enable_gqa", enable_gqa)
     _check_tensor("query", query)
     _check_tensor("key", key)
     unbatched = query.dim() == 3
@@ -381,6 +444,7 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
         if isinstance(attn_mask, Tensor) and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(0)
     group = _check_qkv(query, key, key, enable_gqa)
+    is_causal = _check_bool("is_causal", is_causal)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], False)
     left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
@@ -481,9 +545,10 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` contiguous cumulative offsets, on the
             tensors' device, starting at 0 and ending at ``total_q`` / ``total_k``.
         max_seqlen_q, max_seqlen_k: ints > 0, at least the longest sequence (they size the kernel
-            grid). Values of ``cu_seqlens_*`` are checked on the CPU only (reading them on a GPU
-            would synchronise): on a GPU, inconsistent offsets or a too small ``max_seqlen`` leave
-            rows uncomputed.
+            grid); a value above ``total_q`` / ``total_k`` is lowered to it (no sequence is
+            longer), which changes no result. Values of ``cu_seqlens_*`` are checked on the CPU
+            only (reading them on a GPU would synchronise): on a GPU, inconsistent offsets or a
+            too small ``max_seqlen`` leave rows uncomputed.
         dropout_p: as in :func:`ssa_attention`; sequence ``s`` draws the bits of batch element
             ``s``: ``ssa_flash.dropout_mask((batch, Hq, max_seqlen_q, max_seqlen_k), p)`` (same
             seed) sliced to ``[s, :, :Lq_s, :Lk_s]`` is its keep mask.
@@ -500,10 +565,10 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         (float32, float64 for float64 inputs; ``-inf`` on rows with no key). Differentiable in
         query, key, value, b and n (and through ``lse``).
     """
-    for name, x in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("ssa", ssa),
-                    ("adaptive_temperature", adaptive_temperature), ("return_lse", return_lse),
-                    ("deterministic", deterministic)):
-        _check_bool(name, x)
+    enable_gqa = _check_bool("enable_gqa", enable_gqa)
+    ssa = _check_bool("ssa", ssa)
+    adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
+    deterministic = _check_bool("deterministic", deterministic)
     group = _check_packed_qkv(query, key, value, enable_gqa)
     cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, query.device)
     cu_k = _check_index_tensor("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], query.device)
@@ -511,6 +576,13 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k, minimum=1)
     _check_cu_seqlens("cu_seqlens_q", cu_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
     _check_cu_seqlens("cu_seqlens_k", cu_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
+    # No sequence is longer than all the rows: a larger bound only sizes the grid, the window
+    # bounds and the dropout mask of the reference path (and past 2^31 overflows the kernels'
+    # int32 arguments), so it is lowered to the rows. Results are unchanged: the dropout bits are
+    # functions of the indices, not of these bounds.
+    max_seqlen_q = min(max_seqlen_q, max(query.shape[0], 1))
+    max_seqlen_k = min(max_seqlen_k, max(key.shape[0], 1))
+    is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(dropout_p, is_causal, scale, query.shape[-1], return_lse)
     dropout_p = float(dropout_p)
     # a side that excludes nothing in the longest sequences excludes nothing in any
@@ -545,8 +617,14 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     return (out, lse) if return_lse else out
 
 
+# The narrowest key tile of any Triton kernel configuration (ssa_flash.triton.launch's block
+# tables): the most splits a KV cache's keys can be shared among usefully is ceil(Lcache / 16).
+_MIN_KEY_TILE = 16
+
+
 def _check_cache(query, k_cache, v_cache, key, value, enable_gqa: bool) -> int:
-    group = _check_qkv(query, k_cache, v_cache, enable_gqa)
+    group = _check_qkv(query, k_cache, v_cache, enable_gqa, names=("query", "k_cache", "v_cache"),
+                       dims="4 dims (B, H, L, D)")
     if (key is None) != (value is None):
         raise ValueError("give both key and value (new rows for the cache) or neither")
     if key is not None:
@@ -598,7 +676,9 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     batch), each row's keys are shared among several programs whose partial results are merged by
     their log-sum-exps (also the adaptive temperature's entropy statistics); the heuristic fills one
     wave of the GPU's SMs with splits of at least 4 key tiles each (``ssa_flash.triton.launch.
-    num_splits_heuristic``). ``num_splits`` forces a split count (1: no split; 0: the heuristic).
+    num_splits_heuristic``). ``num_splits`` forces a split count (1: no split; 0: the heuristic);
+    it is lowered to ``ceil(Lcache / 16)``, the most key tiles a cache has (16 rows: the narrowest
+    tile), since a split beyond that would have no key to read.
 
     Args:
         query: ``(B, Hq, Lq, D)``; k_cache: ``(B, Hkv, Lcache, D)``; v_cache: ``(B, Hkv, Lcache, Dv)``.
@@ -620,15 +700,19 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (B, Hq, Lq)``. A batch
         element with no row to attend (or a query row seeing none) gets 0 and ``lse = -inf``.
     """
-    for name, x in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("ssa", ssa),
-                    ("adaptive_temperature", adaptive_temperature), ("return_lse", return_lse)):
-        _check_bool(name, x)
+    enable_gqa = _check_bool("enable_gqa", enable_gqa)
+    ssa = _check_bool("ssa", ssa)
+    adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
     group = _check_cache(query, k_cache, v_cache, key, value, enable_gqa)
     B, Lcache = query.shape[0], k_cache.shape[2]
     seqlens = _check_index_tensor("cache_seqlens", cache_seqlens, B, query.device)
     if cache_leftpad is not None:
         _check_index_tensor("cache_leftpad", cache_leftpad, B, query.device)
     num_splits = _check_int("num_splits", num_splits, minimum=0)
+    # More splits than key tiles leave programs with no key: each still launches and writes a
+    # partial result to merge (1000 splits of a 16-row cache ran minutes where 1 takes 0.2 s).
+    # The kernels' key tiles are never narrower than _MIN_KEY_TILE rows.
+    num_splits = min(num_splits, max(1, -(-Lcache // _MIN_KEY_TILE)))
     lnew = 0 if key is None else key.shape[2]
     if _host_checkable(seqlens):
         lengths = seqlens.tolist()
@@ -637,6 +721,7 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         if cache_leftpad is not None and any(p < 0 or p > x + lnew for p, x in zip(cache_leftpad.tolist(), lengths)):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + Lnew] for every batch element")
     left, right = _check_window(window_size)
+    is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
     heads = query.shape[1]
     if ssa:
@@ -688,6 +773,10 @@ def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, t
     ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 (key: the seed; counter: ``(j // 2,
     (i // 16) 8 + i % 8, h, (b + offset) mod 2^32)``) is below ``2 round((1 - p) 2^31)``: a
     function of the indices alone, never of the kernels' tiles.
+
+    On the ``meta`` device (shape inference, models built without memory) the result is an
+    uninitialised meta tensor of the right shape and dtype, like any torch function's there; the
+    default generator is not drawn from.
     """
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 4:
         raise ValueError(f"shape must be (B, Hq, Lq, Lk), got {shape!r}")
@@ -699,19 +788,29 @@ def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, t
         raise ValueError(f"dropout_p must be in [0, 1], got {p}")
     if not isinstance(backend, str) or backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    device = torch.device(device) if rng is None else rng.device
     if rng is None:
-        rng = reference.draw_dropout_rng(device)
+        if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+            raise TypeError(f"device must be a str, torch.device or CUDA index, got {_type_name(device)}")
+        try:
+            device = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device: {err}") from None
     else:
         _check_tensor("rng", rng)
         if rng.dtype != torch.int64 or tuple(rng.shape) != (2,):
             raise ValueError(f"rng must be an int64 tensor of shape (2,) (seed, offset), got "
                              f"{rng.dtype} of shape {tuple(rng.shape)}")
+        device = rng.device
+    shape = tuple(int(x) for x in shape)
+    if device.type == "meta":  # no data to draw or compute: the shape only
+        return torch.empty(shape, dtype=torch.bool, device=device)
+    if rng is None:
+        rng = reference.draw_dropout_rng(device)
     if backend == "auto":
         backend = "triton" if backends.get("triton").unavailable_reason(device) is None else "reference"
     if backend == "reference":
-        return _dropout_keep(rng, tuple(int(x) for x in shape), p)
+        return _dropout_keep(rng, shape, p)
     why = backends.get("triton").unavailable_reason(device)
     if why:
         raise BackendUnavailableError(f"backend='triton' is unavailable: {why}")
-    return backends.get("triton").dropout_mask(rng, tuple(int(x) for x in shape), p)
+    return backends.get("triton").dropout_mask(rng, shape, p)

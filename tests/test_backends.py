@@ -238,6 +238,7 @@ def fake_gpu(monkeypatch):
 
 def test_auto_picks_cuda_only_where_verified(fake_gpu, monkeypatch):
     gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # Triton's probe asks it too
     if backends.get("triton").unavailable_reason(gpu) is not None:
         pytest.skip("Triton is not importable")
     assert backends.resolve("cuda", gpu, torch.float16) == ("cuda", "")

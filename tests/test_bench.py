@@ -49,7 +49,7 @@ def test_smoke_runs_and_writes_results(smoke):
     proc, out = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.glob("*.json") if p.name != "gpu_tests.json")
-    assert len(files) == 1 and re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu\.json", files[0]), files
+    assert len(files) == 1 and re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu-smoke\.json", files[0]), files
     results = json.loads((out / files[0]).read_text())
     assert TOP_FIELDS <= set(results)
     assert results["gpu_tests"] == {"passed": 3, "failed": 0, "skipped": 1}
@@ -61,7 +61,7 @@ def test_smoke_runs_and_writes_results(smoke):
 @cpu_only
 def test_smoke_rows_schema_and_values(smoke):
     proc, out = smoke
-    path = next(p for p in out.glob("*-cpu.json"))
+    path = next(p for p in out.glob("*-cpu-smoke.json"))
     rows = json.loads(path.read_text())["rows"]
     assert rows
     for r in rows:
@@ -104,7 +104,7 @@ def test_smoke_plots(smoke):
 @cpu_only
 def test_from_json_rerenders(smoke, tmp_path):
     _, out = smoke
-    path = next(p for p in out.glob("*-cpu.json"))
+    path = next(p for p in out.glob("*-cpu-smoke.json"))
     proc = subprocess.run([sys.executable, "-m", "ssa_flash.bench", "--from-json", str(path), "--markdown",
                            "--no-plots"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -202,3 +202,67 @@ def test_gpu_bench_tiny(tmp_path):
     assert [r["seqlen"] for r in mem] == [1024, 2048]
     for r in mem:  # inputs, output and gradients are all alive at the peak of forward+backward
         assert r["ms"] and r["peak_mem_bytes"] >= 0.9 * r["io_bytes"], r
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 24: what a first smoke run shows a user
+
+
+def _mem_row(impl, L, ms, peak):
+    return {"op": "ssa", "impl": impl, "pass": "fwd_bwd", "dtype": "float32", "batch": 1, "heads": 1,
+            "seqlen": L, "headdim": 16, "causal": True, "ms": ms, "tflops": None,
+            "peak_mem_bytes": peak, "io_bytes": 1000, "sweep": "memory"}
+
+
+def test_memory_table_never_shows_times():
+    """A CPU run measures no peak memory: its memory rows printed milliseconds under the
+    "peak allocated memory (GiB)" caption."""
+    rows = [_mem_row("reference", 16, 12.5, None), _mem_row("reference", 32, None, None),
+            _mem_row("ssa_flash.triton", 16, 3.0, 2**30)]
+    title, headers, body, notes = report.ratio_tables({"rows": rows, "device": "cpu x86_64"})[-1]
+    assert title.startswith("Peak memory")
+    cells = [c for line in body for c in line[1:]]
+    assert not any("ms" in c for c in cells), body
+    by = dict(zip(headers, body[0]))
+    assert by["ssa reference"] == "n/a" and by["ssa ssa_flash.triton"].startswith("1.00G")
+    assert dict(zip(headers, body[1]))["ssa reference"] == "-"
+    assert any(n.startswith("n/a:") for n in notes)
+
+
+def test_cpu_timings_are_not_judged_against_gpu_targets():
+    """Interpreter timings were marked '!' against the GPU targets."""
+    rows = [_row("ssa", "ssa_flash.triton", "fwd", 2.0), _row("softmax", "sdpa.flash", "fwd", 1.0)]
+    for results in ({"rows": rows, "device": "cpu (Triton interpreter) x86_64", "smoke": True},
+                    {"rows": rows, "device": "cpu x86_64"},  # an old file without the smoke key
+                    {"rows": rows, "device": "NVIDIA H100", "smoke": True}):
+        assert not report.comparable_with_targets(results)
+        (title, headers, body, notes), = report.ratio_tables(results)
+        assert "SSA fwd vs sdpa.flash" in headers and not any("(>=" in h or "(<=" in h for h in headers)
+        assert body[0][headers.index("SSA fwd vs sdpa.flash")] == "0.50"
+        assert "not comparable" in notes[0]
+        assert "!" not in report.render_text([(title, headers, body, notes)]).replace("'!'", "")
+    gpu = {"rows": rows, "device": "NVIDIA H100 80GB HBM3", "smoke": False}
+    assert report.comparable_with_targets(gpu)
+    (_, headers, body, _), = report.ratio_tables(gpu)
+    assert body[0][headers.index("SSA fwd vs sdpa.flash (>=1)")] == "0.50!"
+
+
+def test_smoke_result_name():
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu-smoke", runner.result_basename(torch.device("cpu"), smoke=True))
+    assert runner.result_basename("cpu", date="2024-01-02", smoke=True) == "2024-01-02-cpu-smoke"
+
+
+@cpu_only
+def test_smoke_default_output_is_found_and_named_smoke(tmp_path):
+    """Without --out the smoke run left its JSON in a fresh temp directory; it now writes
+    bench/results/<date>-cpu-smoke.json (under the current directory) and prints that path."""
+    proc = subprocess.run([sys.executable, "-m", "ssa_flash.bench", "--smoke", "--seqlens", "16",
+                           "--impls", "reference", "--ops", "ssa", "--passes", "fwd", "--causal", "true",
+                           "--memory-max-seqlen", "0", "--matmul-size", "16", "--no-plots", "--quiet"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = list((tmp_path / "bench" / "results").glob("*.json"))
+    assert len(files) == 1 and re.fullmatch(r"\d{4}-\d{2}-\d{2}-cpu-smoke\.json", files[0].name), files
+    assert f"results: {files[0]}" in proc.stdout
+    assert "not comparable" in proc.stdout
+    assert json.loads(files[0].read_text())["smoke"] is True

@@ -247,7 +247,7 @@ def _args():
     (lambda a: {3: a[3][:2]}, ValueError, r"cache_seqlens must have shape \(3,\)"),
     (lambda a: {3: seqlens(5, 42, 1)}, ValueError, "cache_seqlens must be in"),
     (lambda a: {3: seqlens(5, -1, 1)}, ValueError, "cache_seqlens must be in"),
-    (lambda a: {2: a[2][:, :, :7]}, ValueError, "key .* and value .* must agree"),
+    (lambda a: {2: a[2][:, :, :7]}, ValueError, "k_cache .* and v_cache .* must agree"),
     (lambda a: {0: a[0].float()}, TypeError, "share a dtype"),
 ])
 def test_invalid_arguments(change, error, match):
@@ -303,3 +303,53 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(step, fullgraph=True)(q, k2, v2, k_new, v_new)
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
     assert torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, k_cache)
+
+
+def test_num_splits_is_clamped_to_the_key_tiles(monkeypatch):
+    """num_splits=1000 on a small cache launched 1000 programs per row (minutes under the
+    interpreter where 1 split takes 0.2 s): it is lowered to ceil(Lcache / 16), the most key tiles
+    any kernel configuration cuts the cache into, and the result is the unsplit one."""
+    from ssa_flash import autograd
+
+    class Launched(Exception):
+        pass
+
+    seen = []
+
+    def spy(*args):  # records the split count the kernels would get, and launches nothing
+        seen.append(args[-1].num_splits)
+        raise Launched
+
+    q, k_cache, v_cache, _ = cache_inputs(1, seed=2)
+    lengths = seqlens(41, 17, 33)
+    b, n = head_params(HQ, dtype=torch.float64)
+    kw = dict(is_causal=True, enable_gqa=True, return_lse=True, backend="triton", b=b, n=n)
+    small = lambda t: t[:, :, :16].contiguous()  # noqa: E731  a 16-row cache: one key tile
+    with monkeypatch.context() as m:
+        m.setattr(autograd, "attention", spy)
+        with pytest.raises(Launched):
+            ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, num_splits=1000, **kw)
+        with pytest.raises(Launched):
+            ssa_flash.attention_with_kvcache(q, small(k_cache), small(v_cache), seqlens(16, 3, 9),
+                                             num_splits=1000, **kw)
+        with pytest.raises(Launched):
+            ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, num_splits=2, **kw)
+    assert seen == [-(-LCACHE // 16), 1, 2]
+    many = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, num_splits=1000, **kw)
+    one = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, num_splits=1, **kw)
+    torch.testing.assert_close(many, one, atol=1e-12, rtol=1e-12)
+
+
+def test_cache_rank_errors_name_the_cache():
+    """A 3-D k_cache was reported as "key must have 4 dims (B, H, L, D) or 3 (H, L, D)": the wrong
+    argument, and a layout the cache does not accept."""
+    q, k_cache, v_cache, lengths = _args()
+    with pytest.raises(ValueError, match=r"^k_cache must have 4 dims \(B, H, L, D\), got shape") as err:
+        ssa_flash.attention_with_kvcache(q, k_cache[0], v_cache, lengths, enable_gqa=True)
+    assert "or 3" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^v_cache must have 4 dims"):
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache[0], lengths, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"k_cache's head dim"):
+        ssa_flash.attention_with_kvcache(q, k_cache[..., :8], v_cache, lengths, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"k_cache/v_cache"):
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths)  # 4 query heads, 2 cache heads

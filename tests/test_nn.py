@@ -137,3 +137,32 @@ def test_wrong_head_count_is_rejected():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="3 query heads"):
         attn(q, q, q)
+
+
+def test_unknown_backend_is_refused_at_construction():
+    """backend="trition" used to be accepted at construction and to fail only at the first
+    forward, possibly hours into building a model; RingSSAttention inherits the check."""
+    from ssa_flash.distributed import RingSSAttention
+
+    for cls in (SSAttention, RingSSAttention):
+        with pytest.raises(ValueError, match=r"unknown backend 'trition'.*'auto', 'triton', 'cuda', 'reference'"):
+            cls(2, backend="trition")
+        with pytest.raises(TypeError, match="backend must be a str"):
+            cls(2, backend=None)
+        for name in ("auto", "triton", "cuda", "reference"):  # availability is decided per call
+            assert cls(2, backend=name).backend == name
+
+
+def test_flags_accept_numpy_bool_and_refuse_ints():
+    np = pytest.importorskip("numpy")
+    from ssa_flash.distributed import RingSSAttention
+
+    attn = SSAttention(2, learnable=np.bool_(False), adaptive_temperature=np.bool_(True))
+    assert attn.learnable is False and attn.adaptive_temperature is True
+    assert "b_raw" in dict(attn.named_buffers())
+    ring = RingSSAttention(2, is_causal=np.bool_(True), reduce_param_grads=np.bool_(False))
+    assert ring.is_causal is True and ring.reduce_param_grads is False
+    with pytest.raises(TypeError, match="adaptive_temperature must be a bool, got int"):
+        SSAttention(2, adaptive_temperature=1)
+    with pytest.raises(TypeError, match="is_causal must be a bool, got int"):
+        RingSSAttention(2, is_causal=1)

@@ -1,5 +1,10 @@
 """Bad input gets a clear ValueError / TypeError naming the argument (DESIGN.md 2), before any
 kernel runs; backends that cannot run say why."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -77,8 +82,9 @@ def test_b_n_errors():
     for name in ("b", "n"):
         with pytest.raises(ValueError, match=f"{name} must be"):
             f(q, k, v, **{name: -1.0})
-        with pytest.raises(ValueError, match=f"{name} must be"):
-            f(q, k, v, **{name: 0.0})
+        if name == "b":  # n = 0 is in n's domain (uniform weights): test_n_zero_one_rule
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                f(q, k, v, **{name: 0.0})
         with pytest.raises(ValueError, match=f"{name} must be"):
             f(q, k, v, **{name: float("inf")})
         with pytest.raises(ValueError, match=name):
@@ -159,3 +165,155 @@ def test_validation_does_not_synchronise():
         ssa_flash.ssa_attention(q, k, v, b=b, n=b * 1.5, backend="triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 24: one rule for numbers and tensors, checked on CPU tensors that require grad too
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_b_tensor_nonpositive_is_refused_on_cpu(requires_grad):
+    """b = -1 as a CPU tensor that requires grad (a learnable parameter) used to skip the check
+    and give NaN outputs silently."""
+    q, k, v = (t.cpu() for t in qkv(H=2))
+    for bad in (torch.tensor(-1.0), torch.tensor([1.0, 0.0]), torch.tensor([1.0, float("nan")])):
+        b = bad.clone().requires_grad_(requires_grad)
+        with pytest.raises(ValueError, match="b must be finite and > 0"):
+            ssa_flash.ssa_attention(q, k, v, b=b)
+    n = torch.tensor([1.5, -0.5], requires_grad=requires_grad)
+    with pytest.raises(ValueError, match="n must be finite and >= 0"):
+        ssa_flash.ssa_attention(q, k, v, n=n)
+
+
+def test_n_zero_one_rule():
+    """n = 0 (uniform weights over the admissible keys) is accepted as a number and as a tensor
+    alike, with or without grad; n < 0 is refused as both."""
+    q, k, v = (t.cpu() for t in qkv(H=2))
+    uniform = v.mean(dim=2, keepdim=True).expand_as(v)
+    for n in (0.0, torch.tensor(0.0), torch.zeros(2), torch.zeros(2, requires_grad=True)):
+        out = ssa_flash.ssa_attention(q, k, v, n=n, backend="reference")
+        torch.testing.assert_close(out, uniform)
+    for n in (-0.5, torch.tensor(-0.5), torch.full((2,), -0.5, requires_grad=True)):
+        with pytest.raises(ValueError, match="n must be"):
+            ssa_flash.ssa_attention(q, k, v, n=n, backend="reference")
+
+
+def test_b_n_checks_do_not_break_gradients():
+    """The value check reads a detached copy: a valid learnable b, n still get gradients."""
+    q, k, v = (t.cpu() for t in qkv(H=2))
+    b = torch.tensor([0.5, 1.0], requires_grad=True)
+    n = torch.tensor([1.5, 2.0], requires_grad=True)
+    ssa_flash.ssa_attention(q, k, v, b=b, n=n, backend="reference").sum().backward()
+    assert b.grad is not None and n.grad is not None and torch.isfinite(b.grad).all()
+
+
+FLAGS = ["is_causal", "enable_gqa", "adaptive_temperature", "return_lse", "deterministic"]
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_flags_refuse_ints(flag):
+    """adaptive_temperature=1 was accepted silently while the other flags demanded a bool."""
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got int"):
+        ssa_flash.ssa_attention(q, k, v, **{flag: 1})
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_flags_accept_numpy_bool(flag):
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv()
+    want = ssa_flash.ssa_attention(q, k, v, backend="reference", **{flag: True})
+    got = ssa_flash.ssa_attention(q, k, v, backend="reference", **{flag: np.bool_(True)})
+    if flag == "return_lse":  # a numpy True must act as True, i.e. return the pair
+        assert isinstance(got, tuple) and len(got) == 2
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_flag_messages_name_the_real_type():
+    """is_causal=np.int64(1) used to say "must be a bool, got int64"; np.bool_ was reported as
+    "bool", contradicting the message."""
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got numpy\.int64"):
+        ssa_flash.ssa_attention(q, k, v, is_causal=np.int64(1))
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got str"):
+        ssa_flash.ssa_attention(q, k, v, is_causal="yes")
+    with pytest.raises(TypeError, match=r"scale must be a real number, got numpy\.bool"):
+        ssa_flash.ssa_attention(q, k, v, scale=np.bool_(True))
+
+
+def test_numpy_bool_flags_of_the_other_functions():
+    np = pytest.importorskip("numpy")
+    q, k, v = (t.cpu() for t in qkv())
+    ent = ssa_flash.attention_entropy(q, k, is_causal=np.bool_(True), backend="reference")
+    torch.testing.assert_close(ent, ssa_flash.attention_entropy(q, k, is_causal=True, backend="reference"))
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    got = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=np.bool_(True), ssa=np.bool_(True),
+                                     backend="reference")
+    want = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, backend="reference")
+    torch.testing.assert_close(got, want)
+
+
+def test_dropout_mask_on_meta():
+    """device="meta" raised NotImplementedError (Cannot copy out of meta tensor): it now gives a
+    meta tensor of the shape, as torch functions do there."""
+    for backend in ("auto", "reference", "triton"):
+        keep = ssa_flash.dropout_mask((2, 3, 5, 7), 0.5, device="meta", backend=backend)
+        assert keep.is_meta and keep.shape == (2, 3, 5, 7) and keep.dtype == torch.bool
+    keep = ssa_flash.dropout_mask((1, 1, 4, 4), 0.1, rng=torch.zeros(2, dtype=torch.int64, device="meta"))
+    assert keep.is_meta and keep.shape == (1, 1, 4, 4)
+
+
+def test_dropout_mask_bad_device():
+    with pytest.raises(ValueError, match="device"):
+        ssa_flash.dropout_mask((1, 1, 4, 4), 0.1, device="gpu0")
+    with pytest.raises(TypeError, match="device"):
+        ssa_flash.dropout_mask((1, 1, 4, 4), 0.1, device=1.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_triton_is_not_available_for_cuda_without_cuda():
+    """available_backends("cuda") listed triton on a machine without CUDA."""
+    assert "triton" not in ssa_flash.available_backends("cuda")
+    assert ssa_flash.available_backends("cuda") == ("reference",)
+    why = ssa_flash.backends.get("triton").unavailable_reason(torch.device("cuda"))
+    assert why and "torch.cuda.is_available() is False" in why
+
+
+_LATE_INTERPRETER = textwrap.dedent("""
+    import os, sys, torch
+    if sys.argv[1] == "triton":
+        import triton  # noqa: F401  (Triton's own jit functions are made now, without the interpreter)
+    else:
+        import ssa_flash.triton.launch  # noqa: F401  (and this package's kernels too)
+    os.environ["TRITON_INTERPRET"] = "1"
+    import ssa_flash
+    print("available:", ",".join(ssa_flash.available_backends("cpu")))
+    q = torch.randn(1, 2, 16, 16)
+    try:
+        ssa_flash.ssa_attention(q, q, q, backend="triton")
+        print("ran")
+    except ssa_flash.BackendUnavailableError as err:
+        print("refused:", err)
+""")
+
+
+@pytest.mark.parametrize("imported", ["triton", "kernels"])
+def test_interpreter_switched_on_after_import_is_detected(imported):
+    """TRITON_INTERPRET=1 set after Triton was imported: @triton.jit already made GPU kernels, so
+    available_backends("cpu") listed triton and the call failed deep inside Triton. Now triton is
+    not listed and the call says why."""
+    pytest.importorskip("triton")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _LATE_INTERPRETER, imported], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "available: reference", proc.stdout
+    assert lines[1].startswith("refused:") and "TRITON_INTERPRET=1 was set after" in lines[1], proc.stdout

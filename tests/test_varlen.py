@@ -333,3 +333,18 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
     for a, c in zip(g_comp, g_eager):
         torch.testing.assert_close(a, c, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_huge_max_seqlen_is_lowered_to_the_rows(backend):
+    """max_seqlen_q=10**12 failed 17 frames deep (int32 kernel arguments; a 10**24-element mask
+    on the reference path with dropout) without naming max_seqlen_q. No sequence is longer than
+    all the rows, so the bound is lowered to them: the result is that of the exact bound."""
+    lens = [3, 2]
+    q, k, v = packed_inputs(lens, lens, Hq=2, Hkv=2, D=8)
+    kw = dict(is_causal=True, return_lse=True, backend=backend, dropout_p=0.25)
+    torch.manual_seed(5)
+    want = ssa_flash.varlen_attention(q, k, v, cu(lens), cu(lens), 3, 3, **kw)
+    torch.manual_seed(5)
+    got = ssa_flash.varlen_attention(q, k, v, cu(lens), cu(lens), 10**12, 10**12, **kw)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -31,10 +31,19 @@ def _launch():
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter now, read as the installed
+    Triton reads it: through ``triton.knobs`` from 3.4 on (``1``, ``true``, ``on``, ``yes``, any
+    case), as exactly ``"1"`` before. Only the current setting: whether Triton's functions were
+    made under it is :func:`unavailable_reason`'s question."""
+    try:
+        from triton import knobs
+    except Exception:  # no Triton, or one older than 3.4
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(knobs.runtime.interpret)
 
 
 def importable() -> bool:
+    """Whether ``import triton`` succeeds (it is imported here if nothing imported it yet)."""
     try:
         import triton  # noqa: F401
     except Exception:  # ImportError, or a broken install
@@ -43,10 +52,59 @@ def importable() -> bool:
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the kernels cannot run on ``device`` in this process, or None.
+
+    ``@triton.jit`` fixes each function's mode when it runs, i.e. when its module is imported
+    (Triton 3.2 to 3.9 alike: ``os.environ`` before 3.4, ``triton.knobs`` after): an interpreted
+    function under ``TRITON_INTERPRET=1``, a GPU kernel otherwise. Triton's own library functions
+    (``triton.language.standard``) are made when Triton is imported, this package's kernels when
+    ``ssa_flash.triton`` is. Switching the interpreter on later does not convert them: with 3.9
+    a CPU call then fails inside Triton ("Cannot call @triton.jit'd outside of the scope of a
+    kernel", or "0 active drivers" on a machine without a GPU). So on the CPU the interpreter must
+    be on now and every Triton function already made must be an interpreted one; the reason
+    says which was made without it."""
+    device = torch.device(device)
     if not importable():
         return "Triton is not installed (pip install triton)"
-    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return (f"tensors on {device} need CUDA, which this process does not have "
+                    "(torch.cuda.is_available() is False)")
         return None
+    if device.type != "cpu":
+        return (f"tensors are on {device}; Triton kernels need a CUDA device, or TRITON_INTERPRET=1 "
+                "set before Triton is imported to run them on the CPU")
+    import sys
+
+    # The mode of the Triton functions made so far: the first jit function found in each module
+    # that makes some (Triton's standard library; this package's kernels once imported).
+    from triton.runtime.jit import JITFunction
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:  # pragma: no cover - every Triton 3.x has it
+        InterpretedFunction = ()
+    compiled_in, interpreted = [], False
+    for name in ("triton.language.standard", "ssa_flash.triton.forward"):
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
+            if isinstance(value, InterpretedFunction):
+                interpreted = True
+                break
+            if isinstance(value, JITFunction):
+                compiled_in.append("Triton" if name.startswith("triton") else "ssa_flash.triton")
+                break
+    on_now = interpreting()
+    if on_now and not compiled_in:
+        return None
+    if on_now:
+        return (f"TRITON_INTERPRET=1 was set after {' and '.join(compiled_in)} had been imported "
+                "without it: their @triton.jit functions are GPU kernels, which the interpreter "
+                "cannot run on the CPU. Set TRITON_INTERPRET=1 before anything imports triton "
+                "(in the shell, or first thing in the script)")
+    if interpreted and not compiled_in:
+        return (f"tensors are on {device}, but TRITON_INTERPRET was switched off after Triton was "
+                "imported under the interpreter; keep TRITON_INTERPRET=1 to run the kernels on "
+                "the CPU")
     return (f"tensors are on {device}; Triton kernels need a CUDA device, or TRITON_INTERPRET=1 "
             "set before Triton is imported to run them on the CPU")
 

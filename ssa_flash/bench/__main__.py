@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 
 def _ints(text: str):
@@ -48,9 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "L in 1k..16k, causal and not) and a memory sweep up to 128k.")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke mode: tiny shapes, the reference, SDPA math and the Triton kernels "
-                        "through the interpreter (sets TRITON_INTERPRET=1); writes to a temp dir "
-                        "unless --out is given")
-    p.add_argument("--out", default=None, help="output directory (default bench/results)")
+                        "through the interpreter (sets TRITON_INTERPRET=1); its file is named "
+                        "<date>-cpu-smoke.json, and its timings are not judged against the GPU targets")
+    p.add_argument("--out", default=None,
+                   help="output directory (default bench/results under the current directory; "
+                        "the path written is printed at the end)")
     p.add_argument("--seqlens", type=_ints, default=None, help="comma list, e.g. 1k,2k,4k")
     p.add_argument("--headdims", type=_ints, default=None, help="comma list, e.g. 64,128")
     p.add_argument("--batch-tokens", type=int, default=None, help="batch = batch_tokens // seqlen (default 16384)")
@@ -181,9 +182,9 @@ def main(argv=None) -> int:
         except Exception as err:
             print(f"warning: could not read {args.gpu_tests_json}: {err}", file=sys.stderr)
 
-    out_dir = args.out or (tempfile.mkdtemp(prefix="ssa_flash_bench_") if smoke else os.path.join("bench", "results"))
+    out_dir = os.path.abspath(args.out or os.path.join("bench", "results"))
     os.makedirs(out_dir, exist_ok=True)
-    base = result_basename(torch.device(cfg.device))
+    base = result_basename(torch.device(cfg.device), smoke=cfg.smoke)
     path = os.path.join(out_dir, base + ".json")
     runner = Runner(cfg, out_path=path)
     status = 0
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
         print(f"\ninterrupted: partial results", file=sys.stderr)
         status = 130
     print(f"\nresults: {path} ({len(results['rows'])} rows, {results.get('elapsed_s')} s)")
+    if cfg.smoke:
+        print("smoke run: CPU / Triton-interpreter timings, not comparable with GPU figures or targets")
     _report(results, out_dir, base, not args.no_plots, args.markdown)
     return status
 

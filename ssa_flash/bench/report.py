@@ -2,7 +2,9 @@
 
 Speed-ups are ``baseline ms / our ms`` (above 1: we are faster); cost ratios are
 ``our adaptive ms / our softmax ms``. A cell that misses its target is marked ``!``;
-``-`` means a time is missing (not run, out of memory, unsupported).
+``-`` means a time is missing (not run, out of memory, unsupported). The targets are GPU
+targets: a CPU run (the smoke mode, Triton's interpreter) is not judged against them
+(:func:`comparable_with_targets`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,15 @@ def _fmt(x: Optional[float], fmt: str = "{:.2f}") -> str:
 Table = Tuple[str, List[str], List[List[str]], List[str]]  # title, headers, rows, notes
 
 
+def comparable_with_targets(results: dict) -> bool:
+    """Whether the run's timings can be held to the GPU targets: not for a smoke run nor for any
+    CPU run (Triton's interpreter runs the kernels as numpy code, 1000x off any GPU figure, and
+    the ratios between implementations mean nothing there either)."""
+    if results.get("smoke"):
+        return False
+    return not str(results.get("device", "")).strip().lower().startswith("cpu")
+
+
 def ratio_tables(results: dict) -> List[Table]:
     rows = results.get("rows", [])
     idx = _index(rows)
@@ -46,13 +57,15 @@ def ratio_tables(results: dict) -> List[Table]:
                      for r in rows if r.get("sweep", "speed") == "speed"})
     mm = results.get("matmul_tflops")
     tflops = {_key(r): r.get("tflops") for r in rows if r.get("sweep", "speed") == "speed"}
+    judged = comparable_with_targets(results)
     tables = []
     for ours in OUR_IMPLS:
         if not any(r["impl"] == ours and r.get("ms") for r in rows):
             continue
         headers = ["dtype", "D", "causal", "L", "B"]
         for label, _, _, _, kind, target in COMPARISONS:
-            mark = "" if target is None else (f" (>={target:g})" if kind == "speedup" else f" (<={target:g})")
+            mark = "" if target is None or not judged else (
+                f" (>={target:g})" if kind == "speedup" else f" (<={target:g})")
             headers.append(label + mark)
         headers.append("SSA f+b TFLOP/s")
         headers.append("% of matmul")
@@ -66,14 +79,16 @@ def ratio_tables(results: dict) -> List[Table]:
                     line.append("-")
                     continue
                 val = base / mine if kind == "speedup" else mine / base
-                miss = target is not None and (val < target if kind == "speedup" else val > target)
+                miss = judged and target is not None and (val < target if kind == "speedup" else val > target)
                 line.append(f"{val:.2f}{'!' if miss else ''}")
             tf = tflops.get(("ssa", ours, "fwd_bwd", dtype, B, H, L, d, causal))
             line.append(_fmt(tf, "{:.4g}"))
             line.append(_fmt(None if (tf is None or not mm) else 100.0 * tf / mm, "{:.3g}%"))
             body.append(line)
+        judging = ("'!' misses the DESIGN 4.1 target" if judged else
+                   "CPU / Triton-interpreter timings: not comparable with the GPU targets, none judged")
         notes = [f"{ours}: speed-ups = baseline ms / {ours} ms; cost = {ours} ms / {ours} softmax ms; "
-                 "'!' misses the DESIGN 4.1 target; '-' = no time (not run, OOM or unsupported).",
+                 f"{judging}; '-' = no time (not run, OOM or unsupported).",
                  f"dense matmul: {_fmt(mm, '{:.4g}')} TFLOP/s ({results.get('matmul', {}).get('dtype', '?')})"]
         tables.append((f"Ratios for {ours} on {results.get('device', '?')}", headers, body, notes))
     mem = [r for r in rows if r.get("sweep") == "memory"]
@@ -94,8 +109,10 @@ def ratio_tables(results: dict) -> List[Table]:
                 if r is None:
                     line.append("")
                 elif r.get("peak_mem_bytes") is None:
+                    # no peak measured (a CPU run has no allocator statistics): never a time in
+                    # this table, whose cells are GiB
                     line.append("OOM" if r.get("note") == "out of memory" else
-                                ("-" if r.get("ms") is None else f"{r['ms']:.1f}ms"))
+                                ("n/a" if r.get("ms") is not None else "-"))
                 else:
                     peak = r["peak_mem_bytes"]
                     line.append(f"{peak / 2**30:.2f}G x{peak / r['io_bytes']:.2f}")
@@ -104,6 +121,9 @@ def ratio_tables(results: dict) -> List[Table]:
         notes = [f"forward+backward peak allocated memory (GiB) and its ratio to the tensors themselves "
                  f"(q, k, v, o, dO, dq, dk, dv, lse; DESIGN 4.1 target x1.2); B={r0['batch']} "
                  f"H={r0['heads']} D={r0['headdim']} {r0['dtype']}{' causal' if r0['causal'] else ''}"]
+        if any(r.get("peak_mem_bytes") is None and r.get("ms") is not None for r in mem):
+            notes.append("n/a: ran, but no peak memory was measured (torch measures CUDA memory "
+                         "only; a CPU run has none); its time is in the results file")
         tables.append(("Peak memory vs sequence length", headers, body, notes))
     return tables
 

@@ -369,8 +369,9 @@ def device_label(device: torch.device) -> str:
     return "cpu" + (" (Triton interpreter)" if interp else "") + f" {platform.machine()}"
 
 
-def result_basename(device: torch.device, date: Optional[str] = None) -> str:
-    """``<YYYY-MM-DD>-<gpu-name-slug>`` (``cpu`` for the CPU)."""
+def result_basename(device: torch.device, date: Optional[str] = None, smoke: bool = False) -> str:
+    """``<YYYY-MM-DD>-<gpu-name-slug>`` (``cpu`` for the CPU), with ``-smoke`` appended for a
+    smoke run, so that its file never passes for a GPU result next to them in bench/results."""
     device = torch.device(device)
     name = slug(device_label(device)) if device.type == "cuda" else "cpu"
-    return f"{date or datetime.date.today().isoformat()}-{name}"
+    return f"{date or datetime.date.today().isoformat()}-{name}{'-smoke' if smoke else ''}"

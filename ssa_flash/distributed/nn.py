@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ..nn import InitValue, SSAttention
+from ..ops import _check_bool
 from .ring import ring_attention
 
 __all__ = ["RingSSAttention"]
@@ -31,7 +32,7 @@ class RingSSAttention(SSAttention):
 
     Args:
         num_heads, b_init, n_init, learnable, adaptive_temperature, backend, device, dtype: as
-            :class:`ssa_flash.nn.SSAttention`.
+            :class:`ssa_flash.nn.SSAttention` (an unknown backend name is refused here).
         group: the process group of the sequence shards (None: the default group), resolved at
             each call.
         is_causal: default of ``forward``'s ``is_causal``.
@@ -44,12 +45,9 @@ class RingSSAttention(SSAttention):
                  reduce_param_grads: bool = False, device=None, dtype: Optional[torch.dtype] = None):
         super().__init__(num_heads, b_init, n_init, learnable, adaptive_temperature=adaptive_temperature,
                          backend=backend, device=device, dtype=dtype)
-        for name, x in (("is_causal", is_causal), ("reduce_param_grads", reduce_param_grads)):
-            if not isinstance(x, bool):
-                raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
         self.group = group
-        self.is_causal = is_causal
-        self.reduce_param_grads = reduce_param_grads
+        self.is_causal = _check_bool("is_causal", is_causal)
+        self.reduce_param_grads = _check_bool("reduce_param_grads", reduce_param_grads)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                 is_causal: Optional[bool] = None, scale: Optional[float] = None,
