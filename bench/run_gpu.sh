@@ -16,7 +16,7 @@
 #   4. the benchmark (saves partial results every ~20 s, so whatever was measured before a limit
 #      is kept); 5. the self-check (python -m ssa_flash).
 # Writes under $OUT (default bench/results): <date>-<gpu>.json (the results file of docs/design.md
-# section 4.2, with the suite's test counts folded in), its PNG plots, smoke-tests.json and
+# §4.2, with the suite's test counts folded in), its PNG plots, smoke-tests.json and
 # gpu-tests.json (test counts, written as the tests run), and the logs cuda-build.log, smoke.log,
 # pytest.log, bench.log, selfcheck.log. Environment knobs:
 #   OUT, PYTHON (default python), PYTEST_ARGS (default "tests -q -p no:cacheprovider"),
