@@ -85,8 +85,8 @@ def run(module_or_backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
     return out, lse, dict(zip(names, grads))
 
 
-def check(mode, q, k, v, b=None, n=None, with_dlse=False, dropout_seed=None, **kw):
-    """Ours (in q's dtype) vs the naive reference in the same dtype and in float64. With
+def check(mode, q, k, v, b=None, n=None, with_dlse=False, dropout_seed=None, backend="triton", **kw):
+    """Ours (``backend``, in q's dtype) vs the naive reference in the same dtype and in float64. With
     ``dropout_seed`` (and ``dropout_p`` in ``kw``) ours runs after ``torch.manual_seed(dropout_seed)``
     and the references get the keep mask that this seed gives (``ssa_flash.dropout_mask``)."""
     dtype = q.dtype
@@ -102,7 +102,7 @@ def check(mode, q, k, v, b=None, n=None, with_dlse=False, dropout_seed=None, **k
         torch.manual_seed(dropout_seed)
         ref_kw["dropout_mask"] = ssa_flash.dropout_mask(shape, kw["dropout_p"], device=q.device)
         torch.manual_seed(dropout_seed)
-    ours = run("triton", mode, q, k, v, b, n, dout, dlse, **kw)
+    ours = run(backend, mode, q, k, v, b, n, dout, dlse, **kw)
     naive = run("reference", mode, q, k, v, b, n, dout, dlse, **ref_kw)
     cast = lambda t: detached_copy(t, torch.float64)  # noqa: E731
     gkw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
@@ -111,6 +111,15 @@ def check(mode, q, k, v, b=None, n=None, with_dlse=False, dropout_seed=None, **k
     assert ours[0].dtype == dtype and ours[0].shape == naive[0].shape
     expected_lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     assert ours[1].dtype == expected_lse_dtype and ours[1].shape == q.shape[:-1]
+    compare(ours, naive, gold, dtype, q.shape[-2], k.shape[-2])
+    return ours
+
+
+def compare(ours, naive, gold, dtype, Lq, Lk):
+    """FlashAttention's rule on ``(out, lse, {name: grad})`` triples (as :func:`run` returns; the
+    gradient dict may be empty): ours and the naive reference in ``dtype`` against the float64
+    gold; the LSE must be -inf exactly where the gold's is. ``Lq``, ``Lk``: the longest rows, for
+    the floor of the b, n gradients."""
     floor = FLOORS[dtype]
     fa_tolerance_check("out", ours[0], naive[0], gold[0], floor)
     finite = torch.isfinite(gold[1])
@@ -118,7 +127,7 @@ def check(mode, q, k, v, b=None, n=None, with_dlse=False, dropout_seed=None, **k
     fa_tolerance_check("lse", ours[1][finite], naive[1][finite], gold[1][finite], floor)
     for name, grad in ours[2].items():
         assert grad is not None and torch.isfinite(grad).all(), f"d{name} not finite"
+        assert grad.shape == gold[2][name].shape, f"d{name} shape"
         # b, n gradients sum over every score of a head: allow for the length of that sum
-        gfloor = floor * (math.sqrt(q.shape[-2] * k.shape[-2]) if name in "bn" else 4)
+        gfloor = floor * (math.sqrt(Lq * Lk) if name in "bn" else 4)
         fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
-    return ours
