@@ -275,6 +275,9 @@ TRITON_ROWS = {
 }
 
 
+_HAS_CUDA = torch.cuda.is_available()
+
+
 def test_triton_devices_table(monkeypatch):
     header, rows = table("triton-devices")
     assert header == ["device", *DTYPES, "head dims"]
@@ -283,6 +286,8 @@ def test_triton_devices_table(monkeypatch):
         device, interpret = TRITON_ROWS[r[0]]
         if interpret is not None:
             monkeypatch.setattr(triton_backend, "interpreting", lambda v=interpret: v)
+        # the GPU row describes a machine with CUDA: without one, unavailable_reason says so
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=device == "cuda": v or _HAS_CUDA)
         _check_device_row("triton", dict(zip(header, r)), device)
 
 
