@@ -22,13 +22,14 @@ KERNELS = ("fwd", "stats", "bwd_dq", "bwd_dkdv")
 OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
 MASKS = ("none", "bool", "additive")
 #: Feature switches that change what the launcher compiles (and its tile choice): none; dropout
-#: (p = 0.1); a causal sliding window of 256 keys; a packed variable-length batch (no mask);
-#: one decoding step (Lq = 1) on a KV cache (forward and statistics only, no mask).
+#: (p = 0.1); a sliding window of 256 keys (causal) or 256 either side; a packed variable-length
+#: batch (no mask); one decoding step (Lq = 1) on a KV cache (forward and statistics only, no
+#: mask). Several join with "+", e.g. "dropout+window".
 FEATURES = ("none", "dropout", "window", "varlen", "decode")
 HEAD_DIMS = (32, 64, 111, 128, 256)  # 111: an odd dim, zero-padded to the 128 tile
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16")  # also "fp32" (IEEE dots, torch's default) and "tf32" (float32, TF32 dots)
 ARCHS = (80, 90)
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,15 @@ class Variant:
     causal: bool
     mask: str  # one of MASKS
     head_dim: int
-    dtype: str  # "bf16", "fp16" (or "fp32")
+    dtype: str  # "bf16", "fp16" (or "fp32", "tf32": float32 inputs under torch's "highest" / "high")
     arch: int  # compute capability, e.g. 90
     seqlen: int = 4096
     group: int = 1  # query heads per key/value head (GQA)
-    feature: str = "none"  # one of FEATURES
+    feature: str = "none"  # one of FEATURES, or several joined with "+"
+
+    @property
+    def features(self) -> frozenset:
+        return frozenset(self.feature.split("+")) - {"none"}
 
     @property
     def ssa(self) -> bool:
@@ -81,13 +86,19 @@ def runs(kernel: str, op: str, feature: str = "none", mask: str = "none") -> boo
     temperature) with ``feature`` and ``mask`` (decoding runs the forward kernels only; packed
     batches and decoding take no mask; dropout acts after the statistics, whose launch it does
     not change)."""
+    fs = set(feature.split("+")) - {"none"}
+    unknown = fs - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown feature {sorted(unknown)}; choose from {FEATURES}")
     if kernel == "stats" and op not in ("adaptive", "ssa_adaptive"):
         return False
-    if feature in ("varlen", "decode") and mask != "none":
+    if fs & {"varlen", "decode"} and mask != "none":
         return False
-    if feature == "decode" and kernel not in ("fwd", "stats"):
+    if {"varlen", "decode"} <= fs:
         return False
-    return not (feature == "dropout" and kernel == "stats")
+    if "decode" in fs and (kernel not in ("fwd", "stats") or "dropout" in fs):
+        return False
+    return not ("dropout" in fs and kernel == "stats")
 
 
 def variants(archs: Sequence[int] = ARCHS, kernels: Sequence[str] = KERNELS, ops: Sequence[str] = OPS,
@@ -124,24 +135,25 @@ def _call_host(v: Variant):
         mask = meta(1, 1, L, L).expand(B, H, L, L)
     b = meta(H, dtype=acc) if v.ssa else None
     n = meta(H, dtype=acc) if v.ssa else None
+    fs = v.features
     feat = {}
-    if v.feature == "dropout":
-        feat = dict(dropout_p=0.1, rng=meta(2, dtype=torch.int64))
-    elif v.feature == "window":
-        feat = dict(window_left=256, window_right=0 if v.causal else 256)
+    if "dropout" in fs:
+        feat.update(dropout_p=0.1, rng=meta(2, dtype=torch.int64))
+    if "window" in fs:
+        feat.update(window_left=256, window_right=0 if v.causal else 256)
     spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, ssa=v.ssa, adaptive=v.adaptive,
                                 **feat)
     layout = None
     Lq = L
-    if v.feature == "varlen":  # B sequences of at most L rows, packed: (B * L, H, D)
+    if "varlen" in fs:  # B sequences of at most L rows, packed: (B * L, H, D)
         q, k, val = (t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (q, k, val))
         cu = meta(B + 1, dtype=torch.int32)
         layout = launch.Packed(cu, cu, L, L)
-    elif v.feature == "decode":  # one new query per sequence on a cache of L rows
+    elif "decode" in fs:  # one new query per sequence on a cache of L rows
         Lq = 1
         q = meta(B, H, Lq, D)
         layout = launch.KVCache(meta(B, dtype=torch.int32))
-    rows = (H, B * L) if v.feature == "varlen" else (B, H, Lq)
+    rows = (H, B * L) if "varlen" in fs else (B, H, Lq)
     if v.kernel == "stats":
         launch.row_entropy(q, k, mask, b, n, spec, layout)
     elif v.kernel == "fwd":
@@ -160,6 +172,13 @@ def capture(v: Variant, candidate: int = 0):
     to later ones when a configuration does not fit the GPU)."""
     from ssa_flash.triton import launch
 
+    if v.dtype == "tf32":  # float32 under torch's "high" matmul precision: TF32 dots
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            return capture(Variant(**dict(asdict(v), dtype="fp32")), candidate)
+        finally:
+            torch.set_float32_matmul_precision(before)
     originals = launch.block_candidates, launch._decode_candidates
     if candidate:
         def shifted(table, kernel):

@@ -204,14 +204,17 @@ def _ampere_99k(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: boo
 
 def _turing(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -> List[Blocks]:
     """sm_75 (64 KB). Triton 3.9 emits no tensor-core instructions for sm_75 (its ``tl.dot``
-    becomes FMA loops, static audit): the accumulators, score tile and operand fragments all
-    live in registers, so tiles a quarter of Ampere's; 4 warps. The CUDA C++ backend is the
-    fast path on these GPUs."""
+    becomes FMA loops, static audit): accumulators, score tile and operand fragments all live in
+    registers, so tiles far below Ampere's. Static audit (SSA + adaptive temperature, the most
+    live values): forward 32 x 32 (4 warps at D <= 64, 8 at D = 128: 4 warps spill 2.2 KB); dQ
+    16 x 32 at D <= 64 (32 x 32 spills 2.6 KB), 16 x 16 with 8 warps at D = 128 (16 x 32 spills
+    1.8 - 2.9 KB); dK/dV 16 x 32 (8 warps) at D <= 64, 16 x 16 (8 warps) at D = 128. The CUDA C++
+    backend is the fast path on these GPUs."""
     if kernel in ("fwd", "stats"):
-        return [Blocks(32, 32, 4, 2)] if hb <= 128 else [Blocks(16, 32, 4, 1)]
+        return [Blocks(32, 32, 4 if hb <= 64 else 8, 2)] if hb <= 128 else [Blocks(16, 32, 8, 1)]
     if kernel == "bwd_dq":
-        return [Blocks(16, 32, 4, 2)] if hb <= 128 else [Blocks(16, 16, 4, 1)]
-    return [Blocks(16, 32, 4, 2)] if hb <= 128 else [Blocks(16, 16, 4, 1)]
+        return [Blocks(16, 32, 4, 2) if hb <= 64 else Blocks(16, 16, 8, 2 if hb <= 128 else 1)]
+    return [Blocks(16, 32, 8, 2) if hb <= 64 else Blocks(16, 16, 8, 2 if hb <= 128 else 1)]
 
 
 def _blackwell(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool, window: bool) -> List[Blocks]:
