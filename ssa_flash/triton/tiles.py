@@ -75,15 +75,17 @@ def estimate_smem(blk: Blocks, kernel: str, head_block: int, dtype: torch.dtype,
     The model (checked against the compiled kernels by ``tests/test_audit.py``): the operand tiles
     a program keeps for its whole life (Q in the forward / statistics, Q and dO in dQ, K and V in
     dK/dV) once, and the tiles each loop step loads (K, V; Q, dO in dK/dV) once per pipeline
-    buffer: ``stages`` buffers for wgmma / tcgen05 (sm_90, sm_100: they read both operands from
-    shared memory), ``stages - 1`` (at least 1) for the cp.async pipeline of mma.sync; on mma.sync the
+    buffer: ``stages`` buffers for wgmma / tcgen05 (sm_90, sm_100 with an M dimension of 64 or
+    more: they read both operands from shared memory), ``stages - 1`` (at least 1) for the cp.async pipeline of mma.sync; on mma.sync the
     backward kernels also stage one ``m x n`` tile for a layout conversion. Within a few KB of the
     compiled figure; it only decides which configurations are worth compiling."""
     base = kernel[:-len("_decode")] if kernel.endswith("_decode") else kernel
     e = torch.empty((), dtype=dtype).element_size()
     d = head_block
     m, n = blk.m, blk.n
-    hopper = family(arch) in (90, 100)  # sm_120 is mma.sync
+    # wgmma / tcgen05 on sm_90 / sm_100 where the MMA's M dimension (queries; keys in dK/dV) has
+    # 64 rows or more; below that (decoding's 16-row tiles) Triton uses mma.sync there too
+    hopper = family(arch) in (90, 100) and (n if base == "bwd_dkdv" else m) >= 64
     buffers = blk.stages if hopper else max(1, blk.stages - 1)
     if base == "fwd":
         elems = m * d + buffers * n * 2 * d
@@ -191,14 +193,25 @@ def _ampere(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -
     return cands
 
 
-def _ampere_99k(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -> List[Blocks]:
+def _ampere_99k(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool, window: bool = False,
+                sm120: bool = False) -> List[Blocks]:
     """sm_86 / sm_89 and sm_120 (99 KB): mma.sync like sm_80 with the same 64 K registers per SM,
     so sm_80's tiles where they fit 99 KB. They do not at D = 256 in the backward: dK/dV's K and V
     of 64 keys are 64 KB, plus Q and dO (112 KB compiled on sm_80), dQ's 64 x 32 is 96 KB
-    compiled (too close to 99 KB for the estimate's margin): 32 x 32 tiles."""
+    compiled (too close to 99 KB for the estimate's margin): 32 x 32 tiles. On sm_120 ptxas
+    spills sm_80's dK/dV 16 x 128 at D = 128 (32 B, SSA); 32 x 32 compiles without. The forward
+    at D <= 64 with dropout or a window: 128 x 128 spilled (sm_86 32 B, sm_120 308 B, SSA +
+    adaptive with dropout, window and a packed batch); 64 x 64 (the masked choice) does not."""
     cands = _ampere(kernel, hb, masked, adaptive, dropout)
+    if kernel == "fwd" and hb <= 64 and (dropout or window) and cands[0] != Blocks(64, 64, 4, 3):
+        cands = [Blocks(64, 64, 4, 3)] + cands
     if kernel in ("bwd_dq", "bwd_dkdv") and hb > 128:
         cands = [Blocks(32, 32, 4, 1)]
+    elif sm120 and kernel == "bwd_dkdv" and 64 < hb <= 128 and cands[0] == Blocks(16, 128, 8, 2):
+        cands = [Blocks(32, 32, 4, 2)] + cands
+    elif sm120 and kernel == "bwd_dq" and hb <= 64 and adaptive and (dropout or window):
+        # 32 x 64 spilled 8 B on sm_120 (SSA + adaptive, dropout + window + packed); 16 x 64 not
+        cands = [Blocks(16, 64, 4, 2)] + cands
     return cands
 
 
@@ -219,12 +232,18 @@ def _turing(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -
 
 def _blackwell(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool, window: bool) -> List[Blocks]:
     """sm_100 (227 KB): tcgen05 keeps the accumulators in tensor memory, and M-slicing like
-    wgmma's (Triton lowers 8 warps on 128-row tiles), so Hopper's tiles; with dropout or a
-    window the forward's 128 x 128 / 128 x 64 tiles spilled (0.9 - 1.8 KB, static audit), so
-    those take 64-row tiles."""
+    wgmma's (Triton lowers 8 warps on 128-row tiles), so Hopper's tiles, except the forward with
+    dropout or a window, where Hopper's 128 x 128 / 128 x 64 spilled (0.9 - 1.8 KB, static
+    audit): at D <= 64 64 x 64 with 4 warps, at D = 128 128 x 32 with 8 warps (64 x 64 spills
+    340 B there; with dropout, a window and a packed batch together, SSA + adaptive); and dK/dV
+    at D <= 64 with dropout or a window (below)."""
     cands = _hopper(kernel, hb, masked, adaptive)
     if kernel == "fwd" and (dropout or window) and hb <= 128:
-        cands = [Blocks(64, 64, 4, 3)] + cands
+        cands = [Blocks(64, 64, 4, 3) if hb <= 64 else Blocks(128, 32, 8, 3)] + cands
+    if kernel == "bwd_dkdv" and (dropout or window) and hb <= 64:
+        # Hopper's 32 x 128 spilled 180 B (SSA + adaptive, dropout + window + packed); 16 queries
+        # per step do not
+        cands = [Blocks(16, 128, 8, 2)] + cands
     return cands
 
 
@@ -247,7 +266,7 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
     elif fam == 80:
         cands = _ampere(kernel, head_block, masked, adaptive, dropout)
     elif fam in (86, 120):
-        cands = _ampere_99k(kernel, head_block, masked, adaptive, dropout)
+        cands = _ampere_99k(kernel, head_block, masked, adaptive, dropout, window, sm120=fam == 120)
     elif fam == 90:
         cands = _hopper(kernel, head_block, masked, adaptive)
     else:
