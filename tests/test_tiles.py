@@ -50,7 +50,8 @@ def test_first_choice_fits_the_family(arch):
 
 @pytest.mark.parametrize("arch", [75, 80, 86, 90, 100, 120])
 def test_tables_are_well_formed(arch):
-    """Power-of-two tiles of at least 16; on wgmma / tcgen05 targets 8 warps only with M >= 128;
+    """Power-of-two tiles of at least 16; on wgmma / tcgen05 targets 8 warps only with M >= 128
+    for 16-bit inputs (float32's halved tiles keep 8 warps: TF32 splits N over the warpgroups);
     every list ends in configurations small enough for any family."""
     for kernel, hb, dtype, masked, adaptive, dropout in itertools.product(
             KERNELS, HEAD_BLOCKS, DTYPES, *([(False, True)] * 3)):
@@ -59,7 +60,7 @@ def test_tables_are_well_formed(arch):
             for size in (blk.m, blk.n):
                 assert size >= 16 and size & (size - 1) == 0, blk
             m_dim = blk.n if kernel == "bwd_dkdv" else blk.m
-            if arch in (90, 100) and blk.warps == 8:
+            if arch in (90, 100) and blk.warps == 8 and dtype != torch.float32:
                 assert m_dim >= 128, (kernel, hb, blk)
         if tiles.fits(tiles.Blocks(16, 16, 4, 1), kernel, hb, dtype, 75):
             assert any(tiles.fits(b, kernel, hb, dtype, 75) for b in cands), (kernel, hb, dtype)
