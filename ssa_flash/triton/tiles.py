@@ -230,6 +230,23 @@ def _turing(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -
     return [Blocks(16, 32, 8, 2) if hb <= 64 else Blocks(16, 16, 8, 2 if hb <= 128 else 1)]
 
 
+def _hopper_switched(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool,
+                     window: bool) -> List[Blocks]:
+    """sm_90 with dropout or a window (SSA + adaptive temperature, static audit): the dK/dV
+    kernel's 32 x 128 at D <= 64 spilled (dropout 76 B; with window and packed batch 56 B) and
+    the dQ kernel's 64 x 32 (window 24 B, all three 32 B); 16 x 128 and 64 x 16 (both still
+    wgmma) do not. The forward's 128 x 128 at D <= 64 is clean with either switch but spilled
+    48 B with both: 64 x 64 then. (dQ and dK/dV at D = 128 still spill: bench/NOTES.md.)"""
+    cands = _hopper(kernel, hb, masked, adaptive)
+    if hb <= 64 and adaptive and dropout and kernel == "bwd_dkdv":
+        cands = [Blocks(16, 128, 8, 2)] + cands
+    elif hb <= 64 and adaptive and window and kernel == "bwd_dq":
+        cands = [Blocks(64, 16, 4, 2)] + cands
+    elif hb <= 64 and kernel == "fwd" and dropout and window and cands[0] != Blocks(64, 64, 4, 3):
+        cands = [Blocks(64, 64, 4, 3)] + cands
+    return cands
+
+
 def _blackwell(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool, window: bool) -> List[Blocks]:
     """sm_100 (227 KB): tcgen05 keeps the accumulators in tensor memory, and M-slicing like
     wgmma's (Triton lowers 8 warps on 128-row tiles), so Hopper's tiles, except the forward with
@@ -268,7 +285,8 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
     elif fam in (86, 120):
         cands = _ampere_99k(kernel, head_block, masked, adaptive, dropout, window, sm120=fam == 120)
     elif fam == 90:
-        cands = _hopper(kernel, head_block, masked, adaptive)
+        cands = (_hopper_switched(kernel, head_block, masked, adaptive, dropout, window) if dropout or window
+                 else _hopper(kernel, head_block, masked, adaptive))
     else:
         cands = _blackwell(kernel, head_block, masked, adaptive, dropout, window)
     if dtype in (torch.float32, torch.float64):
