@@ -30,14 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "warnings, tensor-core instructions and the instruction mix per score element of each main "
                     "loop, and the throughput bound these allow (DESIGN.md 4.3). Compiles on the CPU; it is a "
                     "static bound, never a measurement.")
-    p.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90 (also 86, 89, 100, 120: "
+    p.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90 (also 75, 86, 89, 100, 120: "
                    "resources and counts, no bound model)")
     p.add_argument("--kernels", help=f"subset of {','.join(specs.KERNELS)}")
     p.add_argument("--ops", help=f"subset of {','.join(specs.OPS)}")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--masks", help=f"subset of {','.join(specs.MASKS)}")
     p.add_argument("--dims", help=f"head dims (default {','.join(map(str, specs.HEAD_DIMS))})")
-    p.add_argument("--dtypes", help=f"subset of {','.join(specs.DTYPES)} (fp32 also accepted)")
+    p.add_argument("--dtypes", help=f"subset of {','.join(specs.DTYPES)} (also fp32: float32 with IEEE dots, "
+                   "tf32: float32 under torch's 'high' matmul precision)")
+    p.add_argument("--features", help=f"feature switches, e.g. none,dropout+window (from {','.join(specs.FEATURES)}; "
+                   "default none)")
     p.add_argument("--gqa", default="1", help="query heads per key/value head, e.g. 1,4 (default 1)")
     p.add_argument("--seqlen", type=int, default=4096, help="Lq = Lk of the audited launches (default 4096)")
     p.add_argument("--selection", metavar="FILE",
@@ -87,11 +90,13 @@ def selection(args) -> tuple:
     if args.dims:
         kw["head_dims"] = specs.parse_list(args.dims, [], int)
     if args.dtypes:
-        kw["dtypes"] = specs.parse_list(args.dtypes, ["bf16", "fp16", "fp32"])
+        kw["dtypes"] = specs.parse_list(args.dtypes, ["bf16", "fp16", "fp32", "tf32"])
+    if args.features:
+        kw["features"] = specs.parse_list(args.features, [])
     kw["causal"] = _bool_axis(args.causal)
     kw["groups"] = specs.parse_list(args.gqa, [], int)
     kw["seqlen"] = args.seqlen
-    filtered = bool(args.quick or args.kernels or args.ops or args.masks or args.dims or args.dtypes
+    filtered = bool(args.quick or args.kernels or args.ops or args.masks or args.dims or args.dtypes or args.features
                     or args.causal != "both" or args.gqa != "1" or args.seqlen != 4096)
     return specs.variants(**kw), filtered, kw["archs"]
 

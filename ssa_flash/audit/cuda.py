@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from . import model, resources, sass
+from . import model, report, resources, sass
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -296,7 +296,7 @@ def text_report(result: dict, arch: int) -> str:
             b = lp.get("bound") or {}
             rows.append([name, str(k["registers"]), str(spill), lp.get("role", "?"),
                          f"{pe.get('total', lp['instructions'])}", f"{pe.get('mufu', '-')}",
-                         ",".join(x.split(".")[1] for x in lp["mma"]) or "-", f"{lp.get('gemms', '-')}",
+                         ",".join(report._mma_shape(x) for x in lp["mma"]) or "-", f"{lp.get('gemms', '-')}",
                          str(lp["inner_branches"]), f"{b.get('binding', '-')} {b.get('tflops', 0):.0f}" if b else "-"])
     errors = [c for c in result["compiles"] if c["error"]]
     head = ("kernel", "regs", "spill", "loop", "instr/el", "mufu/el", "MMA", "gemms", "branches", "bound TF/s")

@@ -42,6 +42,8 @@ class ArchModel:
 
 _KB = 1024
 ARCHS: Dict[int, ArchModel] = {
+    # Turing: 64 KB of shared memory per SM, all of it available to one block (no system share)
+    75: ArchModel(75, "sm_75", 64 * _KB, 64 * _KB, 0, 65536, 1024, 16),
     80: ArchModel(80, "A100", 164 * _KB, 163 * _KB, _KB, 65536, 2048, 32, 128, 16, 1024, 312.0),
     86: ArchModel(86, "sm_86", 100 * _KB, 99 * _KB, _KB, 65536, 1536, 16),
     89: ArchModel(89, "sm_89", 100 * _KB, 99 * _KB, _KB, 65536, 1536, 24),

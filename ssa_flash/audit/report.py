@@ -163,6 +163,13 @@ def table_rows(results: Iterable[dict], all_loops: bool = True) -> List[List[str
     return rows
 
 
+def _mma_shape(kind: str) -> str:
+    """The shape part of a tensor instruction kind (``HMMA.16816.F32.BF16`` -> ``16816``); kinds
+    printed without one (Blackwell's ``UTCHMMA``, whose shape lives in a descriptor) as they are."""
+    parts = kind.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
 def _config_rows(lead, c, mark, all_loops):
     """Rows of one compiled configuration: one per main loop (or the gated one only)."""
     rows = []
@@ -179,7 +186,7 @@ def _config_rows(lead, c, mark, all_loops):
         pe = lp["per_element"]
         mk = lp["mufu_per_element"]
         mufu_kinds = "/".join(_fmt(mk.get(k, 0.0), 2) for k in ("EX2", "LG2", "RCP"))
-        kinds = ",".join(k.split(".")[1] for k in lp["mma"]) or "-"
+        kinds = ",".join(_mma_shape(k) for k in lp["mma"]) or "-"
         t = lp["tensor"]
         bd = lp.get("bound")
         ratio = lp.get("ratio_vs_softmax", {}).get("instructions")

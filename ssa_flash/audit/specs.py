@@ -1,7 +1,8 @@
 """The kernel specialisations the Triton launcher can choose, and the launches that compile them.
 
 A :class:`Variant` names one: kernel x operation (softmax / SSA x fixed / adaptive temperature) x
-causal x mask kind x head dim x dtype x target. :func:`capture` calls the launcher's host
+causal x mask kind x head dim x dtype x target (x a feature switch: dropout, a local window, a
+packed variable-length batch or a decoding step on a KV cache). :func:`capture` calls the launcher's host
 functions (``ssa_flash.triton.launch``) with ``meta`` tensors inside ``capture_launches``, so that
 the audit compiles exactly what a real call of that shape would launch on that GPU.
 
@@ -20,10 +21,15 @@ import torch
 KERNELS = ("fwd", "stats", "bwd_dq", "bwd_dkdv")
 OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
 MASKS = ("none", "bool", "additive")
+#: Feature switches that change what the launcher compiles (and its tile choice): none; dropout
+#: (p = 0.1); a sliding window of 256 keys (causal) or 256 either side; a packed variable-length
+#: batch (no mask); one decoding step (Lq = 1) on a KV cache (forward and statistics only, no
+#: mask). Several join with "+", e.g. "dropout+window".
+FEATURES = ("none", "dropout", "window", "varlen", "decode")
 HEAD_DIMS = (32, 64, 111, 128, 256)  # 111: an odd dim, zero-padded to the 128 tile
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16")  # also "fp32" (IEEE dots, torch's default) and "tf32" (float32, TF32 dots)
 ARCHS = (80, 90)
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,15 @@ class Variant:
     causal: bool
     mask: str  # one of MASKS
     head_dim: int
-    dtype: str  # "bf16", "fp16" (or "fp32")
+    dtype: str  # "bf16", "fp16" (or "fp32", "tf32": float32 inputs under torch's "highest" / "high")
     arch: int  # compute capability, e.g. 90
     seqlen: int = 4096
     group: int = 1  # query heads per key/value head (GQA)
+    feature: str = "none"  # one of FEATURES, or several joined with "+"
+
+    @property
+    def features(self) -> frozenset:
+        return frozenset(self.feature.split("+")) - {"none"}
 
     @property
     def ssa(self) -> bool:
@@ -57,6 +68,8 @@ class Variant:
             parts.append(f"g{self.group}")
         if self.seqlen != 4096:
             parts.append(f"L{self.seqlen}")
+        if self.feature != "none":
+            parts.append(self.feature)
         return "-".join(parts)
 
     def softmax_twin(self) -> "Variant":
@@ -68,22 +81,37 @@ class Variant:
         return asdict(self)
 
 
-def runs(kernel: str, op: str) -> bool:
+def runs(kernel: str, op: str, feature: str = "none", mask: str = "none") -> bool:
     """Whether ``op`` launches ``kernel`` (the statistics pass runs only for the adaptive
-    temperature)."""
-    return kernel != "stats" or op in ("adaptive", "ssa_adaptive")
+    temperature) with ``feature`` and ``mask`` (decoding runs the forward kernels only; packed
+    batches and decoding take no mask; dropout acts after the statistics, whose launch it does
+    not change)."""
+    fs = set(feature.split("+")) - {"none"}
+    unknown = fs - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown feature {sorted(unknown)}; choose from {FEATURES}")
+    if kernel == "stats" and op not in ("adaptive", "ssa_adaptive"):
+        return False
+    if fs & {"varlen", "decode"} and mask != "none":
+        return False
+    if {"varlen", "decode"} <= fs:
+        return False
+    if "decode" in fs and (kernel not in ("fwd", "stats") or "dropout" in fs):
+        return False
+    return not ("dropout" in fs and kernel == "stats")
 
 
 def variants(archs: Sequence[int] = ARCHS, kernels: Sequence[str] = KERNELS, ops: Sequence[str] = OPS,
              causal: Sequence[bool] = (False, True), masks: Sequence[str] = MASKS,
              head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[str] = DTYPES,
-             groups: Sequence[int] = (1,), seqlen: int = 4096) -> List[Variant]:
+             groups: Sequence[int] = (1,), seqlen: int = 4096,
+             features: Sequence[str] = ("none",)) -> List[Variant]:
     """Every combination of the given axes that the launcher can launch."""
     out = []
-    for arch, dtype, d, kernel, op, c, mask, g in itertools.product(
-            archs, dtypes, head_dims, kernels, ops, causal, masks, groups):
-        if runs(kernel, op):
-            out.append(Variant(kernel, op, bool(c), mask, int(d), dtype, int(arch), seqlen, int(g)))
+    for arch, dtype, d, kernel, op, c, mask, g, f in itertools.product(
+            archs, dtypes, head_dims, kernels, ops, causal, masks, groups, features):
+        if runs(kernel, op, f, mask):
+            out.append(Variant(kernel, op, bool(c), mask, int(d), dtype, int(arch), seqlen, int(g), f))
     return out
 
 
@@ -107,38 +135,68 @@ def _call_host(v: Variant):
         mask = meta(1, 1, L, L).expand(B, H, L, L)
     b = meta(H, dtype=acc) if v.ssa else None
     n = meta(H, dtype=acc) if v.ssa else None
-    spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, ssa=v.ssa, adaptive=v.adaptive)
+    fs = v.features
+    feat = {}
+    if "dropout" in fs:
+        feat.update(dropout_p=0.1, rng=meta(2, dtype=torch.int64))
+    if "window" in fs:
+        feat.update(window_left=256, window_right=0 if v.causal else 256)
+    spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, ssa=v.ssa, adaptive=v.adaptive,
+                                **feat)
+    layout = None
+    Lq = L
+    if "varlen" in fs:  # B sequences of at most L rows, packed: (B * L, H, D)
+        q, k, val = (t.transpose(1, 2).reshape(B * L, t.shape[1], D) for t in (q, k, val))
+        cu = meta(B + 1, dtype=torch.int32)
+        layout = launch.Packed(cu, cu, L, L)
+    elif "decode" in fs:  # one new query per sequence on a cache of L rows
+        Lq = 1
+        q = meta(B, H, Lq, D)
+        layout = launch.KVCache(meta(B, dtype=torch.int32))
+    rows = (H, B * L) if "varlen" in fs else (B, H, Lq)
     if v.kernel == "stats":
-        launch.row_entropy(q, k, mask, b, n, spec)
+        launch.row_entropy(q, k, mask, b, n, spec, layout)
     elif v.kernel == "fwd":
-        beta = meta(B, H, L, dtype=acc) if v.adaptive else None
-        launch.forward(q, k, val, mask, b, n, beta, spec)
+        beta = meta(*rows, dtype=acc) if v.adaptive else None
+        launch.forward(q, k, val, mask, b, n, beta, spec, layout)
     else:
-        o, lse = meta(B, H, L, D), meta(B, H, L, dtype=acc)
-        temp = launch.TemperatureState(*(meta(B, H, L, dtype=acc) for _ in range(4))) if v.adaptive else None
-        launch.backward(o, q, k, val, o, lse, None, mask, b, n, temp, spec)
+        o, lse = meta(*q.shape), meta(*rows, dtype=acc)
+        temp = launch.TemperatureState(*(meta(*rows, dtype=acc) for _ in range(4))) if v.adaptive else None
+        launch.backward(o, q, k, val, o, lse, None, mask, b, n, temp, spec, layout)
 
 
 def capture(v: Variant, candidate: int = 0):
     """The :class:`~ssa_flash.triton.launch.KernelLaunch` of ``v`` with the launcher's block
-    configuration number ``candidate`` (0: its first choice; the launcher falls back to later
-    ones when a configuration does not fit the GPU)."""
+    configuration number ``candidate`` (0: its first choice) among those it would try on this
+    target (the table's candidates less those pruned for shared memory: the launcher falls back
+    to later ones when a configuration does not fit the GPU)."""
     from ssa_flash.triton import launch
 
-    original = launch.block_candidates
+    if v.dtype == "tf32":  # float32 under torch's "high" matmul precision: TF32 dots
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            return capture(Variant(**dict(asdict(v), dtype="fp32")), candidate)
+        finally:
+            torch.set_float32_matmul_precision(before)
+    originals = launch.block_candidates, launch._decode_candidates
     if candidate:
-        def shifted(*args, **kwargs):
-            cands = original(*args, **kwargs)
-            if candidate >= len(cands):
-                raise IndexError(f"{v.id}: the launcher has only {len(cands)} block configurations")
-            return cands[candidate:]
-        launch.block_candidates = shifted
+        def shifted(table, kernel):
+            def pick(arch, head_block, dtype, *args, **kwargs):
+                cands = launch.tiles.prune(table(arch, head_block, dtype, *args, **kwargs),
+                                           args[0] if args else kernel, head_block, dtype, arch)
+                if candidate >= len(cands):
+                    raise IndexError(f"{v.id}: the launcher has only {len(cands)} block configurations")
+                return cands[candidate:]
+            return pick
+        launch.block_candidates = shifted(originals[0], v.kernel)
+        launch._decode_candidates = shifted(originals[1], v.kernel + "_decode")
     try:
         with launch.capture_launches(v.arch) as cap:
             _call_host(v)
     finally:
-        launch.block_candidates = original
-    found = [kl for kl in cap if kl.name == v.kernel]
+        launch.block_candidates, launch._decode_candidates = originals
+    found = [kl for kl in cap if kl.name in (v.kernel, v.kernel + "_decode")]
     if len(found) != 1:
         raise RuntimeError(f"{v.id}: expected one {v.kernel} launch, captured {[kl.name for kl in cap]}")
     return found[0]

@@ -133,13 +133,42 @@ def _layout(launch, spec: AttentionSpec):
     return None
 
 
+# bfloat16 on the CPU. Triton's interpreter computes ``tl.dot`` on bfloat16 operands wrongly (outputs
+# ~1e9 for inputs of magnitude ~3: numpy has no bfloat16), while float16 and float32 are right. So
+# bfloat16 CPU calls run the kernels on float32 copies of the bfloat16 tensors and round what the
+# GPU kernels return in bfloat16 (the output, dQ, dK, dV) to bfloat16; the statistics stay float32
+# as on the GPU. The one difference from a GPU run: the GPU also rounds the probabilities P (and
+# dS in the backward) to bfloat16 before their matmuls, as FlashAttention does; here they stay
+# float32, which is at least as accurate.
+
+
+def _emulate_bf16(x) -> bool:
+    """Whether ``x`` is a bfloat16 tensor that the interpreter would run (a CPU tensor)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def _f32(x):
+    """A float32 copy of a bfloat16 tensor; anything else (None, bool masks, int tensors, float32
+    statistics) as it is."""
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+
+
+def _bf16(x):
+    return None if x is None else x.to(torch.bfloat16)
+
+
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     launch = _launch()
+    if _emulate_bf16(q):
+        q, k, mask = _f32(q), _f32(k), _f32(mask)
     return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b), _layout(launch, spec))
 
 
 def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     launch = _launch()
+    if _emulate_bf16(q):
+        o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), b, n, beta, spec)
+        return _bf16(o), lse
     return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b),
                           _layout(launch, spec))
 
@@ -147,6 +176,9 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     launch = _launch()
+    if _emulate_bf16(q):
+        dq, dk, dv, db, dn = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n, temp, spec)
+        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn
     ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b),
                            _layout(launch, spec))
@@ -157,6 +189,8 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
 
 def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
     launch = _launch()
+    if _emulate_bf16(q):
+        dout, q, k, v, out, mask = map(_f32, (dout, q, k, v, out, mask))
     return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
                             _spec(launch, spec, b))
 
@@ -164,6 +198,10 @@ def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState,
 def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
                      spec: AttentionSpec):
     launch = _launch()
+    if _emulate_bf16(q):
+        dq, dk, dv, db, dn = backward_given_g(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n,
+                                              temp, g, spec)
+        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
                            _spec(launch, spec, b), g=g)
 

@@ -43,6 +43,11 @@ from .dropout import dropout_mask_kernel
 from .entropy import row_entropy_kernel
 from .forward import attention_fwd_kernel
 from .splitkv import merge_entropy_kernel, merge_output_kernel
+# The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
+# the audit replaces ``launch.block_candidates`` to compile later candidates).
+from . import tiles  # noqa: F401
+from .tiles import Blocks, block_candidates, prune as _prune_candidates  # noqa: F401
+from .tiles import decode_candidates as _decode_candidates  # noqa: F401
 
 _MAX_GRID = 2**31 - 1
 
@@ -102,16 +107,6 @@ class TemperatureState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Blocks:
-    """One launch configuration: query/key tile sizes, warps per program, pipeline stages."""
-
-    m: int
-    n: int
-    warps: int
-    stages: int
-
-
-@dataclass(frozen=True)
 class KernelLaunch:
     """Everything that decides what a kernel launch compiles to and runs: the kernel, its grid,
     positional arguments, ``tl.constexpr`` keyword arguments (block sizes included) and compile
@@ -133,93 +128,6 @@ def _acc_dtype(dtype: torch.dtype):
 
 def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
-
-
-def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, kernel: str,
-                     masked: bool = False, adaptive: bool = False, dropout: bool = False):
-    """Configurations to try for ``kernel`` on a GPU of compute capability ``arch`` (e.g. 90;
-    None: the interpreter), best first; ``masked``: the launch reads an attention mask;
-    ``adaptive``: the adaptive temperature's backward (more live tiles per element);
-    ``dropout``: the specialisation generates dropout bits, whose registers the dK/dV kernel's
-    default tiles cannot spare. Under the interpreter small blocks make the tests cross block
-    boundaries at small lengths. On a GPU the candidates that fit the shared memory and registers
-    are timed once (see ``_launch``)."""
-    if arch is None:
-        return [Blocks(16, 16, 4, 1)]
-    wide = dtype in (torch.float32, torch.float64)
-    # First choices come from the static audit (python -m ssa_flash.audit; bench/NOTES.md): the
-    # largest tiles whose main loops compile without register spills. Hopper's wgmma splits a
-    # matmul's M dimension over warpgroups of 4 warps in 64-row slices, so 8 warps need M >= 128
-    # (M: queries in fwd/stats/dQ, keys in the transposed dK/dV kernel) or both warpgroups
-    # would compute the same rows. Ampere's mma.sync has no such constraint but fewer registers
-    # to spare (its operands live in registers, not shared memory).
-    hopper = arch >= 90
-    if kernel in ("fwd", "stats"):
-        if head_block <= 64:
-            # 8 warps on 128 x 128 tiles keep the interior at ~7 instructions per element; with
-            # a mask (more live values) 64 x 64 tiles are what compiles without spills
-            cands = ([Blocks(64, 64, 4, 3), Blocks(128, 128, 8, 3)] if masked
-                     else [Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 3)])
-        elif head_block <= 128:
-            cands = [Blocks(128, 64, 8, 3) if hopper else Blocks(128, 32, 8, 3), Blocks(64, 64, 4, 2)]
-        else:
-            cands = [Blocks(64, 32, 4, 2)]
-    elif kernel == "bwd_dq":
-        # with the adaptive temperature the dQ kernel carries a second dQ accumulator (the
-        # entropy term's) and more row statistics: smaller tiles keep it out of local memory
-        if head_block <= 64:
-            if adaptive:
-                # sm_80 at D <= 32: 16 x 64 (32 x 64 spills with SSA and takes 40% more instructions)
-                ampere = Blocks(16, 64, 4, 2) if head_block <= 32 else Blocks(32, 64, 4, 2)
-                cands = [Blocks(64, 32, 4, 2) if hopper else ampere, Blocks(64, 64, 4, 2)]
-            else:
-                cands = [Blocks(64, 64, 4, 2) if hopper else Blocks(64, 32, 4, 2), Blocks(64, 64, 4, 2)]
-        elif head_block <= 128:
-            if adaptive:
-                # with a mask one pipeline stage: two spill (132 B) and serialise wgmma (C7515)
-                cands = [Blocks(128, 16, 8, 1 if masked else 2) if hopper else Blocks(16, 64, 4, 2),
-                         Blocks(64, 64, 4, 2)]
-            else:
-                cands = [Blocks(128, 32, 8, 2) if hopper else Blocks(32, 64, 4, 2), Blocks(64, 64, 4, 2)]
-        else:
-            cands = [Blocks(64, 32, 4, 1)]
-    else:  # bwd_dkdv: n = keys per program (the M dimension), m = queries per step
-        # The dK, dV accumulators and the K, V operands stay in registers for the whole program:
-        # few queries per step is what fits 255 registers without spilling.
-        if head_block <= 64:
-            cands = [Blocks(16, 128, 8, 2) if adaptive and not hopper else Blocks(32, 128, 8, 2),
-                     Blocks(64, 64, 4, 2)]
-        elif head_block <= 128:
-            if adaptive:
-                cands = [Blocks(16, 64, 4, 2) if hopper else Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
-            else:
-                cands = [Blocks(16, 128, 8, 2), Blocks(32, 32, 4, 2), Blocks(64, 64, 4, 2)]
-        else:
-            cands = [Blocks(32, 64, 4, 1)]
-    if dropout and kernel == "bwd_dkdv" and head_block <= 128 and not hopper:
-        # The Philox words and the layout conversion of the keep bits (see common.dropout_keep)
-        # cost registers. On sm_90 the default tiles still compile without spills; on sm_80 they
-        # spill (D=64: ~1.4, D=128: ~5 loads/stores per element, SSA). The static audit's choice:
-        # the largest tiles without spills at D=64; at D=128 32 x 64 (~1 spill per element),
-        # because the spill-free 16 x 64 costs 50% more instructions.
-        cands = [Blocks(16, 64, 4, 2) if head_block <= 64 else Blocks(32, 64, 4, 2)] + cands
-    if wide:
-        cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
-    return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
-
-
-def _decode_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype):
-    """Configurations for the forward and statistics kernels on a KV cache with at most 16 queries
-    per row block (decoding): 16-row query tiles (the smallest ``tl.dot`` takes; a decoding step is
-    bound by reading the cache, not by the tensor cores), wide key tiles and deep pipelines to keep
-    loads in flight."""
-    if arch is None:
-        return [Blocks(16, 16, 4, 1)]
-    if head_block <= 128 and dtype not in (torch.float32, torch.float64):
-        cands = [Blocks(16, 128, 4, 3), Blocks(16, 64, 4, 2)]
-    else:
-        cands = [Blocks(16, 64, 4, 2), Blocks(16, 32, 4, 1)]
-    return cands + [Blocks(16, 16, 4, 1)]
 
 
 # Split-KV decoding: the SM count the heuristic fills when it cannot ask a GPU (the interpreter,
@@ -473,7 +381,8 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype,
     else:
         cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0,
                                  adaptive=bool(consts.get("ADAPTIVE", False)),
-                                 dropout=bool(consts.get("DROPOUT", False)))
+                                 dropout=bool(consts.get("DROPOUT", False)), window=bool(consts.get("WINDOW", False)))
+    cands = _prune_candidates(cands, name, head_block, dtype, arch)  # what cannot fit is never compiled
     if _capture is not None:
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
@@ -630,13 +539,33 @@ def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> i
     return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
 
 
+def tf32_allowed() -> bool:
+    """Whether torch's own float32 matmuls on CUDA may use TF32 tensor cores: True after
+    ``torch.set_float32_matmul_precision("high")`` or ``("medium")`` or
+    ``torch.backends.cuda.matmul.allow_tf32 = True`` (torch keeps the two in step); False at
+    torch's default, ``"highest"``."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:
+    """``input_precision`` of the kernels' ``tl.dot`` (the ``DOT_PRECISION`` constexpr, so a change
+    of torch's setting compiles and caches another kernel): ``"tf32"`` for float32 inputs on a
+    GPU with TF32 tensor cores (sm_80+) when :func:`tf32_allowed`, as torch's float32 matmuls do;
+    ``"ieee"`` otherwise (float32 at ``"highest"``, 16-bit inputs, which the precision does not
+    affect, float64, the interpreter). Read on the host at every call, outside any graph."""
+    if dtype != torch.float32 or arch is None or arch < 80:
+        return "ieee"
+    return "tf32" if tf32_allowed() else "ieee"
+
+
 def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
+    arch = _capture_arch if _capture is not None else _device_arch(q.device)
     return dict(
         SSA=spec.ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
-        BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype), DOT_PRECISION="ieee",
-        FAST_MATH=_fast_math(q),
+        BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
     )
 
 
