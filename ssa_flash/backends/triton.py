@@ -10,11 +10,11 @@ Triton is imported on first use, so the package works without it.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from ..triton.interpreter import interpreting
 from .spec import AttentionSpec, TemperatureState
 
 __all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
@@ -28,18 +28,6 @@ def _launch():
     from ..triton import launch  # lazily: Triton is optional
 
     return launch
-
-
-def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter now, read as the installed
-    Triton reads it: through ``triton.knobs`` from 3.4 on (``1``, ``true``, ``on``, ``yes``, any
-    case), as exactly ``"1"`` before. Only the current setting: whether Triton's functions were
-    made under it is :func:`unavailable_reason`'s question."""
-    try:
-        from triton import knobs
-    except Exception:  # no Triton, or one older than 3.4
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return bool(knobs.runtime.interpret)
 
 
 def importable() -> bool:

@@ -36,12 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import dropout_keep_threshold
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .common import (MASK_ADD, MASK_BOOL, MASK_NONE, VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE,
                      VARLEN_PACKED)
 from .dropout import dropout_mask_kernel
 from .entropy import row_entropy_kernel
 from .forward import attention_fwd_kernel
+from .interpreter import interpreting
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 # The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
 # the audit replaces ``launch.block_candidates`` to compile later candidates).
@@ -50,11 +52,6 @@ from .tiles import Blocks, block_candidates, prune as _prune_candidates  # noqa:
 from .tiles import decode_candidates as _decode_candidates  # noqa: F401
 
 _MAX_GRID = 2**31 - 1
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -482,13 +479,6 @@ def _fast_math(q) -> bool:
     return on_gpu and q.dtype != torch.float64
 
 
-def keep_threshold(p: float) -> int:
-    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): the kernels keep an element iff its
-    32-bit Philox word is below ``2 keep31``, i.e. with probability ``keep31 / 2^31``, which is
-    ``1 - p`` to within 2^-32."""
-    return min(int(round((1.0 - p) * 2.0**31)), 2**31 - 1)
-
-
 def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
     """The trailing runtime arguments of the attention kernels, ``(RNG, keep31, drop_scale_hi,
     drop_scale_lo, win_left, win_right)``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
@@ -500,7 +490,7 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
         if spec.rng is None:
             raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
         p = float(spec.dropout_p)
-        drop_args = (spec.rng, keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
+        drop_args = (spec.rng, dropout_keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
     else:
         drop_args = (None, None, None, None)
     window = spec.window_left >= 0 or spec.window_right >= 0
@@ -904,6 +894,6 @@ def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
     num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
     with _on_device(rng.device):
         dropout_mask_kernel[(num_m * num_n * B * H,)](
-            out, rng, keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
+            out, rng, dropout_keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
             BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
     return out.bool()
