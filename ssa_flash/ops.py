@@ -466,7 +466,7 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
 
 
 # --------------------------------------------------------------------------------------------
-# Packed variable-length batches and KV-cache decoding (DESIGN.md 1.5)
+# Packed variable-length batches and KV-cache decoding (docs/design.md §1.5)
 
 
 def _check_int(name: str, x, *, minimum: int) -> int:

@@ -13,7 +13,7 @@ from ssa_flash import reference
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# The interpreter's tl.dot is exact for float64/32/16 but not bfloat16 (see DEVELOPERS guide).
+# The interpreter's tl.dot is exact for float64/32/16 but not bfloat16 (docs/design.md §3).
 KERNEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if CUDA else [torch.float32, torch.float64]
 LOW_PRECISION = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

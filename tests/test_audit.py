@@ -1,4 +1,4 @@
-"""The static audit (``python -m ssa_flash.audit``, DESIGN.md 4.3, issue 11) as CI checks. No GPU.
+"""The static audit (``python -m ssa_flash.audit``, docs/design.md §4.3, issue 11) as CI checks. No GPU.
 
 1. The analyser on synthetic SASS / ptxas / cuobjdump / Triton-IR text with known counts, and a
    known kernel compiled for real (``ssa_flash.audit.probe``): a loop's instruction mix, its tensor

@@ -1,6 +1,6 @@
 """The CUDA C++ backend (csrc/, ssa_flash/backends/cuda.py) on a GPU: against the float64 reference with
 FlashAttention's error rule (error <= 2x the same-dtype naive error + a floor), against the
-Triton backend, over the feature matrix of DESIGN.md 1.4 and the four variants; determinism;
+Triton backend, over the feature matrix of docs/design.md §1.4 and the four variants; determinism;
 clear errors for inputs it does not run; compute-sanitizer memcheck and racecheck on a small run.
 
 Skipped without a CUDA device. On a GPU without the extension (no prebuilt ssa_flash._C and no

@@ -1,4 +1,4 @@
-"""Attention dropout (DESIGN.md 1.5): SDPA's semantics on the final weights, Philox bits generated
+"""Attention dropout (docs/design.md §1.5): SDPA's semantics on the final weights, Philox bits generated
 in the Triton kernels and regenerated in the backward.
 
 The kernels are held to the reference given the same keep mask (``ssa_flash.dropout_mask``

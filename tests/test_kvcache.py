@@ -1,4 +1,4 @@
-"""ssa_flash.attention_with_kvcache (decoding, DESIGN.md 1.5) through the Triton kernels: against
+"""ssa_flash.attention_with_kvcache (decoding, docs/design.md §1.5) through the Triton kernels: against
 the reference written with explicit per-batch lengths and a bottom-right causal mask, the in-place
 cache update, split-KV against unsplit (outputs and the adaptive temperature's merged statistics),
 left padding, empty caches, the split heuristic, and validation."""

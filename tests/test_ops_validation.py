@@ -1,4 +1,4 @@
-"""Bad input gets a clear ValueError / TypeError naming the argument (DESIGN.md 2), before any
+"""Bad input gets a clear ValueError / TypeError naming the argument (docs/design.md §2), before any
 kernel runs; backends that cannot run say why."""
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""The streamed entropy pass and the adaptive temperature (DESIGN.md 1.3)."""
+"""The streamed entropy pass and the adaptive temperature (docs/design.md §1.3)."""
 import pytest
 import torch
 

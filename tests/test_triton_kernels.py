@@ -1,5 +1,5 @@
 """The Triton kernel family (forward, entropy pass, backward) against the materialised reference,
-over every feature of DESIGN.md 1.4 and the four variants (softmax / SSA x fixed / adaptive
+over every feature of docs/design.md §1.4 and the four variants (softmax / SSA x fixed / adaptive
 temperature). On the CPU this runs through Triton's interpreter, on a GPU on the device."""
 import pytest
 import torch

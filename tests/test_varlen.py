@@ -1,4 +1,4 @@
-"""ssa_flash.varlen_attention (packed variable-length batches, DESIGN.md 1.5) through the Triton
+"""ssa_flash.varlen_attention (packed variable-length batches, docs/design.md §1.5) through the Triton
 kernels: against the reference applied to each sequence, against the dense kernels on a padded
 layout, gradients (b, n included, float64 gradcheck), validation, and the op registration."""
 import pytest

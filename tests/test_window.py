@@ -1,4 +1,4 @@
-"""Local attention, ``window_size=(left, right)`` (DESIGN.md 1.5): query i attends key j only if
+"""Local attention, ``window_size=(left, right)`` (docs/design.md §1.5): query i attends key j only if
 ``i - left <= j <= i + right`` (-1: unbounded), top-left aligned, intersected with ``is_causal``
 and masks.
 

@@ -1,4 +1,4 @@
-"""Static audit of the CUDA kernels (DESIGN.md 4.3): per kernel, registers / spills / shared
+"""Static audit of the CUDA kernels (docs/design.md §4.3): per kernel, registers / spills / shared
 memory from ptxas, and the SASS instructions of the main loop per score element.
 
 The counting logic is one self-contained function, :func:`count_loop`, which takes the SASS text

@@ -1,4 +1,4 @@
-"""Static audit of the compiled kernels (DESIGN.md 4.3): ``python -m ssa_flash.audit``.
+"""Static audit of the compiled kernels (docs/design.md §4.3): ``python -m ssa_flash.audit``.
 
 Compiles, on a machine without a GPU, every kernel specialisation the Triton launcher can choose
 (and the CUDA C++ kernels when nvcc is present) for a GPU target, and reads the compiled code:

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ssa_flash.audit",
         description="Static audit of the compiled attention kernels: registers, spills, shared memory, ptxas "
                     "warnings, tensor-core instructions and the instruction mix per score element of each main "
-                    "loop, and the throughput bound these allow (DESIGN.md 4.3). Compiles on the CPU; it is a "
+                    "loop, and the throughput bound these allow (docs/design.md §4.3). Compiles on the CPU; it is a "
                     "static bound, never a measurement.")
     p.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90 (also 75, 86, 89, 100, 120: "
                    "resources and counts, no bound model)")

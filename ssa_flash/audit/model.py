@@ -1,4 +1,4 @@
-"""Per-architecture limits and the throughput bound of DESIGN.md 4.3.
+"""Per-architecture limits and the throughput bound of docs/design.md §4.3.
 
 Bound model, per SM and clock: ``ISSUE`` thread-instructions issued (4 schedulers x 32 lanes),
 ``MUFU`` special-function results, ``TENSOR`` dense 16-bit multiply-adds. For one score element
@@ -90,7 +90,7 @@ def occupancy(model: ArchModel, registers: int, threads: int, shared_bytes: int)
 
 def bound(model: ArchModel, instructions: float, mufu: float, macs_by_type: Dict[str, float],
           useful_macs: float) -> Optional[dict]:
-    """The bound of DESIGN.md 4.3 for one score element.
+    """The bound of docs/design.md §4.3 for one score element.
 
     ``instructions``, ``mufu``: thread-instructions per element; ``macs_by_type``: multiply-adds per
     element the tensor instructions perform, by input type; ``useful_macs``: multiply-adds per

@@ -1,7 +1,7 @@
 """The reference backend: :class:`~ssa_flash.backends.spec.Backend` on materialised scores.
 
 The forward reuses the specification's logit rows (``ssa_flash.reference``); the backward is
-DESIGN.md 1.2 / 1.3 written out on whole ``(B, Hq, Lq, Lk)`` matrices, in the accumulation dtype
+docs/design.md §1.2 / §1.3 written out on whole ``(B, Hq, Lq, Lk)`` matrices, in the accumulation dtype
 (float64 for float64 inputs, else float32), on any device and dtype. O(Lq * Lk) memory.
 
 Packed batches and KV caches (``spec.packed``, ``spec.kv_cache``) run the dense computation on

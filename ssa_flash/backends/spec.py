@@ -72,7 +72,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What the backends compute, apart from the tensors (DESIGN.md 1).
+    """What the backends compute, apart from the tensors (docs/design.md §1).
 
     Whether the logits are SSA's or softmax's is not a field: it is whether ``b``/``n`` are given.
     """
@@ -115,7 +115,7 @@ class AttentionSpec:
     num_splits: int = 0
     """KV cache: programs sharing each query block's keys (split-KV); 0: the backend decides"""
     dropout_p: float = 0.0
-    """dropout probability in [0, 1] on the final weights (DESIGN.md 1.5); 0: no dropout"""
+    """dropout probability in [0, 1] on the final weights (docs/design.md §1.5); 0: no dropout"""
     window_left: int = -1
     """local attention: query ``i`` sees keys ``j >= i - window_left``; -1: unbounded"""
     window_right: int = -1
@@ -215,7 +215,7 @@ class Backend(Protocol):
                  n: Optional[Tensor], temp: Optional[TemperatureState], spec: AttentionSpec
                  ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """``(dq, dk, dv, db, dn)`` given the output gradient ``dout`` and the LSE gradient ``dlse``
-        (or None): DESIGN.md 1.2 and 1.3, with ``delta = rowsum(dout * out) - dlse``. ``out`` and
+        (or None): docs/design.md §1.2 and §1.3, with ``delta = rowsum(dout * out) - dlse``. ``out`` and
         ``lse`` are those ``forward`` returned (for a key shard: the global ones). ``db``, ``dn``
         are ``(Hq,)`` in the accumulation dtype, None for softmax; ``temp`` is given iff
         ``spec.adaptive``."""
@@ -226,7 +226,7 @@ class KeyShardTemperature(Protocol):
     """Optional functions of a backend module: the adaptive temperature's backward over a shard of
     the keys (``spec.adaptive`` only; tensors as in :meth:`Backend.backward`).
 
-    DESIGN.md 1.3: ``g_i = dbeta_i * dbeta/dH_i`` with ``dbeta_i = sum_j dS'_ij l_ij`` over the
+    docs/design.md §1.3: ``g_i = dbeta_i * dbeta/dH_i`` with ``dbeta_i = sum_j dS'_ij l_ij`` over the
     whole row, and every ``dl_ij`` needs ``g_i``. :meth:`Backend.backward` computes ``dbeta`` over
     the keys it is given, which for a key shard is only part of the sum. A caller holding key
     shards sums :meth:`row_dbeta` over them, forms ``g``, and calls :meth:`backward_given_g` on

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ssa_flash.bench",
         description="Benchmark ssa_flash against SDPA, FlexAttention and the naive reference. "
-                    "Defaults: DESIGN 4.1 shapes (bf16, B*L = 16k tokens, 16 heads, D in {64, 128}, "
+                    "Defaults: docs/design.md §4.1 shapes (bf16, B*L = 16k tokens, 16 heads, D in {64, 128}, "
                     "L in 1k..16k, causal and not) and a memory sweep up to 128k.")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke mode: tiny shapes, the reference, SDPA math and the Triton kernels "

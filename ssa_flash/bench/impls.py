@@ -1,6 +1,6 @@
 """What is benchmarked: the operations, the implementations, and how to build a call of one.
 
-Operations (DESIGN 4.2 ``op``): ``softmax``, ``ssa``, ``adaptive`` (softmax with the adaptive
+Operations (docs/design.md §4.2 ``op``): ``softmax``, ``ssa``, ``adaptive`` (softmax with the adaptive
 temperature) and ``ssa_adaptive``. Implementations (``impl``):
 
 * ``ssa_flash.triton``, ``ssa_flash.cuda``: our backends, through the public functions.
@@ -59,7 +59,7 @@ class Shape:
 
     def io_bytes(self) -> int:
         """Bytes of q, k, v, o, dO, dq, dk, dv (input dtype) and lse (float32): the floor of any
-        forward+backward's memory (DESIGN 4.1's memory target)."""
+        forward+backward's memory (docs/design.md §4.1's memory target)."""
         elems = self.batch * self.heads * self.seqlen * self.headdim
         return 8 * elems * torch.empty((), dtype=self.dtype).element_size() + \
             self.batch * self.heads * self.seqlen * 4

@@ -1,4 +1,4 @@
-"""Summary tables from a results dict: the ratios of DESIGN 4.1, side by side from one run.
+"""Summary tables from a results dict: the ratios of docs/design.md §4.1, side by side from one run.
 
 Speed-ups are ``baseline ms / our ms`` (above 1: we are faster); cost ratios are
 ``our adaptive ms / our softmax ms``. A cell that misses its target is marked ``!``;
@@ -85,7 +85,7 @@ def ratio_tables(results: dict) -> List[Table]:
             line.append(_fmt(tf, "{:.4g}"))
             line.append(_fmt(None if (tf is None or not mm) else 100.0 * tf / mm, "{:.3g}%"))
             body.append(line)
-        judging = ("'!' misses the DESIGN 4.1 target" if judged else
+        judging = ("'!' misses the docs/design.md §4.1 target" if judged else
                    "CPU / Triton-interpreter timings: not comparable with the GPU targets, none judged")
         notes = [f"{ours}: speed-ups = baseline ms / {ours} ms; cost = {ours} ms / {ours} softmax ms; "
                  f"{judging}; '-' = no time (not run, OOM or unsupported).",
@@ -119,7 +119,7 @@ def ratio_tables(results: dict) -> List[Table]:
             body.append(line)
         r0 = mem[0]
         notes = [f"forward+backward peak allocated memory (GiB) and its ratio to the tensors themselves "
-                 f"(q, k, v, o, dO, dq, dk, dv, lse; DESIGN 4.1 target x1.2); B={r0['batch']} "
+                 f"(q, k, v, o, dO, dq, dk, dv, lse; docs/design.md §4.1 target x1.2); B={r0['batch']} "
                  f"H={r0['heads']} D={r0['headdim']} {r0['dtype']}{' causal' if r0['causal'] else ''}"]
         if any(r.get("peak_mem_bytes") is None and r.get("ms") is not None for r in mem):
             notes.append("n/a: ran, but no peak memory was measured (torch measures CUDA memory "

@@ -43,7 +43,7 @@ class Config:
     ops: Sequence[str] = OPS
     impls: Sequence[str] = IMPLS
     passes: Sequence[str] = PASSES
-    # memory sweep (forward+backward, DESIGN 4.1: B=1, H=16, D=128 up to 128k); empty disables it
+    # memory sweep (forward+backward, docs/design.md §4.1: B=1, H=16, D=128 up to 128k); empty disables it
     memory_seqlens: Sequence[int] = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
     memory_impls: Sequence[str] = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "reference")
     memory_ops: Sequence[str] = OPS

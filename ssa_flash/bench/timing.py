@@ -19,7 +19,7 @@ PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, headdim: int,
                     causal: bool, pass_: str) -> float:
-    """DESIGN 4.1: forward ``4*B*H*Lq*Lk*D`` (halved for causal), backward 2.5x, fwd+bwd 3.5x."""
+    """docs/design.md §4.1: forward ``4*B*H*Lq*Lk*D`` (halved for causal), backward 2.5x, fwd+bwd 3.5x."""
     fwd = 4.0 * batch * heads * seqlen_q * seqlen_k * headdim
     if causal:
         fwd /= 2.0

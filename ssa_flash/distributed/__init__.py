@@ -1,5 +1,5 @@
 """Sequence parallelism: SSA, softmax and adaptive-temperature attention over a sequence sharded
-across the ranks of a ``torch.distributed`` process group (ring attention; DESIGN.md 1.5,
+across the ranks of a ``torch.distributed`` process group (ring attention; docs/design.md §1.5,
 docs/distributed.md).
 
     import ssa_flash.distributed as sfd

@@ -20,7 +20,7 @@ softmax over a logit row ``l`` (``phi(z)`` or ``z``), and for the adaptive tempe
 
   ``beta`` then comes from the whole row's ``H`` (``ssa_flash.temperature``).
 
-* backward (DESIGN.md 1.2, 1.3): given the whole row's ``out``, ``lse`` (and temperature state),
+* backward (docs/design.md §1.2, §1.3): given the whole row's ``out``, ``lse`` (and temperature state),
   each entry's ``dS'_ij = P'_ij (dO_i . v_j - delta_i)`` is known from one shard, so every
   gradient is a sum over shards: ``dq`` over key shards, ``dk``, ``dv`` over query shards, ``db``,
   ``dn`` over both. The adaptive temperature's ``g_i = dbeta_i dbeta/dH_i`` needs the whole row's

@@ -1,5 +1,5 @@
 """Ring attention over ``torch.distributed``: SSA, softmax and the adaptive temperature on a
-sequence sharded across the ranks of a process group (DESIGN.md 1.5; docs/distributed.md).
+sequence sharded across the ranks of a process group (docs/design.md §1.5; docs/distributed.md).
 
 Every rank holds its shard of the queries, keys and values (:func:`shard_sequence`). The
 key/value shards travel around the ring of ranks (rank ``r`` sends to ``r + 1`` and receives

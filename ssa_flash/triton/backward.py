@@ -1,4 +1,4 @@
-"""Backward kernels (DESIGN.md 1.2 and 1.3), in two launches with no atomics:
+"""Backward kernels (docs/design.md §1.2 and §1.3), in two launches with no atomics:
 
 1. ``attention_bwd_dq_kernel``, one program per query block: ``delta = rowsum(dO * O) - dlse`` and the
    LSE in base 2 (both stored for kernel 2), ``dQ``, the
@@ -18,7 +18,7 @@ the output weights:
     dQ   = ds K,   dK = ds^T Q,   dV = P'^T dO
     db   = sum dl * n z / (1 + b|z|) = (1/b) sum_i q_i . dQ_i,   dn = sum dl * sgn(z) log1p(b|z|)
 
-Dropout (``DROPOUT``, DESIGN.md 1.5): with ``M`` the keep mask (regenerated, see
+Dropout (``DROPOUT``, docs/design.md §1.5): with ``M`` the keep mask (regenerated, see
 ``common.dropout_keep``) and ``r = 1 / (1 - p)`` the output is ``(r M * P') V``, so
 ``dV = (r M * P')^T dO`` and ``dP'`` becomes ``r M * (dO V^T)``; ``delta = rowsum(dO * O)`` is
 unchanged (FlashAttention-2's argument), and so is everything after ``dS'``.
