@@ -504,7 +504,7 @@ def _on_device(device: torch.device):
 
 
 def _dropout_args(spec: AttentionSpec) -> dict:
-    """The kernels' dropout arguments (csrc/api.cpp, fill_dropout): the (seed, offset) tensor,
+    """The kernels' dropout arguments (csrc/set_params.h, AttnCall): the (seed, offset) tensor,
     keep31 rounded as every backend rounds it, and 1 / (1 - p) (0 for p = 1); none without."""
     if spec.dropout_p <= 0:
         return {}
