@@ -9,6 +9,7 @@
 #include <string>
 
 #include "bwd_kernel.h"
+#include "dispatch.h"
 #include "fwd_kernel.h"
 #include "launch.h"
 #include "params.h"
@@ -97,8 +98,9 @@ std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t s
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
   const int smem = fwd_smem_bytes(D, sizeof(T), device_path());
-  auto kernel = ssa ? (adaptive ? attn_fwd_kernel<Tr, true, true> : attn_fwd_kernel<Tr, true, false>)
-                    : (adaptive ? attn_fwd_kernel<Tr, false, true> : attn_fwd_kernel<Tr, false, false>);
+  auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
+    return &attn_fwd_kernel<Tr, decltype(S)::value, decltype(A)::value>;
+  });
   return launch<T>(kernel, "attn_fwd_kernel", grid, Tr::kNThreads, smem, stream, p);
 }
 
@@ -107,7 +109,7 @@ std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
   const int smem = stats_smem_bytes(D, sizeof(T), device_path());
-  auto kernel = ssa ? attn_stats_kernel<Tr, true> : attn_stats_kernel<Tr, false>;
+  auto kernel = bool_switch(ssa, [](auto S) { return &attn_stats_kernel<Tr, decltype(S)::value>; });
   return launch<T>(kernel, "attn_stats_kernel", grid, Tr::kNThreads, smem, stream, p);
 }
 
@@ -121,16 +123,18 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
         using Tr = DqTraits<D, T>;
         const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
         const int smem = bwd_prep_smem_bytes(D, sizeof(T), adaptive, path);
-        auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true, true> : attn_bwd_dq_kernel<Tr, true, false, true>)
-                          : (adaptive ? attn_bwd_dq_kernel<Tr, false, true, true> : attn_bwd_dq_kernel<Tr, false, false, true>);
+        auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
+          return &attn_bwd_dq_kernel<Tr, decltype(S)::value, decltype(A)::value, true>;
+        });
         std::string err = launch<T>(kernel, "attn_bwd_dq_kernel (pre-pass)", grid, Tr::kNThreads, smem, stream, p);
         if (!err.empty()) return err;
       }
       using Tr = FusedTraits<D, T>;
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
       const int smem = bwd_fused_smem_bytes(D, sizeof(T), adaptive, path);
-      auto kernel = ssa ? (adaptive ? attn_bwd_fused_kernel<Tr, true, true> : attn_bwd_fused_kernel<Tr, true, false>)
-                        : (adaptive ? attn_bwd_fused_kernel<Tr, false, true> : attn_bwd_fused_kernel<Tr, false, false>);
+      auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
+        return &attn_bwd_fused_kernel<Tr, decltype(S)::value, decltype(A)::value>;
+      });
       return launch<T>(kernel, "attn_bwd_fused_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }
@@ -138,8 +142,9 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
     using Tr = DqTraits<D, T>;
     const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
     const int smem = dq_smem_bytes(D, sizeof(T), path);
-    auto kernel = ssa ? (adaptive ? attn_bwd_dq_kernel<Tr, true, true> : attn_bwd_dq_kernel<Tr, true, false>)
-                      : (adaptive ? attn_bwd_dq_kernel<Tr, false, true> : attn_bwd_dq_kernel<Tr, false, false>);
+    auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
+      return &attn_bwd_dq_kernel<Tr, decltype(S)::value, decltype(A)::value>;
+    });
     std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
     if (!err.empty()) return err;
   }
@@ -149,16 +154,18 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
       using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
       const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
       const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75);
-      auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
-                        : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
+      auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
+        return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value>;
+      });
       return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
     }
   }
   using Tr = DkdvTraits<D, T>;
   const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
   const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, path);
-  auto kernel = ssa ? (adaptive ? attn_bwd_dkdv_kernel<Tr, true, true> : attn_bwd_dkdv_kernel<Tr, true, false>)
-                    : (adaptive ? attn_bwd_dkdv_kernel<Tr, false, true> : attn_bwd_dkdv_kernel<Tr, false, false>);
+  auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
+    return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value>;
+  });
   return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
 }
 
@@ -184,70 +191,21 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adapti
   return plan;
 }
 
-inline std::string bad_head_dim(int dim, int dim_v) {
-  return "head dims up to 256 are supported by the CUDA kernels, got " + std::to_string(dim) +
-         " and " + std::to_string(dim_v);
-}
-
-// SSA_FLASH_HEAD_DIMS can restrict the compiled head dims (a build-time knob for quick
-// experiments); by default all five are compiled.
-#ifndef SSA_FLASH_HEAD_DIM_32
-#define SSA_FLASH_HEAD_DIM_32 1
-#endif
-#ifndef SSA_FLASH_HEAD_DIM_64
-#define SSA_FLASH_HEAD_DIM_64 1
-#endif
-#ifndef SSA_FLASH_HEAD_DIM_96
-#define SSA_FLASH_HEAD_DIM_96 1
-#endif
-#ifndef SSA_FLASH_HEAD_DIM_128
-#define SSA_FLASH_HEAD_DIM_128 1
-#endif
-#ifndef SSA_FLASH_HEAD_DIM_256
-#define SSA_FLASH_HEAD_DIM_256 1
-#endif
-
-#define SSA_FLASH_HEAD_DIM_SWITCH(DIM, DIM_V, CALL)                                  \
-  switch (padded_head_dim((DIM) > (DIM_V) ? (DIM) : (DIM_V))) {                      \
-    case 32:                                                                          \
-      if constexpr (SSA_FLASH_HEAD_DIM_32) return CALL(32);                                     \
-      break;                                                                          \
-    case 64:                                                                          \
-      if constexpr (SSA_FLASH_HEAD_DIM_64) return CALL(64);                                     \
-      break;                                                                          \
-    case 96:                                                                          \
-      if constexpr (SSA_FLASH_HEAD_DIM_96) return CALL(96);                                     \
-      break;                                                                          \
-    case 128:                                                                         \
-      if constexpr (SSA_FLASH_HEAD_DIM_128) return CALL(128);                                   \
-      break;                                                                          \
-    case 256:                                                                         \
-      if constexpr (SSA_FLASH_HEAD_DIM_256) return CALL(256);                                   \
-      break;                                                                          \
-    default:                                                                          \
-      break;                                                                          \
-  }                                                                                   \
-  return bad_head_dim(DIM, DIM_V);
-
 template <typename T>
 std::string run_fwd(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
-#define SSA_FLASH_CALL(D) fwd_hdim<T, D>(p, ssa, adaptive, stream)
-  SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim_v, SSA_FLASH_CALL)
-#undef SSA_FLASH_CALL
+  return head_dim_switch(p.dim, p.dim_v, [&](auto D) { return fwd_hdim<T, decltype(D)::value>(p, ssa, adaptive, stream); });
 }
 
 template <typename T>
 std::string run_stats(const FwdParams& p, bool ssa, cudaStream_t stream) {
-#define SSA_FLASH_CALL(D) stats_hdim<T, D>(p, ssa, stream)
-  SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim, SSA_FLASH_CALL)
-#undef SSA_FLASH_CALL
+  return head_dim_switch(p.dim, p.dim, [&](auto D) { return stats_hdim<T, decltype(D)::value>(p, ssa, stream); });
 }
 
 template <typename T>
 std::string run_bwd(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
-#define SSA_FLASH_CALL(D) bwd_hdim<T, D>(p, ssa, adaptive, plan, stream)
-  SSA_FLASH_HEAD_DIM_SWITCH(p.dim, p.dim_v, SSA_FLASH_CALL)
-#undef SSA_FLASH_CALL
+  return head_dim_switch(p.dim, p.dim_v, [&](auto D) {
+    return bwd_hdim<T, decltype(D)::value>(p, ssa, adaptive, plan, stream);
+  });
 }
 
 }  // namespace detail

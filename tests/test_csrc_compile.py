@@ -652,6 +652,36 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
     assert not any(emu70.plan(D, D, 100, 130, True, False, False, False)["fused"] for D in (96, 128))
 
 
+def test_emulated_call_struct_layout(emu_lib):
+    """csrc/emu/harness.py's ctypes mirrors of AttnCall, Operand, BwdPlan and BwdBuffers
+    (csrc/set_params.h, launch.h) against the emulator's sizeof / offsetof of each: a field added,
+    removed, reordered or retyped on one side only fails here instead of misreading memory."""
+    import ctypes
+
+    harness, lib = emu_lib
+    layout = harness.Emulator(lib).layout()
+    mirrored = {}
+    for struct in harness.MIRRORS:
+        mirrored[struct.__name__] = ctypes.sizeof(struct)
+        for name, _ in struct._fields_:
+            mirrored[f"{struct.__name__}.{name}"] = getattr(struct, name).offset
+    assert layout == mirrored
+
+
+def test_emulated_call_is_checked(emu_lib):
+    """The shared checks (csrc/set_params.h, check_call) run on the emulator's calls as on the
+    extension's: a negative scale (the Python wrapper applies it to -q), a bad group."""
+    harness, lib = emu_lib
+    emu = harness.Emulator(lib)
+    q = torch.zeros(1, 2, 16, 32, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="scale must be finite and >= 0"):
+        emu.fwd(q, q, q, None, 0, None, None, None, -0.5, False, 1)
+    with pytest.raises(RuntimeError, match="group"):
+        emu.stats(q, q, None, 0, None, None, 0.5, False, 2)
+    o, lse = emu.fwd(q, q, q, None, 0, None, None, None, 0.5, False, 1)
+    assert not o.isnan().any() and not lse.isnan().any()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_emulated_deterministic_path(emu_lib, mode):
     """deterministic=True: the two-kernel backward (dQ kernel, dK/dV kernel) against the reference,

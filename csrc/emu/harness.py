@@ -77,115 +77,171 @@ def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str =
     return out
 
 
-def _round8(d: int) -> int:
-    return (d + 7) // 8 * 8
+class Operand(ctypes.Structure):
+    """csrc/set_params.h, Operand: a (B, H, L, D) tensor's data and (batch, head, row) strides."""
+    _fields_ = [("ptr", ctypes.c_void_p), ("sb", ctypes.c_int64), ("sh", ctypes.c_int64), ("sm", ctypes.c_int64)]
+
+
+_I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+
+
+class AttnCall(ctypes.Structure):
+    """csrc/set_params.h, AttnCall: one call, as csrc/api.cpp describes it from tensors. Its layout
+    is checked against the emulator's (ssa_emu_layout) by tests/test_csrc_compile.py."""
+    _fields_ = [
+        *((nm, _I64) for nm in ("batch", "heads", "heads_kv", "group", "len_q", "len_k", "dim", "dim_v", "bf16")),
+        ("scale", _F64),
+        *((nm, _I64) for nm in ("causal", "window_left", "window_right", "deterministic", "mask_kind")),
+        ("mask", _PTR),
+        *((nm, _I64) for nm in ("mask_sb", "mask_sh", "mask_sm", "mask_sn")),
+        ("ssa_b", _PTR), ("ssa_n", _PTR), ("drop_rng", _PTR), ("drop_keep31", _I64), ("drop_scale", _F64),
+        *((nm, Operand) for nm in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")),
+        *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum",
+                                "db_part", "dn_part")),
+    ]
+
+
+class BwdPlan(ctypes.Structure):
+    """csrc/launch.h, BwdPlan."""
+    _fields_ = [("fused", ctypes.c_bool), *((nm, ctypes.c_int) for nm in
+                                            ("num_partials", "stat_rows", "stat_count", "accum_cols"))]
+
+
+class BwdBuffers(ctypes.Structure):
+    """csrc/set_params.h, BwdBuffers: the shapes of the backward's buffers for a plan."""
+    _fields_ = [("fused", _I64), ("rowstat", _I64 * 4), ("dq_accum", _I64 * 4), ("partials", _I64 * 3)]
+
+
+MIRRORS = (Operand, AttnCall, BwdPlan, BwdBuffers)
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def _operand(t: Optional[torch.Tensor]) -> Operand:
+    return Operand() if t is None else Operand(t.data_ptr(), *t.stride()[:3])
+
+
+def _nan(shape, dtype=torch.float32) -> torch.Tensor:
+    """A buffer the kernels must overwrite (NaN shows what they leave unwritten)."""
+    return torch.full(tuple(shape), float("nan"), dtype=dtype)
 
 
 class Emulator:
+    """The extension's interface (csrc/api.cpp: fwd, stats, bwd) on CPU tensors. Like api.cpp it
+    only describes the call (an AttnCall) and allocates the outputs; the checks, the parameter
+    structs, the backward's plan and its buffers' shapes are csrc/set_params.h's, run by the
+    emulator library. Outputs start as NaN, so that what a kernel leaves unwritten shows."""
+
     def __init__(self, lib_path, lazy_copies: bool = False, seed: int = 1):
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.ssa_emu_run.restype = ctypes.c_char_p
-        self.lib.ssa_emu_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                         ctypes.POINTER(ctypes.c_longlong), ctypes.c_double,
-                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint,
-                                         ctypes.c_int, ctypes.c_double]
-        self.lib.ssa_emu_wgmma_issued.restype = ctypes.c_long
+        self.lib.ssa_emu_run.argtypes = [ctypes.c_int, ctypes.POINTER(AttnCall), ctypes.c_int, ctypes.c_uint]
         self.lib.ssa_emu_bwd_plan.restype = None
-        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.c_int] * 9 + [ctypes.POINTER(ctypes.c_int)]
+        self.lib.ssa_emu_bwd_plan.argtypes = [ctypes.POINTER(AttnCall), ctypes.POINTER(BwdPlan),
+                                              ctypes.POINTER(BwdBuffers)]
+        self.lib.ssa_emu_layout.restype = ctypes.c_long
+        self.lib.ssa_emu_layout.argtypes = [ctypes.c_char_p]
+        self.lib.ssa_emu_layout_name.restype = ctypes.c_char_p
+        self.lib.ssa_emu_layout_name.argtypes = [ctypes.c_int]
+        self.lib.ssa_emu_wgmma_issued.restype = ctypes.c_long
         self.lazy_copies = lazy_copies
         self.seed = seed
 
-    def _run(self, op, q, k, v, o, dout, grads, stats, mask_t, kind, b, n, scale, causal, group,
-             dq_accum=None, deterministic=False, stat_rows=0, drop=(None, 0, 0.0), window=(-1, -1)):
+    def layout(self) -> dict:
+        """The library's struct layout: {"AttnCall": sizeof, "AttnCall.scale": offsetof, ...}."""
+        out, i = {}, 0
+        while (name := self.lib.ssa_emu_layout_name(i)) is not None:
+            out[name.decode()] = int(self.lib.ssa_emu_layout(name))
+            i += 1
+        return out
+
+    @staticmethod
+    def _describe(q, k, dim_v, mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
+                  drop_rng=None, drop_keep31=0, drop_scale=0.0) -> AttnCall:
+        """What csrc/api.cpp's describe() fills from the tensors."""
         B, H, Lq, D = q.shape
-        Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-        ms = mask_t.stride() if mask_t is not None else (0, 0, 0, 0)
-        ints = [B, H, Hkv, group, Lq, Lk, D, Dv, int(causal), kind, *ms]
-        for t in (q, k, v, o, dout, *grads):
-            ints += list(t.stride()[:3]) if t is not None else [0, 0, 0]
-        drop_rng, drop_keep31, drop_scale = drop
-        ints += [stat_rows, int(drop_keep31), int(window[0]), int(window[1])]
-        iv = (ctypes.c_longlong * len(ints))(*ints)
+        c = AttnCall(batch=B, heads=H, heads_kv=k.shape[1], group=group, len_q=Lq, len_k=k.shape[2], dim=D,
+                     dim_v=dim_v, bf16=int(q.dtype == torch.bfloat16), scale=float(scale), causal=int(causal),
+                     window_left=int(window_left), window_right=int(window_right), mask_kind=int(mask_kind),
+                     q=_operand(q), k=_operand(k))
+        if mask_kind:
+            c.mask = _ptr(mask)
+            c.mask_sb, c.mask_sh, c.mask_sm, c.mask_sn = mask.stride()
+        c.ssa_b, c.ssa_n = _ptr(b), _ptr(n)
+        if drop_rng is not None:
+            c.drop_rng, c.drop_keep31, c.drop_scale = _ptr(drop_rng), int(drop_keep31), float(drop_scale)
+        return c
 
-        def ptr(t):
-            return None if t is None else t.data_ptr()
-
-        names = ["lse", "dlse", "rowstat", "beta", "lse_l", "entropy", "dbeta_dh", "unused", "db_part", "dn_part"]
-        ptrs = [ptr(q), ptr(k), ptr(v), ptr(o), ptr(dout), *(ptr(t) for t in grads),
-                *(ptr(stats.get(nm)) for nm in names), ptr(mask_t), ptr(b), ptr(n), ptr(dq_accum), ptr(drop_rng)]
-        arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        err = self.lib.ssa_emu_run(op, int(q.dtype == torch.bfloat16), int(b is not None),
-                                   int(stats.get("beta") is not None), iv, float(scale), arr,
-                                   int(self.lazy_copies), self.seed, int(deterministic), float(drop_scale))
+    def _run(self, op: int, call: AttnCall, keep) -> None:
+        del keep  # (the tensors whose pointers call holds, alive until here)
+        err = self.lib.ssa_emu_run(op, ctypes.byref(call), int(self.lazy_copies), self.seed)
         if err:
             raise RuntimeError(err.decode())
 
-    # ---- the extension's interface (csrc/api.cpp), on CPU tensors -------------------------
-
-    # A negative scale is applied as |scale| to -q, as csrc/api.cpp does (the kernels take scale >= 0).
-
     def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0, drop_rng=None,
             drop_keep31=0, drop_scale=0.0, window_left=-1, window_right=-1):
-        q, scale = (-q, -scale) if scale < 0 else (q, scale)
-        B, H, Lq, _ = q.shape
-        o = torch.full((B, H, Lq, v.shape[-1]), float("nan"), dtype=q.dtype)
-        lse = torch.full((B, H, Lq), float("nan"))
-        self._run(0, q, k, v, o, None, (None, None, None), {"lse": lse, "beta": beta}, mask, mask_kind,
-                  b, n, scale, causal, group, drop=(drop_rng, drop_keep31, drop_scale),
-                  window=(window_left, window_right))
+        c = self._describe(q, k, v.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
+                           window_right, drop_rng, drop_keep31, drop_scale)
+        o, lse = _nan((*q.shape[:3], v.shape[-1]), q.dtype), _nan(q.shape[:3])
+        c.v, c.o, c.lse, c.beta = _operand(v), _operand(o), _ptr(lse), _ptr(beta)
+        self._run(0, c, (q, k, v, mask, b, n, beta, drop_rng))
         return o, lse
 
     def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0, window_left=-1,
               window_right=-1):
-        q, scale = (-q, -scale) if scale < 0 else (q, scale)
-        B, H, Lq, _ = q.shape
-        ent, lse_l = torch.full((B, H, Lq), float("nan")), torch.full((B, H, Lq), float("nan"))
-        self._run(1, q, k, q, None, None, (None, None, None), {"lse_l": lse_l, "entropy": ent}, mask,
-                  mask_kind, b, n, scale, causal, group, window=(window_left, window_right))
+        c = self._describe(q, k, q.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
+                           window_right)
+        ent, lse_l = _nan(q.shape[:3]), _nan(q.shape[:3])
+        c.lse, c.entropy = _ptr(lse_l), _ptr(ent)
+        self._run(1, c, (q, k, mask, b, n))
         return ent, lse_l
 
     def wgmma_issued(self) -> int:
         """wgmma operations (per thread) issued in this process so far (by any emulator library)."""
         return int(self.lib.ssa_emu_wgmma_issued())
 
+    def _plan(self, call: AttnCall):
+        plan, buffers = BwdPlan(), BwdBuffers()
+        self.lib.ssa_emu_bwd_plan(ctypes.byref(call), ctypes.byref(plan), ctypes.byref(buffers))
+        return plan, buffers
+
     def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16, unfused_features=False):
-        """The backward's plan (csrc/launch.h, BwdPlan): a dict of fused, num_partials, stat_rows,
-        stat_count, accum_cols. unfused_features: dropout or a window (the two-kernel path)."""
-        out = (ctypes.c_int * 5)()
-        self.lib.ssa_emu_bwd_plan(D, Dv, Lq, Lk, int(ssa), int(adaptive), int(deterministic), int(bf16),
-                                  int(unfused_features), out)
-        return dict(zip(("fused", "num_partials", "stat_rows", "stat_count", "accum_cols"), out))
+        """The backward's plan (csrc/launch.h, BwdPlan) for a call of these sizes and flags: a dict
+        of fused, num_partials, stat_rows, stat_count, accum_cols. unfused_features: a feature the
+        fused kernel lacks (dropout or a window; a window is described here)."""
+        dummy = 1  # (non-null pointers: the plan reads only which inputs are present)
+        c = AttnCall(batch=1, heads=1, heads_kv=1, group=1, len_q=Lq, len_k=Lk, dim=D, dim_v=Dv, bf16=int(bf16),
+                     scale=1.0, window_left=0 if unfused_features else -1, window_right=-1,
+                     deterministic=int(deterministic), ssa_b=dummy if ssa else None, ssa_n=dummy if ssa else None,
+                     beta=dummy if adaptive else None)
+        plan, _ = self._plan(c)
+        return {nm: int(getattr(plan, nm)) for nm, _ in BwdPlan._fields_}
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
             scale, causal, group, stream=0, deterministic=False, drop_rng=None, drop_keep31=0, drop_scale=0.0,
             window_left=-1, window_right=-1):
-        negated = scale < 0
-        q, scale = (-q, -scale) if negated else (q, scale)
-        B, H, Lq, D = q.shape
-        nan = float("nan")
-        # (a window: as csrc/params.h set_band's flag, which the emulated run checks the plan against)
-        window = window_left >= 0 or (window_right >= 0 and not causal)
-        plan = self.plan(D, v.shape[-1], Lq, k.shape[2], b is not None, beta is not None, deterministic,
-                         q.dtype == torch.bfloat16, drop_rng is not None or window)
-        fused = plan["fused"]
-        # as csrc/api.cpp: the fused path accumulates dQ / scale in a zeroed float32 buffer padded
-        # to whole tiles; the row-statistics workspace starts as NaN (every row read is written)
-        dq_accum = (torch.zeros((B, H, plan["stat_rows"], plan["accum_cols"]), dtype=torch.float32)
-                    if fused else None)
-        dq, dk, dv = (torch.full(t.shape, nan, dtype=t.dtype) for t in (q, k, v))
-        stats = dict(lse=lse, dlse=dlse, beta=beta, lse_l=lse_l, entropy=entropy, dbeta_dh=dbeta_dh,
-                     rowstat=torch.full((B, H, plan["stat_rows"], plan["stat_count"]), nan))
-        parts = [torch.full((B if b is not None else 0, H, plan["num_partials"]), nan) for _ in range(2)]
+        c = self._describe(q, k, v.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
+                           window_right, drop_rng, drop_keep31, drop_scale)
+        c.deterministic = int(deterministic)
+        c.v, c.o, c.dout = _operand(v), _operand(o), _operand(dout)
+        c.lse, c.dlse, c.beta, c.lse_l, c.entropy, c.dbeta_dh = map(_ptr, (lse, dlse, beta, lse_l, entropy, dbeta_dh))
+        plan, buf = self._plan(c)
+        # as csrc/api.cpp: dq is the zeroed float32 accumulator on the fused path
+        dq = torch.zeros(tuple(buf.dq_accum)) if plan.fused else _nan(q.shape, q.dtype)
+        dk, dv = _nan(k.shape, k.dtype), _nan(v.shape, v.dtype)
+        rowstat = _nan(buf.rowstat)
+        db_part, dn_part = _nan(buf.partials), _nan(buf.partials)
+        if plan.fused:
+            c.dq_accum = _ptr(dq)
+        else:
+            c.dq = _operand(dq)
+        c.dk, c.dv, c.rowstat = _operand(dk), _operand(dv), _ptr(rowstat)
         if b is not None:
-            stats.update(db_part=parts[0], dn_part=parts[1])
-        self._run(2, q, k, v, o, dout, (None if fused else dq, dk, dv), stats, mask, mask_kind, b, n, scale,
-                  causal, group, dq_accum=dq_accum, deterministic=deterministic, stat_rows=plan["stat_rows"],
-                  drop=(drop_rng, drop_keep31, drop_scale), window=(window_left, window_right))
-        if fused:
-            dq = (dq_accum[:, :, :Lq, :D] * (-scale if negated else scale)).to(q.dtype)
-        elif negated:
-            dq = -dq
-        return dq, dk, dv, parts[0], parts[1]
+            c.db_part, c.dn_part = _ptr(db_part), _ptr(dn_part)
+        self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, b, n, beta, lse_l, entropy, dbeta_dh, drop_rng))
+        return dq, dk, dv, db_part, dn_part
 
     # ---- what backend="cuda" computes --------------------------------------------------------
 

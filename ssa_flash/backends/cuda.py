@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import math
 import os
 import threading
 import warnings
@@ -503,7 +504,7 @@ def _on_device(device: torch.device):
 
 
 def _dropout_args(spec: AttentionSpec) -> dict:
-    """The kernels' dropout arguments (csrc/api.cpp, fill_dropout): the (seed, offset) tensor,
+    """The kernels' dropout arguments (csrc/set_params.h, AttnCall): the (seed, offset) tensor,
     keep31 rounded as every backend rounds it, and 1 / (1 - p) (0 for p = 1); none without."""
     if spec.dropout_p <= 0:
         return {}
@@ -523,14 +524,34 @@ def _window_args(spec: AttentionSpec) -> dict:
 # The backend interface
 
 
+def _nonnegative_scale(q: torch.Tensor, scale: float) -> Tuple[torch.Tensor, float]:
+    """The kernels take scale >= 0 (csrc/params.h: the forward's row max is taken on raw scores):
+    a negative scale is applied as |scale| to -q, (q, scale) -> (-q, -scale); the backward then
+    negates dq back (:func:`_finish_dq`)."""
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return (-q, -scale) if scale < 0 else (q, scale)
+
+
+def _finish_dq(dq: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The extension's dq as the gradient of the (padded, B, H, Lq, D) query: a float32
+    (B, H, stat_rows, accum_cols) tensor is the fused backward's accumulator of dQ / scale
+    (csrc/set_params.h, bwd_buffers), cropped, scaled and converted here; ``scale`` is the
+    caller's (signed: -q was run for a negative one)."""
+    if dq.dtype == torch.float32 and q.dtype != torch.float32:
+        return (dq[:, :, : q.shape[2], : q.shape[3]] * scale).to(q.dtype)
+    return -dq if scale < 0 else dq
+
+
 def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
     _refuse_unsupported(spec)
     ext = _extension(q.device)
     d8 = _round8(q.shape[-1])
     mask_t, kind = _prep_mask(mask)
+    qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
-        return ext.stats(_prep(q, d8), _prep(k, d8), mask_t, kind, _head_param(b), _head_param(n),
-                         float(spec.scale), bool(spec.causal), int(spec.group), _stream(q.device),
+        return ext.stats(_prep(qs, d8), _prep(k, d8), mask_t, kind, _head_param(b), _head_param(n),
+                         scale, bool(spec.causal), int(spec.group), _stream(q.device),
                          **_window_args(spec))
 
 
@@ -540,9 +561,10 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
     mask_t, kind = _prep_mask(mask)
     beta = beta.float().contiguous() if spec.adaptive else None
+    qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
-        o, lse = ext.fwd(_prep(q, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
-                         _head_param(n), beta, float(spec.scale), bool(spec.causal), int(spec.group),
+        o, lse = ext.fwd(_prep(qs, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
+                         _head_param(n), beta, scale, bool(spec.causal), int(spec.group),
                          _stream(q.device), **_dropout_args(spec), **_window_args(spec))
     return _unpad(o, v.shape[-1]), lse
 
@@ -559,13 +581,16 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
         beta, lse_l, ent, dbeta_dh = (t.float().contiguous() for t in temp)
     else:
         beta = lse_l = ent = dbeta_dh = None
+    qs, scale = _nonnegative_scale(q, float(spec.scale))
+    qp = _prep(qs, d8)
     with _on_device(q.device):
         dq, dk, dvv, db_part, dn_part = ext.bwd(
-            _prep(dout.to(q.dtype), dv8), _prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
+            _prep(dout.to(q.dtype), dv8), qp, _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
-            bf, nf, beta, lse_l, ent, dbeta_dh, float(spec.scale), bool(spec.causal), int(spec.group),
+            bf, nf, beta, lse_l, ent, dbeta_dh, scale, bool(spec.causal), int(spec.group),
             _stream(q.device), deterministic=bool(spec.deterministic), **_dropout_args(spec),
             **_window_args(spec))
+        dq = _finish_dq(dq, qp, float(spec.scale))
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))

@@ -1,0 +1,264 @@
+// One attention call, described without torch, and everything the bindings decide from it: the
+// checks on sizes and flags, the kernels' parameter structs (params.h), the backward's plan and
+// workspaces (launch.h), the launch. Shared by the torch binding (api.cpp: tensors -> AttnCall,
+// allocation) and the CPU emulator (emu/emu_main.cpp, which receives an AttnCall from ctypes:
+// emu/harness.py mirrors the struct, and a test checks the mirror against the offsets the
+// emulator exports, ssa_emu_layout).
+//
+// AttnCall holds only 8-byte fields (int64_t, double, pointers) so that its layout is the same
+// for every compiler and for ctypes: no padding.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "launch.h"
+#include "params.h"
+
+namespace ssa_flash {
+
+// A (B, H, L, D) tensor: its data and its batch, head and row strides in elements (the head dim
+// is contiguous). A null ptr: absent.
+struct Operand {
+  void* ptr;
+  int64_t sb, sh, sm;
+};
+
+struct AttnCall {
+  // sizes: q (batch, heads, len_q, dim), k (batch, heads_kv, len_k, dim), v (.., dim_v);
+  // heads = group * heads_kv (GQA); dim, dim_v multiples of 8 (the wrapper pads), at most 256
+  int64_t batch, heads, heads_kv, group, len_q, len_k, dim, dim_v;
+  int64_t bf16;           // element type: 0 float16, 1 bfloat16
+  double scale;           // >= 0 (ssa_flash/backends/cuda.py applies a negative scale to -q)
+  int64_t causal;
+  int64_t window_left, window_right;  // window_size, -1: that side unbounded (set_band)
+  int64_t deterministic;  // backward: the two-kernel path (bitwise reproducible)
+  // mask (params.h): kind 0 none, 1 boolean (uint8), 2 additive float32, expanded to (B, H, Lq, Lk)
+  int64_t mask_kind;
+  const void* mask;
+  int64_t mask_sb, mask_sh, mask_sm, mask_sn;
+  const float* ssa_b;     // (H,) SSA parameters, both or neither
+  const float* ssa_n;
+  // dropout: the int64 (seed, offset) on the device or null; keep31 = round((1 - p) 2^31) below
+  // 2^31 (ssa_flash.reference.dropout_keep_threshold); drop_scale = 1 / (1 - p), 0 for p = 1
+  const int64_t* drop_rng;
+  int64_t drop_keep31;
+  double drop_scale;
+  // operands (q, k, v in every pass; o, dout, dq, dk, dv as the pass needs; the forward's output
+  // o; dq absent on the fused backward path, whose dQ goes to dq_accum)
+  Operand q, k, v, o, dout, dq, dk, dv;
+  // per-row statistics, contiguous (B, H, Lq) float32: lse (written by fwd / stats, read by bwd),
+  // entropy (written by stats, read by bwd), dlse (optional), the adaptive temperature's beta,
+  // lse_l, dbeta_dh (all four of beta, lse_l, entropy, dbeta_dh in an adaptive backward)
+  float* lse;
+  float* entropy;
+  const float* dlse;
+  const float* beta;
+  const float* lse_l;
+  const float* dbeta_dh;
+  // backward workspaces, shaped by bwd_buffers: rowstat, dq_accum (zeroed, fused path only),
+  // db_part / dn_part (SSA only)
+  float* rowstat;
+  float* dq_accum;
+  float* db_part;
+  float* dn_part;
+};
+
+// Shapes of the backward's buffers for a plan (row-major, float32). A zero-size shape: not
+// allocated (the pointer stays null).
+struct BwdBuffers {
+  int64_t fused;            // the plan's path: dq_accum instead of dq
+  int64_t rowstat[4];       // (B, H, stat_rows, stat_count), written before it is read
+  int64_t dq_accum[4];      // (B, H, stat_rows, accum_cols), zero on entry; fused path only
+  int64_t partials[3];      // db_part and dn_part: (B, H, num_partials), (0, H, ..) for softmax
+};
+
+// Sizes and flags the kernels assume (params.h); an error message, or an empty string. What a
+// tensor alone tells (device, dtype, shapes against each other, strides) is the binding's part.
+inline std::string check_call(const AttnCall& c) {
+  if (c.group < 1 || c.heads_kv < 1 || c.heads != c.heads_kv * c.group)
+    return "query heads must be group * key heads";
+  if (c.len_q < 1 || c.len_k < 1) return "empty sequences are handled by the caller";
+  if (c.len_q >= (int64_t(1) << 31) || c.len_k >= (int64_t(1) << 31) ||
+      c.len_q + c.len_k >= (int64_t(1) << 31) - 1024)
+    return "sequences too long";
+  for (int64_t d : {c.dim, c.dim_v}) {
+    if (d < 8 || d > 256 || d % 8 != 0)
+      return "head dims must be positive multiples of 8, at most 256, got " + std::to_string(c.dim) + " and " +
+             std::to_string(c.dim_v);
+  }
+  if (!std::isfinite(c.scale) || c.scale < 0)
+    return "scale must be finite and >= 0 (a negative scale is applied to -q by the caller), got " +
+           std::to_string(c.scale);
+  if (c.window_left < -1 || c.window_right < -1)
+    return "window bounds must be >= -1, got (" + std::to_string(c.window_left) + ", " +
+           std::to_string(c.window_right) + ")";
+  if (c.mask_kind != kMaskNone && c.mask_kind != kMaskBool && c.mask_kind != kMaskAdd)
+    return "unknown mask_kind " + std::to_string(c.mask_kind);
+  if ((c.mask_kind != kMaskNone) != (c.mask != nullptr)) return "mask_kind set without a mask, or a mask without it";
+  if ((c.ssa_b == nullptr) != (c.ssa_n == nullptr)) return "give both b and n or neither";
+  if (c.drop_rng != nullptr) {
+    if (c.drop_keep31 < 0 || c.drop_keep31 >= (int64_t(1) << 31))
+      return "dropout keep31 out of range: " + std::to_string(c.drop_keep31);
+    if (!std::isfinite(c.drop_scale) || c.drop_scale < 0) return "dropout scale must be finite and >= 0";
+  }
+  return std::string();
+}
+
+// The fields of AttnShape (params.h) every pass shares.
+inline void set_shape(AttnShape& s, const AttnCall& c) {
+  s.batch = static_cast<int>(c.batch);
+  s.heads = static_cast<int>(c.heads);
+  s.heads_kv = static_cast<int>(c.heads_kv);
+  s.group = static_cast<int>(c.group);
+  s.len_q = static_cast<int>(c.len_q);
+  s.len_k = static_cast<int>(c.len_k);
+  s.dim = static_cast<int>(c.dim);
+  s.dim_v = static_cast<int>(c.dim_v);
+  s.scale = static_cast<float>(c.scale);
+  s.causal = c.causal != 0;
+  set_band(s, c.window_left, c.window_right);
+  s.mask_kind = static_cast<int>(c.mask_kind);
+  s.mask = c.mask_kind == kMaskNone ? nullptr : c.mask;
+  s.mask_sb = s.mask ? c.mask_sb : 0;
+  s.mask_sh = s.mask ? c.mask_sh : 0;
+  s.mask_sm = s.mask ? c.mask_sm : 0;
+  s.mask_sn = s.mask ? c.mask_sn : 0;
+  s.ssa_b = c.ssa_b;
+  s.ssa_n = c.ssa_n;
+  s.drop_rng = c.drop_rng;
+  s.drop_keep_below = c.drop_rng ? static_cast<uint32_t>(2 * c.drop_keep31) : 0u;
+  s.drop_scale = c.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
+}
+
+// The forward's parameters: o, lse written (beta: the adaptive temperature, or null).
+inline FwdParams fwd_params(const AttnCall& c) {
+  FwdParams p{};
+  set_shape(p, c);
+  p.q = c.q.ptr;
+  p.k = c.k.ptr;
+  p.v = c.v.ptr;
+  p.o = c.o.ptr;
+  p.q_sb = c.q.sb; p.q_sh = c.q.sh; p.q_sm = c.q.sm;
+  p.k_sb = c.k.sb; p.k_sh = c.k.sh; p.k_sm = c.k.sm;
+  p.v_sb = c.v.sb; p.v_sh = c.v.sh; p.v_sm = c.v.sm;
+  p.o_sb = c.o.sb; p.o_sh = c.o.sh; p.o_sm = c.o.sm;
+  p.lse = c.lse;
+  p.beta = c.beta;
+  p.entropy = nullptr;
+  return p;
+}
+
+// The statistics pass's parameters: entropy and lse of softmax(l) written; dim_v = dim, and
+// the statistics are of the undropped rows (no dropout).
+inline FwdParams stats_params(AttnCall c) {
+  c.dim_v = c.dim;
+  c.drop_rng = nullptr;
+  FwdParams p{};
+  set_shape(p, c);
+  p.q = c.q.ptr;
+  p.k = c.k.ptr;
+  p.q_sb = c.q.sb; p.q_sh = c.q.sh; p.q_sm = c.q.sm;
+  p.k_sb = c.k.sb; p.k_sh = c.k.sh; p.k_sm = c.k.sm;
+  p.lse = c.lse;
+  p.entropy = c.entropy;
+  return p;
+}
+
+inline bool is_ssa(const AttnCall& c) { return c.ssa_b != nullptr; }
+
+// The backward's plan on the current device (launch.h): dropout and windows take the two-kernel
+// path (the fused kernel has no code for them, see bwd_kernel.h), as does deterministic.
+inline BwdPlan plan_backward(const AttnCall& c) {
+  AttnShape s{};
+  set_shape(s, c);
+  const bool unfused = s.drop_rng != nullptr || s.window;
+  const bool adaptive = c.beta != nullptr;
+  return c.bf16 ? plan_bwd_bf16(s.dim, s.dim_v, s.len_q, s.len_k, is_ssa(c), adaptive, c.deterministic != 0, unfused)
+                : plan_bwd_fp16(s.dim, s.dim_v, s.len_q, s.len_k, is_ssa(c), adaptive, c.deterministic != 0, unfused);
+}
+
+inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
+  BwdBuffers b{};
+  b.fused = plan.fused;
+  const int64_t rowstat[4] = {c.batch, c.heads, plan.stat_rows, plan.stat_count};
+  const int64_t accum[4] = {c.batch, c.heads, plan.stat_rows, plan.accum_cols};
+  const int64_t parts[3] = {is_ssa(c) ? c.batch : 0, c.heads, plan.num_partials};
+  for (int i = 0; i < 4; ++i) {
+    b.rowstat[i] = rowstat[i];
+    b.dq_accum[i] = plan.fused ? accum[i] : 0;
+  }
+  for (int i = 0; i < 3; ++i) b.partials[i] = parts[i];
+  return b;
+}
+
+// The backward's parameters for `plan`: dq (two-kernel path) or dq_accum (fused), dk, dv,
+// db / dn partials (SSA) written; rowstat as workspace.
+inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
+  BwdParams p{};
+  set_shape(p, c);
+  p.q = c.q.ptr;
+  p.k = c.k.ptr;
+  p.v = c.v.ptr;
+  p.o = c.o.ptr;
+  p.dout = c.dout.ptr;
+  p.dq = plan.fused ? nullptr : c.dq.ptr;
+  p.dq_accum = plan.fused ? c.dq_accum : nullptr;
+  p.dk = c.dk.ptr;
+  p.dv = c.dv.ptr;
+  p.q_sb = c.q.sb; p.q_sh = c.q.sh; p.q_sm = c.q.sm;
+  p.k_sb = c.k.sb; p.k_sh = c.k.sh; p.k_sm = c.k.sm;
+  p.v_sb = c.v.sb; p.v_sh = c.v.sh; p.v_sm = c.v.sm;
+  p.o_sb = c.o.sb; p.o_sh = c.o.sh; p.o_sm = c.o.sm;
+  p.do_sb = c.dout.sb; p.do_sh = c.dout.sh; p.do_sm = c.dout.sm;
+  if (!plan.fused) {
+    p.dq_sb = c.dq.sb; p.dq_sh = c.dq.sh; p.dq_sm = c.dq.sm;
+  }
+  p.dk_sb = c.dk.sb; p.dk_sh = c.dk.sh; p.dk_sm = c.dk.sm;
+  p.dv_sb = c.dv.sb; p.dv_sh = c.dv.sh; p.dv_sm = c.dv.sm;
+  p.lse = c.lse;
+  p.dlse = c.dlse;
+  p.rowstat = c.rowstat;
+  p.stat_rows = plan.stat_rows;
+  p.beta = c.beta;
+  p.lse_l = c.lse_l;
+  p.entropy = c.entropy;
+  p.dbeta_dh = c.dbeta_dh;
+  p.db_part = is_ssa(c) ? c.db_part : nullptr;
+  p.dn_part = is_ssa(c) ? c.dn_part : nullptr;
+  return p;
+}
+
+// The passes: check, fill, launch on `stream`; an error message or an empty string.
+inline std::string run_forward(const AttnCall& c, cudaStream_t stream) {
+  std::string why = check_call(c);
+  if (!why.empty()) return why;
+  const FwdParams p = fwd_params(c);
+  const bool ssa = is_ssa(c), adaptive = c.beta != nullptr;
+  return c.bf16 ? run_fwd_bf16(p, ssa, adaptive, stream) : run_fwd_fp16(p, ssa, adaptive, stream);
+}
+
+inline std::string run_statistics(const AttnCall& c, cudaStream_t stream) {
+  std::string why = check_call(c);
+  if (!why.empty()) return why;
+  const FwdParams p = stats_params(c);
+  return c.bf16 ? run_stats_bf16(p, is_ssa(c), stream) : run_stats_fp16(p, is_ssa(c), stream);
+}
+
+// The backward as `plan` (plan_backward of the same call) says; the buffers of bwd_buffers given.
+inline std::string run_backward(const AttnCall& c, const BwdPlan& plan, cudaStream_t stream) {
+  std::string why = check_call(c);
+  if (!why.empty()) return why;
+  const bool adaptive = c.beta != nullptr;
+  if (adaptive != (c.lse_l != nullptr) || adaptive != (c.entropy != nullptr) || adaptive != (c.dbeta_dh != nullptr))
+    return "give all of beta, lse_l, entropy, dbeta_dh or none";
+  if (plan.fused ? c.dq_accum == nullptr : c.dq.ptr == nullptr) return "dq or dq_accum missing against the plan";
+  if (c.rowstat == nullptr || (is_ssa(c) && (c.db_part == nullptr || c.dn_part == nullptr)))
+    return "backward workspaces missing (bwd_buffers)";
+  const BwdParams p = bwd_params(c, plan);
+  return c.bf16 ? run_bwd_bf16(p, is_ssa(c), adaptive, plan, stream)
+                : run_bwd_fp16(p, is_ssa(c), adaptive, plan, stream);
+}
+
+}  // namespace ssa_flash
