@@ -1,4 +1,4 @@
-// Backward kernels (DESIGN.md 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
+// Backward kernels (docs/design.md sections 1.2 and 1.3). Two paths, chosen per call by the host (launch.h,
 // BwdPlan):
 //
 // Two kernels, no atomics (bitwise reproducible; deterministic=True, D = 256, and where the fused

@@ -24,8 +24,8 @@ struct AttnShape {
   int dim, dim_v;                     // actual head dims (multiples of 8)
   float scale;                        // softmax scale applied to q.k, >= 0 (the Python wrapper negates q otherwise)
   bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
-  // Key j visible to query i iff i - win_left <= j <= i + win_right: the local window (DESIGN.md
-  // 1.5) and causality as one band (set_band); window: a band narrower than causality's (the
+  // Key j visible to query i iff i - win_left <= j <= i + win_right: the local window (docs/design.md
+  // section 1.5) and causality as one band (set_band); window: a band narrower than causality's (the
   // backward then takes the two-kernel path; on sm_70 / sm_75 every visited block is checked).
   int win_left, win_right;
   int win_width;                      // win_left + win_right (>= 0)
@@ -35,7 +35,7 @@ struct AttnShape {
   int64_t mask_sb, mask_sh, mask_sm, mask_sn;
   const float* ssa_b;                 // (H,) or nullptr (softmax logits)
   const float* ssa_n;
-  // Dropout (DESIGN.md 1.5), nullptr drop_rng without: the int64 (seed, offset) on the device;
+  // Dropout (docs/design.md section 1.5), nullptr drop_rng without: the int64 (seed, offset) on the device;
   // weight (b, h, i, j) is kept iff its Philox word is below drop_keep_below (utils.h, drop_bits;
   // ssa_flash.reference.dropout_keep_mask), kept weights scaled by drop_scale = 1 / (1 - p)
   // (0 for p = 1, where nothing is kept).

@@ -206,7 +206,7 @@ def test_ssa_n_zero(mode, causal):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_negative_scale(mode):
-    """The kernels take |scale| on -q when the scale is negative (csrc/api.cpp)."""
+    """The kernels take |scale| on -q when the scale is negative (ssa_flash/backends/cuda.py, for the extension and the emulator alike)."""
     q, k, v = make_qkv(B=1, Hq=2, Lq=150, Lk=140, D=64, dtype=torch.float16)
     check(mode, q, k, v, scale=-0.2, is_causal=True)
 
