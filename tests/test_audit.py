@@ -119,18 +119,11 @@ def _family_variants():
 
 
 FAMILY_VARIANTS = _family_variants()
-# Family first choices that fail the gate today: xfail(strict=True), as KNOWN_FAILURES. All with
-# dropout, a window and a packed batch at once (bench/NOTES.md, 2026-11-25 tile tables): the dK/dV
-# kernel at D = 128 on mma.sync (32 x 64 keeps ~1 spill per element: the spill-free 16 x 64 costs
-# 50 % more instructions, the sm_80 decision), and sm_90's dQ / dK/dV at D = 128 (the spill-free
-# 16 x 32 dK/dV runs mma.sync instead of wgmma; dQ 64 x 16 / 64 x 32 spill more).
-FAMILY_KNOWN_FAILURES = {
-    "sm80-bwd_dkdv-ssa_adaptive-causal-none-d128-bf16-dropout+window+varlen",  # 1596 B
-    "sm86-bwd_dkdv-ssa_adaptive-causal-none-d128-bf16-dropout+window+varlen",  # 1520 B
-    "sm120-bwd_dkdv-ssa_adaptive-causal-none-d128-bf16-dropout+window+varlen",  # 1932 B
-    "sm90-bwd_dq-ssa_adaptive-causal-none-d128-bf16-dropout+window+varlen",  # 240 B (64 x 32: 1264 B)
-    "sm90-bwd_dkdv-ssa_adaptive-causal-none-d128-bf16-dropout+window+varlen",  # 216 B
-}
+# Family first choices that fail the gate today: xfail(strict=True), as KNOWN_FAILURES. None since
+# the dK/dV kernel at D = 128 with dropout takes 32 x 32 on mma.sync (32 x 64 spilled 1.2-1.6 KB) and
+# sm_90's adaptive backward at D = 128 with dropout or a window takes Ampere's mma.sync tiles (every
+# wgmma tile spilled 40-240 B there; bench/NOTES.md).
+FAMILY_KNOWN_FAILURES: set = set()
 
 
 def _audit_env(triton_dir=None):

@@ -187,9 +187,10 @@ def _ampere(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -
     if dropout and hb <= 128:
         # The Philox words and the layout conversion of the keep bits (common.dropout_keep) cost
         # registers: the default tiles spill (D=64: ~1.4, D=128: ~5 loads/stores per element,
-        # SSA). At D=64 the largest tiles without spills; at D=128 32 x 64 (~1 spill per
-        # element), because the spill-free 16 x 64 costs 50% more instructions.
-        cands = [Blocks(16, 64, 4, 2) if hb <= 64 else Blocks(32, 64, 4, 2)] + cands
+        # SSA). The largest tiles without spills: 16 x 64 at D=64, 32 x 32 at D=128 (32 x 64
+        # spilled 1.2-1.6 KB with the adaptive temperature on sm_80 / 86 / 120 and took 68
+        # instructions per element in the interior against 32 x 32's 48; static audit).
+        cands = [Blocks(16, 64, 4, 2) if hb <= 64 else Blocks(32, 32, 4, 2)] + cands
     return cands
 
 
@@ -244,6 +245,10 @@ def _hopper_switched(kernel: str, hb: int, masked: bool, adaptive: bool, dropout
         cands = [Blocks(64, 16, 4, 2)] + cands
     elif hb <= 64 and kernel == "fwd" and dropout and window and cands[0] != Blocks(64, 64, 4, 3):
         cands = [Blocks(64, 64, 4, 3)] + cands
+    elif 64 < hb <= 128 and adaptive and kernel in ("bwd_dq", "bwd_dkdv"):
+        # every wgmma tile spilled here (dQ 128 x 16: 48-136 B, 64 x 16 / 64 x 32 more; dK/dV
+        # 16 x 64: 64 B with dropout): Ampere's mma.sync tiles, which do not
+        cands = [Blocks(16, 64, 4, 2) if kernel == "bwd_dq" else Blocks(32, 32, 4, 2)] + cands
     return cands
 
 
