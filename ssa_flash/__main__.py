@@ -237,7 +237,7 @@ def prepare_cuda(build: bool, stream=None) -> Optional[str]:
     unless it is prebuilt or loaded, saying so and how long it took. Returns why the CUDA backend
     is not checked (``build`` false and nothing built, the build failed, or a prebuilt extension
     does not import), or None."""
-    from .backends import cuda as cuda_backend
+    from .backends import cuda_backend
     from .errors import BackendUnavailableError
 
     stream = stream or sys.stdout
@@ -361,7 +361,7 @@ def main(argv=None) -> int:
     if "cuda" in backends:
         why = prepare_cuda(not args.no_build_cuda)
         if why is None:  # built: the extension may still lack this GPU's kernels
-            from .backends import cuda as cuda_backend
+            from .backends import cuda_backend
 
             why = cuda_backend.unavailable_reason(device)
         if why is not None:

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from . import temperature
-from .backends import cuda as cuda_backend
+from .backends import cuda_backend
 from .backends import get as get_backend
 from .backends.spec import TENSOR_FIELDS, AttentionSpec, TemperatureState, acc_dtype
 

@@ -1,7 +1,7 @@
 """The CUDA C++ backend's user-facing helpers (building, availability, what it runs).
 
 The backend itself, with the extension loader and the Python glue around the kernels, is
-:mod:`ssa_flash.backends.cuda`; this module re-exports what users and tools ask for and is not
+:mod:`ssa_flash.backends.cuda_backend`; this module re-exports what users and tools ask for and is not
 imported by the package's own layers (so it may sit on top of them):
 
 * :func:`is_available`, :func:`ready`, :func:`unavailable_reason`, :func:`supports`,
@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backends import cuda as _backend
+from .backends import cuda_backend as _backend
 from .backends import preferred_backend
-from .backends.cuda import (MAX_HEAD_DIM, NVCC_FLAGS, SUPPORTED_DTYPES, VERIFIED_ARCHS,  # noqa: F401
+from .backends.cuda_backend import (MAX_HEAD_DIM, NVCC_FLAGS, SUPPORTED_DTYPES, VERIFIED_ARCHS,  # noqa: F401
                             _padded_head_dim, _smem_bytes, active_emulator, emulated, is_available,
                             load_extension, ready, source_dir, verified)
 from .backends.spec import AttentionSpec

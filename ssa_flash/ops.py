@@ -248,7 +248,7 @@ def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:
 def available_backends(device: Union[str, torch.device] = "cuda") -> Tuple[str, ...]:
     """The backends that can run on ``device`` in this process, in ``backend="auto"``'s order of
     preference. The CUDA C++ backend comes after Triton, and ``auto`` does not pick it, on an
-    architecture where no GPU run has verified it (``ssa_flash.backends.cuda.VERIFIED_ARCHS``,
+    architecture where no GPU run has verified it (``ssa_flash.backends.cuda_backend.VERIFIED_ARCHS``,
     docs/cuda.md); ask for it with ``backend="cuda"``."""
     return backends.available(device)
 

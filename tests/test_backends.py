@@ -14,7 +14,7 @@ import torch
 
 import ssa_flash
 from ssa_flash import autograd, backends, errors, reference
-from ssa_flash.backends import cuda as cuda_backend
+from ssa_flash.backends import cuda_backend
 from ssa_flash.backends.spec import AttentionSpec, Backend
 
 from attn_testing import FLOORS, INTERPRETER, MODES, call, fa_tolerance_check, head_params
@@ -107,8 +107,8 @@ def _imports(path: Path):
     return found
 
 
-LAYERED = ["ssa_flash.autograd", "ssa_flash.backends", "ssa_flash.backends.spec", "ssa_flash.backends.triton",
-           "ssa_flash.backends.cuda", "ssa_flash.backends.reference", "ssa_flash.reference",
+LAYERED = ["ssa_flash.autograd", "ssa_flash.backends", "ssa_flash.backends.spec", "ssa_flash.backends.triton_backend",
+           "ssa_flash.backends.cuda_backend", "ssa_flash.backends.reference_backend", "ssa_flash.reference",
            "ssa_flash.temperature", "ssa_flash.errors", "ssa_flash.triton.launch"]
 
 

@@ -1,4 +1,4 @@
-"""The CUDA C++ backend (csrc/, ssa_flash/backends/cuda.py) on a GPU: against the float64 reference with
+"""The CUDA C++ backend (csrc/, ssa_flash/backends/cuda_backend.py) on a GPU: against the float64 reference with
 FlashAttention's error rule (error <= 2x the same-dtype naive error + a floor), against the
 Triton backend, over the feature matrix of docs/design.md §1.4 and the four variants; determinism;
 clear errors for inputs it does not run; compute-sanitizer memcheck and racecheck on a small run.
@@ -206,7 +206,7 @@ def test_ssa_n_zero(mode, causal):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_negative_scale(mode):
-    """The kernels take |scale| on -q when the scale is negative (ssa_flash/backends/cuda.py, for the extension and the emulator alike)."""
+    """The kernels take |scale| on -q when the scale is negative (ssa_flash/backends/cuda_backend.py, for the extension and the emulator alike)."""
     q, k, v = make_qkv(B=1, Hq=2, Lq=150, Lk=140, D=64, dtype=torch.float16)
     check(mode, q, k, v, scale=-0.2, is_causal=True)
 

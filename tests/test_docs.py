@@ -169,7 +169,7 @@ def _run(block: Block, workdir_factory) -> _Result:
 @pytest.fixture
 def as_cpu_user(monkeypatch):
     """``backend="auto"`` as without TRITON_INTERPRET: the reference on CPU tensors."""
-    from ssa_flash.backends import triton as triton_backend
+    from ssa_flash.backends import triton_backend
 
     monkeypatch.setattr(triton_backend, "interpreting", lambda: False)
 

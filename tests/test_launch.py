@@ -124,7 +124,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
     """The backend's ``spec.deterministic`` reaches the launcher's spec, and every kernel launch
     of the forward, the statistics and the backward then runs its first candidate untimed."""
     from ssa_flash.backends import spec as bspec
-    from ssa_flash.backends import triton as tbackend
+    from ssa_flash.backends import triton_backend as tbackend
 
     for det in (False, True):
         assert tbackend._spec(launch, bspec.AttentionSpec(scale=0.5, deterministic=det), None).deterministic is det

@@ -118,8 +118,8 @@ def fake_cuda(monkeypatch):
     through the reference backend, with an extension that is not built yet: ``state`` counts the
     load_extension() calls (``load_calls``); ``state["fail"]`` makes it raise."""
     import ssa_flash
-    from ssa_flash.backends import cuda as cuda_backend
-    from ssa_flash.backends import reference as ref_backend
+    from ssa_flash.backends import cuda_backend
+    from ssa_flash.backends import reference_backend as ref_backend
     from ssa_flash.errors import BackendUnavailableError
 
     state = {"built": False, "load_calls": 0, "fail": None}
@@ -180,8 +180,8 @@ def fake_triton(monkeypatch):
     """A second kernel backend next to the fake CUDA one: "triton" computing through the reference
     backend (the interpreter is slow)."""
     import ssa_flash
-    from ssa_flash.backends import reference as ref_backend
-    from ssa_flash.backends import triton as triton_backend
+    from ssa_flash.backends import reference_backend as ref_backend
+    from ssa_flash.backends import triton_backend
 
     for fn in ("forward", "backward", "row_entropy"):
         monkeypatch.setattr(triton_backend, fn, getattr(ref_backend, fn))
@@ -212,7 +212,7 @@ def test_self_check_reports_a_failed_build_without_failing(fake_cuda, fake_trito
 
 
 def test_support_reason_asks_the_backend_with_the_checked_inputs(monkeypatch):
-    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import cuda_backend
 
     seen = []
 

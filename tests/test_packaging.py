@@ -363,7 +363,7 @@ def test_default_arch_list_runs_on_newer_gpus(tmp_path, monkeypatch):
 def fake_extension(monkeypatch, tmp_path):
     """The CUDA backend with a loaded 'extension' whose shared object holds the given images, on a
     GPU of the given capability: ``install(capability, *entries)``."""
-    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import cuda_backend
 
     def install(capability, *entries):
         so = tmp_path / f"_C_{len(list(tmp_path.iterdir()))}.so"
@@ -376,7 +376,7 @@ def fake_extension(monkeypatch, tmp_path):
 
 
 def test_backend_refuses_a_gpu_the_extension_has_no_image_for(fake_extension):
-    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import cuda_backend
 
     fake_extension((10, 0), (2, 80), (2, 90, "a"))  # the former default list: no PTX
     why = cuda_backend.unavailable_reason(torch.device("cuda"))
@@ -391,7 +391,7 @@ def test_backend_refuses_a_gpu_the_extension_has_no_image_for(fake_extension):
 def test_supports_refuses_inputs_on_a_gpu_without_an_image(fake_extension):
     from types import SimpleNamespace
 
-    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import cuda_backend
     from ssa_flash.backends.spec import AttentionSpec
 
     q = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 2, 8, 64))
@@ -404,7 +404,7 @@ def test_supports_refuses_inputs_on_a_gpu_without_an_image(fake_extension):
 
 
 def test_jit_arch_list_builds_9_0_as_9_0a(monkeypatch):
-    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import cuda_backend
 
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     with pytest.warns(UserWarning, match="9.0 built as 9.0a"):
@@ -417,7 +417,7 @@ def test_jit_arch_list_builds_9_0_as_9_0a(monkeypatch):
 
 def test_installed_package_finds_its_shipped_sources(monkeypatch, tmp_path):
     from ssa_flash.audit import cuda as audit_cuda
-    from ssa_flash.backends import cuda as cuda_backend
+    from ssa_flash.backends import cuda_backend
 
     assert cuda_backend.source_dir() == ROOT / "csrc" == audit_cuda.source_dir()  # a checkout
     site = tmp_path / "site-packages"

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import ssa_flash
-from ssa_flash.backends import cuda as cuda_backend
+from ssa_flash.backends import cuda_backend
 from ssa_flash.backends import get
-from ssa_flash.backends import triton as triton_backend
+from ssa_flash.backends import triton_backend
 from ssa_flash.backends.spec import AttentionSpec
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "support.md"

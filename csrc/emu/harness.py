@@ -254,7 +254,7 @@ class Emulator:
         lse, and dq, dk, dv, db, dn (backward)."""
         from ssa_flash import temperature
         from ssa_flash.autograd import attention
-        from ssa_flash.backends import cuda as backend
+        from ssa_flash.backends import cuda_backend as backend
         from ssa_flash.backends.spec import AttentionSpec
 
         poly = tuple(poly if poly is not None else temperature.DEFAULT_POLY)

@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def source_dir() -> Path:
-    """The CUDA sources to audit: the CUDA backend's :func:`~ssa_flash.backends.cuda.source_dir`
+    """The CUDA sources to audit: the CUDA backend's :func:`~ssa_flash.backends.cuda_backend.source_dir`
     (csrc/ of a source checkout, or ``ssa_flash/_csrc`` of an installed package), else the
     checkout's csrc/ path (then reported missing)."""
-    from ..backends.cuda import source_dir as backend_sources
+    from ..backends.cuda_backend import source_dir as backend_sources
 
     found = backend_sources()
     return Path(found) if found is not None else ROOT / "csrc"

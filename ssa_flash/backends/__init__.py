@@ -17,7 +17,7 @@ temperature's backward over a key shard also needs ``row_dbeta`` and ``backward_
 
 ``backend="reference"`` in the public functions runs ``ssa_flash.reference`` under ordinary
 autograd instead of the custom ops: it stays the specification (differentiable to any order, no
-op machinery between it and the tests that hold the kernels to it). ``backends.reference`` is the
+op machinery between it and the tests that hold the kernels to it). ``backends.reference_backend`` is the
 same computation in the backend interface, for the ops and direct callers.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import BackendUnavailableError
-from . import cuda, reference, triton
+from . import cuda_backend, reference_backend, triton_backend
 from ._compile import constant_for_compile
 from .spec import AttentionSpec, Backend, KeyShardTemperature, TemperatureState
 
@@ -38,7 +38,7 @@ __all__ = ["NAMES", "get", "available", "resolve", "preferred_backend", "Attenti
            "TemperatureState", "Backend", "KeyShardTemperature", "BackendUnavailableError"]
 
 NAMES = ("triton", "cuda", "reference")
-_MODULES = {"triton": triton, "cuda": cuda, "reference": reference}
+_MODULES = {"triton": triton_backend, "cuda": cuda_backend, "reference": reference_backend}
 
 
 def get(name: str) -> Backend:
@@ -49,12 +49,12 @@ def get(name: str) -> Backend:
 
 
 def _cuda_first(device: torch.device, dtype: Optional[torch.dtype]) -> bool:
-    """The CUDA backend goes before Triton only where a GPU run verified it (cuda.VERIFIED_ARCHS)
+    """The CUDA backend goes before Triton only where a GPU run verified it (cuda_backend.VERIFIED_ARCHS)
     and using it compiles nothing (a JIT build takes minutes)."""
-    if device.type != "cuda" or not cuda.ready():
+    if device.type != "cuda" or not cuda_backend.ready():
         return False
     dtypes = (dtype,) if dtype is not None else (torch.float16, torch.bfloat16)
-    return any(cuda.verified(device, dt) for dt in dtypes)
+    return any(cuda_backend.verified(device, dt) for dt in dtypes)
 
 
 def available(device, dtype: Optional[torch.dtype] = None) -> Tuple[str, ...]:
@@ -136,7 +136,7 @@ def preferred_backend(device) -> str:
     causal) faster on this GPU model, through the backend interface. Measured once per GPU model
     and cached in memory and in ``~/.cache/ssa_flash/auto_backend.json``;
     ``SSA_FLASH_AUTO_BACKEND=cuda|triton`` overrides. A tool for deciding what goes into
-    ``cuda.VERIFIED_ARCHS``; ``backend="auto"`` reads only that table."""
+    ``cuda_backend.VERIFIED_ARCHS``; ``backend="auto"`` reads only that table."""
     forced = os.environ.get("SSA_FLASH_AUTO_BACKEND", "").strip().lower()
     if forced in ("cuda", "triton"):
         return forced

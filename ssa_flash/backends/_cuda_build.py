@@ -2,7 +2,7 @@
 built one runs on a GPU.
 
 Standard library only: ``setup.py`` loads this file by path at build time (before the package or
-torch can be imported), and :mod:`ssa_flash.backends.cuda` uses it at run time.
+torch can be imported), and :mod:`ssa_flash.backends.cuda_backend` uses it at run time.
 
 * :data:`DEFAULT_ARCH_LIST` and :func:`normalize_arch_list`: the ``TORCH_CUDA_ARCH_LIST`` of a
   build. The kernels' Hopper path (wgmma) exists only in ``sm_90a`` code, so a plain ``9.0``

@@ -8,7 +8,7 @@
   untouched (tensor-valued fields, ``dropout_rng``, are saved for the backward with
   ``save_for_backward``: see :data:`TENSOR_FIELDS`).
 * :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
-* :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton``,
+* :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton_backend``,
   ``.cuda``, ``.reference``).
 * :class:`KeyShardTemperature`: two more functions, optional, that a caller holding only a shard
   of the keys needs for the adaptive temperature's backward (ring attention); the Triton and

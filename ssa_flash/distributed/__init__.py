@@ -15,7 +15,7 @@ docs/distributed.md).
 Not imported by ``import ssa_flash``.
 """
 from . import partial
-from .nn import RingSSAttention
+from .ring_module import RingSSAttention
 from .ring import ring_attention, shard_positions, shard_sequence, unshard_sequence
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "shard_positions",
