@@ -234,6 +234,44 @@ def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
     return torch.full((heads,), value, dtype=acc, device=like.device)
 
 
+def _check_softcap(softcap) -> float:
+    """``softcap``: a finite real number >= 0 (0: no soft-capping), as a float."""
+    value = _check_number("softcap", softcap)
+    if value < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {value}")
+    return value
+
+
+def _check_sinks(sinks, heads: int, like: Tensor) -> Optional[Tensor]:
+    """``sinks``: None, a real number, or a floating tensor of shape () or (Hq,) on the query's
+    device (docs/design.md §1.6). Values may be any real number or ``-inf`` (that head has no
+    sink); NaN and ``+inf`` are refused where the values can be read for free (numbers, CPU
+    tensors outside torch.compile: see :func:`_check_head_param`). Returns None or (Hq,) in the
+    accumulation dtype, differentiable with respect to the caller's tensor."""
+    if sinks is None:
+        return None
+    acc = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if isinstance(sinks, Tensor):
+        if not sinks.is_floating_point():
+            raise TypeError(f"sinks must be a floating tensor, got {sinks.dtype}")
+        if sinks.dim() > 1 or (sinks.dim() == 1 and sinks.shape[0] != heads):
+            raise ValueError(f"sinks must be a number or a tensor of shape () or ({heads},) (one per query "
+                             f"head), got {tuple(sinks.shape)}")
+        if sinks.device != like.device:
+            raise ValueError(f"sinks is on {sinks.device} but query is on {like.device}")
+        if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
+            values = sinks.detach()
+            if bool((torch.isnan(values) | (values == float("inf"))).any()):
+                raise ValueError(f"sinks must be real numbers or -inf (no sink) for every head, got {values.tolist()}")
+        return sinks.to(acc).expand(heads).contiguous()
+    if isinstance(sinks, bool) or _is_numpy_bool(sinks) or not isinstance(sinks, numbers.Real):
+        raise TypeError(f"sinks must be None, a real number or a floating tensor, got {_type_name(sinks)}")
+    value = float(sinks)
+    if math.isnan(value) or value == float("inf"):
+        raise ValueError(f"sinks must be a real number or -inf (no sink), got {value}")
+    return torch.full((heads,), value, dtype=acc, device=like.device)
+
+
 def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:
     if isinstance(poly, (str, bytes)) or not isinstance(poly, Sequence) or len(poly) == 0:
         raise TypeError("poly must be a non-empty sequence of coefficients, highest degree first")
@@ -253,21 +291,30 @@ def available_backends(device: Union[str, torch.device] = "cuda") -> Tuple[str, 
     return backends.available(device)
 
 
-def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec) -> str:
-    """The backend that runs these inputs, or ``BackendUnavailableError`` saying why none can."""
+def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec,
+                     sinks: Optional[Tensor] = None) -> str:
+    """The backend that runs these inputs (``sinks``: the validated sink tensor, or None), or
+    ``BackendUnavailableError`` saying why none can. ``"auto"``: the first of
+    ``backends.auto_candidates`` whose ``supports`` accepts them (the reference accepts
+    everything); a named backend that is unavailable or refuses them raises."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "reference":
         return backend
+    if backend == "auto":
+        refusals = []
+        for name in backends.auto_candidates(query.device, query.dtype):
+            why = backends.get(name).supports(query, key, value, spec, sinks)
+            if why is None:
+                return name
+            refusals.append(f"{name}: {why}")
+        raise BackendUnavailableError(f"backend='auto': no backend can run these inputs ({'; '.join(refusals)})")
     name, why = backends.resolve(backend, query.device, query.dtype)
     if why:
         raise BackendUnavailableError(f"backend={backend!r} is unavailable: {why}")
-    why = backends.get(name).supports(query, key, value, spec)
-    if why and backend == "auto" and name == "cuda":  # a verified CUDA backend, but not for these
-        name = "reference" if backends.resolve("triton", query.device, query.dtype)[1] else "triton"
-        why = backends.get(name).supports(query, key, value, spec)
+    why = backends.get(name).supports(query, key, value, spec, sinks)
     if why:
         raise BackendUnavailableError(f"backend={name!r} cannot run these inputs: {why}")
     return name
@@ -289,7 +336,8 @@ def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, b, n,
-               adaptive, poly, threshold, backend, return_lse, deterministic, window_size):
+               adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
+               softcap):
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     deterministic = _check_bool("deterministic", deterministic)
     adaptive = _check_bool("adaptive_temperature", adaptive)
@@ -317,12 +365,14 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         poly, threshold = _check_poly(poly, threshold)
     if not adaptive:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    sinks = _check_sinks(sinks, query.shape[1], query)
+    softcap = _check_softcap(softcap)
     # dropout bits: a (seed, offset) drawn from torch's generator for the device, on the device
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
                          threshold=threshold, deterministic=deterministic, dropout_p=dropout_p,
-                         window_left=left, window_right=right, dropout_rng=rng)
-    backend = _resolve_backend(backend, query, key, value, spec)
+                         window_left=left, window_right=right, dropout_rng=rng, softcap=softcap)
+    backend = _resolve_backend(backend, query, key, value, spec, sinks)
 
     if backend == "reference" or _degenerate(query, key, value):
         keep = None
@@ -330,9 +380,10 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
             keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
         out, lse = reference._attend(query, key, value, mask, dropout_p, is_causal, scale, group > 1, True,
                                      b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold,
-                                     window_size=(left, right), dropout_mask=keep)
+                                     window_size=(left, right), dropout_mask=keep, sinks=sinks,
+                                     softcap=softcap)
     else:
-        out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec)
+        out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec, sinks=sinks)
     if unbatched:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
@@ -344,7 +395,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
                   adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                   threshold: float = DEFAULT_THRESHOLD, backend: str = "auto",
                   return_lse: bool = False, deterministic: bool = False,
-                  window_size: Tuple[int, int] = (-1, -1)):
+                  window_size: Tuple[int, int] = (-1, -1), sinks: Optional[Scalar] = None,
+                  softcap: float = 0.0):
     """Scaled Signed Averaging attention, a drop-in for ``F.scaled_dot_product_attention``.
 
     Weights ``(1 + b|z|)^(sgn(z) n)`` of the logits ``z = scale * q.k``, normalised over the keys:
@@ -382,6 +434,17 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
             ``attn_mask`` (Mistral's sliding window W: ``is_causal=True, window_size=(W - 1, -1)``).
             Key blocks outside the window are skipped (Triton and CUDA C++ backends; the
             reference masks them).
+        sinks: attention sinks (docs/design.md §1.6): None (the default: none), a number or a
+            floating tensor of shape () or (Hq,) on the query's device (may require grad): head
+            ``h``'s rows get one more logit ``s_h`` whose value vector is zero, so a row's
+            weights sum to less than 1 and a row with no admissible key puts all its weight on
+            the sink (output 0, lse ``s_h``). The sink counts in the LSE and, under the adaptive
+            temperature, in the entropy, and ``beta`` scales it; dropout never drops it.
+            ``-inf``: no sink for that head.
+        softcap: logit soft-capping ``c >= 0`` (0, the default: off): the scaled score ``z``
+            becomes ``c tanh(z / c)`` before the SSA transform; masks are added after.
+            Which backends implement ``sinks`` and ``softcap``: docs/support.md (``"auto"``
+            takes the first that does).
 
     Returns:
         ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)``. Rows with no admissible key
@@ -390,19 +453,21 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=b, n=n, adaptive=adaptive_temperature, poly=poly, threshold=threshold,
                       backend=backend, return_lse=return_lse, deterministic=deterministic,
-                      window_size=window_size)
+                      window_size=window_size, sinks=sinks, softcap=softcap)
 
 
 def softmax_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                       dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                       enable_gqa: bool = False, *, backend: str = "auto", return_lse: bool = False,
-                      deterministic: bool = False, window_size: Tuple[int, int] = (-1, -1)):
+                      deterministic: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                      sinks: Optional[Scalar] = None, softcap: float = 0.0):
     """Softmax attention through the same kernels: what SDPA computes (the baseline and a check),
-    except that a row with no admissible key gives 0 instead of NaN. Arguments as ``ssa_attention``."""
+    except that a row with no admissible key gives 0 instead of NaN. Arguments as ``ssa_attention``
+    (``softcap`` caps the logits ``z`` themselves)."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
                       backend=backend, return_lse=return_lse, deterministic=deterministic,
-                      window_size=window_size)
+                      window_size=window_size, sinks=sinks, softcap=softcap)
 
 
 def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -411,28 +476,33 @@ def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
                                    enable_gqa: bool = False, *, poly: Sequence[float] = DEFAULT_POLY,
                                    threshold: float = DEFAULT_THRESHOLD, backend: str = "auto",
                                    return_lse: bool = False, deterministic: bool = False,
-                                   window_size: Tuple[int, int] = (-1, -1)):
+                                   window_size: Tuple[int, int] = (-1, -1),
+                                   sinks: Optional[Scalar] = None, softcap: float = 0.0):
     """Softmax attention with the adaptive temperature of "Softmax is not Enough": each row's
     logits ``l = z + mask`` are multiplied by ``beta = max(poly(H), 1)`` when the row's entropy
     ``H`` exceeds ``threshold`` (else 1). Two streamed passes, O(L) memory; the backward is the
     exact derivative, through beta. Arguments as ``ssa_attention``; ``lse`` is that of ``beta * l``.
     The entropy (hence beta) is that of the undropped row restricted to the window; dropout acts
-    on the final weights ``softmax(beta * l)``."""
+    on the final weights ``softmax(beta * l)``. With ``sinks`` the row is ``[l, s_h]``: the sink
+    counts in the entropy and ``beta`` scales it too."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       b=None, n=None, adaptive=True, poly=poly, threshold=threshold,
                       backend=backend, return_lse=return_lse, deterministic=deterministic,
-                      window_size=window_size)
+                      window_size=window_size, sinks=sinks, softcap=softcap)
 
 
 def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = None,
                       is_causal: bool = False, scale: Optional[float] = None,
                       enable_gqa: bool = False, *, b: Optional[Scalar] = None,
                       n: Optional[Scalar] = None, backend: str = "auto",
-                      window_size: Tuple[int, int] = (-1, -1)) -> Tensor:
+                      window_size: Tuple[int, int] = (-1, -1), sinks: Optional[Scalar] = None,
+                      softcap: float = 0.0) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``, in O(L) memory:
     of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
     over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
-    admit. Rows with no admissible key have entropy 0. Not differentiable (a diagnostic)."""
+    admit. Rows with no admissible key have entropy 0. With ``sinks``, the entropy of the whole
+    row ``softmax([l, s_h])``, sink entry included (what drives the adaptive temperature);
+    ``softcap`` as in :func:`ssa_attention`. Not differentiable (a diagnostic)."""
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     _check_tensor("query", query)
     _check_tensor("key", key)
@@ -453,15 +523,18 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     if b is not None:
         b = _check_head_param("b", b, query.shape[1], query)
         n = _check_head_param("n", n, query.shape[1], query)
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, window_left=left, window_right=right)
-    backend = _resolve_backend(backend, query, key, key, spec)
+    sinks = _check_sinks(sinks, query.shape[1], query)
+    softcap = _check_softcap(softcap)
+    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, window_left=left, window_right=right,
+                         softcap=softcap)
+    backend = _resolve_backend(backend, query, key, key, spec, sinks)
     with torch.no_grad():
         if backend == "reference" or _degenerate(query, key, key):
             ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n,
-                                              window_size=(left, right))
+                                              window_size=(left, right), sinks=sinks, softcap=softcap)
             ent = ent.to(acc_dtype(query.dtype))
         else:
-            ent = autograd.row_entropy(query, key, b, n, mask, backend, spec)
+            ent = autograd.row_entropy(query, key, b, n, mask, backend, spec, sinks=sinks)
     return ent.squeeze(0) if unbatched else ent
 
 
@@ -530,7 +603,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
                      enable_gqa: bool = False, *, ssa: bool = True, b: Scalar = 1.0, n: Scalar = 1.5,
                      adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                      threshold: float = DEFAULT_THRESHOLD, window_size: Tuple[int, int] = (-1, -1),
-                     return_lse: bool = False, backend: str = "auto", deterministic: bool = False):
+                     return_lse: bool = False, backend: str = "auto", deterministic: bool = False,
+                     sinks: Optional[Scalar] = None, softcap: float = 0.0):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``varlen``
     layout): no padding, no mask.
 
@@ -554,16 +628,17 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             seed) sliced to ``[s, :, :Lq_s, :Lk_s]`` is its keep mask.
         window_size: ``(left, right)`` as in :func:`ssa_attention`, positions counted from each
             sequence's start (top-left, like ``is_causal``).
-        is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic:
-            as in :func:`ssa_attention`; ``b``, ``n`` are used only with ``ssa=True``.
+        is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic,
+            sinks, softcap: as in :func:`ssa_attention`; ``b``, ``n`` are used only with
+            ``ssa=True``; a sink is per row (a sequence with no key puts its rows on the sink).
         ssa: SSA logits (True) or softmax logits (False).
         backend: "auto", "triton" or "reference" ("cuda": the CUDA C++ backend does not implement
             packed batches; ``auto`` never picks it for them).
 
     Returns:
         ``out (total_q, Hq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (Hq, total_q)``
-        (float32, float64 for float64 inputs; ``-inf`` on rows with no key). Differentiable in
-        query, key, value, b and n (and through ``lse``).
+        (float32, float64 for float64 inputs; ``-inf`` on rows with no key and no sink).
+        Differentiable in query, key, value, b, n and sinks (and through ``lse``).
     """
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     ssa = _check_bool("ssa", ssa)
@@ -597,13 +672,15 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         poly, threshold = _check_poly(poly, threshold)
     else:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    sinks = _check_sinks(sinks, heads, query)
+    softcap = _check_softcap(softcap)
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
-                         window_right=right, dropout_rng=rng)
-    backend = _resolve_backend(backend, query, key, value, spec)
+                         window_right=right, dropout_rng=rng, softcap=softcap)
+    backend = _resolve_backend(backend, query, key, value, spec, sinks)
     if backend == "reference" or query.numel() == 0 or key.shape[0] == 0 or value.shape[-1] == 0:
         keep = None
         if rng is not None:
@@ -611,9 +688,9 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         out, lse = reference.varlen_attention(
             query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, group > 1,
             ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
-            window_size=(left, right), return_lse=True, dropout_mask=keep)
+            window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks, softcap=softcap)
     else:
-        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec)
+        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -659,7 +736,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
                            poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
                            window_size: Tuple[int, int] = (-1, -1), return_lse: bool = False,
                            cache_leftpad: Optional[Tensor] = None, num_splits: int = 0,
-                           backend: str = "auto"):
+                           backend: str = "auto", sinks: Optional[Scalar] = None,
+                           softcap: float = 0.0):
     """Attention of a few queries over a KV cache (decoding), with the keys split across programs.
 
     Batch element ``b`` of ``k_cache``/``v_cache`` holds ``cache_seqlens[b]`` valid rows. If ``key``
@@ -692,8 +770,9 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             cache rows ``j`` with ``pos_i - left <= j <= pos_i + right``, ``pos_i = cache_len - Lq +
             i`` (-1: that side unbounded); key blocks outside it are skipped (Mistral-style decoding
             with a sliding window: ``is_causal=True, window_size=(W - 1, -1)``).
-        is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold: as in
-            :func:`varlen_attention`.
+        is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold, sinks,
+            softcap: as in :func:`varlen_attention` (a batch element with no row to attend puts
+            its rows on the sink: output 0, ``lse = s_h``).
         backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
 
     Returns:
@@ -733,23 +812,25 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         poly, threshold = _check_poly(poly, threshold)
     else:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    sinks = _check_sinks(sinks, heads, query)
+    softcap = _check_softcap(softcap)
     used = seqlens if lnew == 0 else seqlens + lnew
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
-                         num_splits=num_splits, window_left=left, window_right=right)
-    backend = _resolve_backend(backend, query, k_cache, v_cache, spec)
+                         num_splits=num_splits, window_left=left, window_right=right, softcap=softcap)
+    backend = _resolve_backend(backend, query, k_cache, v_cache, spec, sinks)
     with torch.no_grad():
         if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
             out, lse = reference.attention_with_kvcache(
                 query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
                 enable_gqa=group > 1, ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature,
                 poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad,
-                window_size=(left, right))
+                window_size=(left, right), sinks=sinks, softcap=softcap)
         else:
             if key is not None:
                 _append_to_cache(k_cache, key, seqlens)
                 _append_to_cache(v_cache, value, seqlens)
-            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec)
+            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec, sinks=sinks)
     return (out, lse) if return_lse else out
 
 

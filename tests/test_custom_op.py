@@ -83,7 +83,7 @@ def test_schema_carries_the_spec():
     """Every op ends with the backend name and the AttentionSpec fields, in field order."""
     spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic",
                  "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_k", "k_start",
-                 "num_splits", "dropout_p", "window_left", "window_right", "dropout_rng"]
+                 "num_splits", "dropout_p", "window_left", "window_right", "dropout_rng", "softcap"]
     for op in (torch.ops.ssa_flash.attn_fwd, torch.ops.ssa_flash.attn_bwd, torch.ops.ssa_flash.row_entropy):
         names = [a.name for a in op.default._schema.arguments]
         assert names[-len(spec_args) - 1:] == ["backend"] + spec_args, names
@@ -91,7 +91,7 @@ def test_schema_carries_the_spec():
         assert types["cu_seqlens_q"] == types["seqused_k"] == "Optional[Tensor]", types
     spec = AttentionSpec(scale=0.25, causal=True, group=2, adaptive=True, poly=(1, 2.5), threshold=0.1)
     assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False, None, None, 0, 0, None, None, 0, 0.0, -1, -1,
-                              None)
+                              None, 0.0)
     assert AttentionSpec.from_op_args(spec.op_args()) == spec
     cu = torch.tensor([0, 3], dtype=torch.int32)
     packed = AttentionSpec(scale=0.25, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3)
@@ -105,16 +105,16 @@ def test_schema_carries_the_spec():
 def _fwd_args(variant, dtype, backend):
     q, k, v, b, n = _inputs(DEVICE, dtype, Hq=4, Hkv=2, D=24)
     if variant == "softmax":
-        return (q, k, v, None, None, None, backend, *AttentionSpec(scale=0.3, group=2).op_args())
+        return (q, k, v, None, None, None, None, backend, *AttentionSpec(scale=0.3, group=2).op_args())
     if variant == "ssa_dropout_window":  # a tensor-valued spec field (the dropout seed)
         spec = AttentionSpec(scale=0.3, group=2, dropout_p=0.25, window_left=5, window_right=2,
                              dropout_rng=torch.tensor([123, 45], device=q.device))
-        return (q, k, v, b.to(spec_dtype(dtype)), n.to(spec_dtype(dtype)), None, backend, *spec.op_args())
+        return (q, k, v, b.to(spec_dtype(dtype)), n.to(spec_dtype(dtype)), None, None, backend, *spec.op_args())
     g = torch.Generator().manual_seed(1)
     mask = (torch.rand(1, 1, 16, 16, generator=g) > 0.2).to(q.device).expand(1, 4, 16, 16)
     spec = AttentionSpec(scale=0.3, causal=True, group=2, adaptive=True)
     return (q, k, v, b.float() if dtype != torch.float64 else b, n.float() if dtype != torch.float64 else n,
-            mask, backend, *spec.op_args())
+            None, mask, backend, *spec.op_args())
 
 
 def spec_dtype(dtype):
@@ -133,23 +133,24 @@ def test_opcheck_forward(variant, on_backend):
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
 def test_opcheck_backward(on_backend):
     backend, dtype, context = on_backend
-    q, k, v, b, n, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
+    q, k, v, b, n, _, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
     q, k, v, b, n = (t.detach() for t in (q, k, v, b, n))
     with context:
-        out, lse, beta, lse_l, ent, dbeta_dh = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, mask, backend, *spec_args)
+        out, lse, beta, lse_l, ent, dbeta_dh = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, None, mask, backend,
+                                                                            *spec_args)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         torch.library.opcheck(torch.ops.ssa_flash.attn_bwd.default,
-                              (dout, dlse, q, k, v, out, lse, b, n, mask, beta, lse_l, ent, dbeta_dh,
+                              (dout, dlse, q, k, v, out, lse, b, n, None, mask, beta, lse_l, ent, dbeta_dh,
                                backend, *spec_args))
 
 
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
 def test_opcheck_row_entropy(on_backend):
     backend, dtype, context = on_backend
-    q, k, v, b, n, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
+    q, k, v, b, n, _, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
     with context:
         torch.library.opcheck(torch.ops.ssa_flash.row_entropy.default,
-                              (q.detach(), k.detach(), b.detach(), n.detach(), mask, backend, *spec_args))
+                              (q.detach(), k.detach(), b.detach(), n.detach(), None, mask, backend, *spec_args))
 
 
 def test_fake_shapes_without_data():
@@ -162,13 +163,17 @@ def test_fake_shapes_without_data():
         k = torch.empty(2, 2, 7, 8, dtype=torch.float16)
         v = torch.empty(2, 2, 7, 3, dtype=torch.float16)
         bn = torch.empty(4)
-        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, bn, bn, None, "cuda", *spec)
+        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, bn, bn, None, None, "cuda", *spec)
         assert out.shape == (2, 4, 5, 3) and out.dtype == torch.float16
         assert lse.shape == beta.shape == (2, 4, 5) and lse.dtype == torch.float32
-        dq, dk, dv, db, dn = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, bn, bn, None,
-                                                          beta, beta, beta, beta, "triton", *spec)
+        dq, dk, dv, db, dn, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, bn, bn, None, None,
+                                                                  beta, beta, beta, beta, "triton", *spec)
         assert (dq.shape, dk.shape, dv.shape, db.shape) == (q.shape, k.shape, v.shape, (4,))
-        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, None, None, None, "reference", *spec)
+        assert dsinks.shape == (0,)
+        *_, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, None, None, bn, None,
+                                                  beta, beta, beta, beta, "reference", *spec)
+        assert dsinks.shape == (4,) and dsinks.dtype == torch.float32
+        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, None, None, None, None, "reference", *spec)
         assert ent.shape == lse_l.shape == (2, 4, 5) and ent.dtype == torch.float32
 
 

@@ -7,10 +7,11 @@ Layers, each importing only the ones below it::
     ssa_flash.backends.*     triton / cuda / reference: one interface (spec.Backend)
     ssa_flash.triton.launch, the CUDA extension (csrc/), ssa_flash.reference, ssa_flash.temperature
 
-Every backend module provides ``NAME``, ``unavailable_reason(device)``, ``supports(q, k, v, spec)``,
-``row_entropy(q, k, mask, b, n, spec)``, ``forward(q, k, v, mask, b, n, beta, spec)`` and
-``backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)`` (``spec.Backend`` documents
-them). Code that needs attention pieces rather than the public functions (ring attention: partial
+Every backend module provides ``NAME``, ``unavailable_reason(device)``,
+``supports(q, k, v, spec, sinks=None)``, ``row_entropy(q, k, mask, b, n, sinks, spec)``,
+``forward(q, k, v, mask, b, n, sinks, beta, spec)`` and
+``backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec)`` (``spec.Backend``
+documents them). Code that needs attention pieces rather than the public functions (ring attention: partial
 attention over one key shard, ``ssa_flash.distributed.partial``) calls these directly; the adaptive
 temperature's backward over a key shard also needs ``row_dbeta`` and ``backward_given_g``
 (``spec.KeyShardTemperature``, optional: the Triton and reference backends have them).
@@ -34,7 +35,7 @@ from . import cuda_backend, reference_backend, triton_backend
 from ._compile import constant_for_compile
 from .spec import AttentionSpec, Backend, KeyShardTemperature, TemperatureState
 
-__all__ = ["NAMES", "get", "available", "resolve", "preferred_backend", "AttentionSpec",
+__all__ = ["NAMES", "get", "available", "resolve", "auto_candidates", "preferred_backend", "AttentionSpec",
            "TemperatureState", "Backend", "KeyShardTemperature", "BackendUnavailableError"]
 
 NAMES = ("triton", "cuda", "reference")
@@ -83,6 +84,15 @@ def resolve(backend: str, device: torch.device, dtype: torch.dtype) -> Tuple[str
     return (backend, "") if why is None else ("", why)
 
 
+@constant_for_compile
+def auto_candidates(device: torch.device, dtype: torch.dtype) -> Tuple[str, ...]:
+    """The backends ``backend="auto"`` may pick on ``device``, in its order of preference: those
+    of :func:`available`, less an unverified CUDA backend; the reference last (it runs anything).
+    The public functions take the first whose ``supports`` accepts the inputs."""
+    names = [name for name in available(device, dtype) if name != "cuda" or _cuda_first(device, dtype)]
+    return tuple(names) if "reference" in names else (*names, "reference")
+
+
 # --------------------------------------------------------------------------------------------
 # Which of the CUDA and Triton backends is faster on a GPU (a measurement; auto does not run it)
 
@@ -121,8 +131,8 @@ def _measure(device: torch.device) -> str:
         be = get(name)
 
         def step():
-            out, lse = be.forward(q, k, v, None, b, n, None, spec)
-            be.backward(dout, q, k, v, out, lse, None, None, b, n, None, spec)
+            out, lse = be.forward(q, k, v, None, b, n, None, None, spec)
+            be.backward(dout, q, k, v, out, lse, None, None, b, n, None, None, spec)
 
         try:
             times[name] = _time_ms(step)

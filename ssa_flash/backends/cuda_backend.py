@@ -404,21 +404,24 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     return max(fwd, dq, dkdv)
 
 
-def _feature_reason(spec: AttentionSpec) -> Optional[str]:
-    """Why the kernels cannot compute ``spec``, or None."""
+def _feature_reason(spec: AttentionSpec, sinks=None) -> Optional[str]:
+    """Why the kernels cannot compute ``spec`` (with ``sinks``), or None."""
+    if sinks is not None or spec.softcap > 0:
+        return ("the CUDA C++ kernels do not implement attention sinks or logit soft-capping yet "
+                "(sinks=, softcap=; docs/support.md): use backend='reference'")
     if spec.dropout_p > 0 and spec.dropout_rng is None:
         return "dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng"
     return None
 
 
-def _refuse_unsupported(spec: AttentionSpec) -> None:
+def _refuse_unsupported(spec: AttentionSpec, sinks=None) -> None:
     """Direct callers of the backend functions get an error instead of a silently ignored option."""
-    why = _feature_reason(spec)
+    why = _feature_reason(spec, sinks)
     if why is not None:
         raise ValueError(f"ssa_flash CUDA backend: {why}")
 
 
-def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
     if spec.packed or spec.kv_cache:
         return ("the CUDA C++ kernels do not implement packed variable-length batches or KV-cache "
                 "decoding (varlen_attention, attention_with_kvcache): use backend='triton'")
@@ -432,7 +435,7 @@ def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
         return f"the CUDA kernels support head dims up to {MAX_HEAD_DIM}, got {d}"
     if q.shape[0] > 65535 or q.shape[1] > 65535:
         return "batch and heads must each be at most 65535"
-    why = _feature_reason(spec)
+    why = _feature_reason(spec, sinks)
     if why is not None:
         return why
     if q.device.type != "cuda":  # emulated: no hardware limits
@@ -543,8 +546,8 @@ def _finish_dq(dq: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
     return -dq if scale < 0 else dq
 
 
-def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
-    _refuse_unsupported(spec)
+def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
+    _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d8 = _round8(q.shape[-1])
     mask_t, kind = _prep_mask(mask)
@@ -555,8 +558,8 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
                          **_window_args(spec))
 
 
-def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
-    _refuse_unsupported(spec)
+def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
+    _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
     mask_t, kind = _prep_mask(mask)
@@ -569,9 +572,9 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     return _unpad(o, v.shape[-1]), lse
 
 
-def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
-    _refuse_unsupported(spec)
+    _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d, dv = q.shape[-1], v.shape[-1]
     d8, dv8 = _round8(d), _round8(dv)
@@ -594,4 +597,4 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[Temperatu
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), db, dn
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), db, dn, None

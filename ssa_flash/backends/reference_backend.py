@@ -33,19 +33,23 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
     return None
 
 
-def _rows(q, k, mask, b, n, spec: AttentionSpec):
-    """``(z, l, allowed)``: logits, logit rows ``phi(z) + mask`` (-inf where not admissible) and
-    the admissible set, each ``(B, Hq, Lq, Lk)`` in the accumulation dtype."""
+def _rows(q, k, mask, b, n, sinks, spec: AttentionSpec):
+    """``(z, l, allowed)``: the scaled scores ``z = scale q k^T`` (before any soft-capping),
+    ``(B, Hq, Lq, Lk)``, and the logit rows ``phi(cap(z)) + mask`` (-inf where not admissible)
+    with the admissible set, ``(B, Hq, Lq, Lk)``, or ``(B, Hq, Lq, Lk + 1)`` with the sink as the
+    last column when ``sinks`` is given; all in the accumulation dtype."""
     acc = acc_dtype(q.dtype)
     qa, ka = q.to(acc), k.to(acc)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(acc)
     l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n,
-                                       (spec.window_left, spec.window_right))
+                                       (spec.window_left, spec.window_right), spec.softcap)
+    if sinks is not None:
+        l, allowed = spec_code._with_sink(l, allowed, sinks.to(acc))
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
     z = spec.scale * (qa @ kr.transpose(-2, -1))
     return z, l, allowed
@@ -173,35 +177,38 @@ def _empty_row_stats(q_s, acc):
     return torch.zeros(shape, dtype=acc, device=q_s.device), torch.full(shape, float("-inf"), dtype=acc, device=q_s.device)
 
 
-def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
     if spec.packed or spec.kv_cache:
         def fn(q_s, k_slice, m, dspec, rows):
             k_s = _keys(k, spec, rows, k_slice)
-            if k_s.shape[2] == 0:  # no key: entropy 0, lse -inf
+            if k_s.shape[2] == 0 and sinks is None:  # no key: entropy 0, lse -inf
                 return _empty_row_stats(q_s, acc_dtype(q.dtype))
-            return row_entropy(q_s, k_s, None if m is None else m.expand(1, q_s.shape[1], *m.shape), b, n, dspec)
+            return row_entropy(q_s, k_s, None if m is None else m.expand(1, q_s.shape[1], *m.shape), b, n,
+                               sinks, dspec)
 
         _, (ent, lse_l) = _layout_rows(q, k, mask, b, n, spec, fn, 2)
         return ent, lse_l
-    _, l, allowed = _rows(q, k, mask, b, n, spec)
+    _, l, allowed = _rows(q, k, mask, b, n, sinks, spec)
     return spec_code._entropy(l, allowed), _lse(l)
 
 
-def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
     if spec.packed or spec.kv_cache:
         def fn(q_s, k_slice, m, dspec, rows):
             k_s, v_s = _keys(k, spec, rows, k_slice), _keys(v, spec, rows, k_slice)
-            if k_s.shape[2] == 0:  # no key: output 0, lse -inf
+            if k_s.shape[2] == 0 and sinks is None:  # no key: output 0, lse -inf
                 return (q_s.new_zeros((*q_s.shape[:-1], v.shape[-1])), _empty_row_stats(q_s, acc_dtype(q.dtype))[1])
             beta_s = _rows_of(beta, spec, rows, True) if spec.adaptive else None
             m4 = None if m is None else m.expand(1, q_s.shape[1], *m.shape)
-            return forward(q_s, k_s, v_s, m4, b, n, beta_s, dspec)
+            return forward(q_s, k_s, v_s, m4, b, n, sinks, beta_s, dspec)
 
         out, (lse,) = _layout_rows(q, k, mask, b, n, spec, fn, 1, out_dim=v.shape[-1])
         return out, lse
-    _, l, allowed = _rows(q, k, mask, b, n, spec)
+    _, l, allowed = _rows(q, k, mask, b, n, sinks, spec)
     s = _tempered(l, allowed, beta if spec.adaptive else None)
     p = spec_code._masked_softmax(s, allowed)
+    if sinks is not None:
+        p = p[..., :-1]  # the sink's value vector is zero
     keep = _keep(p.shape, spec, p.device)
     if keep is not None:
         p = spec_code._apply_dropout(p, spec.dropout_p, keep)
@@ -210,51 +217,57 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
     return (p @ vr).to(q.dtype), _lse(s)
 
 
-def _backward_packed(dout, q, k, v, out, lse, dlse, b, n, temp, spec: AttentionSpec):
+def _backward_packed(dout, q, k, v, out, lse, dlse, b, n, sinks, temp, spec: AttentionSpec):
     acc = acc_dtype(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    db = dn = None
+    db = dn = dsinks = None
     if b is not None:
         db, dn = torch.zeros(q.shape[1], dtype=acc, device=q.device), torch.zeros(q.shape[1], dtype=acc, device=q.device)
+    if sinks is not None:
+        dsinks = torch.zeros(q.shape[1], dtype=acc, device=q.device)
     for rows, q_s, k_slice, _, dspec in _pieces(q, k, spec):
         k_s, v_s = _keys(k, spec, rows, k_slice), _keys(v, spec, rows, k_slice)
-        if k_s.shape[2] == 0:
-            continue  # no key: zero gradients
+        if k_s.shape[2] == 0 and sinks is None:
+            continue  # no key: zero gradients (with a sink, the sink still has one)
         sub = lambda x: None if x is None else _rows_of(x, spec, rows, x.dim() == 2)  # noqa: E731
         temp_s = TemperatureState(*(sub(t) for t in temp)) if spec.adaptive else None
-        g = backward(sub(dout), q_s, k_s, v_s, sub(out), sub(lse), sub(dlse), None, b, n, temp_s, dspec)
+        g = backward(sub(dout), q_s, k_s, v_s, sub(out), sub(lse), sub(dlse), None, b, n, sinks, temp_s, dspec)
         dq[rows[0]] = g[0][0].transpose(0, 1)
         dk[k_slice] = g[1][0].transpose(0, 1)
         dv[k_slice] = g[2][0].transpose(0, 1)
         if b is not None:
             db, dn = db + g[3], dn + g[4]
-    return dq, dk, dv, db, dn
+        if sinks is not None:
+            dsinks = dsinks + g[5]
+    return dq, dk, dv, db, dn, dsinks
 
 
-def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     if spec.kv_cache:
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if spec.packed:
-        return _backward_packed(dout, q, k, v, out, lse, dlse, b, n, temp, spec)
-    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec)
+        return _backward_packed(dout, q, k, v, out, lse, dlse, b, n, sinks, temp, spec)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec)
 
 
-# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
+# spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys (no
+# sinks: a caller holding key shards adds the sink's terms once per row itself)
 
 
 def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
-    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, dbeta_only=True)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, None, temp, spec, dbeta_only=True)
 
 
 def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
                      spec: AttentionSpec):
-    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=g)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, None, temp, spec, g=g)[:5]
 
 
-def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbeta_only=False):
-    z, l, allowed = _rows(q, k, mask, b, n, spec)
+def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec, g=None, dbeta_only=False):
+    z, l, allowed = _rows(q, k, mask, b, n, sinks, spec)
     acc = z.dtype
+    lk = z.shape[-1]  # keys; l, allowed have one more column (the sink) with sinks
     beta = temp.beta if spec.adaptive else None
     s = _tempered(l, allowed, beta)
     # P' = softmax(beta * l) normalised by the given lse: the whole row's, also for a key shard
@@ -263,9 +276,10 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbe
     va = v.to(acc)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
 
-    keep = _keep(p_s.shape, spec, p_s.device)
+    p_keys = p_s[..., :lk]
+    keep = _keep(p_keys.shape, spec, p_s.device)
     # dropout: out = (r M * P') V with r = 1 / (1 - p), so dV = (r M * P')^T dO, dP' = r M * (dO V^T)
-    p_kept = p_s if keep is None else spec_code._apply_dropout(p_s, spec.dropout_p, keep)
+    p_kept = p_keys if keep is None else spec_code._apply_dropout(p_keys, spec.dropout_p, keep)
     dv = _group_sum(p_kept.transpose(-2, -1) @ do, spec.group)
     delta = (do * o).sum(-1)
     if dlse is not None:  # d lse_i / d S'_ij = P'_ij
@@ -273,6 +287,8 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbe
     dp = do @ vr.transpose(-2, -1)
     if keep is not None:
         dp = spec_code._apply_dropout(dp, spec.dropout_p, keep)
+    if sinks is not None:  # the sink's value vector is zero: dP'_sink = 0
+        dp = torch.cat([dp, dp.new_zeros((*dp.shape[:-1], 1))], dim=-1)
     ds = p_s * (dp - delta.unsqueeze(-1))  # dS', 0 where inadmissible
     l0 = l.masked_fill(~allowed, 0.0)
     if spec.adaptive:
@@ -285,17 +301,27 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp, spec, g=None, dbe
         dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
     else:
         dl = ds
+    dsinks = None
+    if sinks is not None:  # the sink is a logit of its own: d loss / d s_h sums its dl over the rows
+        dsinks = dl[..., lk].sum(dim=(0, 2))
+        dl = dl[..., :lk]
+    zc = z
+    if spec.softcap > 0:  # z -> c tanh(z / c): b, n see the capped score, dz gets 1 - tanh^2
+        t = torch.tanh(z / spec.softcap)
+        zc = spec.softcap * t
     db = dn = None
     if b is not None:
         bh, nh = b.to(acc).view(1, -1, 1, 1), n.to(acc).view(1, -1, 1, 1)
-        denom = 1.0 + bh * z.abs()
-        db = (dl * nh * z / denom).sum(dim=(0, 2, 3))
-        dn = (dl * torch.sign(z) * torch.log1p(bh * z.abs())).sum(dim=(0, 2, 3))
+        denom = 1.0 + bh * zc.abs()
+        db = (dl * nh * zc / denom).sum(dim=(0, 2, 3))
+        dn = (dl * torch.sign(zc) * torch.log1p(bh * zc.abs())).sum(dim=(0, 2, 3))
         dz = dl * (nh * bh / denom)
     else:
         dz = dl
+    if spec.softcap > 0:
+        dz = dz * (1.0 - t * t)
     ka = k.to(acc)
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
     dq = spec.scale * (dz @ kr)
     dk = _group_sum(spec.scale * (dz.transpose(-2, -1) @ q.to(acc)), spec.group)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db, dn
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db, dn, dsinks

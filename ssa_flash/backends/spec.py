@@ -31,6 +31,12 @@ Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
   as a view with zero strides where broadcast, to ``(B, Hq, Lq, Lk)``.
 * ``b``, ``n``: None for softmax logits, or ``(Hq,)`` contiguous tensors in the accumulation dtype
   (float64 for float64 inputs, else float32) for SSA logits ``phi(z) = n sgn(z) log1p(b|z|)``.
+* ``sinks``: None, or an ``(Hq,)`` contiguous tensor in the accumulation dtype: the sink logit
+  ``s_h`` appended, with a zero value vector, to every logit row of query head ``h``
+  (docs/design.md §1.6). The row is then ``[l, s_h]``: its weights sum to ``1 - P_sink``, the LSE,
+  the entropy and (adaptive) ``beta * [l, s_h]`` include the sink, and a row with no admissible
+  key has output 0 and LSE ``beta s_h`` (``s_h = -inf``: as without a sink). A backend whose
+  kernels do not implement sinks (or ``spec.softcap > 0``) says so in ``supports``.
 * per-row statistics (``lse``, ``beta``, ``entropy``, ...): ``(B, Hq, Lq)`` contiguous, in the
   accumulation dtype. Outputs and gradients of q, k, v: contiguous, in the inputs' dtype.
 """
@@ -126,6 +132,9 @@ class AttentionSpec:
     device. A tensor rather than two ints so that drawing it needs no host synchronisation, a
     CUDA graph replays the draw (fresh bits every replay), and torch.compile traces the draw as
     a random op instead of baking one seed into the graph."""
+    softcap: float = 0.0
+    """logit soft-capping (docs/design.md §1.6): the scaled score ``z`` becomes
+    ``softcap * tanh(z / softcap)`` before the logit transform, masks are added after; 0: off"""
 
     def __post_init__(self):
         object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
@@ -194,31 +203,38 @@ class Backend(Protocol):
         """None if the backend can run tensors on ``device`` in this process, else why not (a
         sentence). Cheap: compiles and launches nothing, never raises."""
 
-    def supports(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec) -> Optional[str]:
-        """None if the backend runs these inputs (dtype, head dims, sizes), else why not. Reads
-        shapes, dtypes and the device only (no synchronisation)."""
+    def supports(self, q: Tensor, k: Tensor, v: Tensor, spec: AttentionSpec,
+                 sinks: Optional[Tensor] = None) -> Optional[str]:
+        """None if the backend runs these inputs (dtype, head dims, sizes, the spec's features,
+        ``sinks`` if not None), else why not. Reads shapes, dtypes and the device only (no
+        synchronisation)."""
 
     def row_entropy(self, q: Tensor, k: Tensor, mask: Optional[Tensor], b: Optional[Tensor],
-                    n: Optional[Tensor], spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
-        """``(entropy, lse_l)`` of each row of ``P = softmax(l)``, ``l = phi(z) + mask``: natural-log
-        entropy (0 for a row with no admissible key) and log-sum-exp (-inf for such a row)."""
+                    n: Optional[Tensor], sinks: Optional[Tensor], spec: AttentionSpec
+                    ) -> Tuple[Tensor, Tensor]:
+        """``(entropy, lse_l)`` of each row of ``P = softmax(l)``, ``l = phi(z) + mask`` (with the
+        sink appended if ``sinks`` is given): natural-log entropy (0 for a row with no admissible
+        entry) and log-sum-exp (-inf for such a row)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], b: Optional[Tensor],
-                n: Optional[Tensor], beta: Optional[Tensor], spec: AttentionSpec
-                ) -> Tuple[Tensor, Tensor]:
+                n: Optional[Tensor], sinks: Optional[Tensor], beta: Optional[Tensor],
+                spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
         """``(out (B, Hq, Lq, Dv), lse)``: ``out = softmax(beta * l) @ v`` (``beta`` is None, i.e. 1,
-        unless ``spec.adaptive``) and the natural-log LSE of ``beta * l``. Rows with no admissible
-        key: out 0, lse -inf."""
+        unless ``spec.adaptive``; with ``sinks`` the softmax is over ``beta * [l, s_h]`` and the
+        sink's zero value vector drops out) and the natural-log LSE of that row. Rows with no
+        admissible entry: out 0, lse -inf."""
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
-                 n: Optional[Tensor], temp: Optional[TemperatureState], spec: AttentionSpec
-                 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-        """``(dq, dk, dv, db, dn)`` given the output gradient ``dout`` and the LSE gradient ``dlse``
-        (or None): docs/design.md §1.2 and §1.3, with ``delta = rowsum(dout * out) - dlse``. ``out`` and
-        ``lse`` are those ``forward`` returned (for a key shard: the global ones). ``db``, ``dn``
-        are ``(Hq,)`` in the accumulation dtype, None for softmax; ``temp`` is given iff
-        ``spec.adaptive``."""
+                 n: Optional[Tensor], sinks: Optional[Tensor], temp: Optional[TemperatureState],
+                 spec: AttentionSpec
+                 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(dq, dk, dv, db, dn, dsinks)`` given the output gradient ``dout`` and the LSE gradient
+        ``dlse`` (or None): docs/design.md §1.2 and §1.3, with ``delta = rowsum(dout * out) - dlse``.
+        ``out`` and ``lse`` are those ``forward`` returned (for a key shard: the global ones).
+        ``db``, ``dn`` are ``(Hq,)`` in the accumulation dtype, None for softmax; ``dsinks``
+        ``(Hq,)`` in the accumulation dtype (``sum_{b,i} dl_{i,sink}``, docs/maths.md §6), None
+        without sinks; ``temp`` is given iff ``spec.adaptive``."""
 
 
 @runtime_checkable
@@ -231,6 +247,10 @@ class KeyShardTemperature(Protocol):
     the keys it is given, which for a key shard is only part of the sum. A caller holding key
     shards sums :meth:`row_dbeta` over them, forms ``g``, and calls :meth:`backward_given_g` on
     each shard. ``out``, ``lse`` and ``temp`` are always those of whole rows (all keys).
+
+    These functions take no ``sinks``: a sink belongs to the whole row, not to a shard of its
+    keys, so a caller holding key shards adds its terms once per row itself
+    (``ssa_flash.distributed.partial``: ``sink_stats``, ``add_sink``, ``sink_backward``).
     """
 
     def row_dbeta(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -97,11 +97,21 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
             "set before Triton is imported to run them on the CPU")
 
 
-def supports(q, k, v, spec: AttentionSpec) -> Optional[str]:
+def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
+    if sinks is not None or spec.softcap > 0:
+        return ("the Triton kernels do not implement attention sinks or logit soft-capping yet "
+                "(sinks=, softcap=; docs/support.md): use backend='reference'")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return (f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {q.shape[-1]}, "
                 f"value {v.shape[-1]}")
     return None
+
+
+def _refuse_unsupported(q, k, v, spec: AttentionSpec, sinks) -> None:
+    """Direct callers of the backend functions get an error, not a silently ignored sink or cap
+    (until the kernels implement them, supports() refuses them and the ops never come here)."""
+    if sinks is not None or spec.softcap > 0:
+        raise ValueError(f"ssa_flash Triton backend: {supports(q, k, v, spec, sinks)}")
 
 
 def _spec(launch, spec: AttentionSpec, b):
@@ -145,31 +155,35 @@ def _bf16(x):
     return None if x is None else x.to(torch.bfloat16)
 
 
-def row_entropy(q, k, mask, b, n, spec: AttentionSpec):
+def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
+    _refuse_unsupported(q, k, k, spec, sinks)
     launch = _launch()
     if _emulate_bf16(q):
         q, k, mask = _f32(q), _f32(k), _f32(mask)
     return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b), _layout(launch, spec))
 
 
-def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec):
+def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
+    _refuse_unsupported(q, k, v, spec, sinks)
     launch = _launch()
     if _emulate_bf16(q):
-        o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), b, n, beta, spec)
+        o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), b, n, sinks, beta, spec)
         return _bf16(o), lse
     return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b),
                           _layout(launch, spec))
 
 
-def backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
+    _refuse_unsupported(q, k, v, spec, sinks)
     launch = _launch()
     if _emulate_bf16(q):
-        dq, dk, dv, db, dn = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n, temp, spec)
-        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn
+        dq, dk, dv, db, dn, _ = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n, sinks,
+                                         temp, spec)
+        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn, None
     ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
-    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b),
-                           _layout(launch, spec))
+    return (*launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b),
+                             _layout(launch, spec)), None)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys

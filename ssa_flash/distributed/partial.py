@@ -27,6 +27,14 @@ softmax over a logit row ``l`` (``phi(z)`` or ``z``), and for the adaptive tempe
   ``dbeta_i = sum_j dS'_ij l_ij`` first: a pass of :func:`partial_dbeta` over the key shards,
   summed, then :func:`partial_backward` with that ``g``.
 
+* attention sinks (docs/design.md §1.6): the sink is one more entry of every row, belonging to no
+  key shard, so it is counted once per row, not once per shard: the shards run without it, and
+  it joins the merged rows as one more "shard" whose output is 0, whose LSE is ``s_h`` (``beta
+  s_h`` under the temperature) and whose entropy is 0 (:func:`sink_stats`, :func:`add_sink`). In
+  the backward the shards' formulas already hold given the whole rows' ``out``, ``lse`` and
+  temperature state (which include the sink); the sink's own terms, its part of ``dbeta`` and
+  its gradient, are per-row formulas (:func:`sink_dbeta`, :func:`sink_backward`).
+
 All of this is exact: the merged results equal the unsharded kernels' up to the rounding of
 the partial outputs to the inputs' dtype and the order of floating-point sums.
 
@@ -55,7 +63,8 @@ from ..errors import BackendUnavailableError
 
 __all__ = ["RowStats", "Visibility", "causal_pair", "resolve_backend", "empty_row_stats",
            "partial_entropy", "merge_entropy", "temperature_state", "partial_forward",
-           "empty_output", "merge_outputs", "merge_outputs_", "partial_dbeta", "partial_backward"]
+           "empty_output", "merge_outputs", "merge_outputs_", "partial_dbeta", "partial_backward",
+           "sink_stats", "add_sink", "sink_dbeta", "sink_backward"]
 
 
 class RowStats(NamedTuple):
@@ -127,7 +136,7 @@ def partial_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tenso
                     spec: AttentionSpec, backend: str) -> RowStats:
     """Entropy statistics of ``softmax(l)`` over the keys of ``k`` alone (``spec.causal``: the
     diagonal pair of a causal split). No temperature; ``spec.adaptive`` is ignored."""
-    ent, lse = backends.get(backend).row_entropy(q, k, None, b, n, spec)
+    ent, lse = backends.get(backend).row_entropy(q, k, None, b, n, None, spec)
     return RowStats(lse, ent)
 
 
@@ -159,7 +168,8 @@ def partial_forward(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Opt
     temperature, given iff ``spec.adaptive``). Rows with no admissible key: out 0, lse -inf."""
     if spec.adaptive and beta is None:
         raise ValueError("partial_forward: spec.adaptive needs beta (temperature_state of the whole rows)")
-    return backends.get(backend).forward(q, k, v, None, b, n, _stat(beta) if spec.adaptive else None, spec)
+    return backends.get(backend).forward(q, k, v, None, b, n, None, _stat(beta) if spec.adaptive else None,
+                                         spec)
 
 
 def empty_output(q: Tensor, dv: int) -> Tuple[Tensor, Tensor]:
@@ -236,4 +246,86 @@ def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             raise BackendUnavailableError(f"backend={backend!r} has no backward_given_g (see resolve_backend)")
         return be.backward_given_g(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, _temp(temp),
                                    _stat(g), spec)
-    return be.backward(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, None, spec)
+    return be.backward(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, None, None, spec)[:5]
+
+
+# --------------------------------------------------------------------------------------------
+# Attention sinks: one entry per row, added once to the merged rows (module docstring)
+
+
+def _sink_rows(sinks: Tensor, like: Tensor) -> Tensor:
+    """``sinks (Hq,)`` broadcast to the per-row shape ``(B, Hq, Lq)`` of ``like``."""
+    return sinks.to(like.dtype).view(1, -1, 1).expand_as(like)
+
+
+def _exp_or_zero(x: Tensor, s: Tensor) -> Tensor:
+    """``exp(x)`` where the sink logit ``s`` is finite, else 0 (a sink of -inf has no weight;
+    its row's statistics may be -inf too, and -inf - (-inf) is NaN)."""
+    return torch.where(torch.isfinite(s), torch.exp(torch.where(torch.isfinite(s), x, torch.zeros_like(x))),
+                       torch.zeros_like(x))
+
+
+def sink_stats(sinks: Tensor, like: Tensor) -> RowStats:
+    """The sink as statistics of its own (adaptive temperature, first pass): ``lse = s_h``,
+    entropy 0, shaped like ``like`` ``(B, Hq, Lq)``; :func:`merge_entropy` them into the merged
+    key shards' statistics once."""
+    lse = _sink_rows(sinks, like).clone()
+    return RowStats(lse, torch.zeros_like(lse))
+
+
+def add_sink(out: Tensor, lse: Tensor, sinks: Tensor, beta: Optional[Tensor] = None) -> None:
+    """Adds the sink to merged rows in place: ``(out, lse)`` (accumulation dtype, over every key
+    shard) become the attention over ``[keys, sink]``: ``lse' = logaddexp(lse, beta s_h)``,
+    ``out' = exp(lse - lse') out`` (the sink's value is 0). ``beta``: the rows' temperature, or
+    None (1)."""
+    s = _sink_rows(sinks, lse)
+    sl = s if beta is None else beta.to(lse.dtype) * s
+    sl = torch.where(torch.isfinite(s), sl, s)  # beta * -inf stays -inf
+    new = torch.logaddexp(lse, sl)
+    ref = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _sink_ds(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, beta: Optional[Tensor],
+             dlse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(s, dS'_sink)`` per row: the sink logit and ``P'_sink (0 - delta)`` (its value is 0, so
+    ``dP'_sink = 0``), ``delta = rowsum(dout * out) - dlse``."""
+    acc = lse.dtype
+    s = _sink_rows(sinks, lse)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    sl = s if beta is None else beta.to(acc) * s
+    p_sink = _exp_or_zero(sl - lse, s)
+    return s, -p_sink * delta
+
+
+def sink_dbeta(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, temp: TemperatureState,
+               dlse: Optional[Tensor] = None) -> Tensor:
+    """``(B, Hq, Lq)``: the sink's part of ``dbeta_i = sum_j dS'_ij l_ij`` (adaptive only), to add
+    once to the sum of :func:`partial_dbeta` over the key shards. Whole rows' tensors."""
+    s, ds = _sink_ds(dout, out, lse, sinks, temp.beta, dlse)
+    return torch.where(torch.isfinite(s), ds * torch.where(torch.isfinite(s), s, torch.zeros_like(s)),
+                       torch.zeros_like(ds))
+
+
+def sink_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
+                  temp: Optional[TemperatureState] = None, g: Optional[Tensor] = None,
+                  dlse: Optional[Tensor] = None) -> Tensor:
+    """``dsinks (Hq,)``: the gradient of the sink logits from these rows, ``sum_{b,i} dl_sink``
+    with ``dl_sink = dS'_sink`` (fixed temperature) or ``beta dS'_sink - g P_sink (log P_sink +
+    H)`` (adaptive: ``temp`` and ``g``, the whole rows' temperature gradient including the
+    sink's :func:`sink_dbeta`). Whole rows' tensors; sum over the query shards (ranks)."""
+    s, ds = _sink_ds(dout, out, lse, sinks, temp.beta if temp is not None else None, dlse)
+    dl = ds
+    if temp is not None:
+        if g is None:
+            raise ValueError("sink_backward: the adaptive temperature needs g of the whole rows")
+        acc = lse.dtype
+        finite = torch.isfinite(s)  # then lse_l >= s is finite too (the sink is in the row)
+        logp = torch.where(finite, s - torch.where(finite, temp.lse_l.to(acc), torch.zeros_like(s)),
+                           torch.zeros_like(s))
+        p = _exp_or_zero(logp, s)
+        dl = temp.beta.to(acc) * ds - g.to(acc) * p * (logp + temp.entropy.to(acc))
+    return dl.sum(dim=(0, 2))

@@ -205,8 +205,9 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
     return t[:, :, rows]
 
 
-def _ring_forward(cfg: _Config, q, k, v, b, n):
-    """``(out in q's dtype, lse, temp or None)`` of this rank's queries over the whole sequence."""
+def _ring_forward(cfg: _Config, q, k, v, b, n, sinks):
+    """``(out in q's dtype, lse, temp or None)`` of this rank's queries over the whole sequence
+    (and the sink, counted once per row: ``partial``'s module docstring)."""
     ring, spec, backend = cfg.ring, cfg.spec, cfg.backend
     lq, lk = q.shape[2], k.shape[2]
     temp = None
@@ -222,7 +223,10 @@ def _ring_forward(cfg: _Config, q, k, v, b, n):
             _rows(ent, qs).copy_(merged.entropy)
 
         ring.circulate([k], visit_stats)
-        temp = P.temperature_state(P.RowStats(lse_l, ent), spec)
+        stats = P.RowStats(lse_l, ent)
+        if sinks is not None:
+            stats = P.merge_entropy(stats, P.sink_stats(sinks, lse_l))
+        temp = P.temperature_state(stats, spec)
 
     out, lse = P.empty_output(q, v.shape[-1])
 
@@ -234,11 +238,14 @@ def _ring_forward(cfg: _Config, q, k, v, b, n):
         P.merge_outputs_(_rows(out, qs), _rows(lse, qs), part_out, part_lse)
 
     ring.circulate([k, v], visit)
+    if sinks is not None:
+        P.add_sink(out, lse, sinks, temp.beta if spec.adaptive else None)
     return out.to(q.dtype), lse, temp
 
 
-def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, temp: Optional[TemperatureState]):
-    """``(dq, dk, dv, db, dn)`` of this rank's shards (``db``, ``dn``: this rank's queries' part)."""
+def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, sinks, temp: Optional[TemperatureState]):
+    """``(dq, dk, dv, db, dn, dsinks)`` of this rank's shards (``db``, ``dn``, ``dsinks``: this rank's
+    queries' part)."""
     ring, spec, backend = cfg.ring, cfg.spec, cfg.backend
     lq, lk = q.shape[2], k.shape[2]
     acc = acc_dtype(q.dtype)
@@ -257,7 +264,12 @@ def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, temp: Optional[T
                 _rows(lse, qs), b, n, rows_temp(qs), dataclasses.replace(spec, causal=diag), backend))
 
         ring.circulate([k, v], visit_dbeta)
+        if sinks is not None:  # the sink's term, once per row
+            dbeta += P.sink_dbeta(dout, out, lse, sinks, temp)
         g = dbeta * temp.dbeta_dh
+    dsinks = None
+    if sinks is not None:
+        dsinks = P.sink_backward(dout, out, lse, sinks, temp, g)
 
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     db = dn = None
@@ -291,38 +303,44 @@ def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, temp: Optional[T
             pending_shard = None
     if pending_grads is not None:
         dshard = pending_grads.wait()
-    return dq.to(q.dtype), dshard[0].to(k.dtype), dshard[1].to(v.dtype), db, dn
+    return dq.to(q.dtype), dshard[0].to(k.dtype), dshard[1].to(v.dtype), db, dn, dsinks
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention of local shards; differentiable in q, k, v, b, n."""
+    """Ring attention of local shards; differentiable in q, k, v, b, n, sinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, b, n, cfg: _Config):
-        out, lse, temp = _ring_forward(cfg, q, k, v, b, n)
+    def forward(ctx, q, k, v, b, n, sinks, cfg: _Config):
+        out, lse, temp = _ring_forward(cfg, q, k, v, b, n, sinks)
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse, b, n, *(temp if temp is not None else ()))
+        ctx.save_for_backward(q, k, v, out, lse, b, n, sinks, *(temp if temp is not None else ()))
         return out
 
     @staticmethod
     def backward(ctx, dout):
         cfg: _Config = ctx.cfg
-        q, k, v, out, lse, b, n, *temp = ctx.saved_tensors
+        q, k, v, out, lse, b, n, sinks, *temp = ctx.saved_tensors
         temp = TemperatureState(*temp) if cfg.spec.adaptive else None
-        dq, dk, dv, db, dn = _ring_backward(cfg, dout, q, k, v, out, lse, b, n, temp)
-        # whether or not b, n need gradients here: every rank must make the same collective calls
-        if b is not None and cfg.reduce_param_grads and cfg.ring.world > 1:
-            both = torch.stack([db, dn])
-            dist.all_reduce(both, group=cfg.ring.group)  # the same sum on every rank
-            db, dn = both[0], both[1]
-        return dq, dk, dv, db, dn, None
+        dq, dk, dv, db, dn, dsinks = _ring_backward(cfg, dout, q, k, v, out, lse, b, n, sinks, temp)
+        # whether or not b, n, sinks need gradients here: every rank must make the same collective
+        # calls
+        if cfg.reduce_param_grads and cfg.ring.world > 1:
+            params = [t for t in (db, dn, dsinks) if t is not None]
+            if params:
+                both = torch.stack(params)
+                dist.all_reduce(both, group=cfg.ring.group)  # the same sum on every rank
+                it = iter(both)
+                db, dn = (next(it), next(it)) if db is not None else (None, None)
+                dsinks = next(it) if dsinks is not None else None
+        return dq, dk, dv, db, dn, dsinks, None
 
 
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_causal: bool = False,
                    scale: Optional[float] = None, enable_gqa: bool = False, *, ssa: bool = True,
                    b=1.0, n=1.5, adaptive_temperature: bool = False,
                    poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
-                   backend: str = "auto", reduce_param_grads: bool = True) -> Tensor:
+                   backend: str = "auto", reduce_param_grads: bool = True, sinks=None,
+                   softcap: float = 0.0) -> Tensor:
     """Attention of a sequence sharded over the ranks of ``group``; each rank passes its shards
     and gets its shard of the output. Equals the unsharded attention of the whole tensors
     (:func:`ssa_flash.ssa_attention`, ``softmax_attention``, ``adaptive_temperature_attention``),
@@ -346,10 +364,14 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
         backend: "auto", "triton", "cuda" or "reference" (the backend interface's explicit
             formulas, O(L^2/W^2) memory per step: for tests), as in ``ssa_attention``. The
             adaptive temperature needs the Triton or reference backend ("auto" picks one).
-        reduce_param_grads: ``b``, ``n`` gradients all-reduced (summed) over ``group``, so that
-            every rank gets the whole gradient, identical on every rank (the default). False:
-            each rank gets its own queries' part; for a data-parallel wrapper (DDP, FSDP)
-            reducing parameter gradients over these ranks itself (``RingSSAttention``'s default).
+        reduce_param_grads: ``b``, ``n`` (and ``sinks``) gradients all-reduced (summed) over
+            ``group``, so that every rank gets the whole gradient, identical on every rank (the
+            default). False: each rank gets its own queries' part; for a data-parallel wrapper
+            (DDP, FSDP) reducing parameter gradients over these ranks itself
+            (``RingSSAttention``'s default).
+        sinks, softcap: as in :func:`ssa_flash.ssa_attention` (``sinks`` the same on every rank).
+            The sink is one entry of each row, counted once per row (not once per key shard):
+            the key shards run without it and it joins the merged rows.
 
     Returns:
         this rank's output shard ``(B, Hq, Lq, Dv)`` in the inputs' dtype.
@@ -386,8 +408,10 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
         poly, threshold = ops._check_poly(poly, threshold)
     else:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    sinks = ops._check_sinks(sinks, query.shape[1], query)
+    softcap = ops._check_softcap(softcap)
     spec = AttentionSpec(scale=scale, causal=is_causal, group=gqa, adaptive=adaptive_temperature,
-                         poly=poly, threshold=threshold)
-    name = P.resolve_backend(backend, query, key, value, spec)
+                         poly=poly, threshold=threshold, softcap=softcap)
+    name = P.resolve_backend(backend, query, key, value, spec)  # the shards run without the sink
     cfg = _Config(_Ring(group), spec, name, reduce_param_grads)
-    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), b, n, cfg)
+    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), b, n, sinks, cfg)

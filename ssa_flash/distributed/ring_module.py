@@ -31,8 +31,10 @@ class RingSSAttention(SSAttention):
     too large relative to the other parameters under an averaging wrapper).
 
     Args:
-        num_heads, b_init, n_init, learnable, adaptive_temperature, backend, device, dtype: as
-            :class:`ssa_flash.nn.SSAttention` (an unknown backend name is refused here).
+        num_heads, b_init, n_init, learnable, adaptive_temperature, backend, sinks, sinks_init,
+            softcap, device, dtype: as :class:`ssa_flash.nn.SSAttention` (an unknown backend
+            name is refused here; the learnable sink logits are replicated like ``b_raw`` and
+            their gradients follow ``reduce_param_grads`` like those of ``b``, ``n``).
         group: the process group of the sequence shards (None: the default group), resolved at
             each call.
         is_causal: default of ``forward``'s ``is_causal``.
@@ -42,9 +44,11 @@ class RingSSAttention(SSAttention):
     def __init__(self, num_heads: int, b_init: InitValue = 1.0, n_init: InitValue = 1.5,
                  learnable: bool = True, *, group=None, is_causal: bool = False,
                  adaptive_temperature: bool = False, backend: str = "auto",
-                 reduce_param_grads: bool = False, device=None, dtype: Optional[torch.dtype] = None):
+                 reduce_param_grads: bool = False, sinks: bool = False, sinks_init: InitValue = 0.0,
+                 softcap: float = 0.0, device=None, dtype: Optional[torch.dtype] = None):
         super().__init__(num_heads, b_init, n_init, learnable, adaptive_temperature=adaptive_temperature,
-                         backend=backend, device=device, dtype=dtype)
+                         backend=backend, sinks=sinks, sinks_init=sinks_init, softcap=softcap,
+                         device=device, dtype=dtype)
         self.group = group
         self.is_causal = _check_bool("is_causal", is_causal)
         self.reduce_param_grads = _check_bool("reduce_param_grads", reduce_param_grads)
@@ -64,7 +68,8 @@ class RingSSAttention(SSAttention):
         causal = self.is_causal if is_causal is None else is_causal
         return ring_attention(query, key, value, self.group, causal, scale, enable_gqa, ssa=True,
                               b=self.b, n=self.n, adaptive_temperature=self.adaptive_temperature,
-                              backend=self.backend, reduce_param_grads=self.reduce_param_grads)
+                              backend=self.backend, reduce_param_grads=self.reduce_param_grads,
+                              sinks=self.sinks, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, is_causal={self.is_causal}, "
