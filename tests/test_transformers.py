@@ -400,3 +400,131 @@ def test_padded_batch_dropout_in_training(kernel_layouts):
     assert all(torch.isfinite(t[keep]).all() for t in logits)
     assert torch.equal(logits[0][keep], logits[1][keep]) and not torch.equal(logits[0][keep], logits[2][keep])
     assert not torch.allclose(logits[0][keep], clean[keep])
+
+
+# --------------------------------------------------------------------------------------------
+# The model's own attention sinks (GPT-OSS) and logit soft-capping (Gemma 2)
+#
+# SSA with ``b -> 0``, ``n = 1 / b`` is softmax: ``phi(z) = n log1p(b z) = z - b z^2 / 2 + ...``.
+# In that limit the "ssa" attention of a model must equal the model's own eager attention,
+# sinks and soft-capping included, which is what these tests hold it to.
+
+NEAR_SOFTMAX = dict(b_init=2e-6, n_init=5e5)  # |phi(z) - z| <= 1e-6 z^2
+
+
+def gpt_oss_config(**kw):
+    base = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"], bos_token_id=0, eos_token_id=0,
+                pad_token_id=0)
+    return transformers.GptOssConfig(**{**base, **kw})
+
+
+def gemma2_config(**kw):
+    base = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                head_dim=8, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+                sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=8, attn_logit_softcapping=1.5, final_logit_softcapping=None,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.Gemma2Config(**{**base, **kw})
+
+
+def _attention_modules(model, name):
+    return [m for m in model.modules() if type(m).__name__ == name]
+
+
+def _sharpen(model, attention_class, factor=40.0):
+    """Scales the query projections so that the scores reach the soft-cap's range (randomly
+    initialised models have tiny scores)."""
+    with torch.no_grad():
+        for m in _attention_modules(model, attention_class):
+            m.q_proj.weight.mul_(factor)
+
+
+def _logits(model, impl, x, mask):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(x, attention_mask=mask).logits
+
+
+needs_gpt_oss = pytest.mark.skipif(not hasattr(transformers, "GptOssConfig"), reason="transformers without GPT-OSS")
+needs_gemma2 = pytest.mark.skipif(not hasattr(transformers, "Gemma2Config"), reason="transformers without Gemma 2")
+needs_set_impl = pytest.mark.skipif(not hasattr(transformers.PreTrainedModel, "set_attn_implementation"),
+                                    reason="transformers < 4.56")
+
+
+@needs_gpt_oss
+@needs_set_impl
+def test_gpt_oss_sinks_match_eager_attention():
+    """GPT-OSS passes its per-head sink logits (``s_aux``): the "ssa" attention in the softmax
+    limit equals the model's eager attention (sinks included) on a left-padded batch, its
+    gradients of the sinks too, and the sinks matter (without them the logits differ)."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(gpt_oss_config()).to(DEVICE).eval()
+    attns = _attention_modules(model, "GptOssAttention")
+    assert len(attns) == 2
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in attns:
+            m.sinks.copy_(2.0 * torch.randn(m.sinks.shape, generator=g))
+    _sharpen(model, "GptOssAttention", 10.0)
+    ssa_hf.enable_ssa(model, **NEAR_SOFTMAX)
+    x = tokens(2, 10, seed=3)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # left padding
+    keep = mask.bool()
+    eager = _logits(model, "eager", x, mask)
+    ours = _logits(model, "ssa", x, mask)
+    torch.testing.assert_close(ours[keep], eager[keep], atol=2e-4, rtol=2e-4)
+    with torch.no_grad():
+        saved = [m.sinks.clone() for m in attns]
+        for m in attns:
+            m.sinks.fill_(float("-inf"))  # no sink
+        without = _logits(model, "eager", x, mask)
+        for m, s in zip(attns, saved):
+            m.sinks.copy_(s)
+    assert (without[keep] - ours[keep]).abs().max() > 100 * (ours[keep] - eager[keep]).abs().max()
+
+    # generation (decoding over the cache) agrees with eager
+    model.set_attn_implementation("eager")
+    gen_eager = model.generate(x[:1, :5], max_new_tokens=4, do_sample=False)
+    model.set_attn_implementation("ssa")
+    gen = model.generate(x[:1, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen, gen_eager)
+
+    # the sinks' gradients (they are the model's parameters) match eager's
+    model.train()
+    grads = {}
+    for impl in ("eager", "ssa"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(x, attention_mask=mask, labels=x).loss.backward()
+        grads[impl] = [m.sinks.grad.clone() for m in attns]
+    for ours_g, eager_g in zip(grads["ssa"], grads["eager"]):
+        assert (eager_g != 0).any()
+        torch.testing.assert_close(ours_g, eager_g, atol=1e-5, rtol=1e-3)
+
+
+@needs_gemma2
+@needs_set_impl
+def test_gemma2_softcap_matches_eager_attention():
+    """Gemma 2 passes ``softcap = config.attn_logit_softcapping``: the "ssa" attention in the
+    softmax limit equals the model's eager attention (capped) on a left-padded batch, and the
+    cap matters (without it the logits differ)."""
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(gemma2_config()).to(DEVICE).eval()
+    _sharpen(model, "Gemma2Attention")
+    ssa_hf.enable_ssa(model, **NEAR_SOFTMAX)
+    x = tokens(2, 10, seed=4)
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0
+    keep = mask.bool()
+    eager = _logits(model, "eager", x, mask)
+    ours = _logits(model, "ssa", x, mask)
+    torch.testing.assert_close(ours[keep], eager[keep], atol=2e-4, rtol=2e-4)
+    model.config.attn_logit_softcapping = None
+    for m in _attention_modules(model, "Gemma2Attention"):
+        m.attn_logit_softcapping = None
+    uncapped = _logits(model, "eager", x, mask)
+    assert (uncapped[keep] - ours[keep]).abs().max() > 100 * (ours[keep] - eager[keep]).abs().max()

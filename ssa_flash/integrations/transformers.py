@@ -46,6 +46,14 @@ the 2-D padding mask instead of a ``(B, 1, Lq, Lk)`` one, and
 Sliding windows, packed sequences detected from ``position_ids``, bidirectional masks and
 ``torch.compile`` tracing keep transformers' ``sdpa_mask`` (materialised masks).
 
+Attention sinks and logit soft-capping (docs/design.md §1.6) are the model's own: a model that
+passes its per-head sink logits to the attention function (GPT-OSS: ``s_aux``, the attention
+module's ``sinks`` parameter, which then receives gradients) or a soft-capping constant (Gemma 2:
+``softcap``, from ``config.attn_logit_softcapping``) gets them applied to SSA exactly as its eager
+attention applies them to softmax: the sink is one more logit of every row with a zero value,
+the cap ``c tanh(z / c)`` acts on the scaled scores before the SSA transform. Which backends run
+them: docs/support.md (``backend="auto"`` picks one that does).
+
 Pretrained softmax weights are not SSA weights: :func:`enable_ssa` on a model loaded from a
 softmax checkpoint changes what every attention layer computes, and the model must be trained or
 fine-tuned with SSA before its outputs mean anything.
@@ -86,7 +94,7 @@ except ImportError:  # pragma: no cover
     causal_mask_function = None
 
 from ..nn import B_MIN, SSAttention
-from ..ops import attention_with_kvcache, varlen_attention
+from ..ops import attention_with_kvcache, ssa_attention, varlen_attention
 
 __all__ = ["enable_ssa", "ssa_attention_forward", "ssa_mask", "register", "ATTN_IMPLEMENTATION",
            "CONFIG_KEY", "PADDING_FREE"]
@@ -101,7 +109,7 @@ ATTN_IMPLEMENTATION = "ssa"  # the name in transformers' AttentionInterface
 CONFIG_KEY = "ssa_attention"  # config attribute holding {"b_init", "n_init", "learnable"}
 SUBMODULE = "ssa"  # attribute of each attention module holding its SSAttention
 
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "position_bias")
+_UNSUPPORTED_KWARGS = ("position_bias",)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,6 +137,7 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"ssa_flash's attention does not support {name!r}")
+    extra = _sinks_softcap(kwargs)
     if kwargs.get("output_attentions", False):
         warnings.warn("ssa_flash attention does not return attention weights (output_attentions)",
                       stacklevel=2)
@@ -139,13 +148,13 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     fast = _padding_free(ssa, query, key, value)
     if attention_mask is not None and attention_mask.dim() == 2:  # ssa_mask's padding mask
         return _attend_padded(ssa, query, key, value, attention_mask, scaling, bool(is_causal), fast,
-                              float(dropout or 0.0)), None
+                              float(dropout or 0.0), extra), None
     if (fast and attention_mask is None and q_len == 1 and kv_len > 1 and not dropout
-            and not _differentiable(ssa, query, key, value)):
+            and not _differentiable(ssa, query, key, value, extra)):
         # decoding without padding: every cached key is valid; keys split over programs
         B = query.shape[0]
         out = _decode(ssa, query, key, value, torch.full((B,), kv_len, dtype=torch.int32, device=query.device),
-                      None, scaling, False)
+                      None, scaling, False, extra)
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.shape[-1] > kv_len:
         # older transformers build masks for a longer (static-cache) key length: keep the keys we have
@@ -156,9 +165,32 @@ def ssa_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     if is_causal and kv_len > q_len:
         # prefill into an empty static cache: the keys past q_len are not written yet
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = ssa(query, key, value, attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
-              enable_gqa=query.shape[1] != key.shape[1], dropout_p=float(dropout or 0.0))
+    out = _dense(ssa, query, key, value, attention_mask, is_causal, scaling, float(dropout or 0.0), extra)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sinks_softcap(kwargs: dict) -> dict:
+    """The model's own attention sinks and soft-capping among the attention function's keyword
+    arguments, as keywords of the ssa_flash functions: ``s_aux`` (GPT-OSS: the ``(Hq,)`` sink
+    logits, a parameter of the attention module) -> ``sinks``, ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``; None or 0: none) -> ``softcap``."""
+    extra = {}
+    if kwargs.get("s_aux") is not None:
+        extra["sinks"] = kwargs["s_aux"]
+    if kwargs.get("softcap"):
+        extra["softcap"] = float(kwargs["softcap"])
+    return extra
+
+
+def _dense(ssa: SSAttention, query, key, value, mask, is_causal, scaling, dropout_p, extra):
+    """``ssa(...)`` (the module's ``b``, ``n``, temperature and backend) with the model's sinks
+    and soft-capping; ``(B, Hq, Lq, Dv)``."""
+    if not extra:
+        return ssa(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
+                   enable_gqa=query.shape[1] != key.shape[1], dropout_p=dropout_p)
+    return ssa_attention(query, key, value, mask, dropout_p, is_causal, scaling, query.shape[1] != key.shape[1],
+                         b=ssa.b, n=ssa.n, adaptive_temperature=ssa.adaptive_temperature, backend=ssa.backend,
+                         **extra)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,9 +257,11 @@ def ssa_mask(*args, **kwargs):
     return pm
 
 
-def _differentiable(ssa: SSAttention, *tensors) -> bool:
+def _differentiable(ssa: SSAttention, query, key, value, extra: Optional[dict] = None) -> bool:
     """Whether autograd records this call (the KV-cache kernel is forward only)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, ssa.b_raw, ssa.n_raw))
+    sinks = (extra or {}).get("sinks")
+    tensors = (query, key, value, ssa.b_raw, ssa.n_raw) + ((sinks,) if isinstance(sinks, Tensor) else ())
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _padding_layout(pm: Tensor, packed: bool) -> dict:
@@ -264,16 +298,18 @@ def _mask_from_padding(pm: Tensor, q_len: int, kv_len: int, tokens: int, causal:
     return mask
 
 
-def _decode(ssa: SSAttention, query, key, value, cache_seqlens, cache_leftpad, scaling, causal):
+def _decode(ssa: SSAttention, query, key, value, cache_seqlens, cache_leftpad, scaling, causal, extra):
     return attention_with_kvcache(
         query, key, value, cache_seqlens, is_causal=causal, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1], b=ssa.b, n=ssa.n,
-        adaptive_temperature=ssa.adaptive_temperature, cache_leftpad=cache_leftpad, backend=ssa.backend)
+        adaptive_temperature=ssa.adaptive_temperature, cache_leftpad=cache_leftpad, backend=ssa.backend,
+        **extra)
 
 
-def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fast, dropout_p=0.0):
+def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fast, dropout_p=0.0, extra=None):
     """Attention under a padding mask ``pm (B, kv_len)`` (from :func:`ssa_mask`) with attention
-    dropout ``dropout_p``; returns ``(B, q_len, Hq, Dv)``."""
+    dropout ``dropout_p`` and the model's sinks / soft-capping ``extra``; returns ``(B, q_len, Hq, Dv)``."""
+    extra = extra or {}
     B, H, q_len, _ = query.shape
     kv_len = key.shape[2]
     tokens = getattr(pm, _TOKENS_ATTR, pm.shape[-1])
@@ -289,18 +325,17 @@ def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fas
         out = varlen_attention(unpad(query), unpad(key), unpad(value), lay["cu"], lay["cu"],
                                max(lay["max_len"], 1), max(lay["max_len"], 1), is_causal=causal,
                                scale=scaling, enable_gqa=gqa, b=ssa.b, n=ssa.n, dropout_p=dropout_p,
-                               adaptive_temperature=ssa.adaptive_temperature, backend=ssa.backend)
+                               adaptive_temperature=ssa.adaptive_temperature, backend=ssa.backend, **extra)
         full = out.new_zeros((B * tokens, H, out.shape[-1])).index_copy(0, idx, out)
         return full.view(B, tokens, H, -1)
-    if fast and q_len < tokens and dropout_p == 0.0 and not _differentiable(ssa, query, key, value):
+    if fast and q_len < tokens and dropout_p == 0.0 and not _differentiable(ssa, query, key, value, extra):
         lay = _padding_layout(pm, packed=False)
         if lay["contiguous_left"]:  # decoding a left-padded batch: split-KV over [first, tokens)
             seqlens = torch.full((B,), tokens, dtype=torch.int32, device=query.device)
-            out = _decode(ssa, query, key, value, seqlens, lay["first"], scaling, causal)
+            out = _decode(ssa, query, key, value, seqlens, lay["first"], scaling, causal, extra)
             return out.transpose(1, 2).contiguous()
     mask = _mask_from_padding(pm, q_len, kv_len, tokens, causal)
-    out = ssa(query, key, value, attn_mask=mask, is_causal=False, scale=scaling, enable_gqa=gqa,
-              dropout_p=dropout_p)
+    out = _dense(ssa, query, key, value, mask, False, scaling, dropout_p, extra)
     return out.transpose(1, 2).contiguous()
 
 
@@ -398,7 +433,8 @@ def enable_ssa(model: PreTrainedModel, b_init: float = 1.0, n_init: float = 1.5,
     registered by this module in transformers' ``AttentionInterface``. Modules that already have
     SSA parameters keep them (calling it twice changes nothing).
 
-    Tested with GPT-2 and Llama. Models built from a config then train with SSA. Pretrained
+    Tested with GPT-2, Llama, GPT-OSS (its attention sinks) and Gemma 2 (its logit soft-capping).
+    Models built from a config then train with SSA. Pretrained
     softmax weights are not SSA weights: on a model loaded from a softmax checkpoint this changes
     what the model computes, and it needs training or fine-tuning with SSA.
 
