@@ -117,7 +117,15 @@ def _case(feature: str, dtype=torch.float16, device="cuda", d=64):
         kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=L, max_seqlen_k=L)
     elif feature.startswith("KV-cache"):
         kw = dict(seqused_k=torch.full((B,), L, dtype=torch.int32))
+    elif feature.startswith("logit soft-capping"):
+        kw = dict(softcap=30.0)
     return q, k, v, AttentionSpec(scale=d ** -0.5, **kw)
+
+
+def _sinks(feature: str, heads: int = 4):
+    """The ``sinks`` argument of ``supports`` for a features-table row: a per-head tensor for the
+    sinks row (the backends' interface: ``(Hq,)`` in the accumulation dtype), else None."""
+    return torch.zeros(heads) if feature.startswith("attention sinks") else None
 
 
 def _mask_refused(name: str) -> bool:
@@ -151,7 +159,7 @@ def accepts(name: str, feature: str, device="cuda") -> bool:
     if feature.startswith("adaptive temperature over key shards"):
         return all(callable(getattr(mod, f, None)) for f in ("row_dbeta", "backward_given_g"))
     q, k, v, spec = _case(feature, device=device)
-    ok = mod.supports(q, k, v, spec) is None
+    ok = mod.supports(q, k, v, spec, _sinks(feature)) is None
     if feature.startswith("boolean mask"):
         ok = ok and _mask_kind_ok(name, torch.bool)
     elif feature.startswith("float mask"):
@@ -172,6 +180,8 @@ FEATURES = (
     "packed variable-length batches (varlen_attention)",
     "KV-cache decoding (attention_with_kvcache)",
     "adaptive temperature over key shards (ring attention, ssa_flash.distributed)",
+    "attention sinks (sinks)",
+    "logit soft-capping (softcap)",
     "gradient with respect to attn_mask",
 )
 
