@@ -291,12 +291,22 @@ def available_backends(device: Union[str, torch.device] = "cuda") -> Tuple[str, 
     return backends.available(device)
 
 
+def _supports(name: str, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec,
+              sinks: Optional[Tensor]) -> Optional[str]:
+    """``backends.get(name).supports``; ``sinks`` is passed only when given, so that a call
+    without sinks asks exactly what it asked before sinks existed."""
+    if sinks is None:
+        return backends.get(name).supports(query, key, value, spec)
+    return backends.get(name).supports(query, key, value, spec, sinks)
+
+
 def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec,
                      sinks: Optional[Tensor] = None) -> str:
     """The backend that runs these inputs (``sinks``: the validated sink tensor, or None), or
     ``BackendUnavailableError`` saying why none can. ``"auto"``: the first of
-    ``backends.auto_candidates`` whose ``supports`` accepts them (the reference accepts
-    everything); a named backend that is unavailable or refuses them raises."""
+    ``backends.resolve("auto")``'s choice and then ``backends.auto_candidates`` whose ``supports``
+    accepts them (the reference accepts everything); a named backend that is unavailable or
+    refuses them raises."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     if backend not in BACKENDS:
@@ -304,9 +314,10 @@ def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: A
     if backend == "reference":
         return backend
     if backend == "auto":
+        first, _ = backends.resolve("auto", query.device, query.dtype)
         refusals = []
-        for name in backends.auto_candidates(query.device, query.dtype):
-            why = backends.get(name).supports(query, key, value, spec, sinks)
+        for name in (first, *(c for c in backends.auto_candidates(query.device, query.dtype) if c != first)):
+            why = _supports(name, query, key, value, spec, sinks)
             if why is None:
                 return name
             refusals.append(f"{name}: {why}")
@@ -314,7 +325,7 @@ def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: A
     name, why = backends.resolve(backend, query.device, query.dtype)
     if why:
         raise BackendUnavailableError(f"backend={backend!r} is unavailable: {why}")
-    why = backends.get(name).supports(query, key, value, spec, sinks)
+    why = _supports(name, query, key, value, spec, sinks)
     if why:
         raise BackendUnavailableError(f"backend={name!r} cannot run these inputs: {why}")
     return name
