@@ -300,6 +300,12 @@ def _supports(name: str, query: Tensor, key: Tensor, value: Tensor, spec: Attent
     return backends.get(name).supports(query, key, value, spec, sinks)
 
 
+def _sink_arg(sinks: Optional[Tensor]) -> dict:
+    """``{"sinks": sinks}``, or nothing without sinks: a call without them reaches
+    ``ssa_flash.autograd`` with exactly the arguments it had before sinks existed."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
 def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec,
                      sinks: Optional[Tensor] = None) -> str:
     """The backend that runs these inputs (``sinks``: the validated sink tensor, or None), or
@@ -394,7 +400,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                      window_size=(left, right), dropout_mask=keep, sinks=sinks,
                                      softcap=softcap)
     else:
-        out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec, sinks=sinks)
+        out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec, **_sink_arg(sinks))
     if unbatched:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
@@ -545,7 +551,7 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
                                               window_size=(left, right), sinks=sinks, softcap=softcap)
             ent = ent.to(acc_dtype(query.dtype))
         else:
-            ent = autograd.row_entropy(query, key, b, n, mask, backend, spec, sinks=sinks)
+            ent = autograd.row_entropy(query, key, b, n, mask, backend, spec, **_sink_arg(sinks))
     return ent.squeeze(0) if unbatched else ent
 
 
@@ -701,7 +707,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
             window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks, softcap=softcap)
     else:
-        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec, sinks=sinks)
+        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 
@@ -841,7 +847,7 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             if key is not None:
                 _append_to_cache(k_cache, key, seqlens)
                 _append_to_cache(v_cache, value, seqlens)
-            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec, sinks=sinks)
+            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 
