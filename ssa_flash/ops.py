@@ -12,6 +12,7 @@ dim, where kernels launch nothing) runs ``ssa_flash.reference`` under ordinary a
 """
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
@@ -23,6 +24,9 @@ from . import autograd, backends, reference
 from .backends.spec import AttentionSpec, acc_dtype
 from .errors import BackendUnavailableError
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
+
+_log = logging.getLogger("ssa_flash")
+_fallbacks_logged: set = set()
 
 __all__ = [
     "ssa_attention",
@@ -306,6 +310,17 @@ def _sink_arg(sinks: Optional[Tensor]) -> dict:
     return {} if sinks is None else {"sinks": sinks}
 
 
+def _log_reference_fallback(refusals) -> None:
+    """Say once per reason that ``"auto"`` runs the reference on a GPU: it materialises the
+    ``(B, H, Lq, Lk)`` scores (O(L^2) memory, no fused kernel), which a user should not meet
+    silently."""
+    key = tuple(refusals)
+    if key not in _fallbacks_logged:
+        _fallbacks_logged.add(key)
+        _log.warning("backend='auto' runs the reference implementation (O(L^2) memory) on the GPU: %s",
+                     "; ".join(refusals))
+
+
 def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: AttentionSpec,
                      sinks: Optional[Tensor] = None) -> str:
     """The backend that runs these inputs (``sinks``: the validated sink tensor, or None), or
@@ -325,6 +340,8 @@ def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: A
         for name in (first, *(c for c in backends.auto_candidates(query.device, query.dtype) if c != first)):
             why = _supports(name, query, key, value, spec, sinks)
             if why is None:
+                if name == "reference" and refusals and query.device.type == "cuda":
+                    _log_reference_fallback(refusals)
                 return name
             refusals.append(f"{name}: {why}")
         raise BackendUnavailableError(f"backend='auto': no backend can run these inputs ({'; '.join(refusals)})")

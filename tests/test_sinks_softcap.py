@@ -377,3 +377,28 @@ def test_spec_softcap_is_an_op_argument():
     assert AttentionSpec.schema().endswith("Tensor? dropout_rng, float softcap")
     assert AttentionSpec.from_op_args(spec.op_args()) == spec
     assert dataclasses.replace(spec, softcap=0.0) != spec
+
+
+def test_auto_falling_back_to_the_reference_on_a_gpu_is_logged_once(monkeypatch, caplog):
+    """``"auto"`` taking the reference on a GPU (a refused feature or shape) says so, once per reason:
+    the reference materialises the score matrix, which a user should not meet silently."""
+    import types
+
+    from ssa_flash import ops
+    monkeypatch.setattr(ops.backends, "resolve", lambda b, dev, dt: ("triton", ""))
+    monkeypatch.setattr(ops.backends, "auto_candidates", lambda dev, dt: ("triton", "reference"))
+    monkeypatch.setattr(ops, "_supports", lambda name, *a: None if name == "reference" else "no sinks here")
+    monkeypatch.setattr(ops, "_fallbacks_logged", set())
+    q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16)
+    spec = AttentionSpec(scale=1.0)
+    with caplog.at_level("WARNING", logger="ssa_flash"):
+        assert ops._resolve_backend("auto", q, q, q, spec) == "reference"
+        assert ops._resolve_backend("auto", q, q, q, spec) == "reference"
+    records = [r for r in caplog.records if "reference implementation" in r.getMessage()]
+    assert len(records) == 1 and "triton: no sinks here" in records[0].getMessage()
+    q_cpu = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float16)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ssa_flash"):
+        monkeypatch.setattr(ops, "_fallbacks_logged", set())
+        assert ops._resolve_backend("auto", q_cpu, q_cpu, q_cpu, spec) == "reference"
+    assert not caplog.records  # on the CPU the reference is the expected backend
