@@ -12,7 +12,7 @@
    targets. ``THRESHOLDS`` holds the numbers. Checks that fail today are listed in
    ``KNOWN_FAILURES`` and run as ``xfail(strict=True)``: when a kernel change makes one pass, the
    test fails (XPASS) until its entry is removed, so a reached target becomes a hard gate.
-   ``python tests/test_audit.py`` prints the table of today's failures in the form used here.
+   ``python tests/audit/test_audit.py`` prints the table of today's failures in the form used here.
 2b. Every GPU family of ``ssa_flash/triton/tiles.py`` (sm_75, 80, 86, 90, 100, 120): the first
    choice of ``FAMILY_VARIANTS`` (each kernel at D = 64 and 128 with dropout, a window and a packed
    batch together, the decoding forward, plain SSA at D = 128) compiles within the family's shared
@@ -40,11 +40,11 @@ from pathlib import Path
 import pytest
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ssa_flash.audit import analyse, ir, model, report, resources, sass, specs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------------------------
 # The numbers (issue 11). Per score element of the interior (or only) main loop, bf16, sm_90.
@@ -597,7 +597,7 @@ def test_cuda_symbol_description():
 
 def test_cuda_section_unavailable_without_disassembler(tmp_path, monkeypatch):
     """nvcc alone is not enough: without nvdisasm / cuobjdump the section (and
-    tests/test_audit_cuda.py) is skipped with the reason, not run into a FileNotFoundError."""
+    tests/audit/test_audit_cuda.py) is skipped with the reason, not run into a FileNotFoundError."""
     from ssa_flash.audit import compile as comp
     from ssa_flash.audit import cuda
 

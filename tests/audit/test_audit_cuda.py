@@ -22,7 +22,7 @@ kernel change makes one pass, the test fails (XPASS) until its entry is removed.
 
 Skipped when nvcc is not on PATH. Both audits are cached (``SSA_FLASH_AUDIT_CACHE``, default
 ``~/.cache/ssa_flash/audit``): the CUDA one under a hash of ``csrc``, nvcc's version and flags; the
-Triton variants here are a subset of ``tests/test_audit.py``'s, which runs first and fills the
+Triton variants here are a subset of ``tests/audit/test_audit.py``'s, which runs first and fills the
 cache. Measured on 2 shared cores: 3 min 16 s with nothing cached (6.2 CPU-minutes: 8 nvcc runs,
 24 Triton specialisations), 12 s cached.
 """
@@ -38,12 +38,12 @@ from pathlib import Path
 import pytest
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ssa_flash.audit import cuda as cuda_audit
 from ssa_flash.audit import specs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
 HEAD_DIMS = (32, 64, 96, 128, 256)
 GATED_DIMS, GATED_DTYPE, GATED_OPS = (64, 128), "bf16", ("softmax", "ssa")

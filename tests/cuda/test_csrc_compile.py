@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))
 NVCC = shutil.which("nvcc")
@@ -196,7 +196,7 @@ def _import_testing():
         import ssa_flash  # noqa: F401
     except ImportError:
         sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import attn_testing
     from ssa_flash import reference
 
