@@ -6,7 +6,7 @@
 #
 # Steps, in order, each time-limited:
 #   1. pre-build the CUDA extension (so that tests and benchmark do not each pay for it);
-#   2. the GPU smoke tier, `pytest -m gpu_smoke tests` (tests/test_gpu_smoke.py): every kernel
+#   2. the GPU smoke tier, `pytest -m gpu_smoke tests` (tests/gpu_smoke/test_gpu_smoke.py): every kernel
 #      family once (four variants forward and backward; masks, causal, GQA, dropout, windows,
 #      varlen, KV cache with split-KV, the entropy pass; fp16 and bf16; Triton and CUDA C++
 #      backends) at small odd shapes against the float64 reference with FlashAttention's rule.
@@ -76,7 +76,7 @@ PY
   fi
 fi
 
-# 2. the smoke tier: every kernel family once, small shapes, both backends (tests/test_gpu_smoke.py)
+# 2. the smoke tier: every kernel family once, small shapes, both backends (tests/gpu_smoke/test_gpu_smoke.py)
 SMOKE_DESELECT=()
 if [ "${RUN_SMOKE:-1}" != "0" ]; then
   SMOKE_LIMIT=${SMOKE_LIMIT:-300}

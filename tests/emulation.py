@@ -4,6 +4,10 @@ backend="cuda" (its Python glue, the custom ops, torch.compile) runs on CPU tens
     emu = build_emulator(tmp_path)            # or pytest.skip if the CUDA headers are missing
     with ssa_flash.cuda.emulated(emu):
         ssa_flash.ssa_attention(q, k, v, backend="cuda")   # float16 / bfloat16 CPU tensors
+
+The library is built once per session, in the background (tests/background.py; tests/conftest.py
+starts it when a collected module imports ``build_emulator``), and shared: each call returns a
+new ``Emulator`` of it.
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
+import background
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # head dims the emulator is compiled for (compile time grows with each); others up to 32 are padded
@@ -24,11 +30,23 @@ def harness():
     return mod
 
 
-def build_emulator(out_dir, **kw):
-    """An ``Emulator`` of the kernels compiled for ``HEAD_DIMS``; skips the test without the CUDA
-    toolkit's headers or a host compiler."""
+def _build():
+    """(harness module, library path), or (None, why) without the CUDA headers."""
     h = harness()
     if h.cuda_include_dir() is None:
-        pytest.skip("CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built")
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return h.Emulator(h.build(out_dir, head_dims=HEAD_DIMS), **kw)
+        return None, "CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built"
+    return h, h.build(background.tmpdir("emulator"), head_dims=HEAD_DIMS)
+
+
+def prebuild():
+    background.submit("emulation.emulator", _build)
+
+
+def build_emulator(out_dir=None, **kw):
+    """An ``Emulator`` (options ``kw``) of the kernels compiled for ``HEAD_DIMS``; skips the test
+    without the CUDA toolkit's headers or a host compiler. ``out_dir``: unused (the library is
+    the session's shared build)."""
+    h, lib = background.submit("emulation.emulator", _build).result()
+    if h is None:
+        pytest.skip(lib)
+    return h.Emulator(lib, **kw)

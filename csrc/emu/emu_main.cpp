@@ -2,9 +2,9 @@
 // code (set_params.h: checks, parameter structs, backward plan), the real launch code of
 // launch_impl.h (head-dim dispatch, tile traits, grids) and the real kernels on host memory. The
 // call is described by the same AttnCall as api.cpp fills; emu/harness.py mirrors it as a
-// ctypes.Structure, checked against ssa_emu_layout by tests/test_csrc_compile.py.
+// ctypes.Structure, checked against ssa_emu_layout by tests/cuda/test_csrc_compile.py.
 //
-// Build (tests/test_csrc_compile.py does this):
+// Build (tests/cuda/test_csrc_compile.py does this):
 //   c++ -std=c++17 -O1 -shared -fPIC -DSSA_FLASH_EMULATE -I csrc -I <cuda>/include \
 //       csrc/emu/emu_main.cpp -o libssa_emu.so
 #ifndef SSA_FLASH_EMULATE

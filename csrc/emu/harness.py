@@ -3,7 +3,7 @@ library with the host C++ compiler and runs forward, statistics and backward pas
 tensors exactly as ssa_flash/cuda.py drives the extension (same layout preparation, same
 adaptive-temperature glue), returning what the CUDA backend would return.
 
-Used by tests/test_csrc_compile.py; also handy by hand:
+Used by tests/cuda/test_csrc_compile.py; also handy by hand:
 
     from harness import build, Emulator
     emu = Emulator(build("/tmp/emu"))
@@ -87,7 +87,7 @@ _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
 class AttnCall(ctypes.Structure):
     """csrc/set_params.h, AttnCall: one call, as csrc/api.cpp describes it from tensors. Its layout
-    is checked against the emulator's (ssa_emu_layout) by tests/test_csrc_compile.py."""
+    is checked against the emulator's (ssa_emu_layout) by tests/cuda/test_csrc_compile.py."""
     _fields_ = [
         *((nm, _I64) for nm in ("batch", "heads", "heads_kv", "group", "len_q", "len_k", "dim", "dim_v", "bf16")),
         ("scale", _F64),

@@ -10,7 +10,7 @@ toolkit headers of ``nvidia-cuda-runtime-cu12`` (cuda_fp16.h, ...)::
 It compiles one translation unit that explicitly instantiates every float16 kernel (bf16 needs
 sm_80) of the requested head dims, so ptxas checks every mma.m8n8k4 and every instantiation of
 the sm_70 code path, and reports registers and spills (``ptxas -v``). Used by
-tests/test_csrc_compile.py; ``csrc/tools/sass_count.py --arch 70`` uses it too.
+tests/cuda/test_csrc_compile.py; ``csrc/tools/sass_count.py --arch 70`` uses it too.
 """
 from __future__ import annotations
 

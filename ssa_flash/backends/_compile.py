@@ -3,7 +3,7 @@
 ``torch.compiler.assume_constant_result`` imports ``torch._dynamo``, which imports Triton: done at
 ``import ssa_flash`` time it would import Triton before ``python -m ssa_flash`` (or a user) can set
 ``TRITON_INTERPRET=1``, and cost every import a second. The decorator only sets a marker on the
-function, so this sets the same marker; tests/test_backends.py checks that it is the one torch sets.
+function, so this sets the same marker; tests/ops/test_backends.py checks that it is the one torch sets.
 """
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
 # Where the CUDA backend has been verified on hardware: compute capability -> what was run there.
 # backend="auto" prefers the CUDA backend over Triton on an architecture (and dtype) only once it
-# is listed here. A GPU session adds an entry after tests/test_cuda_backend.py passed in full on
+# is listed here. A GPU session adds an entry after tests/cuda/test_cuda_backend.py passed in full on
 # that GPU (compute-sanitizer included) and the benchmark showed the CUDA backend at least as fast
 # as Triton there, e.g.
 #     (9, 0): {"dtypes": ("float16", "bfloat16"),

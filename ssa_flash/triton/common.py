@@ -65,7 +65,7 @@ def fast_log2(u, FAST_MATH: tl.constexpr):
     shift-invariant per row, so what matters is the absolute error of the log-weight: ``n * 2^-22``
     (plus ``2^-24`` from rounding ``1 + b|z|``), far below the 2^-8 .. 2^-11 relative rounding of
     the fp16/bf16 weights that feed the second matmul. The interpreter (and float64) run
-    ``tl.log2``; tests/test_fast_math.py bounds what the approximation costs."""
+    ``tl.log2``; tests/triton/test_fast_math.py bounds what the approximation costs."""
     if FAST_MATH:
         return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [u],
                                          dtype=tl.float32, is_pure=True, pack=1)

@@ -17,9 +17,9 @@ family  GPUs                                        matmul path            smem/
 
 First choices come from the static audit (``python -m ssa_flash.audit --arch <family>``, the
 per-family entry of bench/NOTES.md): the largest tiles whose main loops compile without register
-spills and within the family's shared memory. ``tests/test_audit.py`` compiles every family's
+spills and within the family's shared memory. ``tests/audit/test_audit.py`` compiles every family's
 first choice at head dims <= 128 (dropout, window, packed and decoding launches included) and
-fails on a spill or a shared-memory overflow; ``tests/test_tiles.py`` checks the estimate below
+fails on a spill or a shared-memory overflow; ``tests/triton/test_tiles.py`` checks the estimate below
 against every family's limit.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def estimate_smem(blk: Blocks, kernel: str, head_block: int, dtype: torch.dtype,
     """Shared memory (bytes) Triton allocates for ``kernel`` with ``blk`` at head-dim tile
     ``head_block`` (queries and values alike), from the tiles it stages there.
 
-    The model (checked against the compiled kernels by ``tests/test_audit.py``): the operand tiles
+    The model (checked against the compiled kernels by ``tests/audit/test_audit.py``): the operand tiles
     a program keeps for its whole life (Q in the forward / statistics, Q and dO in dQ, K and V in
     dK/dV) once, and the tiles each loop step loads (K, V; Q, dO in dK/dV) once per pipeline
     buffer: ``stages`` buffers for wgmma / tcgen05 (sm_90, sm_100 with an M dimension of 64 or

@@ -3,7 +3,7 @@ and the reference backend (float64 gradcheck of q, k, v, b, n and sinks), the pu
 (arguments, backend choice, results against ``ssa_flash.reference``), the Triton / CUDA
 backends' refusal until their kernels implement them, the nn modules, and the key-shard pieces
 of ring attention (the sink counted once per row). Multi-rank ring attention:
-tests/test_distributed_sinks.py."""
+tests/distributed/test_distributed_sinks.py."""
 import dataclasses
 
 import pytest

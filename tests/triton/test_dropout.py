@@ -221,8 +221,8 @@ def test_gradcheck_across_blocks():
 
 
 def test_cuda_backend_takes_dropout_and_auto_keeps_it(monkeypatch):
-    """The CUDA kernels run dropout (numerics: tests/test_backends.py, emulated, and
-    tests/test_cuda_backend.py on a GPU); a spec without its (seed, offset) tensor is refused."""
+    """The CUDA kernels run dropout (numerics: tests/ops/test_backends.py, emulated, and
+    tests/cuda/test_cuda_backend.py on a GPU); a spec without its (seed, offset) tensor is refused."""
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     spec = AttentionSpec(scale=0.3, dropout_p=0.1, dropout_rng=torch.tensor([1, 2]))
     assert cuda_backend._feature_reason(spec) is None

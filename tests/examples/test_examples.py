@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODE = "--quick" if os.environ.get("SSA_FLASH_TEST_QUICK", "0") not in ("", "0") else "--smoke"
 
 

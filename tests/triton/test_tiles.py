@@ -1,7 +1,7 @@
 """The per-family tile tables (ssa_flash/triton/tiles.py): every family's first choice fits its
 shared memory by the estimate, for every kernel, head dim and feature switch; the launcher prunes
 configurations that cannot fit before compiling them. The compiled side (no spills, the compiler's
-shared memory) is gated by tests/test_audit.py."""
+shared memory) is gated by tests/audit/test_audit.py."""
 import itertools
 
 import pytest

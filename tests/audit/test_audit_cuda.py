@@ -22,13 +22,12 @@ kernel change makes one pass, the test fails (XPASS) until its entry is removed.
 
 Skipped when nvcc is not on PATH. Both audits are cached (``SSA_FLASH_AUDIT_CACHE``, default
 ``~/.cache/ssa_flash/audit``): the CUDA one under a hash of ``csrc``, nvcc's version and flags; the
-Triton variants here are a subset of ``tests/test_audit.py``'s, which runs first and fills the
+Triton variants here are a subset of ``tests/audit/test_audit.py``'s, which runs first and fills the
 cache. Measured on 2 shared cores: 3 min 16 s with nothing cached (6.2 CPU-minutes: 8 nvcc runs,
 24 Triton specialisations), 12 s cached.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -38,12 +37,14 @@ from pathlib import Path
 import pytest
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/: background)
 
 from ssa_flash.audit import cuda as cuda_audit
 from ssa_flash.audit import specs
+import background  # noqa: E402  (tests/background.py)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
 HEAD_DIMS = (32, 64, 96, 128, 256)
 GATED_DIMS, GATED_DTYPE, GATED_OPS = (64, 128), "bf16", ("softmax", "ssa")
@@ -81,45 +82,57 @@ def _triton_variants():
                           causal=[False], masks=["none"], head_dims=list(GATED_DIMS), dtypes=[GATED_DTYPE])
 
 
-@pytest.fixture(scope="module")
-def audits(tmp_path_factory):
-    """Both audits started at once (cold, the CPU time is the CUDA compiles: every .cu file for
-    sm_80 and sm_90a, cached by source hash): the CUDA ones in threads, the Triton variants through
-    the audit CLI in a subprocess (this process may run Triton's interpreter, which cannot
-    compile)."""
-    out = tmp_path_factory.mktemp("audit_triton")
+# --- background builds (tests/background.py; tests/conftest.py calls prebuild after collection) ---
+def _triton_audit():
+    """The Triton variants through the audit CLI in a subprocess (this process may run Triton's
+    interpreter, which cannot compile): (results, None) or ([], why)."""
+    out = background.tmpdir("audit_cuda_triton")
     sel = out / "selection.json"
     sel.write_text(json.dumps([v.to_dict() for v in _triton_variants()]))
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    jobs = min(2, os.cpu_count() or 1)
     cmd = [sys.executable, "-m", "ssa_flash.audit", "--selection", str(sel), "--out", str(out), "--cuda", "no",
-           "--jobs", str(jobs), "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    with concurrent.futures.ThreadPoolExecutor(len(ARCHS)) as pool:
-        futures = {arch: pool.submit(cuda_audit.audit, arch, jobs=jobs) for arch in ARCHS}
-        cuda = {arch: f.result() for arch, f in futures.items()}
-    _, stderr = proc.communicate(timeout=1800)
+           "--jobs", str(min(2, os.cpu_count() or 1)), "--quiet"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=1800)
     triton = []
     for arch in ARCHS:
         path = out / f"audit-sm{arch}.json"
         if path.is_file():
             triton += json.loads(path.read_text())["results"]
-    return {"cuda": cuda, "triton": triton, "triton_error": None if triton else
-            f"the Triton audit wrote no JSON (exit {proc.returncode}):\n{stderr[-4000:]}"}
+    return triton, None if triton else f"the Triton audit wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+
+
+def _submit(name):
+    """"cuda80", "cuda90" (every .cu file for that arch, cached by source hash; cold, the CPU time
+    is these compiles) or "triton"."""
+    if name == "triton":
+        return background.submit("audit_cuda.triton", _triton_audit)
+    return background.submit(f"audit_cuda.{name}", cuda_audit.audit, int(name[4:]), jobs=min(2, os.cpu_count() or 1))
+
+
+def prebuild(items):
+    """Starts the compiles the selected tests need (tests/background.py)."""
+    if any("cuda_results" in item.fixturenames for item in items):
+        for arch in ARCHS:
+            _submit(f"cuda{arch}")
+    if any("triton_results" in item.fixturenames for item in items):
+        _submit("triton")
+# --- end of background builds ---
 
 
 @pytest.fixture(scope="module")
-def cuda_results(audits):
-    return audits["cuda"]
+def cuda_results():
+    return {arch: _submit(f"cuda{arch}").result() for arch in ARCHS}
 
 
 @pytest.fixture(scope="module")
-def triton_results(audits):
-    if audits["triton_error"]:
-        pytest.fail(audits["triton_error"])
-    return audits["triton"]
+def triton_results():
+    triton, error = _submit("triton").result()
+    if error:
+        pytest.fail(error)
+    return triton
 
 
 @pytest.fixture(scope="module")

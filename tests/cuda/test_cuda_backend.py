@@ -339,7 +339,7 @@ def test_compute_sanitizer(tool, tmp_path):
     cuda_backend.load_extension()  # build outside the sanitizer
     script = tmp_path / "run.py"
     script.write_text(_SANITIZED_RUN)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *sys.path]))
     proc = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "99", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=1800, env=env)

@@ -309,7 +309,7 @@ def test_interpreter_switched_on_after_import_is_detected(imported):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["CUDA_VISIBLE_DEVICES"] = ""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _LATE_INTERPRETER, imported], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -12,7 +12,7 @@
    targets. ``THRESHOLDS`` holds the numbers. Checks that fail today are listed in
    ``KNOWN_FAILURES`` and run as ``xfail(strict=True)``: when a kernel change makes one pass, the
    test fails (XPASS) until its entry is removed, so a reached target becomes a hard gate.
-   ``python tests/test_audit.py`` prints the table of today's failures in the form used here.
+   ``python tests/audit/test_audit.py`` prints the table of today's failures in the form used here.
 2b. Every GPU family of ``ssa_flash/triton/tiles.py`` (sm_75, 80, 86, 90, 100, 120): the first
    choice of ``FAMILY_VARIANTS`` (each kernel at D = 64 and 128 with dropout, a window and a packed
    batch together, the decoding forward, plain SSA at D = 128) compiles within the family's shared
@@ -40,11 +40,13 @@ from pathlib import Path
 import pytest
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/: background)
 
 from ssa_flash.audit import analyse, ir, model, report, resources, sass, specs
+import background  # noqa: E402  (tests/background.py)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------------------------
 # The numbers (issue 11). Per score element of the interior (or only) main loop, bf16, sm_90.
@@ -155,10 +157,34 @@ def _run_cli(variants, out_dir: Path, extra_path=None, extra_args=(), timeout=18
     return proc, docs
 
 
+# --- background builds (tests/background.py; tests/conftest.py calls prebuild after collection) ---
+def _cli_job(name, variants, extra_path=None):
+    return _run_cli(variants, background.tmpdir(name), extra_path)
+
+
+def _submit(name, path=None):
+    """The audit subprocess ``name`` ("ci", "family", "triton" with another Triton's ``path``)."""
+    if name == "triton":
+        return background.submit(f"audit.triton:{path}", _cli_job, "audit_triton", OLD_TRITON_VARIANTS, path)
+    return background.submit(f"audit.{name}", _cli_job, f"audit_{name}",
+                             CI_VARIANTS if name == "ci" else FAMILY_VARIANTS)
+
+
+def prebuild(items):
+    """Starts the compiles the selected tests need (tests/background.py)."""
+    for item in items:
+        if "audit_results" in item.fixturenames:
+            _submit("ci")
+        if "family_results" in item.fixturenames:
+            _submit("family")
+        if item.originalname == "test_kernels_compile_with_other_triton":
+            _submit("triton", item.callspec.params["path"])
+# --- end of background builds ---
+
+
 @pytest.fixture(scope="module")
-def audit_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("audit")
-    proc, docs = _run_cli(CI_VARIANTS, out)
+def audit_results():
+    proc, docs = _submit("ci").result()
     assert docs, f"the audit wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     results = {r["id"]: r for d in docs.values() for r in d["results"]}
     report.add_ratios(list(results.values()))
@@ -597,7 +623,7 @@ def test_cuda_symbol_description():
 
 def test_cuda_section_unavailable_without_disassembler(tmp_path, monkeypatch):
     """nvcc alone is not enough: without nvdisasm / cuobjdump the section (and
-    tests/test_audit_cuda.py) is skipped with the reason, not run into a FileNotFoundError."""
+    tests/audit/test_audit_cuda.py) is skipped with the reason, not run into a FileNotFoundError."""
     from ssa_flash.audit import compile as comp
     from ssa_flash.audit import cuda
 
@@ -696,9 +722,8 @@ def test_known_failures_are_ci_variants():
 
 
 @pytest.fixture(scope="module")
-def family_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("audit_families")
-    proc, docs = _run_cli(FAMILY_VARIANTS, out)
+def family_results():
+    proc, docs = _submit("family").result()
     assert docs, f"the audit wrote no JSON (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     return {r["id"]: r for d in docs.values() for r in d["results"]}
 
@@ -798,12 +823,12 @@ OLD_TRITON_VARIANTS = ([specs.Variant(k, "ssa_adaptive", True, "bool", 111, "fp1
 
 @pytest.mark.skipif(not OTHER_TRITONS, reason="SSA_FLASH_AUDIT_TRITON names no other Triton install (.ci/run sets it)")
 @pytest.mark.parametrize("path", OTHER_TRITONS)
-def test_kernels_compile_with_other_triton(path, tmp_path):
+def test_kernels_compile_with_other_triton(path):
     """Every kernel (both operations' code paths) compiles for sm_80 and sm_90 with this Triton."""
     assert Path(path, "triton").is_dir(), f"{path} holds no triton package"
     version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
                              env=_audit_env(path), capture_output=True, text=True).stdout.strip()
-    proc, docs = _run_cli(OLD_TRITON_VARIANTS, tmp_path, extra_path=path)
+    proc, docs = _submit("triton", path).result()
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert set(docs) == {80, 90}
     for doc in docs.values():

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The documentation: the files whose python blocks run and whose links are checked.
 DOC_FILES = [p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(ROOT.glob("docs/*.md")))

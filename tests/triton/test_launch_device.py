@@ -132,7 +132,7 @@ def test_cpu_and_meta_tensors_enter_no_device(monkeypatch):
 # --- on GPUs ------------------------------------------------------------------------------------
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.cuda

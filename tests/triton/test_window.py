@@ -162,8 +162,8 @@ def test_unbounded_windows_are_no_window():
 
 
 def test_cuda_backend_takes_windows():
-    """The CUDA kernels run windows (numerics: tests/test_csrc_compile.py and tests/test_backends.py,
-    emulated; tests/test_cuda_backend.py on a GPU): the spec's bounds reach the kernels' arguments,
+    """The CUDA kernels run windows (numerics: tests/cuda/test_csrc_compile.py and tests/ops/test_backends.py,
+    emulated; tests/cuda/test_cuda_backend.py on a GPU): the spec's bounds reach the kernels' arguments,
     and a call without a window passes none (the extension's defaults, -1)."""
     spec = AttentionSpec(scale=1.0, window_left=3)
     assert cuda_backend._feature_reason(spec) is None

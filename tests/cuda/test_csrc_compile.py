@@ -15,14 +15,14 @@
    What it cannot show: hardware timing, true concurrency effects beyond the schedules tried, a
    misreading of the PTX ISA shared by the kernels and the emulation, and speed.
 
-Skipped when nvcc is not on PATH or torch's C++ headers are missing. All compilations start at
-once in a module-scoped fixture (one nvcc per file, both architectures per nvcc); the emulation
-tests run while nvcc works. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other
+Skipped when nvcc is not on PATH or torch's C++ headers are missing. The compilations (one nvcc per
+file, every architecture per nvcc) start in the background when collection ends
+(tests/background.py, ``prebuild``) and this module runs near the end of a session, so they
+overlap the other modules' tests; its emulation tests run while nvcc finishes. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other
 architectures.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import inspect
 import math
 import os
@@ -39,7 +39,9 @@ import pytest
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-ROOT = Path(__file__).resolve().parent.parent
+import background
+
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 CU_FILES = sorted(CSRC.glob("*.cu"))
 NVCC = shutil.which("nvcc")
@@ -129,7 +131,8 @@ def _binding_args(out_path):
     return [*args, "api.cpp", "-o", str(out_path)]
 
 
-def _build_emulator(out_dir, **kw):
+def _build_emulator(dir_name, **kw):
+    out_dir = background.tmpdir(dir_name)
     harness = _emu_harness()
     if harness.cuda_include_dir() is None:
         return None, "CUDA headers (cuda_fp16.h) not found"
@@ -139,35 +142,74 @@ def _build_emulator(out_dir, **kw):
         return None, f"{type(err).__name__}: {err}"
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Every compilation of this module, started at once on all cores: the CPU emulator (first:
-    its tests run while nvcc works), the .cu files (one nvcc each, both architectures, slowest
-    first), the binding."""
-    out_dir = tmp_path_factory.mktemp("csrc_objs")
+# --- background builds (tests/background.py; tests/conftest.py calls prebuild after collection) ---
+def _job_table():
+    """Every compilation of this module, name -> (function, args, kwargs): the CPU emulators
+    (first: the emulation tests need them first and run while nvcc works), the .cu files (one
+    nvcc each, every architecture; the backward files, slowest, first), the sm_70 NVRTC builds,
+    the binding."""
     common = ["-c", f"-std={_cxx_std()}", "-O3", "--expt-relaxed-constexpr", *_gencode(), "-I", str(CSRC),
               "-Xptxas", "-v"]
     # the same flags as a torch extension build
     common += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1))
-    futures = {"emulator": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu")),
-               "emulator_sm75": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu75"),
-                                            head_dims=(64, 128), sm75=True),
-               "emulator_sm70": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu70"),
-                                            head_dims=(64, 128, 256), sm70=True),
-               "emulator_sm90": pool.submit(_build_emulator, tmp_path_factory.mktemp("emu90"),
-                                            head_dims=(64, 128), sm90=True)}
-    # sm_70 through the CUDA 12.9 wheels (NVRTC + ptxas), one process per head dim
-    nvrtc_dir = tmp_path_factory.mktemp("nvrtc")
-    for d in NVRTC_HEAD_DIMS:
-        futures[f"nvrtc_sm70_d{d}"] = pool.submit(_nvrtc_sm70, nvrtc_dir / f"d{d}", d)
+    table = {"emulator": (_build_emulator, ("emu",), {}),
+             "emulator_sm75": (_build_emulator, ("emu75",), dict(head_dims=(64, 128), sm75=True)),
+             "emulator_sm70": (_build_emulator, ("emu70",), dict(head_dims=(64, 128, 256), sm70=True)),
+             "emulator_sm90": (_build_emulator, ("emu90",), dict(head_dims=(64, 128), sm90=True))}
+    objs = "csrc_objs"
     for cu in sorted(CU_FILES, key=lambda p: not p.name.startswith("bwd")):
-        futures[cu.name] = pool.submit(_nvcc, [*common, cu.name, "-o", str(out_dir / (cu.stem + ".o"))])
-    binding = _binding_args(out_dir / "api.o")
-    futures["api.cpp"] = pool.submit(_nvcc, binding) if binding else None
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)  # (-k selections need not wait for all)
+        table[cu.name] = (_nvcc_to, (objs, [*common, cu.name, "-o"], cu.stem + ".o"), {})
+    # sm_70 through the CUDA 12.9 wheels (NVRTC + ptxas), one process per head dim
+    for d in NVRTC_HEAD_DIMS:
+        table[f"nvrtc_sm70_d{d}"] = (_nvrtc_sm70_in, (f"nvrtc_d{d}", d), {})
+    binding = _binding_args(Path("api.o"))
+    table["api.cpp"] = (_nvcc_to, ("binding", binding[:-1], "api.o"), {}) if binding else None
+    return table
+
+
+def _nvcc_to(dir_name, args, out_name):
+    return _nvcc([*args, str(background.tmpdir(dir_name) / out_name)])
+
+
+def _nvrtc_sm70_in(dir_name, head_dim):
+    return _nvrtc_sm70(background.tmpdir(dir_name) / "out", head_dim)
+
+
+def _submit(name):
+    entry = _job_table()[name]
+    return None if entry is None else background.submit(f"csrc.{name}", entry[0], *entry[1], **entry[2])
+
+
+def prebuild(items):
+    """Starts the builds the selected tests need (tests/background.py)."""
+    if NVCC is None or TORCH_INCLUDES is None:
+        return
+    names = []
+    for item in items:
+        names += [f.replace("emu_lib", "emulator") for f in item.fixturenames if f.startswith("emu_lib")]
+        if "cu_results" in item.fixturenames:
+            names += [cu.name for cu in CU_FILES]
+        if item.originalname == "test_sm70_compiles_with_cuda12_wheels":
+            names.append(f"nvrtc_sm70_d{item.callspec.params['head_dim']}")
+        if item.originalname == "test_binding_compiles":
+            names.append("api.cpp")
+    for name in _job_table():  # in the table's order
+        if name in names:
+            _submit(name)
+
+
+class _Jobs:
+    """name -> the background job of that compilation (started when first asked for)."""
+
+    def __getitem__(self, name):
+        return _submit(name)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    return _Jobs()
+# --- end of background builds ---
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +238,7 @@ def _import_testing():
         import ssa_flash  # noqa: F401
     except ImportError:
         sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import attn_testing
     from ssa_flash import reference
 
@@ -535,14 +577,21 @@ WIDE_WINDOWS = [dict(Lq=700, Lk=700, D=64, window=(300, 200), Hq=4, Hkv=2, with_
                 dict(Lq=640, Lk=600, D=128, window=(250, -1), Hq=2, causal=True, deterministic=True)]
 
 
-@pytest.mark.parametrize("mode", MODES)
+# The block order of a window is the variants' common code: softmax (no logit transform, one
+# pass) and SSA + adaptive (the transform, the statistics kernel, the adaptive backward) take
+# every kernel through it; the other two variants combine the same switches (each covered with
+# windows by test_emulated_windows).
+WINDOW_MODES = ["softmax", "ssa_adaptive"]
+
+
+@pytest.mark.parametrize("mode", WINDOW_MODES)
 @pytest.mark.parametrize("case", range(len(WIDE_WINDOWS)))
 def test_emulated_wide_windows(emu_lib, mode, case):
     """Windowed calls run their interior blocks unchecked, in the rotated order (sm_80 path)."""
     _emu_check(emu_lib, mode, B=1, **WIDE_WINDOWS[case])
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", WINDOW_MODES)
 def test_emulated_wide_windows_sm90_sm70(emu_lib_sm90, emu_lib_sm70, mode):
     """The same on the wgmma (sm_90a) and the synchronous-copy (sm_70) code paths."""
     _emu_check(emu_lib_sm90, mode, B=1, **WIDE_WINDOWS[0])
