@@ -85,13 +85,13 @@ def _ci_variants():
         for op in adaptive_ops:
             cover.append(specs.Variant(kernel, op, True, "bool", 111, "fp16", 90))
             cover.append(specs.Variant(kernel, op, False, "additive", 256, "bf16", 80))
-        op = "ssa_adaptive" if kernel == "stats" else "ssa"
+        op = "ssa_adaptive" if kernel == "row_entropy" else "ssa"
         cover.append(specs.Variant(kernel, op, True, "additive", 32, "bf16", 90))
     # the causal forward with a mask is where ptxas serialised wgmma (C7515) when issue 11 was written
     cover += [specs.Variant(k, op, True, "bool", 128, "bf16", 90)
               for k in ("fwd", "bwd_dq", "bwd_dkdv") for op in ("softmax", "ssa")]
-    cover.append(specs.Variant("stats", "adaptive", False, "none", 64, "bf16", 90))
-    cover.append(specs.Variant("stats", "ssa_adaptive", True, "none", 128, "bf16", 80))
+    cover.append(specs.Variant("row_entropy", "adaptive", False, "none", 64, "bf16", 90))
+    cover.append(specs.Variant("row_entropy", "ssa_adaptive", True, "none", 128, "bf16", 80))
     return gated + cover
 
 
@@ -396,7 +396,7 @@ def test_interior_loop_is_the_one_without_boundary_code():
     loops = [lp(12.0, False), lp(10.0, False)]
     assert analyse.assign_roles(loops) == 1  # ambiguous: the cheapest
     lines = analyse.boundary_marker_lines()
-    assert {name for name, _ in lines} >= {"common.py", "forward.py", "backward.py", "entropy.py"}
+    assert {name for name, _ in lines} >= {"masks.py", "forward.py", "backward.py", "row_entropy.py"}
 
 
 def test_rolled_inner_loop():
@@ -524,7 +524,7 @@ def test_compare_reports_changes():
 def test_variant_enumeration():
     vs = specs.variants()
     # statistics pass only for the adaptive operations
-    assert not [v for v in vs if v.kernel == "stats" and not v.adaptive]
+    assert not [v for v in vs if v.kernel == "row_entropy" and not v.adaptive]
     per_target = len(specs.MASKS) * len(specs.HEAD_DIMS) * len(specs.DTYPES) * 2 * (3 * 4 + 2)
     assert len(vs) == per_target * len(specs.ARCHS)
     assert len({v.id for v in vs}) == len(vs)
@@ -583,7 +583,7 @@ def test_cuda_symbol_description():
 
     d = cuda.describe_ssa_flash("_ZN9ssa_flash17attn_stats_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
                                 "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
-    assert d == {"kernel": "stats", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
+    assert d == {"kernel": "row_entropy", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
                  "col_split": 1, "ssa": False, "adaptive": False, "prep": False, "inner_trips": 1}
     d = cuda.describe_ssa_flash("_ZN9ssa_flash20attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6"
                                 "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")

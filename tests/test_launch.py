@@ -140,7 +140,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
     o, lse = launch.forward(q, q, q, None, b, n, None, spec)
     launch.row_entropy(q, q, None, b, n, spec)
     launch.backward(o, q, q, q, o, lse, None, None, b, n, None, spec)
-    for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "stats"),
+    for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "row_entropy"),
                        ("attention_bwd_dq_kernel", "bwd_dq"), ("attention_bwd_dkdv_kernel", "bwd_dkdv")):
         first = launch.block_candidates(90, 64, torch.bfloat16, name)[0]
         assert kernels[attr].calls == [first], attr
@@ -297,7 +297,7 @@ def test_slow_tuning_logs_one_line(on_fake_gpu, caplog):
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("kernel", ["fwd", "stats", "bwd_dq", "bwd_dkdv"])
+@pytest.mark.parametrize("kernel", ["fwd", "row_entropy", "bwd_dq", "bwd_dkdv"])
 @pytest.mark.parametrize("head_block", [32, 64, 128, 256])
 def test_tile_tables(arch, kernel, head_block):
     """Power-of-two tiles; on Hopper, 8 warps only where the wgmma M dimension (queries; keys in

@@ -5,7 +5,7 @@ Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, 
 expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
 ``(Hq,)`` tensors in the accumulation dtype. Per-row statistics are contiguous ``(B, Hq, Lq)``.
 
-Two other layouts (``layout=``, see ``common.py``'s ``VARLEN``):
+Two other layouts (``layout=``, see ``extents.py``'s ``VARLEN``):
 
 * :class:`Packed`: a packed variable-length batch, ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``,
   ``v (total_k, Hkv, Dv)``, outputs ``(total_q, Hq, Dv)``, per-row statistics ``(Hq, total_q)``;
@@ -38,12 +38,12 @@ import triton.language as tl
 
 from ..reference import dropout_keep_threshold
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
-from .common import (MASK_ADD, MASK_BOOL, MASK_NONE, VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE,
-                     VARLEN_PACKED)
 from .dropout import dropout_mask_kernel
-from .entropy import row_entropy_kernel
+from .row_entropy import row_entropy_kernel
+from .extents import VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE, VARLEN_PACKED
 from .forward import attention_fwd_kernel
 from .interpreter import interpreting
+from .masks import MASK_ADD, MASK_BOOL, MASK_NONE
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 # The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
 # the audit replaces ``launch.block_candidates`` to compile later candidates).
@@ -110,7 +110,7 @@ class KernelLaunch:
     options. :func:`capture_launches` records these instead of running them (the static audit
     compiles exactly what the launcher would launch)."""
 
-    name: str  # "fwd", "stats", "bwd_dq" or "bwd_dkdv"
+    name: str  # "fwd", "row_entropy", "bwd_dq" or "bwd_dkdv"
     kernel: object
     grid: tuple
     args: tuple
@@ -506,7 +506,7 @@ FORCE_POLY_EXP2: Optional[int] = None
 
 
 def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> int:
-    """Degree of the polynomial ``exp2`` (``common.exp2_poly``) that computes half of the interior
+    """Degree of the polynomial ``exp2`` (``fast_math.exp2_poly``) that computes half of the interior
     tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
     the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
     audit's bound says it pays: SSA (two MUFU ops per element in the forward, LG2 and EX2; three
@@ -680,7 +680,7 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     consts.update(VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
-    name = _kernel_name("stats", lay)
+    name = _kernel_name("row_entropy", lay)
     state = {}
 
     def args(blk):
@@ -884,7 +884,7 @@ def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spe
 def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
     """The keep-mask ``(B, H, Lq, Lk)`` (bool, on ``rng``'s device) that the attention kernels
     apply for the ``(seed, offset)`` tensor ``rng`` and ``dropout_p``, materialised by a kernel that
-    calls the same ``common.dropout_keep`` on tiles of its own size. For tests and inspection."""
+    calls the same ``dropout.dropout_keep`` on tiles of its own size. For tests and inspection."""
     B, H, Lq, Lk = (int(x) for x in shape)
     out = torch.empty((B, H, Lq, Lk), device=rng.device, dtype=torch.uint8)
     if out.numel() == 0:

@@ -14,13 +14,14 @@ final weights, after the temperature that these statistics decide.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, cache_key_extent, combine_scale,
-                     head_coefficients, interior_end, packed_extent, safe_row_max, split_key_range,
-                     tile_logit_input, window_key_bounds)
+from .extents import (interior_end, row_stat_base, sequence_extent, split_key_range, stage_range,
+                      window_key_bounds)
+from .logits import LN2, LOG2E, combine_scale, head_coefficients, safe_row_max, tile_logit_input
+from .masks import boundary_logits
 
 
 @triton.jit
-def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
+def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
                       stride_kn, stride_mask_m, stride_mask_n, Lq, Lk, D, cb, coef,
                       SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                       BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
@@ -80,23 +81,14 @@ def row_entropy_kernel(
     off_h = bh % H
     off_kv = off_h // GROUP
 
-    # where this program's sequence lies: as in the forward kernel (common.py, VARLEN)
-    q_base = off_b * stride_qb
-    k_base = off_b * stride_kb
-    row_base = bh * Lq
-    q_shift = 0
-    if VARLEN == 1:
-        q_start, Lq = packed_extent(CU_Q, off_b)
-        k_start, Lk = packed_extent(CU_K, off_b)
+    # where this program's sequence lies (extents.py), as in the forward kernel
+    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
+    if VARLEN == 1:  # the grid is sized by the longest sequence
         if m_block * BLOCK_M >= Lq:
             return
-        q_base = q_start * stride_qm
-        k_base = k_start * stride_kn
-        row_base = off_h * stat_stride_h + q_start
-    elif VARLEN >= 2:
-        k_start, Lk = cache_key_extent(CU_K, SEQUSED_K, off_b, Lk, VARLEN == 3)
-        k_base += k_start * stride_kn
-        q_shift = Lk - Lq
+    q_base = batch * stride_qb + q_row0 * stride_qm
+    k_base = batch * stride_kb + k_row0 * stride_kn
+    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -129,19 +121,13 @@ def row_entropy_kernel(
     if SPLIT:
         lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
         row_out += tl.program_id(1).to(tl.int64) * stat_stride_s
-    if WINDOW:
-        m_i, lam, kc = _stats_key_blocks(
-            m_i, lam, kc, q, k_ptrs, mask_base, pos_m, lo, a, stride_kn, stride_mask_m, stride_mask_n,
-            pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-            DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
-    m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, pos_m, a, mid, stride_kn, stride_mask_m, stride_mask_n,
-        pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
-    m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, pos_m, mid, hi, stride_kn, stride_mask_m, stride_mask_n,
-        pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
+    for STAGE in tl.static_range(3):
+        if STAGE != 0 or WINDOW:
+            start, end = stage_range(STAGE, lo, a, mid, hi)
+            m_i, lam, kc = _row_entropy_key_blocks(
+                m_i, lam, kc, q, k_ptrs, mask_base, pos_m, start, end, stride_kn, stride_mask_m, stride_mask_n,
+                pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+                DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
 
     empty = lam == 0.0
     safe_lam = tl.where(empty, 1.0, lam)
