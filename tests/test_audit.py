@@ -521,6 +521,27 @@ def test_compare_reports_changes():
     assert "main->interior" in out and "61.5->14.0 (-77%)" in out and "(new) boundary" in out and "17.3" in out
 
 
+def test_load_reads_the_statistics_pass_under_its_old_name(tmp_path):
+    """Audit JSON written when the statistics pass was labelled ``stats`` loads with the label
+    ``row_entropy``, so ``--compare`` pairs it with a current document."""
+    def doc(kernel):
+        v = specs.Variant(kernel, "adaptive", True, "none", 128, "bf16", 90)
+        vid = v.id if kernel == "row_entropy" else v.id.replace("-row_entropy-", "-stats-")
+        loop = {"role": "main", "per_element": {"total": 12.0, "mufu": 1.0}, "tensor": {"repeat_factor": 1.0},
+                "bound": {"tflops": 500.0}}
+        cfg = {"registers": 128, "spill_store_bytes": 0, "spill_load_bytes": 0, "loops": [loop]}
+        return {"results": [{"id": vid, "variant": dict(v.to_dict(), kernel=kernel), "chosen": 0,
+                             "configs": [cfg]}]}
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(doc("stats")))
+    new.write_text(json.dumps(doc("row_entropy")))
+    loaded = report.load(str(old))
+    assert loaded["results"][0]["id"] == "sm90-row_entropy-adaptive-causal-none-d128-bf16"
+    assert loaded["results"][0]["variant"]["kernel"] == "row_entropy"
+    out = report.compare(loaded, report.load(str(new)))
+    assert "no changes" in out and "only in" not in out
+
+
 def test_variant_enumeration():
     vs = specs.variants()
     # statistics pass only for the adaptive operations
