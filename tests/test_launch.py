@@ -345,3 +345,19 @@ def test_unaligned_head_dims_are_padded(d, dv):
     for kl in cap:
         tensors = [a for a in kl.args if isinstance(a, torch.Tensor) and a.dim() == 4]
         assert tensors and all(t.shape[-1] % 8 == 0 and t.stride(2) % 8 == 0 for t in tensors), kl.name
+
+
+def test_launch_arguments_are_named():
+    """Launch sites name the kernels' arguments: the positional tuple follows each kernel's
+    signature, and a misspelt or missing name is a TypeError naming it."""
+    names = launch._PARAMS["row_entropy"]
+    args = launch._positional("row_entropy", **{n: i for i, n in enumerate(reversed(names))})
+    assert args == tuple(reversed(range(len(names))))
+    full = {n: 0 for n in names}
+    with pytest.raises(TypeError, match="stride_qx"):
+        launch._positional("row_entropy", **full, stride_qx=1)
+    del full["win_left"]
+    with pytest.raises(TypeError, match="win_left"):
+        launch._positional("row_entropy", **full)
+    # every runtime parameter, none of the constexprs
+    assert "Q" in names and "BLOCK_M" not in names and "VARLEN" not in names
