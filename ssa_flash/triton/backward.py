@@ -49,9 +49,9 @@ import triton
 import triton.language as tl
 
 from .dropout import dropout_keep, dropout_state
-from .extents import (interior_end, row_stat_base, sequence_extent, stage_range, window_key_bounds,
-                      window_query_bounds)
-from .logits import LN2, LOG2E, combine_scale, safe_row_max, ssa_log_weight, ssa_reciprocal
+from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, stage_range,
+                      window_key_bounds, window_query_bounds)
+from .logits import LN2, LOG2E, combine_scale, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
 from .masks import boundary_logits
 
 
@@ -100,6 +100,8 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
+        # loaded inline, not through tile_loads.load_rows: with it ptxas gives the softmax dQ kernel
+        # one more register on sm_80 (static audit, bench/NOTES.md)
         if BOUNDARY:
             key_ok = offs_n[:, None] < Lk  # audit: boundary-only
             k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
@@ -111,10 +113,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
             v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        if SSA:
-            x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
-        else:
-            x = s
+        x, u = tile_logit_input_and_u(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
@@ -185,12 +184,7 @@ def attention_bwd_dq_kernel(
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
     G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = (pid // num_m_blocks).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
-    off_kv = off_h // GROUP
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
     # where this program's sequence lies (extents.py: dense or packed); q, dO, O and dQ share
     # the query rows, K and V the key rows
@@ -323,10 +317,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             lse2 = tl.load(LSE2 + row_stat)
             delta = tl.load(DELTA + row_stat)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
-        if SSA:
-            x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
-        else:
-            x = st
+        x, u = tile_logit_input_and_u(st, cb, SSA, ACC, FAST_MATH)
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)

@@ -57,6 +57,20 @@ def cache_key_extent(K_START, SEQUSED_K, off_b, Lk, HAS_START: tl.constexpr):
 
 
 @triton.jit
+def query_block_program(num_m_blocks, H, GROUP):
+    """``(m_block, bh, off_b, off_h, off_kv)`` of a program of a query-block grid (forward,
+    statistics, dQ): its query block, ``bh = off_b * H + off_h`` (int64), batch element, query head
+    and key/value head. The heaviest (last, under causality) query blocks run first, and
+    consecutive programs share K/V in L2."""
+    pid = tl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = (pid // num_m_blocks).to(tl.int64)
+    off_b = bh // H
+    off_h = bh % H
+    return m_block, bh, off_b, off_h, off_h // GROUP
+
+
+@triton.jit
 def sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN: tl.constexpr):
     """Where batch element (or packed sequence) ``off_b``'s rows lie, for every ``VARLEN`` layout:
     ``(batch, q_row0, k_row0, Lq, Lk, q_shift)``.

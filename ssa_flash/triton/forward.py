@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 
 from .dropout import dropout_keep, dropout_state
-from .extents import (interior_end, row_stat_base, sequence_extent, split_key_range, stage_range,
-                      window_key_bounds)
+from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
+                      stage_range, window_key_bounds)
 from .fast_math import exp2_half_poly
-from .logits import LN2, LOG2E, combine_scale, head_coefficients, safe_row_max, tile_logit_input
+from .logits import LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
+from .tile_loads import load_rows
 
 
 @triton.jit
@@ -37,20 +38,10 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
     is :func:`~.dropout.dropout_state`'s tuple and ``start_m`` the first query (unused without
     DROPOUT)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if BOUNDARY:
-            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-            v = tl.load(v_ptrs + start_n * stride_vn)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
+        k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
+        v = load_rows(v_ptrs, start_n, stride_vn, offs_n, Lk, DV, BLOCK_DV, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
         x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
@@ -99,13 +90,7 @@ def attention_fwd_kernel(
     offset)`` int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split
     as the softmax scale is. Window: ``win_left``, ``win_right`` >= 0 (an unbounded side: at least
     the sequence length), in the query positions the loops see (bottom-right for a KV cache)."""
-    pid = tl.program_id(0)
-    # Heaviest (last, under CAUSAL) query blocks first; consecutive programs share K/V in L2.
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = (pid // num_m_blocks).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
-    off_kv = off_h // GROUP
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
     # Where this program's sequence lies (extents.py): base offsets of q/o and k/v, the first row
     # of its per-row statistics, its lengths, and (KV cache) the bottom-right shift.
@@ -140,8 +125,7 @@ def attention_fwd_kernel(
         coef = coef * beta
         mask_scale = mask_scale * beta
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
-    l_i = tl.zeros((BLOCK_M,), dtype=ACC)
+    m_i, l_i = row_start(BLOCK_M, ACC)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
     drop = (0, 0, 0, 0, 0)

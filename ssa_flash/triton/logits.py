@@ -62,6 +62,27 @@ def tile_logit_input(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.
 
 
 @triton.jit
+def tile_logit_input_and_u(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
+    """The backward's form of :func:`tile_logit_input`: ``(x, u)`` with SSA's ``u = 1 + cb|s|``
+    (``dx/ds = cb / (u ln 2)`` up to the sign, see :func:`ssa_reciprocal`); softmax's ``x = s``
+    has ``dx/ds = 1`` and ``u`` is unused (1)."""
+    if SSA:
+        x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
+    else:
+        x = s
+        u = 1.0
+    return x, u
+
+
+@triton.jit
+def row_start(BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """``(m, total)``: a row's running maximum of base-2 logits and its running sum of weights
+    before any key is seen (``-inf`` and 0; the online softmax of the forward and the statistics
+    pass starts from here)."""
+    return tl.full((BLOCK_M,), float("-inf"), dtype=ACC), tl.zeros((BLOCK_M,), dtype=ACC)
+
+
+@triton.jit
 def ssa_reciprocal(u, x, ROWS: tl.constexpr, COLS: tl.constexpr, FAST_MATH: tl.constexpr,
                    POLY_EXP2: tl.constexpr):
     """``1 / u`` of SSA's ``u = 1 + b|z|`` (``x = sgn(s) log2(u)``, already computed): with

@@ -14,10 +14,12 @@ final weights, after the temperature that these statistics decide.
 import triton
 import triton.language as tl
 
-from .extents import (interior_end, row_stat_base, sequence_extent, split_key_range, stage_range,
-                      window_key_bounds)
-from .logits import LN2, LOG2E, combine_scale, head_coefficients, safe_row_max, tile_logit_input
+from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
+                      stage_range, window_key_bounds)
+from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max,
+                     tile_logit_input)
 from .masks import boundary_logits
+from .tile_loads import load_rows
 
 
 @triton.jit
@@ -28,16 +30,9 @@ def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
                       win_left, win_right, WINDOW: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if BOUNDARY:
-            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+        k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
         x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
@@ -74,12 +69,7 @@ def row_entropy_kernel(
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = (pid // num_m_blocks).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
-    off_kv = off_h // GROUP
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
     # where this program's sequence lies (extents.py), as in the forward kernel
     batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
@@ -101,8 +91,7 @@ def row_entropy_kernel(
     k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
-    lam = tl.zeros((BLOCK_M,), dtype=ACC)
+    m_i, lam = row_start(BLOCK_M, ACC)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
     lo = 0
     hi = Lk
