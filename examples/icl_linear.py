@@ -57,7 +57,7 @@ PAPER = {
 
 # Presets; every field can be overridden on the command line.
 PRESETS = {
-    # fewest steps that still exercise everything (tests/test_examples.py)
+    # fewest steps that still exercise everything (tests/examples/test_examples.py)
     "smoke": dict(layers=1, heads=2, dim=32, steps=30, batch=16, lr=1e-3, k_start=2, eval_functions=64),
     # CI smoke test: tiny model, few steps, < 2 minutes on a 2-core CPU (does not learn the task)
     "quick": dict(layers=2, heads=2, dim=32, steps=250, batch=32, lr=2e-3, k_start=2, eval_functions=200),

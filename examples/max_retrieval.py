@@ -61,7 +61,7 @@ PAPER = {
 }
 
 PRESETS = {
-    # fewest steps that still exercise everything (tests/test_examples.py)
+    # fewest steps that still exercise everything (tests/examples/test_examples.py)
     "smoke": dict(dim=16, steps=40, batch=32, lr=3e-3, eval_sets=16, max_test=1024),
     # CI smoke test: < 2 minutes on a 2-core CPU
     "quick": dict(dim=32, steps=600, batch=64, lr=3e-3, eval_sets=100, max_test=16384),

@@ -102,7 +102,8 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     elem = tm.group(2)
     dtype = "bf16" if "bfloat16" in elem else "fp16" if ("half" in elem or "__half" in elem) else elem
     bools = [b == "1" for b in re.findall(r"Lb([01])E", symbol[tm.end():])]
-    kernel = km.group(1)
+    # the statistics pass is "row_entropy" in every audit table (attn_stats_kernel in csrc/)
+    kernel = "row_entropy" if km.group(1) == "stats" else km.group(1)
     d, block_m, warps = ints[0], ints[1], ints[3]
     # csrc/bwd_kernel.h: above D = 64 the fused kernel's dQ GEMM is a rolled loop over chunks of
     # kDQC = 32 (or 16) of the kDQ = D / (warps / (block_m / 16)) columns of a warp (kDQRolled)

@@ -18,7 +18,7 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 
-KERNELS = ("fwd", "stats", "bwd_dq", "bwd_dkdv")
+KERNELS = ("fwd", "row_entropy", "bwd_dq", "bwd_dkdv")
 OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
 MASKS = ("none", "bool", "additive")
 #: Feature switches that change what the launcher compiles (and its tile choice): none; dropout
@@ -90,15 +90,15 @@ def runs(kernel: str, op: str, feature: str = "none", mask: str = "none") -> boo
     unknown = fs - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown feature {sorted(unknown)}; choose from {FEATURES}")
-    if kernel == "stats" and op not in ("adaptive", "ssa_adaptive"):
+    if kernel == "row_entropy" and op not in ("adaptive", "ssa_adaptive"):
         return False
     if fs & {"varlen", "decode"} and mask != "none":
         return False
     if {"varlen", "decode"} <= fs:
         return False
-    if "decode" in fs and (kernel not in ("fwd", "stats") or "dropout" in fs):
+    if "decode" in fs and (kernel not in ("fwd", "row_entropy") or "dropout" in fs):
         return False
-    return not ("dropout" in fs and kernel == "stats")
+    return not ("dropout" in fs and kernel == "row_entropy")
 
 
 def variants(archs: Sequence[int] = ARCHS, kernels: Sequence[str] = KERNELS, ops: Sequence[str] = OPS,
@@ -154,7 +154,7 @@ def _call_host(v: Variant):
         q = meta(B, H, Lq, D)
         layout = launch.KVCache(meta(B, dtype=torch.int32))
     rows = (H, B * L) if "varlen" in fs else (B, H, Lq)
-    if v.kernel == "stats":
+    if v.kernel == "row_entropy":
         launch.row_entropy(q, k, mask, b, n, spec, layout)
     elif v.kernel == "fwd":
         beta = meta(*rows, dtype=acc) if v.adaptive else None

@@ -19,7 +19,7 @@ the output weights:
     db   = sum dl * n z / (1 + b|z|) = (1/b) sum_i q_i . dQ_i,   dn = sum dl * sgn(z) log1p(b|z|)
 
 Dropout (``DROPOUT``, docs/design.md §1.5): with ``M`` the keep mask (regenerated, see
-``common.dropout_keep``) and ``r = 1 / (1 - p)`` the output is ``(r M * P') V``, so
+``dropout.dropout_keep``) and ``r = 1 / (1 - p)`` the output is ``(r M * P') V``, so
 ``dV = (r M * P')^T dO`` and ``dP'`` becomes ``r M * (dO V^T)``; ``delta = rowsum(dO * O)`` is
 unchanged (FlashAttention-2's argument), and so is everything after ``dS'``.
 
@@ -48,9 +48,11 @@ row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, combine_scale, dropout_keep, dropout_state,
-                     interior_end, packed_extent, safe_row_max, ssa_log_weight, ssa_reciprocal,
-                     window_key_bounds, window_query_bounds)
+from .dropout import dropout_keep, dropout_state
+from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, stage_range,
+                      window_key_bounds, window_query_bounds)
+from .logits import LN2, LOG2E, combine_scale, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
+from .masks import boundary_logits
 
 
 @triton.jit
@@ -93,11 +95,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
     ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
-    (``drop``: ``common.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
+    (``drop``: ``dropout.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
+        # loaded inline, not through tile_loads.load_rows: with it ptxas gives the softmax dQ kernel
+        # one more register on sm_80 (static audit, bench/NOTES.md)
         if BOUNDARY:
             key_ok = offs_n[:, None] < Lk  # audit: boundary-only
             k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
@@ -109,10 +113,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
             v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        if SSA:
-            x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
-        else:
-            x = s
+        x, u = tile_logit_input_and_u(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
@@ -183,26 +184,15 @@ def attention_bwd_dq_kernel(
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
     G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = (pid // num_m_blocks).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
-    off_kv = off_h // GROUP
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
-    # where this program's sequence lies (common.py, VARLEN: dense or packed); q, dO, O and dQ
-    # share the packed layout, K and V the key one
-    q_row0 = off_b * 0  # first packed row of the sequence (0: dense)
-    k_row0 = off_b * 0
-    q_bstride = off_b  # batch index times the batch strides (dense), 0 (packed)
-    row_base = bh * Lq
-    if VARLEN == 1:
-        q_row0, Lq = packed_extent(CU_Q, off_b)
-        k_row0, Lk = packed_extent(CU_K, off_b)
+    # where this program's sequence lies (extents.py: dense or packed); q, dO, O and dQ share
+    # the query rows, K and V the key rows
+    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(CU_Q, CU_K, CU_Q, off_b, Lq, Lk, VARLEN)
+    if VARLEN == 1:  # the grid is sized by the longest sequence
         if m_block * BLOCK_M >= Lq:
             return
-        q_bstride = off_b * 0
-        row_base = off_h * stat_stride_h + q_row0
+    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -211,11 +201,11 @@ def attention_bwd_dq_kernel(
     qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
 
-    q = tl.load(Q + q_bstride * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + batch * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=qd_ok, other=0.0)
-    do = tl.load(DO + q_bstride * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+    do = tl.load(DO + batch * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=vd_ok, other=0.0)
-    o = tl.load(O + q_bstride * stride_ob + q_row0 * stride_om + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+    o = tl.load(O + batch * stride_ob + q_row0 * stride_om + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
                 mask=vd_ok, other=0.0)
     row_stat = row_base + offs_m
     delta = tl.sum(do.to(ACC) * o.to(ACC), 1)
@@ -241,8 +231,8 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     dq_ent = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
 
-    k_ptrs = K + q_bstride * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + q_bstride * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k_ptrs = K + batch * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + batch * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
     drop = (0, 0, 0, 0, 0)
     drop_scale = 1.0
@@ -254,28 +244,19 @@ def attention_bwd_dq_kernel(
     if CAUSAL:
         hi = tl.minimum(Lk, (m_block + 1) * BLOCK_M)
         mid = tl.minimum(mid, ((m_block * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    lo = 0
+    a = 0
     if WINDOW:
         lo, a, mid, hi = window_key_bounds(m_block * BLOCK_M, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
-        dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
-            dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-            lo, a, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-            cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
-            win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
-    else:
-        a = 0
-    dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
-        dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-        a, mid, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-        cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2,
-        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
-    dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
-        dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-        mid, hi, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-        cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-        BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, 0,
-        win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
+    for STAGE in tl.static_range(3):
+        if STAGE != 0 or WINDOW:
+            start, end = stage_range(STAGE, lo, a, mid, hi)
+            dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
+                dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+                start, end, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+                cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
+                BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0,
+                win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
 
     if ADAPTIVE:
         if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
@@ -295,7 +276,7 @@ def attention_bwd_dq_kernel(
         tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
         tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
     dq = dq * ds_scale
-    tl.store(DQ + q_bstride * stride_dqb + q_row0 * stride_dqm + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(DQ + batch * stride_dqb + q_row0 * stride_dqm + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=qd_ok)
 
 
@@ -314,7 +295,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
     (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
     this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
     ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
-    ``dP' = r M (dO V^T)``; ``drop`` is this head's ``common.dropout_state`` tuple."""
+    ``dP' = r M (dO V^T)``; ``drop`` is this head's ``dropout.dropout_state`` tuple."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -336,10 +317,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             lse2 = tl.load(LSE2 + row_stat)
             delta = tl.load(DELTA + row_stat)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
-        if SSA:
-            x, u = ssa_log_weight(st, cb, ACC, FAST_MATH)
-        else:
-            x = st
+        x, u = tile_logit_input_and_u(st, cb, SSA, ACC, FAST_MATH)
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
@@ -426,25 +404,20 @@ def attention_bwd_dkdv_kernel(
     off_kv = bhkv % HKV
 
     start_n = n_block * BLOCK_N
-    # where this program's sequence lies (common.py, VARLEN: dense or packed)
-    q_row0 = off_b * 0
-    k_row0 = off_b * 0
-    b_idx = off_b  # multiplies the batch strides: 0 when packed
-    if VARLEN == 1:
-        q_row0, Lq = packed_extent(CU_Q, off_b)
-        k_row0, Lk = packed_extent(CU_K, off_b)
+    # where this program's sequence lies (extents.py: dense or packed)
+    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(CU_Q, CU_K, CU_Q, off_b, Lq, Lk, VARLEN)
+    if VARLEN == 1:  # the grid is sized by the longest sequence
         if start_n >= Lk:
             return
-        b_idx = off_b * 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < Lk
     kd_ok = col_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = col_ok[:, None] & (offs_dv[None, :] < DV)
-    k = tl.load(K + b_idx * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(K + batch * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=kd_ok, other=0.0)
-    v = tl.load(V + b_idx * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(V + batch * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=vd_ok, other=0.0)
     scale = combine_scale(scale_hi, scale_lo, ACC)
 
@@ -471,41 +444,30 @@ def attention_bwd_dkdv_kernel(
     offs_mb = tl.arange(0, BLOCK_M)
     for g_idx in range(0, GROUP):
         off_h = off_kv * GROUP + g_idx
-        if VARLEN == 1:
-            row_base = off_h * stat_stride_h + q_row0
-        else:
-            row_base = (off_b * H + off_h) * Lq
+        row_base = row_stat_base(off_b * H + off_h, off_h, q_row0, Lq, stat_stride_h, VARLEN)
         cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
-        q_ptrs = Q + b_idx * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + b_idx * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
+        q_ptrs = Q + batch * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        do_ptrs = DO + batch * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
         mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
         drop = (0, 0, 0, 0, 0)
         if DROPOUT:
             drop = dropout_state(RNG, off_b, off_h, keep31)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, tl.minimum(diag_end, hi),
-            stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-            LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
-            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, diag_end, int_end,
-            stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-            LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, False, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2,
-            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, int_end, hi,
-            stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-            LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, True, EVEN_D,
-            BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, 0,
-            start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
+        for STAGE in tl.static_range(3):
+            start, end = stage_range(STAGE, lo, diag_end, int_end, hi)
+            if STAGE == 0:  # a ragged key block's boundary stage runs to cdiv(Lq, BLOCK_M) blocks
+                end = tl.minimum(end, hi)
+            dk, dv = _dkdv_query_blocks(
+                dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, start, end,
+                stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
+                LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
+                BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2 if STAGE == 1 else 0,
+                start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale
     if DROPOUT:
         dv = dv * drop_scale
-    tl.store(DK + b_idx * stride_dkb + k_row0 * stride_dkn + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(DK + batch * stride_dkb + k_row0 * stride_dkn + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kd_ok)
-    tl.store(DV_OUT + b_idx * stride_dvb + k_row0 * stride_dvn + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+    tl.store(DV_OUT + batch * stride_dvb + k_row0 * stride_dvn + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
              dv.to(DV_OUT.dtype.element_ty), mask=vd_ok)

@@ -1,13 +1,75 @@
-"""A kernel that materialises the dropout keep-mask of the attention kernels (tests, inspection).
+"""The dropout keep-mask: which elements of the attention weights dropout keeps, and a kernel that
+materialises it (tests, inspection).
 
-It calls ``common.dropout_keep``, the function every attention kernel uses, on tiles of its own
-size: its output equals the kernels' mask only because that function depends on the indices
-alone (seed, offset, batch, head, query, key), not on the tiling.
+Dropout (``DROPOUT``) keeps element ``(b, h, i, j)`` of the final weights iff a Philox4x32-10
+draw (``philox.py``) is below a threshold; see :func:`dropout_keep` for the exact function of
+(seed, offset, batch, head, query, key), which does not depend on the tiles, so every kernel
+(whatever its block sizes or orientation) regenerates the same mask. ``dropout_mask_kernel``
+calls it on tiles of its own size: its output equals the kernels' mask only because of that.
 """
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, dropout_state
+from .philox import philox4x32
+
+
+@triton.jit
+def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_below,
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                 FAST_MATH: tl.constexpr):
+    """The dropout keep-mask of queries ``[start_q, start_q + BLOCK_Q)`` x keys
+    ``[start_k, start_k + BLOCK_K)``: a boolean tile (queries, keys), or (keys, queries) with
+    ``KEYS_FIRST``. ``start_q``, ``start_k``, BLOCK_Q and BLOCK_K are multiples of 16.
+
+    Element (b, h, i, j) is kept iff ``r < keep_below`` where ``r`` is word
+    ``bit3(i) + 2 bit0(j)`` of Philox4x32-10 with key ``(seed_lo, seed_hi)`` (the 64-bit seed)
+    and counter ``(j // 2, (i // 16) 8 + i % 8, h, (b + offset) mod 2^32)``; ``head_ctr = h``,
+    ``batch_ctr = b + offset`` (uint32). One Philox evaluation serves the four elements
+    ``{i, i + 8} x {j, j + 1}`` (i with bit 3 clear, j even): exactly what one thread holds of
+    a tensor-core accumulator tile (queries x keys; mma.sync and wgmma alike: rows r and r + 8,
+    columns 2t and 2t + 1), so in the forward and dQ kernels the words reach their elements with
+    no data movement. The dK/dV kernel's transposed tiles hold them in other threads and pay a
+    layout conversion. Nothing depends on the tile shape, so kernels with different tiles agree.
+    ``ssa_flash.reference.dropout_keep_mask`` is the same function in PyTorch."""
+    tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0, "dropout tiles: multiples of 16")
+    HQ: tl.constexpr = BLOCK_Q // 2
+    HK: tl.constexpr = BLOCK_K // 2
+    # Counter words of the half tile (x' = (x // 16) 8 + x % 8 runs over start / 2 + [0, B / 2))
+    # from one flat arange: no broadcast in the chain, so the compiler can place the whole
+    # Philox computation in the layout the joins below need.
+    flat = tl.arange(0, HQ * HK).to(tl.uint32)
+    if KEYS_FIRST:
+        c0 = tl.reshape(flat // HQ, (HK, HQ)) + tl.cast(start_k // 2, tl.uint32)
+        c1 = tl.reshape(flat % HQ, (HK, HQ)) + tl.cast(start_q // 2, tl.uint32)
+    else:
+        c0 = tl.reshape(flat % HK, (HQ, HK)) + tl.cast(start_k // 2, tl.uint32)
+        c1 = tl.reshape(flat // HK, (HQ, HK)) + tl.cast(start_q // 2, tl.uint32)
+    zero = c0 * 0
+    r0, r1, r2, r3 = philox4x32(c0, c1, zero + head_ctr, zero + batch_ctr, seed_lo, seed_hi, FAST_MATH)
+    # words: r0 (i, j), r1 (i + 8, j), r2 (i, j + 1), r3 (i + 8, j + 1). tl.join adds the
+    # fastest register dim: the outer join over bit0(j), the accumulators' first register bit.
+    t = tl.join(tl.join(r0 < keep_below, r1 < keep_below), tl.join(r2 < keep_below, r3 < keep_below))
+    if KEYS_FIRST:  # t[j', i', u, s] -> [j', s, a, u, x]
+        t = tl.reshape(t, (HK, BLOCK_Q // 16, 8, 2, 2))
+        return tl.reshape(tl.permute(t, (0, 4, 1, 3, 2)), (BLOCK_K, BLOCK_Q))
+    else:  # t[i', j', u, s] -> [a, u, x, j', s]
+        t = tl.reshape(t, (BLOCK_Q // 16, 8, HK, 2, 2))
+        return tl.reshape(tl.permute(t, (0, 3, 1, 2, 4)), (BLOCK_Q, BLOCK_K))
+
+
+@triton.jit
+def dropout_state(RNG, off_b, off_h, keep31):
+    """Per-program dropout constants from the ``(2,)`` int64 tensor ``RNG = (seed, offset)``:
+    ``(seed_lo, seed_hi, head_ctr, batch_ctr, keep_below)`` as uint32 (see :func:`dropout_keep`;
+    ``keep_below = 2 * keep31``, ``keep31 = round((1 - p) 2^31)``)."""
+    seed = tl.load(RNG)
+    offset = tl.load(RNG + 1)
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    batch_ctr = ((off_b + offset) & 0xFFFFFFFF).to(tl.uint32)
+    head_ctr = off_h.to(tl.uint32)
+    keep_below = keep31.to(tl.uint32) * 2
+    return seed_lo, seed_hi, head_ctr, batch_ctr, keep_below
 
 
 @triton.jit

@@ -2,12 +2,12 @@
 row ``l2`` (softmax or SSA log-weights, optionally multiplied by a per-row temperature ``beta``).
 
 One program handles BLOCK_M queries of one (batch element or packed sequence, query head), or
-with ``SPLIT`` (split-KV decoding) a share of their keys (``VARLEN``: see ``common.py``). It
+with ``SPLIT`` (split-KV decoding) a share of their keys (``VARLEN``: see ``extents.py``). It
 writes the output and the natural-log row log-sum-exp ``lse`` (of ``beta * l``), which is all the
 backward needs. The key
 loop runs first over the interior key blocks (no index checks), then over the boundary ones
 (the ragged end, the causal diagonal); under ``WINDOW`` boundary blocks cut by the window's left
-edge come first; see ``common.py``.
+edge come first; see ``extents.py`` and ``masks.py``.
 
 With ``DROPOUT`` the weights that multiply V are those kept by the dropout mask, and the output is
 scaled by ``1 / (1 - p)``; the running sum ``l_i`` (hence the LSE) is that of the undropped row.
@@ -15,9 +15,13 @@ scaled by ``1 / (1 - p)``; the running sum ``l_i`` (hence the LSE) is that of th
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, cache_key_extent, combine_scale, dropout_keep,
-                     dropout_state, exp2_half_poly, head_coefficients, interior_end, packed_extent,
-                     safe_row_max, split_key_range, tile_logit_input, window_key_bounds)
+from .dropout import dropout_keep, dropout_state
+from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
+                      stage_range, window_key_bounds)
+from .fast_math import exp2_half_poly
+from .logits import LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, tile_logit_input
+from .masks import boundary_logits
+from .tile_loads import load_rows
 
 
 @triton.jit
@@ -32,22 +36,12 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
-    is :func:`~.common.dropout_state`'s tuple and ``start_m`` the first query (unused without
+    is :func:`~.dropout.dropout_state`'s tuple and ``start_m`` the first query (unused without
     DROPOUT)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if BOUNDARY:
-            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-            v = tl.load(v_ptrs + start_n * stride_vn)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
+        k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
+        v = load_rows(v_ptrs, start_n, stride_vn, offs_n, Lk, DV, BLOCK_DV, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
         x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
@@ -96,37 +90,19 @@ def attention_fwd_kernel(
     offset)`` int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split
     as the softmax scale is. Window: ``win_left``, ``win_right`` >= 0 (an unbounded side: at least
     the sequence length), in the query positions the loops see (bottom-right for a KV cache)."""
-    pid = tl.program_id(0)
-    # Heaviest (last, under CAUSAL) query blocks first; consecutive programs share K/V in L2.
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = (pid // num_m_blocks).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
-    off_kv = off_h // GROUP
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
-    # Where this program's sequence lies (common.py, VARLEN): base offsets of q/o and k/v, the
-    # first row of its per-row statistics, its lengths, and (KV cache) the bottom-right shift.
-    q_base = off_b * stride_qb
-    o_base = off_b * stride_ob
-    k_base = off_b * stride_kb
-    v_base = off_b * stride_vb
-    row_base = bh * Lq
-    q_shift = 0
-    if VARLEN == 1:  # packed sequences
-        q_start, Lq = packed_extent(CU_Q, off_b)
-        k_start, Lk = packed_extent(CU_K, off_b)
+    # Where this program's sequence lies (extents.py): base offsets of q/o and k/v, the first row
+    # of its per-row statistics, its lengths, and (KV cache) the bottom-right shift.
+    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
+    if VARLEN == 1:  # the grid is sized by the longest sequence
         if m_block * BLOCK_M >= Lq:
             return
-        q_base = q_start * stride_qm
-        o_base = q_start * stride_om
-        k_base = k_start * stride_kn
-        v_base = k_start * stride_vn
-        row_base = off_h * stat_stride_h + q_start
-    elif VARLEN >= 2:  # KV cache
-        k_start, Lk = cache_key_extent(CU_K, SEQUSED_K, off_b, Lk, VARLEN == 3)
-        k_base += k_start * stride_kn
-        v_base += k_start * stride_vn
-        q_shift = Lk - Lq
+    q_base = batch * stride_qb + q_row0 * stride_qm
+    o_base = batch * stride_ob + q_row0 * stride_om
+    k_base = batch * stride_kb + k_row0 * stride_kn
+    v_base = batch * stride_vb + k_row0 * stride_vn
+    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -149,8 +125,7 @@ def attention_fwd_kernel(
         coef = coef * beta
         mask_scale = mask_scale * beta
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
-    l_i = tl.zeros((BLOCK_M,), dtype=ACC)
+    m_i, l_i = row_start(BLOCK_M, ACC)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
     drop = (0, 0, 0, 0, 0)
@@ -179,22 +154,15 @@ def attention_fwd_kernel(
         split = tl.program_id(1).to(tl.int64)
         o_base += split * stride_os
         row_out += split * stat_stride_s
-    if WINDOW:
-        acc, l_i, m_i = _fwd_key_blocks(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, lo, a,
-            stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
-            SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-            BLOCK_M, 0, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
-    acc, l_i, m_i = _fwd_key_blocks(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, a, mid,
-        stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
-        SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        BLOCK_M, POLY_EXP2, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
-    acc, l_i, m_i = _fwd_key_blocks(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, mid, hi,
-        stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
-        SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH,
-        BLOCK_M, 0, win_left, win_right, drop, m_block * BLOCK_M, WINDOW, DROPOUT)
+    for STAGE in tl.static_range(3):
+        if STAGE != 0 or WINDOW:
+            start, end = stage_range(STAGE, lo, a, mid, hi)
+            acc, l_i, m_i = _fwd_key_blocks(
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, start, end,
+                stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
+                SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
+                FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0, win_left, win_right, drop, m_block * BLOCK_M,
+                WINDOW, DROPOUT)
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum

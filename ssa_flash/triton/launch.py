@@ -5,7 +5,7 @@ Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, 
 expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
 ``(Hq,)`` tensors in the accumulation dtype. Per-row statistics are contiguous ``(B, Hq, Lq)``.
 
-Two other layouts (``layout=``, see ``common.py``'s ``VARLEN``):
+Two other layouts (``layout=``, see ``extents.py``'s ``VARLEN``):
 
 * :class:`Packed`: a packed variable-length batch, ``q (total_q, Hq, D)``, ``k (total_k, Hkv, D)``,
   ``v (total_k, Hkv, Dv)``, outputs ``(total_q, Hq, Dv)``, per-row statistics ``(Hq, total_q)``;
@@ -38,12 +38,12 @@ import triton.language as tl
 
 from ..reference import dropout_keep_threshold
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
-from .common import (MASK_ADD, MASK_BOOL, MASK_NONE, VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE,
-                     VARLEN_PACKED)
 from .dropout import dropout_mask_kernel
-from .entropy import row_entropy_kernel
+from .row_entropy import row_entropy_kernel
+from .extents import VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE, VARLEN_PACKED
 from .forward import attention_fwd_kernel
 from .interpreter import interpreting
+from .masks import MASK_ADD, MASK_BOOL, MASK_NONE
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 # The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
 # the audit replaces ``launch.block_candidates`` to compile later candidates).
@@ -110,7 +110,7 @@ class KernelLaunch:
     options. :func:`capture_launches` records these instead of running them (the static audit
     compiles exactly what the launcher would launch)."""
 
-    name: str  # "fwd", "stats", "bwd_dq" or "bwd_dkdv"
+    name: str  # "fwd", "row_entropy", "bwd_dq" or "bwd_dkdv"
     kernel: object
     grid: tuple
     args: tuple
@@ -464,12 +464,52 @@ def _split_scale(scale: float):
     return hi, float(np.float32(scale - hi))
 
 
+def _scale_args(scale: float) -> dict:
+    """The softmax scale's kernel arguments ``scale_hi``, ``scale_lo`` (:func:`_split_scale`)."""
+    hi, lo = _split_scale(scale)
+    return dict(scale_hi=hi, scale_lo=lo)
+
+
 def _mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
+    """``(MASK=..., stride_mask_*=...)`` kernel arguments and the ``MASK_KIND`` of ``mask``."""
     if mask is None:
-        return like, MASK_NONE, (0, 0, 0, 0)
+        return dict(MASK=like, **_named_strides("mask_", (0, 0, 0, 0), "m")), MASK_NONE
     if mask.dtype == torch.bool:  # bytes: kernels read 0 / non-zero, not i1 pointers
-        return mask.view(torch.uint8), MASK_BOOL, tuple(mask.stride())
-    return mask, MASK_ADD, tuple(mask.stride())
+        return dict(MASK=mask.view(torch.uint8), **_named_strides("mask_", mask.stride(), "m")), MASK_BOOL
+    return dict(MASK=mask, **_named_strides("mask_", mask.stride(), "m")), MASK_ADD
+
+
+def _named_strides(name: str, strides, row: str) -> dict:
+    """The kernels' stride parameters of one 4-D tensor, ``stride_<name>{b,h,<row>,d}`` (``row``:
+    ``m`` for query rows, ``n`` for key rows); ``mask_`` strides end in ``b, h, m, n``."""
+    last = "n" if name == "mask_" else "d"
+    return {f"stride_{name}{axis}": int(st) for axis, st in zip(("b", "h", row, last), strides)}
+
+
+def _runtime_params(kernel) -> tuple:
+    """Names of ``kernel``'s parameters that are not ``tl.constexpr``, in signature order."""
+    params = inspect.signature(getattr(kernel, "fn", kernel)).parameters.values()
+    return tuple(p.name for p in params if p.annotation is not tl.constexpr and p.annotation != "tl.constexpr")
+
+
+# The attention kernels' runtime parameters by launch name, read from their definitions once (tests
+# replace the kernels the launcher calls by stand-ins; the arguments follow the definitions).
+_PARAMS = {"fwd": _runtime_params(attention_fwd_kernel), "row_entropy": _runtime_params(row_entropy_kernel),
+           "bwd_dq": _runtime_params(attention_bwd_dq_kernel), "bwd_dkdv": _runtime_params(attention_bwd_dkdv_kernel)}
+
+
+def _positional(kernel: str, **named) -> tuple:
+    """The runtime arguments of attention kernel ``kernel`` (``"fwd"``, ``"row_entropy"``,
+    ``"bwd_dq"``, ``"bwd_dkdv"``) in signature order, from their names: launch sites name every
+    argument, and one the kernel does not take or one left out is an error here rather than a
+    misplaced argument. (Triton 3.2, the oldest supported, takes no tuple arguments, so the
+    kernels keep flat signatures; :class:`KernelLaunch` records the positional tuple.)"""
+    names = _PARAMS[kernel]
+    unknown = set(named) - set(names)
+    missing = [n for n in names if n not in named]
+    if unknown or missing:
+        raise TypeError(f"ssa_flash: {kernel} kernel: unknown arguments {sorted(unknown)}, missing {missing}")
+    return tuple(named[n] for n in names)
 
 
 def _fast_math(q) -> bool:
@@ -480,8 +520,8 @@ def _fast_math(q) -> bool:
 
 
 def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
-    """The trailing runtime arguments of the attention kernels, ``(RNG, keep31, drop_scale_hi,
-    drop_scale_lo, win_left, win_right)``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
+    """The feature arguments of the attention kernels by name, ``RNG, keep31, drop_scale_hi,
+    drop_scale_lo, win_left, win_right``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
     dropout or a window they are None, which Triton turns into constants: the kernels then take
     exactly the parameters they took before these features. An unbounded side of a window is
     passed as ``Lq + Lk``, which no index difference reaches."""
@@ -490,15 +530,16 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
         if spec.rng is None:
             raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
         p = float(spec.dropout_p)
-        drop_args = (spec.rng, dropout_keep_threshold(p), *_split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0))
+        hi, lo = _split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0)
+        drop_args = dict(RNG=spec.rng, keep31=dropout_keep_threshold(p), drop_scale_hi=hi, drop_scale_lo=lo)
     else:
-        drop_args = (None, None, None, None)
+        drop_args = dict(RNG=None, keep31=None, drop_scale_hi=None, drop_scale_lo=None)
     window = spec.window_left >= 0 or spec.window_right >= 0
     unbounded = Lq + Lk
     left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
     right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
-    win_args = (left, right) if window else (None, None)
-    return (*drop_args, *win_args), dict(DROPOUT=dropout, WINDOW=window)
+    win_args = dict(win_left=left, win_right=right) if window else dict(win_left=None, win_right=None)
+    return dict(drop_args, **win_args), dict(DROPOUT=dropout, WINDOW=window)
 
 
 # Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
@@ -506,7 +547,7 @@ FORCE_POLY_EXP2: Optional[int] = None
 
 
 def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> int:
-    """Degree of the polynomial ``exp2`` (``common.exp2_poly``) that computes half of the interior
+    """Degree of the polynomial ``exp2`` (``fast_math.exp2_poly``) that computes half of the interior
     tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
     the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
     audit's bound says it pays: SSA (two MUFU ops per element in the forward, LG2 and EX2; three
@@ -673,14 +714,14 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     _, H, _, D = q4.shape
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     ent, lse_l = _stat_for(lay, q, H), _stat_for(lay, q, H)
-    mask_t, mask_kind, ms = _mask_args(mask, q4)
+    mask_args, mask_kind = _mask_args(mask, q4)
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
     consts = _common_consts(q4, spec, mask_kind)
     consts.update(VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
-    name = _kernel_name("stats", lay)
+    name = _kernel_name("row_entropy", lay)
     state = {}
 
     def args(blk):
@@ -691,10 +732,13 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
             shape = (splits,) + tuple(ent.shape)
             state["parts"] = ent_out, lse_out = (torch.empty(shape, device=q.device, dtype=acc_torch),
                                                  torch.empty(shape, device=q.device, dtype=acc_torch))
-        return (q4, k4, ent_out, lse_out, ssa_b, ssa_n, mask_t, *q4.stride(), *k4.stride(), *ms,
-                H, lay.Lq, lay.Lk, D, spec.group, triton.cdiv(lay.Lq, blk.m), *_split_scale(spec.scale),
-                lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, ent.numel() if splits > 1 else 0,
-                *feat_args[4:])
+        return _positional(
+            "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, B_SSA=ssa_b, N_SSA=ssa_n, **mask_args,
+            **_named_strides("q", q4.stride(), "m"), **_named_strides("k", k4.stride(), "n"),
+            H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
+            **_scale_args(spec.scale), CU_Q=lay.cu_q, CU_K=lay.cu_k, SEQUSED_K=lay.seqused_k,
+            stat_stride_h=lay.stat_stride_h, stat_stride_s=ent.numel() if splits > 1 else 0,
+            win_left=feat_args["win_left"], win_right=feat_args["win_right"])
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -726,7 +770,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
     else:
         o = o4 = torch.empty((q.shape[0], H, q.shape[2], DV), device=q.device, dtype=q.dtype)
     lse = _stat_for(lay, q, H)
-    mask_t, mask_kind, ms = _mask_args(mask, q4)
+    mask_args, mask_kind = _mask_args(mask, q4)
     consts = _common_consts(q4, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen,
                   POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
@@ -745,12 +789,15 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
                 torch.empty((splits,) + tuple(lse.shape), device=q.device, dtype=acc_torch))
             stride_os = o_out.stride(0)
             o_out = o_out.select(0, 0)
-        return (q4, k4, v4, o_out, lse_out, beta if spec.adaptive else q, b if spec.ssa else q,
-                n if spec.ssa else q, mask_t,
-                *q4.stride(), *k4.stride(), *v4.stride(), *o_out.stride(), *ms,
-                H, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lq, blk.m), *_split_scale(spec.scale),
-                lay.cu_q, lay.cu_k, lay.seqused_k, lay.stat_stride_h, stride_os,
-                lse.numel() if splits > 1 else 0, *feat_args)
+        return _positional(
+            "fwd", Q=q4, K=k4, V=v4, O=o_out, LSE=lse_out, BETA=beta if spec.adaptive else q,
+            B_SSA=b if spec.ssa else q, N_SSA=n if spec.ssa else q, **mask_args,
+            **_named_strides("q", q4.stride(), "m"), **_named_strides("k", k4.stride(), "n"),
+            **_named_strides("v", v4.stride(), "n"), **_named_strides("o", o_out.stride(), "m"),
+            H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
+            **_scale_args(spec.scale), CU_Q=lay.cu_q, CU_K=lay.cu_k, SEQUSED_K=lay.seqused_k,
+            stat_stride_h=lay.stat_stride_h, stride_os=stride_os, stat_stride_s=lse.numel() if splits > 1 else 0,
+            **feat_args)
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -809,7 +856,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     delta = _stat_for(lay, q, H)
     lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
-    mask_t, mask_kind, ms = _mask_args(mask, q4)
+    mask_args, mask_kind = _mask_args(mask, q4)
     consts = _common_consts(q4, spec, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
@@ -827,8 +874,10 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         beta = lse_l = ent = dbeta_dh = g = q
     ssa_b = b if spec.ssa else q
     ssa_n = n if spec.ssa else q
-    scale_args = _split_scale(spec.scale)
-    seq_args = (lay.cu_q, lay.cu_k, lay.stat_stride_h)
+    common_args = dict(**mask_args, **_named_strides("q", q4.stride(), "m"), **_named_strides("k", k4.stride(), "n"),
+                       **_named_strides("v", v4.stride(), "n"), **_named_strides("do", do4.stride(), "m"),
+                       H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, **_scale_args(spec.scale),
+                       CU_Q=lay.cu_q, CU_K=lay.cu_k, stat_stride_h=lay.stat_stride_h, **feat_args)
     B = lay.batch
     parts = {}
 
@@ -840,11 +889,11 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
             parts["dn"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
         db_part = parts.get("db", q)
         dn_part = parts.get("dn", q)
-        return (q4, k4, v4, o4, do4, lse, dlse if dlse is not None else q, dq4, delta, lse2, beta, lse_l, ent,
-                dbeta_dh, g, ssa_b, ssa_n, db_part, dn_part, mask_t,
-                *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(), *do4.stride(), *dq4.stride(), *ms,
-                H, lay.Lq, lay.Lk, D, DV, spec.group, num_m, *scale_args, *seq_args,
-                *feat_args)
+        return _positional(
+            "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, LSE=lse, DLSE=dlse if dlse is not None else q,
+            DQ=dq4, DELTA=delta, LSE2=lse2, BETA=beta, LSE_L=lse_l, ENT=ent, DBETA_DH=dbeta_dh, G=g,
+            B_SSA=ssa_b, N_SSA=ssa_n, DB_PART=db_part, DN_PART=dn_part, **common_args,
+            **_named_strides("o", o4.stride(), "m"), **_named_strides("dq", dq4.stride(), "m"), num_m_blocks=num_m)
 
     dq_consts = dict(consts, HAS_DLSE=dlse is not None,
                      POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
@@ -856,10 +905,11 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         return g
 
     def dkdv_args(blk):
-        return (q4, k4, v4, do4, lse2, delta, dk4, dv4, beta, lse_l, ent, g, ssa_b, ssa_n, mask_t,
-                *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dk4.stride(), *dv4.stride(), *ms,
-                H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lk, blk.n), *scale_args, *seq_args,
-                *feat_args)
+        return _positional(
+            "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, LSE2=lse2, DELTA=delta, DK=dk4, DV_OUT=dv4,
+            BETA=beta, LSE_L=lse_l, ENT=ent, G=g, B_SSA=ssa_b, N_SSA=ssa_n, **common_args,
+            **_named_strides("dk", dk4.stride(), "n"), **_named_strides("dv", dv4.stride(), "n"), HKV=HKV,
+            num_n_blocks=triton.cdiv(lay.Lk, blk.n))
 
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
             dkdv_args, consts, q.device, head_block, q.dtype, spec.deterministic)
@@ -884,7 +934,7 @@ def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spe
 def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
     """The keep-mask ``(B, H, Lq, Lk)`` (bool, on ``rng``'s device) that the attention kernels
     apply for the ``(seed, offset)`` tensor ``rng`` and ``dropout_p``, materialised by a kernel that
-    calls the same ``common.dropout_keep`` on tiles of its own size. For tests and inspection."""
+    calls the same ``dropout.dropout_keep`` on tiles of its own size. For tests and inspection."""
     B, H, Lq, Lk = (int(x) for x in shape)
     out = torch.empty((B, H, Lq, Lk), device=rng.device, dtype=torch.uint8)
     if out.numel() == 0:

@@ -89,7 +89,7 @@ def estimate_smem(blk: Blocks, kernel: str, head_block: int, dtype: torch.dtype,
     buffers = blk.stages if hopper else max(1, blk.stages - 1)
     if base == "fwd":
         elems = m * d + buffers * n * 2 * d
-    elif base == "stats":
+    elif base == "row_entropy":
         elems = m * d + buffers * n * d
     elif base == "bwd_dq":
         elems = 2 * m * d + buffers * n * 2 * d + (0 if hopper else m * n)
@@ -119,15 +119,15 @@ def prune(cands: List[Blocks], kernel: str, head_block: int, dtype: torch.dtype,
 # ------------------------------------------------------------------------------------- the tables
 #
 # Each table returns the configurations to try, best first, for one of the kernels "fwd",
-# "stats" (forward-like), "bwd_dq", "bwd_dkdv" (n = keys per program, the MMA's M dimension;
+# "row_entropy" (forward-like), "bwd_dq", "bwd_dkdv" (n = keys per program, the MMA's M dimension;
 # m = queries per step). ``hb`` is the head-dim tile (a power of two >= 16).
 
 
 def _hopper(kernel: str, hb: int, masked: bool, adaptive: bool) -> List[Blocks]:
     """sm_90 (227 KB). wgmma splits a matmul's M dimension over warpgroups of 4 warps in 64-row
-    slices, so 8 warps need M >= 128 (queries in fwd / stats / dQ, keys in the transposed dK/dV
+    slices, so 8 warps need M >= 128 (queries in fwd / row_entropy / dQ, keys in the transposed dK/dV
     kernel) or both warpgroups would compute the same rows."""
-    if kernel in ("fwd", "stats"):
+    if kernel in ("fwd", "row_entropy"):
         if hb <= 64:
             # 8 warps on 128 x 128 tiles keep the interior at ~7 instructions per element; with
             # a mask (more live values) 64 x 64 tiles are what compiles without spills
@@ -160,7 +160,7 @@ def _hopper(kernel: str, hb: int, masked: bool, adaptive: bool) -> List[Blocks]:
 def _ampere(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -> List[Blocks]:
     """sm_80 (163 KB). mma.sync has no warpgroup constraint but fewer registers to spare (its
     operands live in registers, not shared memory): smaller tiles than Hopper's in the backward."""
-    if kernel in ("fwd", "stats"):
+    if kernel in ("fwd", "row_entropy"):
         if hb <= 64:
             return ([Blocks(64, 64, 4, 3), Blocks(128, 128, 8, 3)] if masked
                     else [Blocks(128, 128, 8, 3), Blocks(64, 64, 4, 3)])
@@ -185,7 +185,7 @@ def _ampere(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -
     else:
         cands = [Blocks(32, 64, 4, 1)]
     if dropout and hb <= 128:
-        # The Philox words and the layout conversion of the keep bits (common.dropout_keep) cost
+        # The Philox words and the layout conversion of the keep bits (dropout.dropout_keep) cost
         # registers: the default tiles spill (D=64: ~1.4, D=128: ~5 loads/stores per element,
         # SSA). The largest tiles without spills: 16 x 64 at D=64, 32 x 32 at D=128 (32 x 64
         # spilled 1.2-1.6 KB with the adaptive temperature on sm_80 / 86 / 120 and took 68
@@ -224,7 +224,7 @@ def _turing(kernel: str, hb: int, masked: bool, adaptive: bool, dropout: bool) -
     16 x 32 at D <= 64 (32 x 32 spills 2.6 KB), 16 x 16 with 8 warps at D = 128 (16 x 32 spills
     1.8 - 2.9 KB); dK/dV 16 x 32 (8 warps) at D <= 64, 16 x 16 (8 warps) at D = 128. The CUDA C++
     backend is the fast path on these GPUs."""
-    if kernel in ("fwd", "stats"):
+    if kernel in ("fwd", "row_entropy"):
         return [Blocks(32, 32, 4 if hb <= 64 else 8, 2)] if hb <= 128 else [Blocks(16, 32, 8, 1)]
     if kernel == "bwd_dq":
         return [Blocks(16, 32, 4, 2) if hb <= 64 else Blocks(16, 16, 8, 2 if hb <= 128 else 1)]

@@ -87,13 +87,13 @@ def _ci_variants():
         for op in adaptive_ops:
             cover.append(specs.Variant(kernel, op, True, "bool", 111, "fp16", 90))
             cover.append(specs.Variant(kernel, op, False, "additive", 256, "bf16", 80))
-        op = "ssa_adaptive" if kernel == "stats" else "ssa"
+        op = "ssa_adaptive" if kernel == "row_entropy" else "ssa"
         cover.append(specs.Variant(kernel, op, True, "additive", 32, "bf16", 90))
     # the causal forward with a mask is where ptxas serialised wgmma (C7515) when issue 11 was written
     cover += [specs.Variant(k, op, True, "bool", 128, "bf16", 90)
               for k in ("fwd", "bwd_dq", "bwd_dkdv") for op in ("softmax", "ssa")]
-    cover.append(specs.Variant("stats", "adaptive", False, "none", 64, "bf16", 90))
-    cover.append(specs.Variant("stats", "ssa_adaptive", True, "none", 128, "bf16", 80))
+    cover.append(specs.Variant("row_entropy", "adaptive", False, "none", 64, "bf16", 90))
+    cover.append(specs.Variant("row_entropy", "ssa_adaptive", True, "none", 128, "bf16", 80))
     return gated + cover
 
 
@@ -422,7 +422,7 @@ def test_interior_loop_is_the_one_without_boundary_code():
     loops = [lp(12.0, False), lp(10.0, False)]
     assert analyse.assign_roles(loops) == 1  # ambiguous: the cheapest
     lines = analyse.boundary_marker_lines()
-    assert {name for name, _ in lines} >= {"common.py", "forward.py", "backward.py", "entropy.py"}
+    assert {name for name, _ in lines} >= {"masks.py", "forward.py", "backward.py", "row_entropy.py"}
 
 
 def test_rolled_inner_loop():
@@ -547,10 +547,31 @@ def test_compare_reports_changes():
     assert "main->interior" in out and "61.5->14.0 (-77%)" in out and "(new) boundary" in out and "17.3" in out
 
 
+def test_load_reads_the_statistics_pass_under_its_old_name(tmp_path):
+    """Audit JSON written when the statistics pass was labelled ``stats`` loads with the label
+    ``row_entropy``, so ``--compare`` pairs it with a current document."""
+    def doc(kernel):
+        v = specs.Variant(kernel, "adaptive", True, "none", 128, "bf16", 90)
+        vid = v.id if kernel == "row_entropy" else v.id.replace("-row_entropy-", "-stats-")
+        loop = {"role": "main", "per_element": {"total": 12.0, "mufu": 1.0}, "tensor": {"repeat_factor": 1.0},
+                "bound": {"tflops": 500.0}}
+        cfg = {"registers": 128, "spill_store_bytes": 0, "spill_load_bytes": 0, "loops": [loop]}
+        return {"results": [{"id": vid, "variant": dict(v.to_dict(), kernel=kernel), "chosen": 0,
+                             "configs": [cfg]}]}
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(doc("stats")))
+    new.write_text(json.dumps(doc("row_entropy")))
+    loaded = report.load(str(old))
+    assert loaded["results"][0]["id"] == "sm90-row_entropy-adaptive-causal-none-d128-bf16"
+    assert loaded["results"][0]["variant"]["kernel"] == "row_entropy"
+    out = report.compare(loaded, report.load(str(new)))
+    assert "no changes" in out and "only in" not in out
+
+
 def test_variant_enumeration():
     vs = specs.variants()
     # statistics pass only for the adaptive operations
-    assert not [v for v in vs if v.kernel == "stats" and not v.adaptive]
+    assert not [v for v in vs if v.kernel == "row_entropy" and not v.adaptive]
     per_target = len(specs.MASKS) * len(specs.HEAD_DIMS) * len(specs.DTYPES) * 2 * (3 * 4 + 2)
     assert len(vs) == per_target * len(specs.ARCHS)
     assert len({v.id for v in vs}) == len(vs)
@@ -609,7 +630,7 @@ def test_cuda_symbol_description():
 
     d = cuda.describe_ssa_flash("_ZN9ssa_flash17attn_stats_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
                                 "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
-    assert d == {"kernel": "stats", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
+    assert d == {"kernel": "row_entropy", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
                  "col_split": 1, "ssa": False, "adaptive": False, "prep": False, "inner_trips": 1}
     d = cuda.describe_ssa_flash("_ZN9ssa_flash20attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6"
                                 "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")

@@ -1,4 +1,4 @@
-"""What the GPU kernels' hardware approximations cost (ssa_flash/triton/common.py, FAST_MATH).
+"""What the GPU kernels' hardware approximations cost (ssa_flash/triton/fast_math.py, FAST_MATH).
 
 On a GPU in float32 accumulation the SSA log-weight is ``n sgn(z) lg2.approx(fl(1 + b|z|))``
 (no correction of the rounding of ``1 + b|z|``, the hardware base-2 log) and the backward's
@@ -78,7 +78,7 @@ def test_copy_sign_lut():
 
 
 # --------------------------------------------------------------------------------------------
-# The polynomial exp2 (common.exp2_poly) that moves half of the SSA forward's interior
+# The polynomial exp2 (fast_math.exp2_poly) that moves half of the SSA forward's interior
 # exponentials from the MUFU unit to the FMA pipe at head dims <= 64 (launch._poly_exp2_degree).
 
 from attn_testing import DEVICE, check, make_qkv, needs_kernels  # noqa: E402
@@ -87,7 +87,7 @@ try:
     import triton
     import triton.language as tl
 
-    from ssa_flash.triton.common import exp2_poly
+    from ssa_flash.triton.fast_math import exp2_poly
 
     @triton.jit
     def _poly_kernel(X, Y, N, DEGREE: tl.constexpr, BLOCK: tl.constexpr):

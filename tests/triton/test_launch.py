@@ -140,7 +140,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
     o, lse = launch.forward(q, q, q, None, b, n, None, spec)
     launch.row_entropy(q, q, None, b, n, spec)
     launch.backward(o, q, q, q, o, lse, None, None, b, n, None, spec)
-    for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "stats"),
+    for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "row_entropy"),
                        ("attention_bwd_dq_kernel", "bwd_dq"), ("attention_bwd_dkdv_kernel", "bwd_dkdv")):
         first = launch.block_candidates(90, 64, torch.bfloat16, name)[0]
         assert kernels[attr].calls == [first], attr
@@ -297,7 +297,7 @@ def test_slow_tuning_logs_one_line(on_fake_gpu, caplog):
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("kernel", ["fwd", "stats", "bwd_dq", "bwd_dkdv"])
+@pytest.mark.parametrize("kernel", ["fwd", "row_entropy", "bwd_dq", "bwd_dkdv"])
 @pytest.mark.parametrize("head_block", [32, 64, 128, 256])
 def test_tile_tables(arch, kernel, head_block):
     """Power-of-two tiles; on Hopper, 8 warps only where the wgmma M dimension (queries; keys in
@@ -345,3 +345,19 @@ def test_unaligned_head_dims_are_padded(d, dv):
     for kl in cap:
         tensors = [a for a in kl.args if isinstance(a, torch.Tensor) and a.dim() == 4]
         assert tensors and all(t.shape[-1] % 8 == 0 and t.stride(2) % 8 == 0 for t in tensors), kl.name
+
+
+def test_launch_arguments_are_named():
+    """Launch sites name the kernels' arguments: the positional tuple follows each kernel's
+    signature, and a misspelt or missing name is a TypeError naming it."""
+    names = launch._PARAMS["row_entropy"]
+    args = launch._positional("row_entropy", **{n: i for i, n in enumerate(reversed(names))})
+    assert args == tuple(reversed(range(len(names))))
+    full = {n: 0 for n in names}
+    with pytest.raises(TypeError, match="stride_qx"):
+        launch._positional("row_entropy", **full, stride_qx=1)
+    del full["win_left"]
+    with pytest.raises(TypeError, match="win_left"):
+        launch._positional("row_entropy", **full)
+    # every runtime parameter, none of the constexprs
+    assert "Q" in names and "BLOCK_M" not in names and "VARLEN" not in names

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from ssa_flash.audit import model  # noqa: E402
 from ssa_flash.triton import launch, tiles  # noqa: E402
 
-KERNELS = ("fwd", "stats", "bwd_dq", "bwd_dkdv")
+KERNELS = ("fwd", "row_entropy", "bwd_dq", "bwd_dkdv")
 HEAD_BLOCKS = (16, 32, 64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # a representative compute capability of each family, and the others that belong to it

@@ -14,29 +14,25 @@ final weights, after the temperature that these statistics decide.
 import triton
 import triton.language as tl
 
-from .common import (LN2, LOG2E, boundary_logits, cache_key_extent, combine_scale,
-                     head_coefficients, interior_end, packed_extent, safe_row_max, split_key_range,
-                     tile_logit_input, window_key_bounds)
+from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
+                      stage_range, window_key_bounds)
+from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max,
+                     tile_logit_input)
+from .masks import boundary_logits
+from .tile_loads import load_rows
 
 
 @triton.jit
-def _stats_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
+def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
                       stride_kn, stride_mask_m, stride_mask_n, Lq, Lk, D, cb, coef,
                       SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                       BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
                       win_left, win_right, WINDOW: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if BOUNDARY:
-            key_ok = offs_n[:, None] < Lk  # audit: boundary-only
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok & (offs_d[None, :] < D), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+        k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
         x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
@@ -73,30 +69,16 @@ def row_entropy_kernel(
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    bh = (pid // num_m_blocks).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
-    off_kv = off_h // GROUP
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
-    # where this program's sequence lies: as in the forward kernel (common.py, VARLEN)
-    q_base = off_b * stride_qb
-    k_base = off_b * stride_kb
-    row_base = bh * Lq
-    q_shift = 0
-    if VARLEN == 1:
-        q_start, Lq = packed_extent(CU_Q, off_b)
-        k_start, Lk = packed_extent(CU_K, off_b)
+    # where this program's sequence lies (extents.py), as in the forward kernel
+    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
+    if VARLEN == 1:  # the grid is sized by the longest sequence
         if m_block * BLOCK_M >= Lq:
             return
-        q_base = q_start * stride_qm
-        k_base = k_start * stride_kn
-        row_base = off_h * stat_stride_h + q_start
-    elif VARLEN >= 2:
-        k_start, Lk = cache_key_extent(CU_K, SEQUSED_K, off_b, Lk, VARLEN == 3)
-        k_base += k_start * stride_kn
-        q_shift = Lk - Lq
+    q_base = batch * stride_qb + q_row0 * stride_qm
+    k_base = batch * stride_kb + k_row0 * stride_kn
+    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -109,8 +91,7 @@ def row_entropy_kernel(
     k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
-    lam = tl.zeros((BLOCK_M,), dtype=ACC)
+    m_i, lam = row_start(BLOCK_M, ACC)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
     lo = 0
     hi = Lk
@@ -129,19 +110,13 @@ def row_entropy_kernel(
     if SPLIT:
         lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
         row_out += tl.program_id(1).to(tl.int64) * stat_stride_s
-    if WINDOW:
-        m_i, lam, kc = _stats_key_blocks(
-            m_i, lam, kc, q, k_ptrs, mask_base, pos_m, lo, a, stride_kn, stride_mask_m, stride_mask_n,
-            pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-            DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
-    m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, pos_m, a, mid, stride_kn, stride_mask_m, stride_mask_n,
-        pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, False, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
-    m_i, lam, kc = _stats_key_blocks(
-        m_i, lam, kc, q, k_ptrs, mask_base, pos_m, mid, hi, stride_kn, stride_mask_m, stride_mask_n,
-        pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, True, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-        DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
+    for STAGE in tl.static_range(3):
+        if STAGE != 0 or WINDOW:
+            start, end = stage_range(STAGE, lo, a, mid, hi)
+            m_i, lam, kc = _row_entropy_key_blocks(
+                m_i, lam, kc, q, k_ptrs, mask_base, pos_m, start, end, stride_kn, stride_mask_m, stride_mask_n,
+                pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+                DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
 
     empty = lam == 0.0
     safe_lam = tl.where(empty, 1.0, lam)

@@ -1,0 +1,182 @@
+"""Where a program's rows lie and which key / query blocks it visits.
+
+Where a program's sequence lies is the ``VARLEN`` switch (resolved in each kernel's prologue, before
+any loop; the loops see only ``Lq``, ``Lk`` and the query positions ``offs_m``):
+
+* ``VARLEN_NONE``: dense ``(B, H, L, D)`` tensors, every batch element has ``Lq`` queries, ``Lk`` keys.
+* ``VARLEN_PACKED``: a packed batch. Tensors are ``(total, H, D)``, passed to the kernels as
+  ``(1, H, total, D)`` views; sequence ``s`` owns query rows ``cu_q[s]:cu_q[s+1]`` and key rows
+  ``cu_k[s]:cu_k[s+1]``, read from ``CU_Q``/``CU_K``; per-row statistics are ``(H, total_q)``.
+  The grid is sized by the longest sequence; programs past their sequence's end return at once.
+* ``VARLEN_CACHE`` / ``VARLEN_CACHE_START``: a KV cache. Batch element ``b`` attends key rows
+  ``[start_b, min(seqused_k[b], Lk))`` (``start_b`` read from ``CU_K`` with ``_START``, else 0), and
+  causality is bottom-right: query ``i`` is at key position ``Lk_b - Lq + i``. The kernels hand the
+  loops shifted query positions ``offs_m + (Lk_b - Lq)`` and the bound ``Lq + (Lk_b - Lq)``, so the
+  loops' ``k <= q`` and ``q < Lq`` checks are the bottom-right rule unchanged. With ``SPLIT`` the keys
+  are shared among ``tl.num_programs(1)`` programs, each writing a partial result that
+  ``splitkv.py`` merges by log-sum-exp.
+
+The block ranges split a program's loop into boundary and interior stages (``masks.py``): blocks
+cut by a window's left edge, interior blocks (no index checks), and blocks cut by the causal
+diagonal, a window's right edge or the ragged end.
+"""
+import triton
+import triton.language as tl
+
+VARLEN_NONE = 0
+VARLEN_PACKED = 1
+VARLEN_CACHE = 2
+VARLEN_CACHE_START = 3
+
+
+@triton.jit
+def interior_end(start, length, BLOCK: tl.constexpr):
+    """The end of the full blocks of ``[start, length)`` (a multiple of BLOCK past ``start``)."""
+    return start + ((length - start) // BLOCK) * BLOCK
+
+
+@triton.jit
+def packed_extent(CU_SEQLENS, off_b):
+    """``(start, length)`` of packed sequence ``off_b``: ``start`` (int64) is its first row in the
+    packed tensor, ``length`` (int32) its number of rows."""
+    start = tl.load(CU_SEQLENS + off_b)
+    return start.to(tl.int64), tl.load(CU_SEQLENS + off_b + 1) - start
+
+
+@triton.jit
+def cache_key_extent(K_START, SEQUSED_K, off_b, Lk, HAS_START: tl.constexpr):
+    """``(start, length)`` of the keys batch element ``off_b`` attends in a KV cache of ``Lk`` rows:
+    rows ``[start, end)`` with ``end = min(seqused_k[b], Lk)`` and ``start = min(k_start[b], end)``
+    (0 without ``HAS_START``); clamped so that no row outside the cache is ever read."""
+    end = tl.minimum(tl.maximum(tl.load(SEQUSED_K + off_b), 0), Lk)
+    if HAS_START:
+        start = tl.minimum(tl.maximum(tl.load(K_START + off_b), 0), end)
+    else:
+        start = end * 0
+    return start.to(tl.int64), end - start
+
+
+@triton.jit
+def query_block_program(num_m_blocks, H, GROUP):
+    """``(m_block, bh, off_b, off_h, off_kv)`` of a program of a query-block grid (forward,
+    statistics, dQ): its query block, ``bh = off_b * H + off_h`` (int64), batch element, query head
+    and key/value head. The heaviest (last, under causality) query blocks run first, and
+    consecutive programs share K/V in L2."""
+    pid = tl.program_id(0)
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    bh = (pid // num_m_blocks).to(tl.int64)
+    off_b = bh // H
+    off_h = bh % H
+    return m_block, bh, off_b, off_h, off_h // GROUP
+
+
+@triton.jit
+def sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN: tl.constexpr):
+    """Where batch element (or packed sequence) ``off_b``'s rows lie, for every ``VARLEN`` layout:
+    ``(batch, q_row0, k_row0, Lq, Lk, q_shift)``.
+
+    A tensor's rows of this sequence start at ``batch * stride_b + row0 * stride_row`` (plus the
+    head's offset): ``batch`` multiplies the batch strides (``off_b``; 0 for a packed batch, whose
+    tensors are one ``(1, H, total, D)`` view), ``q_row0`` / ``k_row0`` are the first query / key
+    rows along the row stride (int64; the packed offsets, a KV cache's first key row, else 0).
+    ``Lq``, ``Lk`` are this sequence's lengths (the arguments for a dense batch), ``q_shift`` the
+    KV cache's bottom-right shift ``Lk_b - Lq`` that the loops add to query positions (else 0).
+    A dense batch compiles to the constants it always had: the branches are ``tl.constexpr``."""
+    batch = off_b
+    q_row0 = 0
+    k_row0 = 0
+    q_shift = 0
+    if VARLEN == 1:  # packed sequences
+        q_row0, Lq = packed_extent(CU_Q, off_b)
+        k_row0, Lk = packed_extent(CU_K, off_b)
+        batch = 0
+    elif VARLEN >= 2:  # KV cache
+        k_row0, Lk = cache_key_extent(CU_K, SEQUSED_K, off_b, Lk, VARLEN == 3)
+        q_shift = Lk - Lq
+    return batch, q_row0, k_row0, Lq, Lk, q_shift
+
+
+@triton.jit
+def row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN: tl.constexpr):
+    """Index of the first row of head ``off_h`` of this sequence in the per-row statistics
+    (``bh = off_b * H + off_h``): ``(B, H, Lq)`` tensors, or ``(H, total_q)`` for a packed batch."""
+    if VARLEN == 1:
+        base = off_h * stat_stride_h + q_row0
+    else:
+        base = bh * Lq
+    return base
+
+
+@triton.jit
+def stage_range(STAGE: tl.constexpr, lo, a, mid, hi):
+    """The blocks ``[start, end)`` of loop stage ``STAGE`` of a program whose blocks split as
+    ``[lo, a)`` boundary (a window's near edge), ``[a, mid)`` interior (no index checks) and
+    ``[mid, hi)`` boundary (the causal diagonal, a window's far edge, the ragged end). Kernels
+    run the stages as ``for STAGE in tl.static_range(3)`` with ``BOUNDARY = STAGE != 1``, so
+    each stage compiles its own loop and the interior one carries no boundary code."""
+    if STAGE == 0:
+        start = lo
+        end = a
+    elif STAGE == 1:
+        start = a
+        end = mid
+    else:
+        start = mid
+        end = hi
+    return start, end
+
+
+@triton.jit
+def split_key_range(lo, a, mid, hi, BLOCK_N: tl.constexpr):
+    """This program's share ``(lo, a, mid, hi)`` of the key blocks ``[lo, hi)`` (boundary up to
+    ``a``, interior up to ``mid``, boundary after) when ``tl.num_programs(1)`` programs split them
+    (split-KV decoding): contiguous runs of ``cdiv(blocks, splits)`` blocks, the last ones possibly
+    empty (``lo >= hi``)."""
+    split = tl.program_id(1)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), tl.num_programs(1)) * BLOCK_N
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(hi, s_lo + per_split)
+    s_a = tl.maximum(s_lo, tl.minimum(a, s_hi))
+    s_mid = tl.maximum(s_a, tl.minimum(mid, s_hi))
+    return s_lo, s_a, s_mid, s_hi
+
+
+@triton.jit
+def window_key_bounds(m0, hi, mid, win_left, win_right,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key-block ranges of the query block at positions ``[m0, m0 + BLOCK_M)`` under a window (``WINDOW``
+    kernels; ``m0`` may be any integer, negative for a KV cache's bottom-right shift): ``(lo, a, b, hi)`` with ``[lo, a)`` boundary blocks cut by the window's left edge,
+    ``[a, b)`` interior blocks and ``[b, hi)`` boundary blocks (right edge, diagonal, ragged end).
+    ``hi`` and ``mid`` (the end of the interior blocks) come in with the sequence end and causality
+    applied; blocks wholly outside ``m0 - win_left <= j < m0 + BLOCK_M + win_right`` are dropped.
+    Every bound but ``hi`` is a multiple of BLOCK_N (``win_left``, ``win_right`` >= 0; an
+    unbounded side is passed as a bound at least as long as the sequences)."""
+    hi = tl.minimum(hi, m0 + BLOCK_M + win_right)
+    lo = (tl.maximum(m0 - win_left, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    # interior: every row's band covers the block, i.e. j >= (last row) - left and
+    # j <= (first row) + right for all keys j of the block
+    mid = tl.minimum(mid, (tl.maximum(m0 + win_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    int_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - win_left, 0), BLOCK_N) * BLOCK_N
+    a = tl.minimum(tl.maximum(int_lo, lo), hi)
+    b = tl.maximum(a, tl.minimum(mid, hi))
+    return lo, a, b, hi
+
+
+@triton.jit
+def window_query_bounds(n0, lo, diag_end, int_end, Lq, win_left, win_right,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query-block ranges of the key block ``[n0, n0 + BLOCK_N)`` under a window (the dK/dV
+    kernel): ``(lo, d, e, hi)`` with ``[lo, d)`` boundary blocks (the window's right edge, the
+    causal diagonal, a ragged key block), ``[d, e)`` interior blocks and ``[e, hi)`` boundary
+    blocks (the left edge, the ragged end). ``lo``, ``diag_end``, ``int_end`` come in as without a
+    window; queries outside ``n0 - win_right <= i < n0 + BLOCK_N + win_left`` are dropped."""
+    lo = tl.maximum(lo, (tl.maximum(n0 - win_right, 0) // BLOCK_M) * BLOCK_M)
+    hi = tl.minimum(Lq, n0 + BLOCK_N + win_left)
+    hi = tl.maximum(hi, lo)
+    # interior: i >= (last key) - right and i <= (first key) + left for every query i of the block
+    d = tl.maximum(diag_end, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - win_right, 0), BLOCK_M) * BLOCK_M)
+    d = tl.minimum(tl.maximum(d, lo), hi)
+    e = tl.minimum(int_end, ((n0 + win_left + 1) // BLOCK_M) * BLOCK_M)
+    e = tl.maximum(d, tl.minimum(e, hi))
+    return lo, d, e, hi
