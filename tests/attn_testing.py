@@ -131,3 +131,10 @@ def compare(ours, naive, gold, dtype, Lq, Lk):
         # b, n gradients sum over every score of a head: allow for the length of that sum
         gfloor = floor * (math.sqrt(Lq * Lk) if name in "bn" else 4)
         fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
+
+
+def fake(shape, dtype=torch.float16, device="cuda"):
+    """A stand-in for a tensor: what a backend's ``supports`` reads (shape, dtype, device), so its
+    answers for a GPU can be checked without one."""
+    from types import SimpleNamespace
+    return SimpleNamespace(shape=torch.Size(shape), dtype=dtype, device=torch.device(device))

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from attn_testing import fake
 
 import ssa_flash
 from ssa_flash.backends import cuda_backend
@@ -62,11 +62,6 @@ def head_dim_bound(cell: str):
     m = re.fullmatch(r"(?:≤|<=)\s*(\d+)", cell)
     assert m, f"head dim cell {cell!r}: expected '≤ N', 'any' or '–'"
     return int(m.group(1))
-
-
-def fake(shape, dtype=torch.float16, device="cuda"):
-    """A stand-in for a tensor: what ``supports`` reads (shape, dtype, device)."""
-    return SimpleNamespace(shape=torch.Size(shape), dtype=dtype, device=torch.device(device))
 
 
 def arch_of(cell: str) -> Tuple[int, int]:

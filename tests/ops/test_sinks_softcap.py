@@ -18,7 +18,7 @@ from ssa_flash.distributed import partial as P
 from ssa_flash.nn import SSAttention
 from ssa_flash.temperature import beta_from_entropy
 
-from attn_testing import INTERPRETER, MODES
+from attn_testing import INTERPRETER, MODES, fake
 
 F64 = torch.float64
 
@@ -229,8 +229,6 @@ def test_errors_varlen_kvcache():
 
 
 def test_triton_and_cuda_supports_refuse_until_their_kernels_have_them(monkeypatch):
-    from test_support_matrix import fake
-
     monkeypatch.setattr(cuda_backend, "_capability", lambda device: (8, 0, 166912))  # an A100
     x = fake((1, 4, 8, 64))
     sinks = torch.zeros(4)
