@@ -28,10 +28,21 @@
 // registers are the scarce resource, so the extra pass is the cheaper choice.)
 #pragma once
 
+#include "block_info.h"
+#include "compile_time.h"
+#include "dropout.h"
+#include "elem.h"
+#include "fast_math.h"
+#include "frag.h"
+#include "gemm_mma.h"
+#include "gemm_wgmma.h"
+#include "logits.h"
+#include "mask.h"
+#include "memory.h"
 #include "params.h"
-#include "tile.h"
+#include "smem_layout.h"
+#include "tile_io.h"
 #include "traits.h"
-#include "utils.h"
 
 namespace ssa_flash {
 
@@ -256,7 +267,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
   if (kPrep && !kAdaptive) return;  // (the pre-pass needs delta only)
 
-  // The key blocks and their order (tile.h, key_blocks). Interior steps copy the next K / V
+  // The key blocks and their order (block_info.h, key_blocks). Interior steps copy the next K / V
   // block through running pointers (TileStream: one pointer add per 16-byte copy, where
   // load_tile recomputed row * stride products and predicates: about 4 integer instructions per
   // score element at D = 64). Not at D = 256 (two streams' registers spilled the SSA+adaptive
@@ -281,7 +292,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;
     k_stream.init(k, p.k_sm, (kb.a + 1) * kBlockN, p.dim, tid);
     v_stream.init(v, p.v_sm, (kb.a + 1) * kBlockN, p.dim_v, tid);
-    // Step `it` of the order (tile.h KeyBlocks) runs key block j from K buffer it & 1 (the
+    // Step `it` of the order (block_info.h KeyBlocks) runs key block j from K buffer it & 1 (the
     // prologue filled buffer 0). (A buffer flag toggled per step instead moved the sm_90a
     // descriptors' arithmetic off the uniform datapath: +44 instructions per interior step.)
     auto step = [&](int j, int it, auto check) {
@@ -303,7 +314,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       __syncthreads();  // K_j, V_j visible to every warp
 
       // dropout flags (checked steps: a dropout call has no interior ones), evaluated before the
-      // scores are live (tile.h, drop_tile_bits)
+      // scores are live (dropout.h, drop_tile_bits)
       const bool drop = kCheck && p.drop_rng != nullptr;
       DropFlags keep;
       static_assert(kNT <= 16, "DropFlags: 16 tiles");
@@ -473,7 +484,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
   // sm_90a at the head dims of bwd_wgmma (traits.h): S^T, dP^T, dV and dK as wgmma, the CTA's 4
   // warps (one 16-key strip each) one warpgroup and its 64 keys one m64 tile; K, V, Q, dO
-  // 128-byte swizzled (tile.h, Sw128Tile). The fused dQ (16 queries per warp: below m64) stays
+  // 128-byte swizzled (smem_layout.h, Sw128Tile). The fused dQ (16 queries per warp: below m64) stays
   // mma.sync, reading K from the swizzled tile.
   constexpr bool kWg = SSA_FLASH_WGMMA && bwd_wgmma(kD) && kSplit == 1;
   static_assert(!kWg || (kBlockN == 64 && Tr::kNWarps == 4), "wgmma: the key block is one warpgroup's m64");
@@ -789,7 +800,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
     __syncthreads();  // every warp is done with Q_t, stats_t (and dS^T)
     if (!SSA_FLASH_ASYNC_COPIES && has_next) {
-      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
+      // synchronous copies (memory.h) between two barriers, where they overlap no GEMM
       load_q_stats(next, buf ^ 1);
       load_do(next);
       cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
@@ -799,7 +810,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // Per head, the first n_diag query blocks are cut by the band's right edge (the causal
   // diagonal, or the window's right bound: query mm sees key n0 + kBlockN - 1 only if
   // n0 + kBlockN - 1 - mm <= win_right); with a mask, dropout or a ragged key block every step
-  // needs the checks, and with a window on sm_70 / sm_75 (as tile.h key_blocks: the window's
+  // needs the checks, and with a window on sm_70 / sm_75 (as block_info.h key_blocks: the window's
   // interior steps spilled their D = 128 adaptive dK/dV kernels). Steps alternate buffers across
   // heads too.
   const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || n0 + kBlockN > p.len_k ||

@@ -6,10 +6,21 @@
 // the heaviest) query blocks are scheduled first.
 #pragma once
 
+#include "block_info.h"
+#include "compile_time.h"
+#include "dropout.h"
+#include "elem.h"
+#include "fast_math.h"
+#include "frag.h"
+#include "gemm_mma.h"
+#include "gemm_wgmma.h"
+#include "logits.h"
+#include "mask.h"
+#include "memory.h"
 #include "params.h"
-#include "tile.h"
+#include "smem_layout.h"
+#include "tile_io.h"
 #include "traits.h"
-#include "utils.h"
 
 namespace ssa_flash {
 
@@ -44,7 +55,7 @@ namespace ssa_flash {
 // Pipeline per key block j with cp.async (sm_80+; K and V single-buffered):
 //   issue V_j | wait K_j | S = Q K_j^T, row max | wait V_j, vote | weights | issue K_{j+1} |
 //   O += P V_j
-// On sm_90a at the head dims of fwd_wgmma (traits.h) both GEMMs are wgmma (tile.h, wg_gemm_*):
+// On sm_90a at the head dims of fwd_wgmma (traits.h) both GEMMs are wgmma (gemm_wgmma.h, wg_gemm_*):
 // the 4 warps are one warpgroup, which computes the 128-row tile as two m64 halves (warp w owns
 // rows 16 w.. and 64 + 16 w.. of it: its two strips), Q, K, V in 128-byte-swizzled shared
 // memory, P from registers; each group is waited for at once, so the steps keep their structure.
@@ -116,7 +127,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
   }
 
-  // the key blocks and their order (tile.h): interior ones first (streamed copies with cp.async)
+  // the key blocks and their order (block_info.h): interior ones first (streamed copies with cp.async)
   const auto kb = key_blocks(p, m0, kBlockM, kBlockN, kAsync);
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
@@ -414,7 +425,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
     for (int hi = 0; hi < 2; ++hi)
       row[ms][hi] = m0 + (kWg ? 64 * ms + 16 * warp : (warp * kMS + ms) * 16) + Frag::row(lane) + hi * Frag::kHi;
 
-  // the key blocks and their order (tile.h); every copy through load_tile
+  // the key blocks and their order (block_info.h); every copy through load_tile
   const auto kb = key_blocks(p, m0, kBlockM, kBlockN, false);
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);

@@ -50,7 +50,7 @@ constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16 * dkdv_col_split(d
 
 constexpr int smem_row(int d) { return d + 8; }
 
-// sm_70 only: per-warp shared memory through which P / dS reach the second GEMM (tile.h,
+// sm_70 only: per-warp shared memory through which P / dS reach the second GEMM (gemm_mma.h,
 // gemm_rn), 16 rows per strip of the warp, K + 8 elements each (K = the GEMM's reduction size).
 constexpr int sm70_scratch_bytes(int warps, int strips, int k, int elem_bytes) {
   return warps * strips * 16 * (k + 8) * elem_bytes;
@@ -75,7 +75,7 @@ constexpr bool dq_wgmma(int d) { return d == 64 || d == 128; }
 constexpr bool fwd_wgmma(int d) { return d == 64 || d == 128; }
 // The key-block kernels' (dK/dV and fused backward, bwd_kernel.h): their 64-key block is the m64.
 constexpr bool bwd_wgmma(int d) { return d == 64 || d == 128; }
-// Bytes of a 128-byte-swizzled tile (tile.h, Sw128Tile): 64-column panels of 128-byte rows.
+// Bytes of a 128-byte-swizzled tile (smem_layout.h, Sw128Tile): 64-column panels of 128-byte rows.
 constexpr int sw128_tile_bytes(int rows, int d) { return (d + 63) / 64 * rows * 128; }
 constexpr int max_int(int a, int b) { return a > b ? a : b; }
 

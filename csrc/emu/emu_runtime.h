@@ -1,7 +1,8 @@
 // A CPU emulation of the part of the CUDA execution model the ssa_flash kernels use, so that
 // the kernels in csrc/ can be run and checked on a machine without a GPU (tests/
 // test_csrc_compile.py). Compiled with a host C++ compiler and -DSSA_FLASH_EMULATE; the kernel
-// sources are the same, only the primitives of utils.h and the launch are replaced.
+// sources are the same, only the primitives (memory.h, fast_math.h,
+// gemm_mma.h, gemm_wgmma.h) and the launch are replaced.
 //
 // Model. The threads of a block are fibers (ucontext to start them, then _setjmp/_longjmp, which
 // needs -U_FORTIFY_SOURCE: glibc's checked longjmp refuses to switch stacks) run by one OS thread. Every block barrier
@@ -11,7 +12,7 @@
 // block-uniform; a divergent one is reported as an error). Collective inputs are deposited in a
 // per-thread slot indexed by the parity of the point, and read back by the other lanes after the
 // round. ldmatrix and mma.sync are implemented from the PTX ISA's definition of which thread
-// holds which matrix element (not from the fragment arithmetic of utils.h / tile.h, which they
+// holds which matrix element (not from the fragment arithmetic of frag.h / gemm_mma.h, which they
 // therefore check). cp.async copies are performed either at issue ("eager") or at the
 // cp.async.wait_group that retires them ("lazy"); both are legal hardware behaviours, so a
 // correct kernel gives identical results in both modes (the sm_70 / sm_75 emulations, which have
@@ -200,7 +201,7 @@ inline V shfl_xor(V v, int off) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Primitives of utils.h
+// Primitives of memory.h, fast_math.h, gemm_mma.h
 
 inline float ex2(float x) { return std::exp2(x); }
 inline float lg2(float x) { return std::log2(x); }
@@ -217,7 +218,7 @@ inline void do_copy(const Copy& c) {
   else std::memset(c.dst, 0, 16);
 }
 
-// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths (utils.h,
+// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths (arch.h,
 // SSA_FLASH_ASYNC_COPIES 0) a copy is a load and a store, complete at issue whatever the mode.
 inline void cp_async_16(void* smem, const void* gmem, bool pred) {
   const Copy c{smem, gmem, pred};
