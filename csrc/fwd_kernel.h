@@ -1,5 +1,5 @@
 // Forward kernel (FlashAttention-2 style, online rescaling in base-2 log units) and the
-// statistics pass of the adaptive temperature (entropy and LSE of softmax(l), QK^T only).
+// row-entropy pass of the adaptive temperature (entropy and LSE of softmax(l), QK^T only).
 // Mirrors ssa_flash/triton/forward.py and ssa_flash/triton/entropy.py.
 //
 // Grid (ceil(Lq / BM), H, B); CTA = 4 warps, each owning 16 query rows; the last (under causal
@@ -372,14 +372,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 #endif
 }
 
-// Statistics pass: per row the running max m, lam = sum 2^(l2 - m) and the centred
+// Row-entropy pass (attn_row_entropy_kernel): per row the running max m, lam = sum 2^(l2 - m) and the centred
 // kc = sum 2^(l2 - m) (l2 - m) (base 2), so H = (log2 lam - kc / lam) ln 2 and
 // lse = (m + log2 lam) ln 2 without cancellation between m and K / Lam. When m grows to m',
 // with a = 2^(m - m'): lam' = a lam, kc' = a (kc + lam (m - m')); both are linear in (lam, kc),
 // so per-thread partials rescale the same way and are summed over the quad at the end.
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
 template <typename Tr, bool kSSA>
-__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;

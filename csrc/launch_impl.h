@@ -105,12 +105,12 @@ std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t s
 }
 
 template <typename T, int D>
-std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
+std::string row_entropy_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = stats_smem_bytes(D, sizeof(T), device_path());
-  auto kernel = bool_switch(ssa, [](auto S) { return &attn_stats_kernel<Tr, decltype(S)::value>; });
-  return launch<T>(kernel, "attn_stats_kernel", grid, Tr::kNThreads, smem, stream, p);
+  const int smem = row_entropy_smem_bytes(D, sizeof(T), device_path());
+  auto kernel = bool_switch(ssa, [](auto S) { return &attn_row_entropy_kernel<Tr, decltype(S)::value>; });
+  return launch<T>(kernel, "attn_row_entropy_kernel", grid, Tr::kNThreads, smem, stream, p);
 }
 
 template <typename T, int D>
@@ -197,8 +197,8 @@ std::string run_fwd(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t st
 }
 
 template <typename T>
-std::string run_stats(const FwdParams& p, bool ssa, cudaStream_t stream) {
-  return head_dim_switch(p.dim, p.dim, [&](auto D) { return stats_hdim<T, decltype(D)::value>(p, ssa, stream); });
+std::string run_row_entropy(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, ssa, stream); });
 }
 
 template <typename T>

@@ -68,7 +68,7 @@ struct FwdParams : AttnShape {
   int64_t o_sb, o_sh, o_sm;
   float* lse;         // (B, H, Lq): natural-log LSE of the (temperature-scaled) logit row
   const float* beta;  // (B, H, Lq) adaptive temperature, or nullptr
-  // statistics pass only (run_stats): entropy and LSE of softmax(l)
+  // row-entropy pass only (run_row_entropy): entropy and LSE of softmax(l)
   float* entropy;
 };
 

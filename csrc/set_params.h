@@ -48,8 +48,8 @@ struct AttnCall {
   // operands (q, k, v in every pass; o, dout, dq, dk, dv as the pass needs; the forward's output
   // o; dq absent on the fused backward path, whose dQ goes to dq_accum)
   Operand q, k, v, o, dout, dq, dk, dv;
-  // per-row statistics, contiguous (B, H, Lq) float32: lse (written by fwd / stats, read by bwd),
-  // entropy (written by stats, read by bwd), dlse (optional), the adaptive temperature's beta,
+  // per-row statistics, contiguous (B, H, Lq) float32: lse (written by fwd / row_entropy, read by bwd),
+  // entropy (written by row_entropy, read by bwd), dlse (optional), the adaptive temperature's beta,
   // lse_l, dbeta_dh (all four of beta, lse_l, entropy, dbeta_dh in an adaptive backward)
   float* lse;
   float* entropy;
@@ -150,9 +150,9 @@ inline FwdParams fwd_params(const AttnCall& c) {
   return p;
 }
 
-// The statistics pass's parameters: entropy and lse of softmax(l) written; dim_v = dim, and
+// The row-entropy pass's parameters: entropy and lse of softmax(l) written; dim_v = dim, and
 // the statistics are of the undropped rows (no dropout).
-inline FwdParams stats_params(AttnCall c) {
+inline FwdParams row_entropy_params(AttnCall c) {
   c.dim_v = c.dim;
   c.drop_rng = nullptr;
   FwdParams p{};
@@ -239,11 +239,11 @@ inline std::string run_forward(const AttnCall& c, cudaStream_t stream) {
   return c.bf16 ? run_fwd_bf16(p, ssa, adaptive, stream) : run_fwd_fp16(p, ssa, adaptive, stream);
 }
 
-inline std::string run_statistics(const AttnCall& c, cudaStream_t stream) {
+inline std::string run_row_entropy(const AttnCall& c, cudaStream_t stream) {
   std::string why = check_call(c);
   if (!why.empty()) return why;
-  const FwdParams p = stats_params(c);
-  return c.bf16 ? run_stats_bf16(p, is_ssa(c), stream) : run_stats_fp16(p, is_ssa(c), stream);
+  const FwdParams p = row_entropy_params(c);
+  return c.bf16 ? run_row_entropy_bf16(p, is_ssa(c), stream) : run_row_entropy_fp16(p, is_ssa(c), stream);
 }
 
 // The backward as `plan` (plan_backward of the same call) says; the buffers of bwd_buffers given.
