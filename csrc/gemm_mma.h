@@ -117,36 +117,28 @@ SSA_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, ui
   ssa_emu::mma_16816<T>(d, a, b0, b1);
 }
 #else
+// The m16n8k16 instruction for element type TY ("f16" or "bf16")
+#define SSA_MMA_16816(TY)                                                                               \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+               "{%8, %9}, {%0, %1, %2, %3};\n"                                                           \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
 template <typename T>
-SSA_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-
-template <>
-SSA_DEVICE void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+SSA_DEVICE void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (ElemInfo<T>::kIsBF16) SSA_MMA_16816("bf16");
+  else SSA_MMA_16816("f16");
 #else
-  mma_16816_sm75(d, a, b0, b1);
+  if constexpr (ElemInfo<T>::kIsBF16) {
+    // bf16 tensor cores need sm_80; the host never launches bf16 kernels on older devices.
+    __trap();
+  } else {
+    mma_16816_sm75(d, a, b0, b1);
+  }
 #endif
 }
-
-template <>
-SSA_DEVICE void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  // bf16 tensor cores need sm_80; the host never launches bf16 kernels on older devices.
-  __trap();
-#endif
-}
+#undef SSA_MMA_16816
 #endif  // !SSA_FLASH_EMULATE
 
 // ------------------------------------------------------------------------------------------
@@ -159,6 +151,27 @@ SSA_DEVICE void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], 
 // 2p + q / 2, p = 0 .. kN / 16 - 1 (the accumulators of tiles 2p and 2p + 1 of a lane are the
 // two halves of one m8n8 result); every operand is one 8-byte shared-memory load per lane.
 
+#if SSA_FLASH_SM70
+// The sm_70 k loop of both GEMM shapes: per k4 step, the A operand of each strip (one 8-byte
+// load per lane at a_ptr + 16 ms kStrideA + k0) times the B operand of each pair of n8 tiles
+// (one 8-byte load at b_ptr + k0 kBK + 8 nt kBN; kRowB: B stored n-contiguous, ".row" B).
+template <bool kRowB, int kMS, int kN, int kK, int kStrideA, int kBK, int kBN, typename T>
+SSA_DEVICE void mma884_k_loop(float (&acc)[kMS][kN / 8][4], const T* a_ptr, const T* b_ptr) {
+#pragma unroll
+  for (int k0 = 0; k0 < kK; k0 += 4) {
+    uint2 a[kMS];
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) a[ms] = *reinterpret_cast<const uint2*>(a_ptr + ms * 16 * kStrideA + k0);
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; nt += 2) {
+      const uint2 b = *reinterpret_cast<const uint2*>(b_ptr + k0 * kBK + nt * 8 * kBN);
+#pragma unroll
+      for (int ms = 0; ms < kMS; ++ms) mma_884<kRowB>(acc[ms][nt], acc[ms][nt + 1], a[ms].x, a[ms].y, b.x, b.y);
+    }
+  }
+}
+#endif
+
 // acc (16 x kN per strip) += A (16 x kK) * B^T, A: shared rows (row stride kStrideA), B: shared
 // [kN][kK] (row stride kStrideB), i.e. both operands stored with k contiguous.
 // Used for Q K^T, dO V^T, K Q^T, V dO^T.
@@ -169,18 +182,7 @@ SSA_DEVICE void gemm_nt(float (&acc)[kMS][kN / 8][4], const T* sA, const T* sB, 
   const int q = (lane >> 2) & 3, tq = (lane & 3) + 4 * (lane >> 4);
   const T* a_ptr = sA + (8 * (q & 1) + tq) * kStrideA;
   const T* b_ptr = sB + (8 * (q >> 1) + tq) * kStrideB;
-#pragma unroll
-  for (int k0 = 0; k0 < kK; k0 += 4) {
-    uint2 a[kMS];
-#pragma unroll
-    for (int ms = 0; ms < kMS; ++ms) a[ms] = *reinterpret_cast<const uint2*>(a_ptr + ms * 16 * kStrideA + k0);
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; nt += 2) {
-      const uint2 b = *reinterpret_cast<const uint2*>(b_ptr + nt * 8 * kStrideB + k0);
-#pragma unroll
-      for (int ms = 0; ms < kMS; ++ms) mma_884<false>(acc[ms][nt], acc[ms][nt + 1], a[ms].x, a[ms].y, b.x, b.y);
-    }
-  }
+  mma884_k_loop<false, kMS, kN, kK, kStrideA, 1, kStrideB>(acc, a_ptr, b_ptr);
 #else
   // A 16x16 block: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (8-15, 8-15)
   const T* a_ptr = sA + (lane & 15) * kStrideA + (lane >> 4) * 8;
@@ -245,18 +247,7 @@ SSA_DEVICE void gemm_rn(float (&acc)[kMS][kN / 8][4], const uint32_t (&a)[kMS][k
   static_assert(!LB::kSwizzled, "gemm_rn: padded B tiles on sm_70");
   constexpr int kStrideB = LB::kRowElems;
   const T* b_ptr = sB + (lane & 3) * kStrideB + col0 + 8 * (q >> 1) + 4 * (lane >> 4);
-#pragma unroll
-  for (int k0 = 0; k0 < kK; k0 += 4) {
-    uint2 av[kMS];
-#pragma unroll
-    for (int ms = 0; ms < kMS; ++ms) av[ms] = *reinterpret_cast<const uint2*>(a_ptr + ms * 16 * kSS + k0);
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; nt += 2) {
-      const uint2 b = *reinterpret_cast<const uint2*>(b_ptr + k0 * kStrideB + nt * 8);
-#pragma unroll
-      for (int ms = 0; ms < kMS; ++ms) mma_884<true>(acc[ms][nt], acc[ms][nt + 1], av[ms].x, av[ms].y, b.x, b.y);
-    }
-  }
+  mma884_k_loop<true, kMS, kN, kK, kSS, kStrideB, 1>(acc, a_ptr, b_ptr);
   syncwarp();  // every lane has read the scratch before it is written again
 #else
   (void)scratch;
