@@ -8,6 +8,53 @@
 
 namespace ssa_flash {
 
+// Where a CTA's tile lies: its batch, query head, key/value head, and the first row of its tile
+// along the sequence it owns. The query-row kernels (forward, row entropy, dQ; grid
+// (ceil(Lq / BM), H, B)) own query rows [row0, row0 + BM) of query head `head`, the last query
+// blocks scheduled first (under causal the heaviest); the key-block kernels (dK/dV, fused
+// backward; grid (ceil(Lk / BN), Hkv, B)) own keys [row0, row0 + BN) of key/value head `head_kv`
+// and loop over the query heads of its group themselves (`head` unset).
+struct BlockInfo {
+  int block;  // the tile's index along its sequence
+  int head, batch, head_kv;
+  int row0;
+
+  static SSA_DEVICE BlockInfo query_tile(const AttnShape& p, int block_m) {
+    BlockInfo b;
+    b.block = gridDim.x - 1 - blockIdx.x;
+    b.head = blockIdx.y;
+    b.batch = blockIdx.z;
+    b.head_kv = b.head / p.group;
+    b.row0 = b.block * block_m;
+    return b;
+  }
+
+  static SSA_DEVICE BlockInfo key_tile(int block_n) {
+    BlockInfo b;
+    b.block = blockIdx.x;
+    b.head = 0;
+    b.head_kv = blockIdx.y;
+    b.batch = blockIdx.z;
+    b.row0 = b.block * block_n;
+    return b;
+  }
+
+  // The (batch, query head) index, b H + h, of the (B, H, ...) row statistics and partial sums.
+  SSA_DEVICE int64_t batch_head(const AttnShape& p) const { return static_cast<int64_t>(batch) * p.heads + head; }
+
+  // The first element of this tile's (batch, head) matrix of an operand (B, H, L, D) with batch
+  // and head strides sb, sh in elements: the query head's (q, o, dO, dQ) or the key/value head's
+  // (k, v, dK, dV).
+  template <typename T, typename V>
+  SSA_DEVICE T* query_head(V* base, int64_t sb, int64_t sh) const {
+    return static_cast<T*>(base) + batch * sb + head * sh;
+  }
+  template <typename T, typename V>
+  SSA_DEVICE T* kv_head(V* base, int64_t sb, int64_t sh) const {
+    return static_cast<T*>(base) + batch * sb + head_kv * sh;
+  }
+};
+
 // The key blocks (of block_n keys) that query rows [m0, m0 + rows) visit, and the order the
 // row-streaming kernels (forward, statistics, dQ) run them in. Visited: [lo, end), the blocks
 // meeting the rows' band (causality and the window folded in, params.h set_band; every key
@@ -67,5 +114,22 @@ SSA_DEVICE int query_block_lo(const AttnShape& p, int n0, int block_m) {
   return n0 - p.win_right > 0 ? (n0 - p.win_right) / block_m * block_m : 0;
 }
 SSA_DEVICE int query_end(const AttnShape& p, int n0, int block_n) { return min(p.len_q, n0 + block_n + p.win_left); }
+
+// The query blocks a key-block kernel's tile of keys [n0, n0 + block_n) visits, per query head:
+// rows [first, end), `tiles` blocks of block_m rows from `first` (a multiple of block_m). kBand:
+// those meeting the band (query_block_lo, query_end); else causality only (the fused backward,
+// which runs no window: the band's bounds spilled it).
+struct QueryBlocks {
+  int first, end, tiles;
+};
+
+template <bool kBand>
+SSA_DEVICE QueryBlocks query_blocks(const AttnShape& p, int n0, int block_m, int block_n) {
+  QueryBlocks qb;
+  qb.first = !kBand ? (p.causal ? (n0 / block_m) * block_m : 0) : query_block_lo(p, n0, block_m);
+  qb.end = !kBand ? p.len_q : query_end(p, n0, block_n);
+  qb.tiles = qb.first < qb.end ? (qb.end - qb.first + block_m - 1) / block_m : 0;
+  return qb;
+}
 
 }  // namespace ssa_flash

@@ -18,6 +18,7 @@
 #include "mask.h"
 #include "memory.h"
 #include "params.h"
+#include "row_state.h"
 #include "smem_layout.h"
 #include "tile_io.h"
 #include "traits.h"
@@ -98,16 +99,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const int lane = tid & 31;
   const int warp = tid >> 5;
   T* scratch = sV + LK::elems(kBlockN, kD) + warp * gemm_rn_scratch_elems<kMS, kBlockN>();
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int hk = h / p.group;
-  const int m0 = m_block * kBlockM;
+  const BlockInfo blk = BlockInfo::query_tile(p, kBlockM);
+  const int m0 = blk.row0;
 
-  const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
-  LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
+  const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
+  const T* v = blk.kv_head<const T>(p.v, p.v_sb, p.v_sh);
+  LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
   const bool negate_q = kSSA && ctx.n < 0.0f;
   if (kSSA) ctx.n = fabsf(ctx.n);
   // the (batch, head)'s first row of the per-row statistics, formed where used (kept from the
@@ -145,11 +143,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   float acc_o[kMS][kDT][4];
   zero(acc_o);
   float m_run[kMS][2], l_run[kMS][2];
-#pragma unroll
-  for (int ms = 0; ms < kMS; ++ms) {
-    m_run[ms][0] = m_run[ms][1] = neg_inf();
-    l_run[ms][0] = l_run[ms][1] = 0.0f;
-  }
+  init_row_state(m_run, l_run);
   const T* sQw = sQ + warp * kMS * 16 * kS;
   float s[kMS][kNT][4];   // scores, then logits (checked) or x (interior), then weights
   float mq[kMS][2];       // this block's row max of s (quad-reduced)
@@ -347,7 +341,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   });
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
-  T* o = static_cast<T*>(p.o) + bb * p.o_sb + h * p.o_sh;
+  T* o = blk.query_head<T>(p.o, p.o_sb, p.o_sh);
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
 #pragma unroll
@@ -408,17 +402,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int hk = h / p.group;
-  const int m0 = m_block * kBlockM;
+  const BlockInfo blk = BlockInfo::query_tile(p, kBlockM);
+  const int m0 = blk.row0;
 
-  const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
+  const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
+  const LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
   const float mult = row_mult<kSSA>(ctx, 1.0f);
-  const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
+  const int64_t stat0 = blk.batch_head(p) * p.len_q;
   int row[kMS][2];
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms)
@@ -433,12 +424,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
   cp_async_commit();
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
-#pragma unroll
-  for (int ms = 0; ms < kMS; ++ms)
-    for (int hi = 0; hi < 2; ++hi) {
-      m_run[ms][hi] = neg_inf();
-      lam[ms][hi] = kc[ms][hi] = 0.0f;
-    }
+  init_row_state(m_run, lam, kc);
   const T* sQw = sQ + warp * kMS * 16 * kS;
 
   // step `it` of the order runs key block j from K buffer it & 1 (the prologue filled buffer 0)
