@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   if (kPrep) return;
 
   // dQ
-  T* dq = blk.query_head<T>(p.dq, p.dq_sb, p.dq_sh);
+  T* dq = static_cast<T*>(p.dq) + blk.batch * p.dq_sb + blk.head * p.dq_sh;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
     const int col = Frag::col(lane, dt);
@@ -874,8 +874,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
 
   const int c_lo = key_lo(), c_hi = c_lo + Frag::kHi;
-  T* dk = blk.kv_head<T>(p.dk, p.dk_sb, p.dk_sh);
-  T* dv = blk.kv_head<T>(p.dv, p.dv_sb, p.dv_sh);
+  T* dk = static_cast<T*>(p.dk) + bb * p.dk_sb + hk * p.dk_sh;
+  T* dv = static_cast<T*>(p.dv) + bb * p.dv_sb + hk * p.dv_sh;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
     const int col = col0 + Frag::col(lane, dt);

@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   });
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
-  T* o = blk.query_head<T>(p.o, p.o_sb, p.o_sh);
+  T* o = static_cast<T*>(p.o) + blk.batch * p.o_sb + blk.head * p.o_sh;
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
 #pragma unroll
