@@ -42,9 +42,10 @@ struct BlockInfo {
   // The (batch, query head) index, b H + h, of the (B, H, ...) row statistics and partial sums.
   SSA_DEVICE int64_t batch_head(const AttnShape& p) const { return static_cast<int64_t>(batch) * p.heads + head; }
 
-  // The first element of this tile's (batch, head) matrix of an operand (B, H, L, D) with batch
-  // and head strides sb, sh in elements: the query head's (q, o, dO, dQ) or the key/value head's
-  // (k, v, dK, dV).
+  // The first element of this tile's (batch, head) matrix of an input (B, H, L, D) with batch and
+  // head strides sb, sh in elements: the query head's (q, o, dO) or the key/value head's (k, v).
+  // (The kernels form their output pointers inline, at the stores: through this call the forward
+  // epilogue's address arithmetic reached ptxas in another order.)
   template <typename T, typename V>
   SSA_DEVICE T* query_head(V* base, int64_t sb, int64_t sh) const {
     return static_cast<T*>(base) + batch * sb + head * sh;
