@@ -189,11 +189,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const BlockInfo blk = BlockInfo::query_tile(p, kBlockM);
   const int m0 = blk.row0;
 
-  const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
-  const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
-  const T* v = blk.kv_head<const T>(p.v, p.v_sb, p.v_sh);
-  const T* o = blk.query_head<const T>(p.o, p.o_sb, p.o_sh);
-  const T* dout = blk.query_head<const T>(p.dout, p.do_sb, p.do_sh);
+  // (inline, not BlockInfo::query_head / kv_head: through the calls these five reached ptxas in
+  // another order)
+  const T* q = static_cast<const T*>(p.q) + blk.batch * p.q_sb + blk.head * p.q_sh;
+  const T* k = static_cast<const T*>(p.k) + blk.batch * p.k_sb + blk.head_kv * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + blk.batch * p.v_sb + blk.head_kv * p.v_sh;
+  const T* o = static_cast<const T*>(p.o) + blk.batch * p.o_sb + blk.head * p.o_sh;
+  const T* dout = static_cast<const T*>(p.dout) + blk.batch * p.do_sb + blk.head * p.do_sh;
   const LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
   const int64_t stat0 = blk.batch_head(p) * p.len_q;
   const int r_lo = m0 + warp * 16 + Frag::row(lane);
