@@ -153,10 +153,10 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   return {o, lse};
 }
 
-std::tuple<Tensor, Tensor> stats(const Tensor& q, const Tensor& k, const optional<Tensor>& mask,
-                                 int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
-                                 double scale, bool causal, int64_t group, int64_t stream_handle,
-                                 int64_t window_left, int64_t window_right) {
+std::tuple<Tensor, Tensor> row_entropy(const Tensor& q, const Tensor& k, const optional<Tensor>& mask,
+                                       int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
+                                       double scale, bool causal, int64_t group, int64_t stream_handle,
+                                       int64_t window_left, int64_t window_right) {
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   // (the statistics are of the undropped rows)
@@ -166,7 +166,7 @@ std::tuple<Tensor, Tensor> stats(const Tensor& q, const Tensor& k, const optiona
   Tensor lse = at::empty_like(ent);
   c.lse = lse.data_ptr<float>();
   c.entropy = ent.data_ptr<float>();
-  raise_if(ssa_flash::run_statistics(c, as_stream(stream_handle)));
+  raise_if(ssa_flash::run_row_entropy(c, as_stream(stream_handle)));
   return {ent, lse};
 }
 
@@ -247,7 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("stream"), py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
         py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1);
-  m.def("stats", &stats, "statistics pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
+  m.def("row_entropy", &row_entropy, "row-entropy pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
         py::arg("mask"), py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("stream"), py::arg("window_left") = -1, py::arg("window_right") = -1);
   m.def("bwd", &bwd, "attention backward: (dq, dk, dv, db_part, dn_part)", py::arg("dout"), py::arg("q"),

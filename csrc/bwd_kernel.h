@@ -28,10 +28,21 @@
 // registers are the scarce resource, so the extra pass is the cheaper choice.)
 #pragma once
 
+#include "block_info.h"
+#include "compile_time.h"
+#include "dropout.h"
+#include "elem.h"
+#include "fast_math.h"
+#include "frag.h"
+#include "gemm_mma.h"
+#include "gemm_wgmma.h"
+#include "logits.h"
+#include "mask.h"
+#include "memory.h"
 #include "params.h"
-#include "tile.h"
+#include "smem_layout.h"
+#include "tile_io.h"
 #include "traits.h"
-#include "utils.h"
 
 namespace ssa_flash {
 
@@ -108,6 +119,28 @@ SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, fl
   return pp * (dp - r.delta) * l2 * kLn2;
 }
 
+// The two score GEMMs of a step, s = A_s B_s^T and dp = A_p B_p^T (S and dP in the dQ kernel,
+// S^T and dP^T in the key-block kernels), kN columns over a kD reduction: wgmma over the
+// warpgroup's 64 rows (A: the whole tiles; one group, waited for at once) or mma.sync over this
+// warp's 16-row strip (A: the strip's rows; kS the padded row stride).
+template <bool kWg, typename T, int kN, int kD, typename LA, typename LB, int kS>
+SSA_DEVICE void score_gemms(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4], const T* sAs, const T* sBs,
+                            const T* sAp, const T* sBp, int lane) {
+  if constexpr (kWg) {
+    wg_gemm_nt<T, kN, kD, LA, LB>(s[0], sAs, sBs);
+    wg_gemm_nt<T, kN, kD, LA, LB>(dp[0], sAp, sBp);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(s[0]);
+    wgmma_fence_operand(dp[0]);
+  } else {
+    zero(s);
+    zero(dp);
+    gemm_nt<T, 1, kN, kD, kS, kS>(s, sAs, sBs, lane);
+    gemm_nt<T, 1, kN, kD, kS, kS>(dp, sAp, sBp, lane);
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // dQ kernel. Pipeline per key block j (K double-buffered, V single):
 //   issue K_{j+1} | wait K_j, V_j | S = Q K_j^T, dP = dO V_j^T | elementwise | issue V_{j+1} |
@@ -153,19 +186,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const int lane = tid & 31;
   const int warp = tid >> 5;
   T* scratch = sV + kTileK + warp * gemm_rn_scratch_elems<1, kBlockN>();
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int hk = h / p.group;
-  const int m0 = m_block * kBlockM;
+  const BlockInfo blk = BlockInfo::query_tile(p, kBlockM);
+  const int m0 = blk.row0;
 
-  const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
-  const T* o = static_cast<const T*>(p.o) + bb * p.o_sb + h * p.o_sh;
-  const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + h * p.do_sh;
-  const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
-  const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
+  // (inline, not BlockInfo::query_head / kv_head: through the calls these five reached ptxas in
+  // another order)
+  const T* q = static_cast<const T*>(p.q) + blk.batch * p.q_sb + blk.head * p.q_sh;
+  const T* k = static_cast<const T*>(p.k) + blk.batch * p.k_sb + blk.head_kv * p.k_sh;
+  const T* v = static_cast<const T*>(p.v) + blk.batch * p.v_sb + blk.head_kv * p.v_sh;
+  const T* o = static_cast<const T*>(p.o) + blk.batch * p.o_sb + blk.head * p.o_sh;
+  const T* dout = static_cast<const T*>(p.dout) + blk.batch * p.do_sb + blk.head * p.do_sh;
+  const LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
+  const int64_t stat0 = blk.batch_head(p) * p.len_q;
   const int r_lo = m0 + warp * 16 + Frag::row(lane);
   const int r_hi = r_lo + Frag::kHi;
   const bool ok_lo = r_lo < p.len_q, ok_hi = r_hi < p.len_q;
@@ -235,7 +267,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   // this thread's rows in the workspace (written by the rank-0 lane of each row; rows past len_q
   // get their zeros too). g is written after the dbeta pass.
   constexpr int kNStat = dkdv_stat_count(kAdaptive);
-  float* ws_lo = p.rowstat + ((static_cast<int64_t>(bb) * p.heads + h) * p.stat_rows + r_lo) * kNStat;
+  float* ws_lo = p.rowstat + (blk.batch_head(p) * p.stat_rows + r_lo) * kNStat;
   float* ws_hi = ws_lo + Frag::kHi * kNStat;
   const bool write_ws = Frag::rank(lane) == 0 && r_lo < p.stat_rows;  // (stat_rows is a multiple of 16)
   if (write_ws) {
@@ -256,7 +288,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
   if (kPrep && !kAdaptive) return;  // (the pre-pass needs delta only)
 
-  // The key blocks and their order (tile.h, key_blocks). Interior steps copy the next K / V
+  // The key blocks and their order (block_info.h, key_blocks). Interior steps copy the next K / V
   // block through running pointers (TileStream: one pointer add per 16-byte copy, where
   // load_tile recomputed row * stride products and predicates: about 4 integer instructions per
   // score element at D = 64). Not at D = 256 (two streams' registers spilled the SSA+adaptive
@@ -281,7 +313,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     TileStream<kBlockN, kD, LK, kNThreads, T> k_stream, v_stream;
     k_stream.init(k, p.k_sm, (kb.a + 1) * kBlockN, p.dim, tid);
     v_stream.init(v, p.v_sm, (kb.a + 1) * kBlockN, p.dim_v, tid);
-    // Step `it` of the order (tile.h KeyBlocks) runs key block j from K buffer it & 1 (the
+    // Step `it` of the order (block_info.h KeyBlocks) runs key block j from K buffer it & 1 (the
     // prologue filled buffer 0). (A buffer flag toggled per step instead moved the sm_90a
     // descriptors' arithmetic off the uniform datapath: +44 instructions per interior step.)
     auto step = [&](int j, int it, auto check) {
@@ -303,31 +335,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       __syncthreads();  // K_j, V_j visible to every warp
 
       // dropout flags (checked steps: a dropout call has no interior ones), evaluated before the
-      // scores are live (tile.h, drop_tile_bits)
+      // scores are live (dropout.h, drop_tile_bits)
       const bool drop = kCheck && p.drop_rng != nullptr;
       DropFlags keep;
       static_assert(kNT <= 16, "DropFlags: 16 tiles");
       if (drop) {
-        const DropCtx dc = make_drop_ctx(p.drop_rng, p.drop_keep_below, bb, h);
+        const DropCtx dc = make_drop_ctx(p.drop_rng, p.drop_keep_below, blk.batch, blk.head);
         keep.clear();
 #pragma unroll 1
         for (int nt = 0; nt < kNT; ++nt) keep.set(nt, drop_tile_bits(dc, r_lo, n0 + Frag::col(lane, nt)));
       }
 
       float s[1][kNT][4], dp[1][kNT][4];
-      if constexpr (kWg) {
-        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[0], sQ, sKj);
-        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(dp[0], sdO, sV);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operand(s[0]);
-        wgmma_fence_operand(dp[0]);
-      } else {
-        zero(s);
-        zero(dp);
-        gemm_nt<T, 1, kBlockN, kD, kS, kS>(s, sQw, sKj, lane);
-        gemm_nt<T, 1, kBlockN, kD, kS, kS>(dp, sdOw, sV, lane);
-      }
+      score_gemms<kWg, T, kBlockN, kD, LQ, LK, kS>(s, dp, kWg ? sQ : sQw, sKj, kWg ? sdO : sdOw, sV, lane);
 
       // dropout: dP' = z dO V^T (z = 1 / (1 - p) kept, 0 dropped)
       if (drop) {
@@ -396,7 +416,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   if (kPrep) return;
 
   // dQ
-  T* dq = static_cast<T*>(p.dq) + bb * p.dq_sb + h * p.dq_sh;
+  T* dq = static_cast<T*>(p.dq) + blk.batch * p.dq_sb + blk.head * p.dq_sh;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
     const int col = Frag::col(lane, dt);
@@ -428,7 +448,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         db += s_red[w];
         dn += s_red[kNWarps + w];
       }
-      const int64_t idx = (static_cast<int64_t>(bb) * p.heads + h) * gridDim.x + m_block;
+      const int64_t idx = blk.batch_head(p) * gridDim.x + blk.block;
       p.db_part[idx] = db * (ctx.n * p.scale);
       p.dn_part[idx] = dn * kLn2;
     }
@@ -473,7 +493,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
   // sm_90a at the head dims of bwd_wgmma (traits.h): S^T, dP^T, dV and dK as wgmma, the CTA's 4
   // warps (one 16-key strip each) one warpgroup and its 64 keys one m64 tile; K, V, Q, dO
-  // 128-byte swizzled (tile.h, Sw128Tile). The fused dQ (16 queries per warp: below m64) stays
+  // 128-byte swizzled (smem_layout.h, Sw128Tile). The fused dQ (16 queries per warp: below m64) stays
   // mma.sync, reading K from the swizzled tile.
   constexpr bool kWg = SSA_FLASH_WGMMA && bwd_wgmma(kD) && kSplit == 1;
   static_assert(!kWg || (kBlockN == 64 && Tr::kNWarps == 4), "wgmma: the key block is one warpgroup's m64");
@@ -531,20 +551,20 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int n_block = blockIdx.x;
-  const int hk = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int n0 = n_block * kBlockN;
+  const BlockInfo blk = BlockInfo::key_tile(kBlockN);
+  const int hk = blk.head_kv;
+  const int bb = blk.batch;
+  const int n0 = blk.row0;
 
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
+  const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
+  const T* v = blk.kv_head<const T>(p.v, p.v_sb, p.v_sh);
   const int64_t head0 = static_cast<int64_t>(bb) * p.heads;  // (batch, head) index of head 0
 
-  // Query blocks [m_first, m_end) see this key block: under causal, none before it; with a
-  // window (not in the fused kernel, where the band's bounds spilled), those meeting its band.
-  const int m_first = kFusedDq ? (p.causal ? (n0 / kBlockM) * kBlockM : 0) : query_block_lo(p, n0, kBlockM);
-  const int m_end = kFusedDq ? p.len_q : query_end(p, n0, kBlockN);
-  const int tiles_per_head = m_first < m_end ? (m_end - m_first + kBlockM - 1) / kBlockM : 0;
+  // Query blocks from m_first see this key block (block_info.h, query_blocks): under causal,
+  // none before it; with a window (not in the fused kernel), those meeting its band.
+  const QueryBlocks qblocks = query_blocks<!kFusedDq>(p, n0, kBlockM, kBlockN);
+  const int m_first = qblocks.first;
+  const int tiles_per_head = qblocks.tiles;
   const int num_t = tiles_per_head * p.group;
 
   TileMap<kBlockM, kD, LQ, kNThreads> tmap;
@@ -665,19 +685,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
     for (int q0 = 0; q0 < kBlockM; q0 += kQC) {
       float s[1][kQC / 8][4], dp[1][kQC / 8][4];
-      if constexpr (kWg) {
-        wg_gemm_nt<T, kQC, kD, LK, LQ>(s[0], sK, sQt);   // S^T = K Q^T
-        wg_gemm_nt<T, kQC, kD, LK, LQ>(dp[0], sV, sdO);  // dP^T = V dO^T
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operand(s[0]);
-        wgmma_fence_operand(dp[0]);
-      } else {
-        zero(s);
-        zero(dp);
-        gemm_nt<T, 1, kQC, kD, kS, kS>(s, sKw, sQt + q0 * kS, lane);   // S^T = K Q^T
-        gemm_nt<T, 1, kQC, kD, kS, kS>(dp, sVw, sdO + q0 * kS, lane);  // dP^T = V dO^T
-      }
+      // S^T = K Q^T, dP^T = V dO^T
+      score_gemms<kWg, T, kQC, kD, LK, LQ, kS>(s, dp, kWg ? sK : sKw, kWg ? sQt : sQt + q0 * kS, kWg ? sV : sVw,
+                                               kWg ? sdO : sdO + q0 * kS, lane);
 #pragma unroll
       for (int kc = 0; kc < kQC / 16; ++kc) {
         const int kk = q0 / 16 + kc;  // 16-query block of the step
@@ -789,7 +799,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
     __syncthreads();  // every warp is done with Q_t, stats_t (and dS^T)
     if (!SSA_FLASH_ASYNC_COPIES && has_next) {
-      // synchronous copies (utils.h) between two barriers, where they overlap no GEMM
+      // synchronous copies (memory.h) between two barriers, where they overlap no GEMM
       load_q_stats(next, buf ^ 1);
       load_do(next);
       cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
@@ -799,7 +809,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // Per head, the first n_diag query blocks are cut by the band's right edge (the causal
   // diagonal, or the window's right bound: query mm sees key n0 + kBlockN - 1 only if
   // n0 + kBlockN - 1 - mm <= win_right); with a mask, dropout or a ragged key block every step
-  // needs the checks, and with a window on sm_70 / sm_75 (as tile.h key_blocks: the window's
+  // needs the checks, and with a window on sm_70 / sm_75 (as block_info.h key_blocks: the window's
   // interior steps spilled their D = 128 adaptive dK/dV kernels). Steps alternate buffers across
   // heads too.
   const bool all_checked = p.mask_kind != kMaskNone || p.drop_rng != nullptr || n0 + kBlockN > p.len_k ||

@@ -1,4 +1,4 @@
-// Forward and statistics kernels, bfloat16 (sm_80+).
+// Forward and row-entropy kernels, bfloat16 (sm_80+).
 #include "launch_impl.h"
 
 namespace ssa_flash {
@@ -7,8 +7,8 @@ std::string run_fwd_bf16(const FwdParams& p, bool ssa, bool adaptive, cudaStream
   return detail::run_fwd<__nv_bfloat16>(p, ssa, adaptive, stream);
 }
 
-std::string run_stats_bf16(const FwdParams& p, bool ssa, cudaStream_t stream) {
-  return detail::run_stats<__nv_bfloat16>(p, ssa, stream);
+std::string run_row_entropy_bf16(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  return detail::run_row_entropy<__nv_bfloat16>(p, ssa, stream);
 }
 
 }  // namespace ssa_flash

@@ -1,4 +1,4 @@
-// Forward and statistics kernels, float16 (sm_75+).
+// Forward and row-entropy kernels, float16 (sm_75+).
 #include "launch_impl.h"
 
 namespace ssa_flash {
@@ -7,8 +7,8 @@ std::string run_fwd_fp16(const FwdParams& p, bool ssa, bool adaptive, cudaStream
   return detail::run_fwd<__half>(p, ssa, adaptive, stream);
 }
 
-std::string run_stats_fp16(const FwdParams& p, bool ssa, cudaStream_t stream) {
-  return detail::run_stats<__half>(p, ssa, stream);
+std::string run_row_entropy_fp16(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  return detail::run_row_entropy<__half>(p, ssa, stream);
 }
 
 }  // namespace ssa_flash

@@ -1,15 +1,27 @@
 // Forward kernel (FlashAttention-2 style, online rescaling in base-2 log units) and the
-// statistics pass of the adaptive temperature (entropy and LSE of softmax(l), QK^T only).
+// row-entropy pass of the adaptive temperature (entropy and LSE of softmax(l), QK^T only).
 // Mirrors ssa_flash/triton/forward.py and ssa_flash/triton/entropy.py.
 //
 // Grid (ceil(Lq / BM), H, B); CTA = 4 warps, each owning 16 query rows; the last (under causal
 // the heaviest) query blocks are scheduled first.
 #pragma once
 
+#include "block_info.h"
+#include "compile_time.h"
+#include "dropout.h"
+#include "elem.h"
+#include "fast_math.h"
+#include "frag.h"
+#include "gemm_mma.h"
+#include "gemm_wgmma.h"
+#include "logits.h"
+#include "mask.h"
+#include "memory.h"
 #include "params.h"
-#include "tile.h"
+#include "row_state.h"
+#include "smem_layout.h"
+#include "tile_io.h"
 #include "traits.h"
-#include "utils.h"
 
 namespace ssa_flash {
 
@@ -44,7 +56,7 @@ namespace ssa_flash {
 // Pipeline per key block j with cp.async (sm_80+; K and V single-buffered):
 //   issue V_j | wait K_j | S = Q K_j^T, row max | wait V_j, vote | weights | issue K_{j+1} |
 //   O += P V_j
-// On sm_90a at the head dims of fwd_wgmma (traits.h) both GEMMs are wgmma (tile.h, wg_gemm_*):
+// On sm_90a at the head dims of fwd_wgmma (traits.h) both GEMMs are wgmma (gemm_wgmma.h, wg_gemm_*):
 // the 4 warps are one warpgroup, which computes the 128-row tile as two m64 halves (warp w owns
 // rows 16 w.. and 64 + 16 w.. of it: its two strips), Q, K, V in 128-byte-swizzled shared
 // memory, P from registers; each group is waited for at once, so the steps keep their structure.
@@ -87,16 +99,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const int lane = tid & 31;
   const int warp = tid >> 5;
   T* scratch = sV + LK::elems(kBlockN, kD) + warp * gemm_rn_scratch_elems<kMS, kBlockN>();
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int hk = h / p.group;
-  const int m0 = m_block * kBlockM;
+  const BlockInfo blk = BlockInfo::query_tile(p, kBlockM);
+  const int m0 = blk.row0;
 
-  const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const T* v = static_cast<const T*>(p.v) + bb * p.v_sb + hk * p.v_sh;
-  LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
+  const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
+  const T* v = blk.kv_head<const T>(p.v, p.v_sb, p.v_sh);
+  LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
   const bool negate_q = kSSA && ctx.n < 0.0f;
   if (kSSA) ctx.n = fabsf(ctx.n);
   // the (batch, head)'s first row of the per-row statistics, formed where used (kept from the
@@ -116,7 +125,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
     for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
   }
 
-  // the key blocks and their order (tile.h): interior ones first (streamed copies with cp.async)
+  // the key blocks and their order (block_info.h): interior ones first (streamed copies with cp.async)
   const auto kb = key_blocks(p, m0, kBlockM, kBlockN, kAsync);
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
@@ -134,11 +143,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   float acc_o[kMS][kDT][4];
   zero(acc_o);
   float m_run[kMS][2], l_run[kMS][2];
-#pragma unroll
-  for (int ms = 0; ms < kMS; ++ms) {
-    m_run[ms][0] = m_run[ms][1] = neg_inf();
-    l_run[ms][0] = l_run[ms][1] = 0.0f;
-  }
+  init_row_state(m_run, l_run);
   const T* sQw = sQ + warp * kMS * 16 * kS;
   float s[kMS][kNT][4];   // scores, then logits (checked) or x (interior), then weights
   float mq[kMS][2];       // this block's row max of s (quad-reduced)
@@ -336,7 +341,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   });
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
-  T* o = static_cast<T*>(p.o) + bb * p.o_sb + h * p.o_sh;
+  T* o = static_cast<T*>(p.o) + blk.batch * p.o_sb + blk.head * p.o_sh;
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
 #pragma unroll
@@ -361,14 +366,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 #endif
 }
 
-// Statistics pass: per row the running max m, lam = sum 2^(l2 - m) and the centred
+// Row-entropy pass (attn_row_entropy_kernel): per row the running max m, lam = sum 2^(l2 - m) and the centred
 // kc = sum 2^(l2 - m) (l2 - m) (base 2), so H = (log2 lam - kc / lam) ln 2 and
 // lse = (m + log2 lam) ln 2 without cancellation between m and K / Lam. When m grows to m',
 // with a = 2^(m - m'): lam' = a lam, kc' = a (kc + lam (m - m')); both are linear in (lam, kc),
 // so per-thread partials rescale the same way and are summed over the quad at the end.
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
 template <typename Tr, bool kSSA>
-__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -397,24 +402,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int bb = blockIdx.z;
-  const int hk = h / p.group;
-  const int m0 = m_block * kBlockM;
+  const BlockInfo blk = BlockInfo::query_tile(p, kBlockM);
+  const int m0 = blk.row0;
 
-  const T* q = static_cast<const T*>(p.q) + bb * p.q_sb + h * p.q_sh;
-  const T* k = static_cast<const T*>(p.k) + bb * p.k_sb + hk * p.k_sh;
-  const LogitCtx ctx = make_logit_ctx(p, bb, h, kSSA);
+  const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
+  const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
+  const LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
   const float mult = row_mult<kSSA>(ctx, 1.0f);
-  const int64_t stat0 = (static_cast<int64_t>(bb) * p.heads + h) * p.len_q;
+  const int64_t stat0 = blk.batch_head(p) * p.len_q;
   int row[kMS][2];
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms)
     for (int hi = 0; hi < 2; ++hi)
       row[ms][hi] = m0 + (kWg ? 64 * ms + 16 * warp : (warp * kMS + ms) * 16) + Frag::row(lane) + hi * Frag::kHi;
 
-  // the key blocks and their order (tile.h); every copy through load_tile
+  // the key blocks and their order (block_info.h); every copy through load_tile
   const auto kb = key_blocks(p, m0, kBlockM, kBlockN, false);
 
   load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
@@ -422,12 +424,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_stats_kernel(const FwdP
   cp_async_commit();
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
-#pragma unroll
-  for (int ms = 0; ms < kMS; ++ms)
-    for (int hi = 0; hi < 2; ++hi) {
-      m_run[ms][hi] = neg_inf();
-      lam[ms][hi] = kc[ms][hi] = 0.0f;
-    }
+  init_row_state(m_run, lam, kc);
   const T* sQw = sQ + warp * kMS * 16 * kS;
 
   // step `it` of the order runs key block j from K buffer it & 1 (the prologue filled buffer 0)

@@ -16,9 +16,9 @@ namespace ssa_flash {
 // forward: o, lse (p.beta != nullptr iff adaptive)
 std::string run_fwd_fp16(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream);
 std::string run_fwd_bf16(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream);
-// statistics pass: p.entropy and p.lse of softmax(l) (p.o, p.v, p.beta unused)
-std::string run_stats_fp16(const FwdParams& p, bool ssa, cudaStream_t stream);
-std::string run_stats_bf16(const FwdParams& p, bool ssa, cudaStream_t stream);
+// row-entropy pass: p.entropy and p.lse of softmax(l) (p.o, p.v, p.beta unused)
+std::string run_row_entropy_fp16(const FwdParams& p, bool ssa, cudaStream_t stream);
+std::string run_row_entropy_bf16(const FwdParams& p, bool ssa, cudaStream_t stream);
 // How a backward runs on the current device: fused (pre-pass + one kernel, dQ accumulated with
 // atomics in p.dq_accum, which the caller zeroes, then scales and converts) or the two-kernel
 // path (dQ kernel, dK/dV kernel: bitwise reproducible); num_partials is the last dim of the db/dn

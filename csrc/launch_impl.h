@@ -93,80 +93,78 @@ inline int device_path() {
   return device_info(arch, max_optin).empty() ? code_path(arch) : kPathSm80;
 }
 
-template <typename T, int D>
-std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
-  using Tr = FwdTraits<D, T>;
-  const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = fwd_smem_bytes(D, sizeof(T), device_path());
-  auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
-    return &attn_fwd_kernel<Tr, decltype(S)::value, decltype(A)::value>;
-  });
-  return launch<T>(kernel, "attn_fwd_kernel", grid, Tr::kNThreads, smem, stream, p);
+// Grids: one CTA per query block of a head (the query-row kernels: forward, row entropy, dQ), or
+// per key block of a key/value head (the key-block kernels: dK/dV, fused backward).
+template <typename Tr>
+dim3 query_grid(const AttnShape& p) {
+  return dim3((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
+}
+template <typename Tr>
+dim3 key_grid(const AttnShape& p) {
+  return dim3((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
+}
+
+// Launches the (SSA, adaptive) instance of a kernel template that pick(Ssa, Adaptive) returns
+// (dispatch.h, feature_switch), with Tr's threads.
+template <typename T, typename Tr, typename Params, typename Pick>
+std::string launch_variant(const char* name, Pick&& pick, bool ssa, bool adaptive, dim3 grid, int smem,
+                           cudaStream_t stream, const Params& p) {
+  return launch<T>(feature_switch(ssa, adaptive, pick), name, grid, Tr::kNThreads, smem, stream, p);
 }
 
 template <typename T, int D>
-std::string stats_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
+std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
-  const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  const int smem = stats_smem_bytes(D, sizeof(T), device_path());
-  auto kernel = bool_switch(ssa, [](auto S) { return &attn_stats_kernel<Tr, decltype(S)::value>; });
-  return launch<T>(kernel, "attn_stats_kernel", grid, Tr::kNThreads, smem, stream, p);
+  return launch_variant<T, Tr>(
+      "attn_fwd_kernel", [](auto S, auto A) { return &attn_fwd_kernel<Tr, decltype(S)::value, decltype(A)::value>; },
+      ssa, adaptive, query_grid<Tr>(p), fwd_smem_bytes(D, sizeof(T), device_path()), stream, p);
+}
+
+template <typename T, int D>
+std::string row_entropy_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  using Tr = FwdTraits<D, T>;
+  auto kernel = bool_switch(ssa, [](auto S) { return &attn_row_entropy_kernel<Tr, decltype(S)::value>; });
+  return launch<T>(kernel, "attn_row_entropy_kernel", query_grid<Tr>(p), Tr::kNThreads,
+                   row_entropy_smem_bytes(D, sizeof(T), device_path()), stream, p);
 }
 
 template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
+  using Dq = DqTraits<D, T>;
   if constexpr (D <= 128) {
     if (plan.fused) {
-      {
-        // pre-pass: delta (and the adaptive g)
-        using Tr = DqTraits<D, T>;
-        const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-        const int smem = bwd_prep_smem_bytes(D, sizeof(T), adaptive, path);
-        auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
-          return &attn_bwd_dq_kernel<Tr, decltype(S)::value, decltype(A)::value, true>;
-        });
-        std::string err = launch<T>(kernel, "attn_bwd_dq_kernel (pre-pass)", grid, Tr::kNThreads, smem, stream, p);
-        if (!err.empty()) return err;
-      }
+      // pre-pass: delta (and the adaptive g), then the fused kernel
+      std::string err = launch_variant<T, Dq>(
+          "attn_bwd_dq_kernel (pre-pass)",
+          [](auto S, auto A) { return &attn_bwd_dq_kernel<Dq, decltype(S)::value, decltype(A)::value, true>; }, ssa,
+          adaptive, query_grid<Dq>(p), bwd_prep_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
+      if (!err.empty()) return err;
       using Tr = FusedTraits<D, T>;
-      const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-      const int smem = bwd_fused_smem_bytes(D, sizeof(T), adaptive, path);
-      auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
-        return &attn_bwd_fused_kernel<Tr, decltype(S)::value, decltype(A)::value>;
-      });
-      return launch<T>(kernel, "attn_bwd_fused_kernel", grid, Tr::kNThreads, smem, stream, p);
+      return launch_variant<T, Tr>(
+          "attn_bwd_fused_kernel",
+          [](auto S, auto A) { return &attn_bwd_fused_kernel<Tr, decltype(S)::value, decltype(A)::value>; }, ssa,
+          adaptive, key_grid<Tr>(p), bwd_fused_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
     }
   }
-  {
-    using Tr = DqTraits<D, T>;
-    const dim3 grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-    const int smem = dq_smem_bytes(D, sizeof(T), path);
-    auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
-      return &attn_bwd_dq_kernel<Tr, decltype(S)::value, decltype(A)::value>;
-    });
-    std::string err = launch<T>(kernel, "attn_bwd_dq_kernel", grid, Tr::kNThreads, smem, stream, p);
-    if (!err.empty()) return err;
-  }
+  std::string err = launch_variant<T, Dq>(
+      "attn_bwd_dq_kernel", [](auto S, auto A) { return &attn_bwd_dq_kernel<Dq, decltype(S)::value, decltype(A)::value>; },
+      ssa, adaptive, query_grid<Dq>(p), dq_smem_bytes(D, sizeof(T), path), stream, p);
+  if (!err.empty()) return err;
+  // dK/dV with the tile Tr (traits.h: DkdvTraits, or DkdvTraitsSm75 where dkdv_split_for says)
+  auto dkdv = [&](auto traits, int smem) {
+    using Tr = decltype(traits);
+    return launch_variant<T, Tr>(
+        "attn_bwd_dkdv_kernel",
+        [](auto S, auto A) { return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value>; }, ssa,
+        adaptive, key_grid<Tr>(p), smem, stream, p);
+  };
   if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {
     int arch = 0, max_optin = 0;
-    if (device_info(arch, max_optin).empty() && dkdv_split_for(D, false, arch) == 2) {
-      using Tr = DkdvTraitsSm75<D, T>;  // see traits.h
-      const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-      const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75);
-      auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
-        return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value>;
-      });
-      return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
-    }
+    if (device_info(arch, max_optin).empty() && dkdv_split_for(D, false, arch) == 2)
+      return dkdv(DkdvTraitsSm75<D, T>{}, dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75));
   }
-  using Tr = DkdvTraits<D, T>;
-  const dim3 grid((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-  const int smem = dkdv_smem_bytes(D, sizeof(T), adaptive, path);
-  auto kernel = feature_switch(ssa, adaptive, [](auto S, auto A) {
-    return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value>;
-  });
-  return launch<T>(kernel, "attn_bwd_dkdv_kernel", grid, Tr::kNThreads, smem, stream, p);
+  return dkdv(DkdvTraits<D, T>{}, dkdv_smem_bytes(D, sizeof(T), adaptive, path));
 }
 
 // The backward's plan on the current device (launch.h).
@@ -197,8 +195,8 @@ std::string run_fwd(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t st
 }
 
 template <typename T>
-std::string run_stats(const FwdParams& p, bool ssa, cudaStream_t stream) {
-  return head_dim_switch(p.dim, p.dim, [&](auto D) { return stats_hdim<T, decltype(D)::value>(p, ssa, stream); });
+std::string run_row_entropy(const FwdParams& p, bool ssa, cudaStream_t stream) {
+  return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, ssa, stream); });
 }
 
 template <typename T>

@@ -36,7 +36,7 @@ struct AttnShape {
   const float* ssa_b;                 // (H,) or nullptr (softmax logits)
   const float* ssa_n;
   // Dropout (docs/design.md section 1.5), nullptr drop_rng without: the int64 (seed, offset) on the device;
-  // weight (b, h, i, j) is kept iff its Philox word is below drop_keep_below (utils.h, drop_bits;
+  // weight (b, h, i, j) is kept iff its Philox word is below drop_keep_below (dropout.h, drop_bits;
   // ssa_flash.reference.dropout_keep_mask), kept weights scaled by drop_scale = 1 / (1 - p)
   // (0 for p = 1, where nothing is kept).
   const int64_t* drop_rng;
@@ -47,7 +47,7 @@ struct AttnShape {
 // The band of window_size = (window_left, window_right) (-1: that side unbounded; both >= -1) with
 // causality folded in (win_right = 0 under causal). An unbounded side, or one past the sequence,
 // is the sequence's length (left: plus kMaxBlockRows, so that a query tile's last row, even one
-// past len_q, never bounds its keys: tile.h key_blocks), so row + win_right stays in int when
+// past len_q, never bounds its keys: block_info.h key_blocks), so row + win_right stays in int when
 // len_q + len_k < 2^31 - 1024 (the binding checks both). Needs len_q, len_k and causal set.
 inline void set_band(AttnShape& s, int64_t window_left, int64_t window_right) {
   const int64_t right = window_right < 0 || window_right > s.len_k ? s.len_k : window_right;
@@ -68,7 +68,7 @@ struct FwdParams : AttnShape {
   int64_t o_sb, o_sh, o_sm;
   float* lse;         // (B, H, Lq): natural-log LSE of the (temperature-scaled) logit row
   const float* beta;  // (B, H, Lq) adaptive temperature, or nullptr
-  // statistics pass only (run_stats): entropy and LSE of softmax(l)
+  // row-entropy pass only (run_row_entropy): entropy and LSE of softmax(l)
   float* entropy;
 };
 

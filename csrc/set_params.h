@@ -48,8 +48,8 @@ struct AttnCall {
   // operands (q, k, v in every pass; o, dout, dq, dk, dv as the pass needs; the forward's output
   // o; dq absent on the fused backward path, whose dQ goes to dq_accum)
   Operand q, k, v, o, dout, dq, dk, dv;
-  // per-row statistics, contiguous (B, H, Lq) float32: lse (written by fwd / stats, read by bwd),
-  // entropy (written by stats, read by bwd), dlse (optional), the adaptive temperature's beta,
+  // per-row statistics, contiguous (B, H, Lq) float32: lse (written by fwd / row_entropy, read by bwd),
+  // entropy (written by row_entropy, read by bwd), dlse (optional), the adaptive temperature's beta,
   // lse_l, dbeta_dh (all four of beta, lse_l, entropy, dbeta_dh in an adaptive backward)
   float* lse;
   float* entropy;
@@ -132,35 +132,44 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
   s.drop_scale = c.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
 }
 
+// An operand's pointer and strides, into a params struct's fields of that operand.
+template <typename Ptr>
+inline void set_operand(Ptr& ptr, int64_t& sb, int64_t& sh, int64_t& sm, const Operand& o) {
+  ptr = o.ptr;
+  sb = o.sb;
+  sh = o.sh;
+  sm = o.sm;
+}
+
+// q, k, v, o: the operands FwdParams and BwdParams share.
+template <typename P>
+inline void set_qkvo(P& p, const AttnCall& c) {
+  set_operand(p.q, p.q_sb, p.q_sh, p.q_sm, c.q);
+  set_operand(p.k, p.k_sb, p.k_sh, p.k_sm, c.k);
+  set_operand(p.v, p.v_sb, p.v_sh, p.v_sm, c.v);
+  set_operand(p.o, p.o_sb, p.o_sh, p.o_sm, c.o);
+}
+
 // The forward's parameters: o, lse written (beta: the adaptive temperature, or null).
 inline FwdParams fwd_params(const AttnCall& c) {
   FwdParams p{};
   set_shape(p, c);
-  p.q = c.q.ptr;
-  p.k = c.k.ptr;
-  p.v = c.v.ptr;
-  p.o = c.o.ptr;
-  p.q_sb = c.q.sb; p.q_sh = c.q.sh; p.q_sm = c.q.sm;
-  p.k_sb = c.k.sb; p.k_sh = c.k.sh; p.k_sm = c.k.sm;
-  p.v_sb = c.v.sb; p.v_sh = c.v.sh; p.v_sm = c.v.sm;
-  p.o_sb = c.o.sb; p.o_sh = c.o.sh; p.o_sm = c.o.sm;
+  set_qkvo(p, c);
   p.lse = c.lse;
   p.beta = c.beta;
   p.entropy = nullptr;
   return p;
 }
 
-// The statistics pass's parameters: entropy and lse of softmax(l) written; dim_v = dim, and
+// The row-entropy pass's parameters: entropy and lse of softmax(l) written; dim_v = dim, and
 // the statistics are of the undropped rows (no dropout).
-inline FwdParams stats_params(AttnCall c) {
+inline FwdParams row_entropy_params(AttnCall c) {
   c.dim_v = c.dim;
   c.drop_rng = nullptr;
   FwdParams p{};
   set_shape(p, c);
-  p.q = c.q.ptr;
-  p.k = c.k.ptr;
-  p.q_sb = c.q.sb; p.q_sh = c.q.sh; p.q_sm = c.q.sm;
-  p.k_sb = c.k.sb; p.k_sh = c.k.sh; p.k_sm = c.k.sm;
+  set_operand(p.q, p.q_sb, p.q_sh, p.q_sm, c.q);
+  set_operand(p.k, p.k_sb, p.k_sh, p.k_sm, c.k);
   p.lse = c.lse;
   p.entropy = c.entropy;
   return p;
@@ -198,25 +207,12 @@ inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
 inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   BwdParams p{};
   set_shape(p, c);
-  p.q = c.q.ptr;
-  p.k = c.k.ptr;
-  p.v = c.v.ptr;
-  p.o = c.o.ptr;
-  p.dout = c.dout.ptr;
-  p.dq = plan.fused ? nullptr : c.dq.ptr;
+  set_qkvo(p, c);
+  set_operand(p.dout, p.do_sb, p.do_sh, p.do_sm, c.dout);
+  if (!plan.fused) set_operand(p.dq, p.dq_sb, p.dq_sh, p.dq_sm, c.dq);
   p.dq_accum = plan.fused ? c.dq_accum : nullptr;
-  p.dk = c.dk.ptr;
-  p.dv = c.dv.ptr;
-  p.q_sb = c.q.sb; p.q_sh = c.q.sh; p.q_sm = c.q.sm;
-  p.k_sb = c.k.sb; p.k_sh = c.k.sh; p.k_sm = c.k.sm;
-  p.v_sb = c.v.sb; p.v_sh = c.v.sh; p.v_sm = c.v.sm;
-  p.o_sb = c.o.sb; p.o_sh = c.o.sh; p.o_sm = c.o.sm;
-  p.do_sb = c.dout.sb; p.do_sh = c.dout.sh; p.do_sm = c.dout.sm;
-  if (!plan.fused) {
-    p.dq_sb = c.dq.sb; p.dq_sh = c.dq.sh; p.dq_sm = c.dq.sm;
-  }
-  p.dk_sb = c.dk.sb; p.dk_sh = c.dk.sh; p.dk_sm = c.dk.sm;
-  p.dv_sb = c.dv.sb; p.dv_sh = c.dv.sh; p.dv_sm = c.dv.sm;
+  set_operand(p.dk, p.dk_sb, p.dk_sh, p.dk_sm, c.dk);
+  set_operand(p.dv, p.dv_sb, p.dv_sh, p.dv_sm, c.dv);
   p.lse = c.lse;
   p.dlse = c.dlse;
   p.rowstat = c.rowstat;
@@ -239,11 +235,11 @@ inline std::string run_forward(const AttnCall& c, cudaStream_t stream) {
   return c.bf16 ? run_fwd_bf16(p, ssa, adaptive, stream) : run_fwd_fp16(p, ssa, adaptive, stream);
 }
 
-inline std::string run_statistics(const AttnCall& c, cudaStream_t stream) {
+inline std::string run_row_entropy(const AttnCall& c, cudaStream_t stream) {
   std::string why = check_call(c);
   if (!why.empty()) return why;
-  const FwdParams p = stats_params(c);
-  return c.bf16 ? run_stats_bf16(p, is_ssa(c), stream) : run_stats_fp16(p, is_ssa(c), stream);
+  const FwdParams p = row_entropy_params(c);
+  return c.bf16 ? run_row_entropy_bf16(p, is_ssa(c), stream) : run_row_entropy_fp16(p, is_ssa(c), stream);
 }
 
 // The backward as `plan` (plan_backward of the same call) says; the buffers of bwd_buffers given.

@@ -2,7 +2,7 @@
 // binding (which sizes the db/dn partial-sum buffers with dq_block_m).
 //
 // Every kernel gives each warp kMS 16-row strips of the tile it owns (query rows in the forward,
-// statistics and dQ kernels; key rows in the dK/dV kernel). The forward and statistics kernels
+// row-entropy and dQ kernels; key rows in the dK/dV kernel). The forward and row-entropy kernels
 // use two strips (32 rows per warp, 128-row tiles) up to D = 128: every K / V fragment a warp
 // reads from shared memory then feeds two m16 strips, halving ldmatrix traffic per mma
 // (FlashAttention-2's 128 x N tiles with 4 warps); at D = 128 the key block is 32 so that the
@@ -13,7 +13,7 @@
 //
 // Shared memory (16-bit elements, padded rows of P = D + 8):
 //   forward      Q + K + V            (BM + 2 BN) P        K, V single-buffered, loads overlapped
-//   statistics   Q + 2 K              (BM + 2 BN) P        K double-buffered
+//   row entropy  Q + 2 K              (BM + 2 BN) P        K double-buffered
 //   dQ           Q + dO + 2 K + V     (2 BM + 3 BN) P      K double-buffered
 //   dK/dV        K + V + 2 Q + dO     (2 BN + 3 BM) P      Q double-buffered (+ row statistics)
 #pragma once
@@ -25,7 +25,7 @@ constexpr int padded_head_dim(int d) {
   return d <= 32 ? 32 : d <= 64 ? 64 : d <= 96 ? 96 : d <= 128 ? 128 : d <= 256 ? 256 : -1;
 }
 
-// forward and statistics pass: BM query rows (4 warps), BN keys per step
+// forward and row-entropy pass: BM query rows (4 warps), BN keys per step
 constexpr int fwd_block_m(int d) { return d <= 128 ? 128 : 64; }
 constexpr int fwd_block_n(int d) { return d <= 64 ? 64 : 32; }
 // the largest query tile of any kernel (params.h set_band relies on it)
@@ -50,7 +50,7 @@ constexpr int dkdv_warps(int d) { return dkdv_block_n(d) / 16 * dkdv_col_split(d
 
 constexpr int smem_row(int d) { return d + 8; }
 
-// sm_70 only: per-warp shared memory through which P / dS reach the second GEMM (tile.h,
+// sm_70 only: per-warp shared memory through which P / dS reach the second GEMM (gemm_mma.h,
 // gemm_rn), 16 rows per strip of the warp, K + 8 elements each (K = the GEMM's reduction size).
 constexpr int sm70_scratch_bytes(int warps, int strips, int k, int elem_bytes) {
   return warps * strips * 16 * (k + 8) * elem_bytes;
@@ -70,12 +70,12 @@ constexpr int code_path(int arch) {
 // tile is one warpgroup's m64, and the head dim is whole 64-column panels of the swizzled tiles
 // (the dQ GEMM's N-major B operand is read a panel per wgmma).
 constexpr bool dq_wgmma(int d) { return d == 64 || d == 128; }
-// The forward's and the statistics pass's GEMMs likewise (fwd_kernel.h): their 128-row query tile
+// The forward's and the row-entropy pass's GEMMs likewise (fwd_kernel.h): their 128-row query tile
 // is two m64 halves of the warpgroup.
 constexpr bool fwd_wgmma(int d) { return d == 64 || d == 128; }
 // The key-block kernels' (dK/dV and fused backward, bwd_kernel.h): their 64-key block is the m64.
 constexpr bool bwd_wgmma(int d) { return d == 64 || d == 128; }
-// Bytes of a 128-byte-swizzled tile (tile.h, Sw128Tile): 64-column panels of 128-byte rows.
+// Bytes of a 128-byte-swizzled tile (smem_layout.h, Sw128Tile): 64-column panels of 128-byte rows.
 constexpr int sw128_tile_bytes(int rows, int d) { return (d + 63) / 64 * rows * 128; }
 constexpr int max_int(int a, int b) { return a > b ? a : b; }
 
@@ -91,7 +91,7 @@ constexpr int fwd_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
                      : 0) +
          fwd_drop_bytes(d);
 }
-constexpr int stats_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
+constexpr int row_entropy_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
   return max_int((fwd_block_m(d) + 2 * fwd_block_n(d)) * smem_row(d) * elem_bytes,
                  path == kPathSm90 && fwd_wgmma(d)
                      ? sw128_tile_bytes(fwd_block_m(d), d) + 2 * sw128_tile_bytes(fwd_block_n(d), d) + 1024
@@ -143,7 +143,7 @@ struct KernelTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = 32 * kNWarps_;
-  // 16-row strips per warp (forward, statistics and dQ kernels; the dK/dV kernel has its own
+  // 16-row strips per warp (forward, row-entropy and dQ kernels; the dK/dV kernel has its own
   // strip arithmetic)
   static constexpr int kMS = kBlockM_ / (16 * kNWarps_) > 0 ? kBlockM_ / (16 * kNWarps_) : 1;
   static constexpr int kStride = smem_row(kHeadDim_);  // shared-memory row stride, elements

@@ -68,7 +68,7 @@ const LayoutEntry kLayout[] = {
 
 }  // namespace
 
-// op 0: forward (o, lse), 1: statistics (entropy, lse of softmax(l)), 2: backward (as
+// op 0: forward (o, lse), 1: row entropy (entropy, lse of softmax(l)), 2: backward (as
 // plan_backward of the same call says; the buffers of ssa_emu_bwd_plan given). lazy_copies and
 // seed: the emulation's schedule (emu_runtime.h, Config). Returns an error message or "".
 extern "C" const char* ssa_emu_run(int op, const ssa_flash::AttnCall* call, int lazy_copies, unsigned seed) {
@@ -78,7 +78,7 @@ extern "C" const char* ssa_emu_run(int op, const ssa_flash::AttnCall* call, int 
   ssa_emu::config().shuffle = seed != 0;
   std::string err;
   if (op == 0) err = run_forward(*call, nullptr);
-  else if (op == 1) err = run_statistics(*call, nullptr);
+  else if (op == 1) err = run_row_entropy(*call, nullptr);
   else if (op == 2) err = run_backward(*call, plan_backward(*call), nullptr);
   else err = "unknown op " + std::to_string(op);
   last_error() = err;

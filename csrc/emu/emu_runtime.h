@@ -1,7 +1,8 @@
 // A CPU emulation of the part of the CUDA execution model the ssa_flash kernels use, so that
 // the kernels in csrc/ can be run and checked on a machine without a GPU (tests/
 // test_csrc_compile.py). Compiled with a host C++ compiler and -DSSA_FLASH_EMULATE; the kernel
-// sources are the same, only the primitives of utils.h and the launch are replaced.
+// sources are the same, only the primitives (memory.h, fast_math.h,
+// gemm_mma.h, gemm_wgmma.h) and the launch are replaced.
 //
 // Model. The threads of a block are fibers (ucontext to start them, then _setjmp/_longjmp, which
 // needs -U_FORTIFY_SOURCE: glibc's checked longjmp refuses to switch stacks) run by one OS thread. Every block barrier
@@ -11,7 +12,7 @@
 // block-uniform; a divergent one is reported as an error). Collective inputs are deposited in a
 // per-thread slot indexed by the parity of the point, and read back by the other lanes after the
 // round. ldmatrix and mma.sync are implemented from the PTX ISA's definition of which thread
-// holds which matrix element (not from the fragment arithmetic of utils.h / tile.h, which they
+// holds which matrix element (not from the fragment arithmetic of frag.h / gemm_mma.h, which they
 // therefore check). cp.async copies are performed either at issue ("eager") or at the
 // cp.async.wait_group that retires them ("lazy"); both are legal hardware behaviours, so a
 // correct kernel gives identical results in both modes (the sm_70 / sm_75 emulations, which have
@@ -87,6 +88,28 @@ struct Copy {
   bool pred;
 };
 
+// Operations a thread issued and has not waited for yet, in commit groups (cp.async's
+// commit_group / wait_group, wgmma's likewise): `open` the uncommitted ones, `groups` the
+// committed groups, oldest first.
+template <typename Op>
+struct PendingGroups {
+  std::vector<Op> open;
+  std::deque<std::vector<Op>> groups;
+  void commit() {
+    groups.push_back(std::move(open));
+    open.clear();
+  }
+  // Carries out (run(op)) the oldest groups until at most n are left.
+  template <typename Run>
+  void wait(int n, Run&& run) {
+    while (static_cast<int>(groups.size()) > n) {
+      for (const Op& op : groups.front()) run(op);
+      groups.pop_front();
+    }
+  }
+  bool empty() const { return open.empty() && groups.empty(); }
+};
+
 struct Fiber {
   ucontext_t ctx;  // only to enter the fiber the first time
   jmp_buf jb;      // then _setjmp/_longjmp: no signal-mask system call per switch
@@ -95,10 +118,8 @@ struct Fiber {
   bool done = false;
   long syncs = 0;
   Slot slot[2];
-  std::vector<Copy> open;
-  std::deque<std::vector<Copy>> groups;
-  std::vector<WgmmaOp> wg_open;
-  std::deque<std::vector<WgmmaOp>> wg_groups;
+  PendingGroups<Copy> copies;
+  PendingGroups<WgmmaOp> wgmma;
 };
 
 struct Config {
@@ -200,7 +221,7 @@ inline V shfl_xor(V v, int off) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Primitives of utils.h
+// Primitives of memory.h, fast_math.h, gemm_mma.h
 
 inline float ex2(float x) { return std::exp2(x); }
 inline float lg2(float x) { return std::log2(x); }
@@ -217,27 +238,19 @@ inline void do_copy(const Copy& c) {
   else std::memset(c.dst, 0, 16);
 }
 
-// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths (utils.h,
+// Only cp.async (sm_80+) can land late: on the sm_70 / sm_75 code paths (arch.h,
 // SSA_FLASH_ASYNC_COPIES 0) a copy is a load and a store, complete at issue whatever the mode.
 inline void cp_async_16(void* smem, const void* gmem, bool pred) {
   const Copy c{smem, gmem, pred};
-  if (SSA_FLASH_ASYNC_COPIES && config().lazy_copies) me().open.push_back(c);
+  if (SSA_FLASH_ASYNC_COPIES && config().lazy_copies) me().copies.open.push_back(c);
   else do_copy(c);
 }
 
-inline void cp_async_commit() {
-  Fiber& f = me();
-  f.groups.push_back(std::move(f.open));
-  f.open.clear();
-}
+inline void cp_async_commit() { me().copies.commit(); }
 
 template <int N>
 inline void cp_async_wait() {
-  Fiber& f = me();
-  while (static_cast<int>(f.groups.size()) > N) {
-    for (const Copy& c : f.groups.front()) do_copy(c);
-    f.groups.pop_front();
-  }
+  me().copies.wait(N, do_copy);
 }
 
 inline uint16_t load16(const void* row, int col) {
@@ -509,7 +522,7 @@ inline void wgmma_issue(float* d, int n, const uint32_t* a, uint64_t desc_a, uin
     }
   }
   config().wgmma_issued++;
-  if (config().lazy_copies) f.wg_open.push_back(op);
+  if (config().lazy_copies) f.wgmma.open.push_back(op);
   else wgmma_run(op);
 }
 
@@ -523,19 +536,11 @@ inline void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t d
   wgmma_issue(&d[0][0], N, a, 0, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value);
 }
 
-inline void wgmma_commit() {
-  Fiber& f = me();
-  f.wg_groups.push_back(std::move(f.wg_open));
-  f.wg_open.clear();
-}
+inline void wgmma_commit() { me().wgmma.commit(); }
 
 template <int N>
 inline void wgmma_wait() {
-  Fiber& f = me();
-  while (static_cast<int>(f.wg_groups.size()) > N) {
-    for (const WgmmaOp& op : f.wg_groups.front()) wgmma_run(op);
-    f.wg_groups.pop_front();
-  }
+  me().wgmma.wait(N, wgmma_run);
 }
 
 inline void wgmma_fence() {}
@@ -665,7 +670,7 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
           int done = 0;
           for (const Fiber& f : b.fibers) {
             done += f.done;
-            if (f.done && (!f.wg_open.empty() || !f.wg_groups.empty()))
+            if (f.done && !f.wgmma.empty())
               error = std::string(name) + ": a thread ended with a wgmma not waited for";
           }
           if (!error.empty()) break;

@@ -129,7 +129,7 @@ def _nan(shape, dtype=torch.float32) -> torch.Tensor:
 
 
 class Emulator:
-    """The extension's interface (csrc/api.cpp: fwd, stats, bwd) on CPU tensors. Like api.cpp it
+    """The extension's interface (csrc/api.cpp: fwd, row_entropy, bwd) on CPU tensors. Like api.cpp it
     only describes the call (an AttnCall) and allocates the outputs; the checks, the parameter
     structs, the backward's plan and its buffers' shapes are csrc/set_params.h's, run by the
     emulator library. Outputs start as NaN, so that what a kernel leaves unwritten shows."""
@@ -189,7 +189,7 @@ class Emulator:
         self._run(0, c, (q, k, v, mask, b, n, beta, drop_rng))
         return o, lse
 
-    def stats(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0, window_left=-1,
+    def row_entropy(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0, window_left=-1,
               window_right=-1):
         c = self._describe(q, k, q.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
                            window_right)

@@ -67,7 +67,7 @@ def instantiations(head_dims: Sequence[int] = HEAD_DIMS) -> str:
                 if d <= 64:  # the fused backward and its pre-pass (sm_70: csrc/traits.h, bwd_fused_for)
                     lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}, true>(const BwdParams);")
                     lines.append(f"template __global__ void attn_bwd_fused_kernel<FusedTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")
-            lines.append(f"template __global__ void attn_stats_kernel<FwdTraits<{d}, __half>, {ssa}>(const FwdParams);")
+            lines.append(f"template __global__ void attn_row_entropy_kernel<FwdTraits<{d}, __half>, {ssa}>(const FwdParams);")
     lines.append("}  // namespace ssa_flash")
     return "\n".join(lines) + "\n"
 

@@ -256,7 +256,7 @@ def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
     variant = kern
     if kern in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel") and len(flags) >= 2:
         variant += ("[ssa" if flags[0] == "true" else "[softmax") + (",adaptive]" if flags[1] == "true" else "]")
-    elif kern == "attn_stats_kernel" and flags:
+    elif kern == "attn_row_entropy_kernel" and flags:
         variant += "[ssa]" if flags[0] == "true" else "[softmax]"
     variant += f" D={d} {'fp16' if 'half' in elem else 'bf16'}"
     if kern == "attn_bwd_dkdv_kernel" and split > 1 and d <= 128:

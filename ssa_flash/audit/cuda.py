@@ -3,7 +3,7 @@
 
 Which kernel a symbol is, and its tile, comes from :data:`DESCRIBERS`: functions from a (mangled)
 symbol to a description, or None. The one given reads ``KernelTraits<D, BM, BN, WARPS, T, SPLIT>``
-and the ``bool`` switches of ``attn_{fwd,stats,bwd_dq,bwd_dkdv}_kernel`` (``csrc/traits.h``);
+and the ``bool`` switches of ``attn_{fwd,row_entropy,bwd_dq,bwd_dkdv}_kernel`` (``csrc/traits.h``);
 kernels it does not recognise still get resources and raw per-iteration counts. Causality and
 masks are run-time switches of these kernels, so their loops are counted with every path present
 (``inner_branches`` says how many branches a loop body holds).
@@ -83,7 +83,7 @@ def unavailable(csrc: Optional[Path] = None) -> Optional[str]:
 
 
 _TRAITS_RE = re.compile(r"KernelTraitsI((?:Li\d+E)+)(\w+?)((?:Li\d+E)*)E")
-_KERNEL_RE = re.compile(r"attn_(fwd|stats|bwd_dq|bwd_dkdv|bwd_fused)_kernel")
+_KERNEL_RE = re.compile(r"attn_(fwd|row_entropy|bwd_dq|bwd_dkdv|bwd_fused)_kernel")
 
 
 def describe_ssa_flash(symbol: str) -> Optional[dict]:

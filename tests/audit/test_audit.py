@@ -628,7 +628,7 @@ __global__ void __launch_bounds__(32) probe_mma(const uint32_t* a, float* c, int
 def test_cuda_symbol_description():
     from ssa_flash.audit import cuda
 
-    d = cuda.describe_ssa_flash("_ZN9ssa_flash17attn_stats_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
+    d = cuda.describe_ssa_flash("_ZN9ssa_flash23attn_row_entropy_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
                                 "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
     assert d == {"kernel": "row_entropy", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
                  "col_split": 1, "ssa": False, "adaptive": False, "prep": False, "inner_trips": 1}

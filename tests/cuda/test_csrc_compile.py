@@ -726,7 +726,7 @@ def test_emulated_call_is_checked(emu_lib):
     with pytest.raises(RuntimeError, match="scale must be finite and >= 0"):
         emu.fwd(q, q, q, None, 0, None, None, None, -0.5, False, 1)
     with pytest.raises(RuntimeError, match="group"):
-        emu.stats(q, q, None, 0, None, None, 0.5, False, 2)
+        emu.row_entropy(q, q, None, 0, None, None, 0.5, False, 2)
     o, lse = emu.fwd(q, q, q, None, 0, None, None, None, 0.5, False, 1)
     assert not o.isnan().any() and not lse.isnan().any()
 
@@ -859,7 +859,7 @@ def test_tile_table_matches_python(tmp_path):
         "    for (int a : {0, 1}) {\n"
         "      for (int v : {0, 1, 2, 3}) {\n"
         "        int m = fwd_smem_bytes(d, 2, v);\n"
-        "        if (stats_smem_bytes(d, 2) > m) m = stats_smem_bytes(d, 2);\n"
+        "        if (row_entropy_smem_bytes(d, 2) > m) m = row_entropy_smem_bytes(d, 2);\n"
         "        if (dq_smem_bytes(d, 2, v) > m) m = dq_smem_bytes(d, 2, v);\n"
         "        if (dkdv_smem_bytes(d, 2, a, v) > m) m = dkdv_smem_bytes(d, 2, a, v);\n"
         '        std::printf("%d %d %d %d\\n", d, a, v, m);\n'

@@ -351,7 +351,7 @@ def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypa
         torch.manual_seed(21)
         drop_kw = dict(dropout_mask=ssa_flash.dropout_mask((q.shape[0], q.shape[1], Lq, Lk), kw["dropout_p"]))
     calls = []
-    for fn in ("fwd", "stats", "bwd"):
+    for fn in ("fwd", "row_entropy", "bwd"):
         orig = getattr(emulator, fn)
         monkeypatch.setattr(emulator, fn, lambda *a, _o=orig, _f=fn, **k_: calls.append(_f) or _o(*a, **k_))
     dout = torch.randn(*q.shape[:-1], v.shape[-1], generator=g)
@@ -367,7 +367,7 @@ def test_emulated_cuda_backend_through_public_api(emulator, mode, case, monkeypa
         torch.manual_seed(21)
         ours = run(ssa_flash, q, k, v, b, n, backend="cuda")
     assert calls.count("fwd") == 1 and calls.count("bwd") == 1
-    assert calls.count("stats") == (1 if "adaptive" in mode else 0)
+    assert calls.count("row_entropy") == (1 if "adaptive" in mode else 0)
     naive = run(reference, q, k, v, b, n, **drop_kw)
     d64 = [None if t is None else t.detach().double().requires_grad_() for t in (q, k, v, b, n)]
     gold_kw = {key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)

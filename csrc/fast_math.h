@@ -1,0 +1,51 @@
+// Fast math in base-2 units: ex2 / lg2 / rcp (MUFU), sign and -inf helpers, the constants that
+// convert between natural and base-2 logarithms.
+#pragma once
+
+#include "arch.h"
+
+namespace ssa_flash {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+#ifdef SSA_FLASH_EMULATE
+using ssa_emu::ex2;
+using ssa_emu::lg2;
+using ssa_emu::rcp;
+#else
+// ------------------------------------------------------------------------------------------
+// Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
+
+SSA_DEVICE float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+SSA_DEVICE float lg2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+SSA_DEVICE float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#endif  // SSA_FLASH_EMULATE
+
+// x with its sign flipped where s is negative: sgn(s) * x in one LOP3 (also for s = -0, whose
+// x is 0 in every use here).
+SSA_DEVICE float xor_sign(float x, float s) {
+  return __int_as_float(__float_as_int(x) ^ (__float_as_int(s) & 0x80000000));
+}
+
+SSA_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
+
+// A running row max with -inf (nothing admissible yet) replaced by 0, so that ex2(l - m) is 0
+// instead of NaN for -inf logits.
+SSA_DEVICE float safe_max(float m) { return m == neg_inf() ? 0.0f : m; }
+
+}  // namespace ssa_flash

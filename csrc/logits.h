@@ -1,0 +1,67 @@
+// The logit transform, in base-2 units, mirroring ssa_flash/triton/logits.py: softmax or SSA
+// (LogitCtx: what one (batch, query head) needs; row_mult: a row's multiplier, beta included;
+// logit_raw: one score's logit before masks). Masks and the band are mask.h.
+#pragma once
+
+#include "fast_math.h"
+#include "params.h"
+
+namespace ssa_flash {
+
+// ------------------------------------------------------------------------------------------
+// Logits, in base-2 units: l2 = phi(z) log2(e) + mask log2(e), z = scale * s for the raw dot
+// product s. Softmax: l2 = s * (scale log2 e). SSA: phi(z) log2(e) = n sgn(s) log2(1 + b scale |s|),
+// computed as n * xor_sign(lg2(fma(b scale, |s|, 1)), s): one FFMA, one MUFU.LG2, one LOP3, one
+// FMUL, no division. lg2.approx is accurate to an absolute 2^-22 or so on [1, inf), and softmax
+// is shift-invariant, so only this absolute error (times n) matters, also where b|z| is tiny and
+// 1 + b|z| rounds (log1p's usual concern is relative error, which the weights never see).
+
+// What the logit transform needs for one (batch, query head). The mask fields are read from the
+// kernel parameters where needed (apply_mask) rather than kept in registers: the forward at
+// D = 128 has none to spare.
+struct LogitCtx {
+  float c;   // multiplies |s| or s: scale * b (SSA) or scale * log2(e) (softmax)
+  float n;   // SSA exponent n (0 for softmax)
+  float nb;  // d phi / dz at 0 (SSA: n b), for the backward
+  int batch, head;
+};
+
+SSA_DEVICE LogitCtx make_logit_ctx(const AttnShape& p, int batch, int head, bool ssa) {
+  LogitCtx c;
+  if (ssa) {
+    const float b = p.ssa_b[head], n = p.ssa_n[head];
+    c.c = p.scale * b;
+    c.n = n;
+    c.nb = n * b;
+  } else {
+    c.c = p.scale * kLog2e;
+    c.n = c.nb = 0.0f;
+  }
+  c.batch = batch;
+  c.head = head;
+  return c;
+}
+
+// The multiplier of a row's logits (before masks): c (softmax) or n (SSA), times the row's
+// adaptive temperature beta where there is one, so beta costs nothing per element.
+template <bool kSSA>
+SSA_DEVICE float row_mult(const LogitCtx& c, float beta) {
+  return (kSSA ? c.n : c.c) * beta;
+}
+
+// Base-2 logit of raw dot product s, before masks, times the row multiplier `mult`
+// (row_mult): softmax s * mult, SSA mult * t with t = sgn(s) log2(1 + c|s|), returned in `t`
+// (the backward's dn needs it; u = 1 + c|s| too).
+template <bool kSSA>
+SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, float& u) {
+  if (kSSA) {
+    u = fmaf(c.c, fabsf(s), 1.0f);
+    t = xor_sign(lg2(u), s);
+    return mult * t;
+  } else {
+    t = u = 0.0f;
+    return s * mult;
+  }
+}
+
+}  // namespace ssa_flash
