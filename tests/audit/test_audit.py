@@ -422,7 +422,8 @@ def test_interior_loop_is_the_one_without_boundary_code():
     loops = [lp(12.0, False), lp(10.0, False)]
     assert analyse.assign_roles(loops) == 1  # ambiguous: the cheapest
     lines = analyse.boundary_marker_lines()
-    assert {name for name, _ in lines} >= {"masks.py", "forward.py", "backward.py", "row_entropy.py"}
+    # the forward and row-entropy kernels' boundary loads are tile_loads.load_rows (marked there)
+    assert {name for name, _ in lines} >= {"masks.py", "backward.py", "tile_loads.py"}
 
 
 def test_rolled_inner_loop():
