@@ -30,7 +30,7 @@ struct AttnCall {
   // heads = group * heads_kv (GQA); dim, dim_v multiples of 8 (the wrapper pads), at most 256
   int64_t batch, heads, heads_kv, group, len_q, len_k, dim, dim_v;
   int64_t bf16;           // element type: 0 float16, 1 bfloat16
-  double scale;           // >= 0 (ssa_flash/backends/cuda.py applies a negative scale to -q)
+  double scale;           // >= 0 (ssa_flash/backends/cuda_backend.py applies a negative scale to -q)
   int64_t causal;
   int64_t window_left, window_right;  // window_size, -1: that side unbounded (set_band)
   int64_t deterministic;  // backward: the two-kernel path (bitwise reproducible)
