@@ -207,6 +207,8 @@ def describe_launch(kl) -> dict:
     def arg(a):
         if isinstance(a, torch.Tensor):
             return ["tensor", str(a.dtype), list(a.shape), list(a.stride())]
+        if isinstance(a, tuple):  # grouped arguments (strides, the split scale, dropout, window)
+            return ["tuple", [arg(x) for x in a]]
         return repr(a)
     return {"name": kl.name, "constexprs": {k: repr(v) for k, v in sorted(kl.constexprs.items())},
             "blocks": [kl.blocks.m, kl.blocks.n, kl.blocks.warps, kl.blocks.stages],

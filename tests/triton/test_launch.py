@@ -347,6 +347,23 @@ def test_unaligned_head_dims_are_padded(d, dv):
         assert tensors and all(t.shape[-1] % 8 == 0 and t.stride(2) % 8 == 0 for t in tensors), kl.name
 
 
+def test_kernel_strides_are_one_argument_per_tensor():
+    """Each tensor's strides reach the attention kernels as one tuple argument ``<name>_strides``
+    (Triton >= 3.3 takes tuples), not one parameter per axis; a capture passes them as tuples of
+    ints, with a contiguous tensor's unit last stride among them (Triton specialises it as it
+    would a scalar 1)."""
+    for kernel, names in launch._PARAMS.items():
+        assert not [n for n in names if n.startswith("stride_")], kernel
+        assert {"q_strides", "k_strides"} <= set(names), kernel
+    q = torch.empty(1, 2, 40, 64, device="meta", dtype=torch.float16)
+    spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, ssa=False, adaptive=False)
+    with launch.capture_launches(90) as cap:
+        launch.forward(q, q, q, None, None, None, None, spec)
+    (kl,) = cap
+    strides = kl.args[launch._PARAMS["fwd"].index("q_strides")]
+    assert strides == tuple(q.stride()) and strides[-1] == 1
+
+
 def test_launch_arguments_are_named():
     """Launch sites name the kernels' arguments: the positional tuple follows each kernel's
     signature, and a misspelt or missing name is a TypeError naming it."""
@@ -356,8 +373,8 @@ def test_launch_arguments_are_named():
     full = {n: 0 for n in names}
     with pytest.raises(TypeError, match="stride_qx"):
         launch._positional("row_entropy", **full, stride_qx=1)
-    del full["win_left"]
-    with pytest.raises(TypeError, match="win_left"):
+    del full["window"]
+    with pytest.raises(TypeError, match="window"):
         launch._positional("row_entropy", **full)
     # every runtime parameter, none of the constexprs
     assert "Q" in names and "BLOCK_M" not in names and "VARLEN" not in names
