@@ -3,7 +3,10 @@
 Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
 ``v (B, Hkv, Lk, Dv)`` with any strides; ``mask`` is None or a boolean / floating tensor already
 expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
-``(Hq,)`` tensors in the accumulation dtype. Per-row statistics are contiguous ``(B, Hq, Lq)``.
+``(Hq,)`` tensors in the accumulation dtype (SSA logits iff ``b`` is given). Per-row statistics are
+contiguous ``(B, Hq, Lq)``. ``spec`` is the backends' one :class:`~ssa_flash.backends.spec.AttentionSpec`
+(its ``sinks`` and ``softcap`` are refused by ``backends.triton_backend.supports``; the layout fields
+reach these functions as ``layout=`` below).
 
 Two other layouts (``layout=``, see ``extents.py``'s ``VARLEN``):
 
@@ -36,6 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The one spec type of every backend. The backends' interface module depends on nothing above
+# ssa_flash.temperature and imports no backend, so this import (the kernels' host side reading the
+# interface's data types) makes no cycle: tests/ops/test_backends.py checks the import graph.
+from ..backends.spec import AttentionSpec, TemperatureState
 from ..reference import dropout_keep_threshold
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .dropout import dropout_mask_kernel
@@ -52,24 +59,6 @@ from .tiles import Blocks, block_candidates, prune as _prune_candidates  # noqa:
 from .tiles import decode_candidates as _decode_candidates  # noqa: F401
 
 _MAX_GRID = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What the kernels compute, apart from the tensors."""
-
-    scale: float
-    causal: bool
-    group: int  # query heads per key/value head (GQA); 1 without GQA
-    ssa: bool
-    adaptive: bool
-    dropout_p: float = 0.0  # in [0, 1]; 0: the kernels compile without dropout
-    rng: Optional[torch.Tensor] = field(default=None, compare=False)  # (seed, offset) int64 (2,)
-    window_left: int = -1  # query i attends keys j >= i - window_left; -1: unbounded
-    window_right: int = -1  # ... and j <= i + window_right; -1: unbounded
-    # a fixed block configuration per kernel (the first that builds), never a timed one: bitwise
-    # the same results in every process on the same GPU model and software (see _launch)
-    deterministic: bool = False
 
 
 class Packed(NamedTuple):
@@ -92,15 +81,6 @@ class KVCache(NamedTuple):
     seqused_k: torch.Tensor
     k_start: Optional[torch.Tensor] = None
     num_splits: int = 0
-
-
-class TemperatureState(NamedTuple):
-    """Per-row tensors ``(B, Hq, Lq)`` of the adaptive temperature, kept for the backward."""
-
-    beta: torch.Tensor  # the temperature applied to the row
-    lse_l: torch.Tensor  # log-sum-exp of the temperature-free row l
-    entropy: torch.Tensor  # H = entropy of softmax(l)
-    dbeta_dh: torch.Tensor  # d beta / d H where the temperature is active, else 0
 
 
 @dataclass(frozen=True)
@@ -527,11 +507,11 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
     dropout = spec.dropout_p > 0.0
     drop_args = None
     if dropout:
-        if spec.rng is None:
-            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
+        if spec.dropout_rng is None:
+            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng")
         p = float(spec.dropout_p)
         hi, lo = _split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0)
-        drop_args = (spec.rng, dropout_keep_threshold(p), hi, lo)
+        drop_args = (spec.dropout_rng, dropout_keep_threshold(p), hi, lo)
     window = spec.window_left >= 0 or spec.window_right >= 0
     unbounded = Lq + Lk
     left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
@@ -543,7 +523,7 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
 FORCE_POLY_EXP2: Optional[int] = None
 
 
-def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> int:
+def _poly_exp2_degree(q, ssa: bool, head_block: int, kernel: str) -> int:
     """Degree of the polynomial ``exp2`` (``fast_math.exp2_poly``) that computes half of the interior
     tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
     the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
@@ -562,7 +542,7 @@ def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> i
         return FORCE_POLY_EXP2
     if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
         return 0
-    if not (_fast_math(q) and spec.ssa and head_block <= 64):
+    if not (_fast_math(q) and ssa and head_block <= 64):
         return 0
     return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
 
@@ -586,12 +566,12 @@ def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:
     return "tf32" if tf32_allowed() else "ieee"
 
 
-def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
+def _common_consts(q, spec: AttentionSpec, ssa: bool, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
     arch = _capture_arch if _capture is not None else _device_arch(q.device)
     return dict(
-        SSA=spec.ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
+        SSA=ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
         BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
     )
@@ -712,9 +692,9 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     ent, lse_l = _stat_for(lay, q, H), _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    ssa_b = b if spec.ssa else q
-    ssa_n = n if spec.ssa else q
-    consts = _common_consts(q4, spec, mask_kind)
+    ssa_b = b if b is not None else q  # dummies for softmax
+    ssa_n = n if b is not None else q
+    consts = _common_consts(q4, spec, b is not None, mask_kind)
     consts.update(VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
@@ -768,9 +748,9 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
         o = o4 = torch.empty((q.shape[0], H, q.shape[2], DV), device=q.device, dtype=q.dtype)
     lse = _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    consts = _common_consts(q4, spec, mask_kind, DV)
+    consts = _common_consts(q4, spec, b is not None, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen,
-                  POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
+                  POLY_EXP2=_poly_exp2_degree(q, b is not None, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
     name = _kernel_name("fwd", lay)
     state = {}
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
@@ -788,7 +768,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
             o_out = o_out.select(0, 0)
         return _positional(
             "fwd", Q=q4, K=k4, V=v4, O=o_out, LSE=lse_out, BETA=beta if spec.adaptive else q,
-            ssa_coefs=(b if spec.ssa else q, n if spec.ssa else q), **mask_args,
+            ssa_coefs=(b if b is not None else q, n if b is not None else q), **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4), v_strides=_strides(v4), o_strides=_strides(o_out),
             H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
@@ -853,12 +833,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
     mask_args, mask_kind = _mask_args(mask, q4)
-    consts = _common_consts(q4, spec, mask_kind, DV)
+    consts = _common_consts(q4, spec, b is not None, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
-    consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
+    consts.update(POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dkdv"))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
         g_given = g is not None
@@ -868,8 +848,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         if g is not None or dbeta_only:
             raise ValueError("g and dbeta_only are for the adaptive temperature only")
         beta = lse_l = ent = dbeta_dh = g = q
-    ssa_b = b if spec.ssa else q
-    ssa_n = n if spec.ssa else q
+    ssa_b = b if b is not None else q  # dummies for softmax
+    ssa_n = n if b is not None else q
     common_args = dict(ssa_coefs=(ssa_b, ssa_n), **mask_args, q_strides=_strides(q4), k_strides=_strides(k4),
                        v_strides=_strides(v4), do_strides=_strides(do4),
                        H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, **_scale_args(spec.scale),
@@ -879,7 +859,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
 
     def dq_args(blk):
         num_m = triton.cdiv(lay.Lq, blk.m)
-        if spec.ssa:  # packed: programs past their sequence's end write no partial sum
+        if b is not None:  # packed: programs past their sequence's end write no partial sum
             alloc = torch.zeros if packed else torch.empty
             parts["db"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
             parts["dn"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
@@ -892,7 +872,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
             num_m_blocks=num_m)
 
     dq_consts = dict(consts, HAS_DLSE=dlse is not None,
-                     POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
+                     POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dq"))
     if g_given:  # only then: the default specialisations' constexprs stay as they were
         dq_consts["G_GIVEN"] = True
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(lay.Lq, blk.m) * B * H,), dq_args,
@@ -910,7 +890,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
             dkdv_args, consts, q.device, head_block, q.dtype, spec.deterministic)
     db = dn = None
-    if spec.ssa:
+    if b is not None:
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, db, dn
