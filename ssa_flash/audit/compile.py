@@ -10,7 +10,7 @@ Everything that depends on Triton's internals is in :func:`_triton_compile`; it 
 3.0 to 3.9, and the kernels, which take tuple arguments, need 3.3 (compiled with 3.3.1, 3.6.0 and
 3.9.0). Tuple arguments are specialised element by element as scalars are (an element equal to
 1 a constant, a multiple of 16 known divisible: ``specialize_impl`` in 3.3's ``runtime/jit.py``,
-``native_specialize_impl`` from 3.4 on), by Triton itself, since the audit launches through
+``native_specialize_impl`` in 3.6 and 3.9), by Triton itself, since the audit launches through
 ``warmup``. The ptxas log (warnings, spills) is captured from Triton where it can print
 it (``TRITON_DUMP_PTXAS_LOG``, Triton >= 3.4); otherwise ptxas is run again on the PTX with the same
 target (:func:`ptxas_log`).
