@@ -6,9 +6,12 @@ argument specialisation, option parsing, compilation), with Triton's driver repl
 that reports the target. Meta tensors have ``data_ptr() == 0``, so pointers are specialised as
 16-byte aligned and unit strides as constants, as in a real launch of contiguous tensors.
 
-Everything that depends on Triton's internals is in :func:`_triton_compile`; it is tested with
-Triton 3.0.0, 3.2.0, 3.6.0, 3.7.1 and 3.9.0 (the kernels need 3.2: 3.0 and 3.1 crash on the
-masked forward for sm_90). The ptxas log (warnings, spills) is captured from Triton where it can print
+Everything that depends on Triton's internals is in :func:`_triton_compile`; it handles Triton
+3.0 to 3.9, and the kernels, which take tuple arguments, need 3.3 (compiled with 3.3.1, 3.6.0 and
+3.9.0). Tuple arguments are specialised element by element as scalars are (an element equal to
+1 a constant, a multiple of 16 known divisible: ``specialize_impl`` in 3.3's ``runtime/jit.py``,
+``native_specialize_impl`` in 3.6 and 3.9), by Triton itself, since the audit launches through
+``warmup``. The ptxas log (warnings, spills) is captured from Triton where it can print
 it (``TRITON_DUMP_PTXAS_LOG``, Triton >= 3.4); otherwise ptxas is run again on the PTX with the same
 target (:func:`ptxas_log`).
 """

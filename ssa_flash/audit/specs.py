@@ -138,10 +138,10 @@ def _call_host(v: Variant):
     fs = v.features
     feat = {}
     if "dropout" in fs:
-        feat.update(dropout_p=0.1, rng=meta(2, dtype=torch.int64))
+        feat.update(dropout_p=0.1, dropout_rng=meta(2, dtype=torch.int64))
     if "window" in fs:
         feat.update(window_left=256, window_right=0 if v.causal else 256)
-    spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, ssa=v.ssa, adaptive=v.adaptive,
+    spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, adaptive=v.adaptive,
                                 **feat)
     layout = None
     Lq = L
@@ -207,6 +207,8 @@ def describe_launch(kl) -> dict:
     def arg(a):
         if isinstance(a, torch.Tensor):
             return ["tensor", str(a.dtype), list(a.shape), list(a.stride())]
+        if isinstance(a, tuple):  # grouped arguments (strides, the split scale, dropout, window)
+            return ["tuple", [arg(x) for x in a]]
         return repr(a)
     return {"name": kl.name, "constexprs": {k: repr(v) for k, v in sorted(kl.constexprs.items())},
             "blocks": [kl.blocks.m, kl.blocks.n, kl.blocks.warps, kl.blocks.stages],

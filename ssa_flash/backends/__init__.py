@@ -7,6 +7,9 @@ Layers, each importing only the ones below it::
     ssa_flash.backends.*     triton / cuda / reference: one interface (spec.Backend)
     ssa_flash.triton.launch, the CUDA extension (csrc/), ssa_flash.reference, ssa_flash.temperature
 
+(``ssa_flash.triton.launch`` takes the one ``spec.AttentionSpec`` / ``spec.TemperatureState``:
+``backends.spec`` holds data types only and imports nothing above ``ssa_flash.temperature``.)
+
 Every backend module provides ``NAME``, ``unavailable_reason(device)``,
 ``supports(q, k, v, spec, sinks=None)``, ``row_entropy(q, k, mask, b, n, sinks, spec)``,
 ``forward(q, k, v, mask, b, n, sinks, beta, spec)`` and

@@ -43,7 +43,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the kernels cannot run on ``device`` in this process, or None.
 
     ``@triton.jit`` fixes each function's mode when it runs, i.e. when its module is imported
-    (Triton 3.2 to 3.9 alike: ``os.environ`` before 3.4, ``triton.knobs`` after): an interpreted
+    (Triton 3.3 to 3.9 alike: ``os.environ`` before 3.4, ``triton.knobs`` after): an interpreted
     function under ``TRITON_INTERPRET=1``, a GPU kernel otherwise. Triton's own library functions
     (``triton.language.standard``) are made when Triton is imported, this package's kernels when
     ``ssa_flash.triton`` is. Switching the interpreter on later does not convert them: with 3.9
@@ -114,14 +114,6 @@ def _refuse_unsupported(q, k, v, spec: AttentionSpec, sinks) -> None:
         raise ValueError(f"ssa_flash Triton backend: {supports(q, k, v, spec, sinks)}")
 
 
-def _spec(launch, spec: AttentionSpec, b):
-    return launch.AttentionSpec(scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
-                                ssa=b is not None, adaptive=bool(spec.adaptive),
-                                dropout_p=float(spec.dropout_p), rng=spec.dropout_rng,
-                                window_left=int(spec.window_left), window_right=int(spec.window_right),
-                                deterministic=bool(spec.deterministic))
-
-
 def _layout(launch, spec: AttentionSpec):
     """The kernels' layout: packed sequences, a KV cache, or None (dense)."""
     if spec.packed:
@@ -160,7 +152,7 @@ def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
     launch = _launch()
     if _emulate_bf16(q):
         q, k, mask = _f32(q), _f32(k), _f32(mask)
-    return launch.row_entropy(q, k, mask, b, n, _spec(launch, spec, b), _layout(launch, spec))
+    return launch.row_entropy(q, k, mask, b, n, spec, _layout(launch, spec))
 
 
 def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
@@ -169,7 +161,7 @@ def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
     if _emulate_bf16(q):
         o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), b, n, sinks, beta, spec)
         return _bf16(o), lse
-    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, _spec(launch, spec, b),
+    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, spec,
                           _layout(launch, spec))
 
 
@@ -181,8 +173,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[Te
         dq, dk, dv, db, dn, _ = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n, sinks,
                                          temp, spec)
         return _bf16(dq), _bf16(dk), _bf16(dv), db, dn, None
-    ltemp = launch.TemperatureState(*temp) if spec.adaptive else None
-    return (*launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, ltemp, _spec(launch, spec, b),
+    return (*launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp if spec.adaptive else None, spec,
                              _layout(launch, spec)), None)
 
 
@@ -193,8 +184,8 @@ def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState,
     launch = _launch()
     if _emulate_bf16(q):
         dout, q, k, v, out, mask = map(_f32, (dout, q, k, v, out, mask))
-    return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
-                            _spec(launch, spec, b))
+    return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp,
+                            spec)
 
 
 def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
@@ -204,8 +195,8 @@ def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Temperatur
         dq, dk, dv, db, dn = backward_given_g(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n,
                                               temp, g, spec)
         return _bf16(dq), _bf16(dk), _bf16(dv), db, dn
-    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, launch.TemperatureState(*temp),
-                           _spec(launch, spec, b), g=g)
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp,
+                           spec, g=g)
 
 
 def dropout_mask(rng, shape, dropout_p: float):

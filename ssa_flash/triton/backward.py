@@ -164,19 +164,9 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DQ, DELTA, LSE2,
-    BETA, LSE_L, ENT, DBETA_DH, G,
-    B_SSA, N_SSA, DB_PART, DN_PART, MASK,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
-    CU_Q, CU_K, stat_stride_h,
-    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
+    Q, K, V, O, DO, LSE, DLSE, DQ, DELTA, LSE2, temperature, ssa_coefs, ssa_parts, MASK,
+    q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, mask_strides,
+    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, dropout, window,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -184,6 +174,34 @@ def attention_bwd_dq_kernel(
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
     G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
+    """dQ of one query block, with (SSA) its share of dB, dN and (adaptive) the temperature terms.
+    Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``temperature = (BETA, LSE_L,
+    ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
+    ``ssa_parts = (DB_PART, DN_PART)`` the per-program partial sums of dB and dN,
+    ``seqlens = (CU_Q, CU_K)``."""
+    BETA, LSE_L, ENT, DBETA_DH, G = temperature
+    DB_PART, DN_PART = ssa_parts
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd = dq_strides
+    B_SSA, N_SSA = ssa_coefs
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
+    scale_hi, scale_lo = scale
+    CU_Q, CU_K = seqlens
+    RNG = None
+    keep31 = None
+    drop_scale_hi = None
+    drop_scale_lo = None
+    if DROPOUT:
+        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
+    win_left = None
+    win_right = None
+    if WINDOW:
+        win_left, win_right = window
+
     m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
     # where this program's sequence lies (extents.py: dense or packed); q, dO, O and dQ share
@@ -379,24 +397,39 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV_OUT,
-    BETA, LSE_L, ENT, G,
-    B_SSA, N_SSA, MASK,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale_hi, scale_lo,
-    CU_Q, CU_K, stat_stride_h,
-    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
+    Q, K, V, DO, LSE2, DELTA, DK, DV_OUT, temperature, ssa_coefs, MASK,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, mask_strides,
+    H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale, seqlens, stat_stride_h, dropout, window,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
+    """dK and dV of one key block (of one key/value head, over the query heads of its group).
+    Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``temperature = (BETA, LSE_L, ENT,
+    G)``."""
+    BETA, LSE_L, ENT, G = temperature
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd = dk_strides
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd = dv_strides
+    B_SSA, N_SSA = ssa_coefs
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
+    scale_hi, scale_lo = scale
+    CU_Q, CU_K = seqlens
+    RNG = None
+    keep31 = None
+    drop_scale_hi = None
+    drop_scale_lo = None
+    if DROPOUT:
+        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
+    win_left = None
+    win_right = None
+    if WINDOW:
+        win_left, win_right = window
+
     pid = tl.program_id(0)
     n_block = pid % num_n_blocks
     bhkv = (pid // num_n_blocks).to(tl.int64)

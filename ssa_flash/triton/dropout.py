@@ -73,10 +73,11 @@ def dropout_state(RNG, off_b, off_h, keep31):
 
 
 @triton.jit
-def dropout_mask_kernel(OUT, RNG, keep31, H, Lq, Lk,
-                        stride_ob, stride_oh, stride_om, stride_on, num_m_blocks, num_n_blocks,
+def dropout_mask_kernel(OUT, RNG, keep31, H, Lq, Lk, out_strides, num_m_blocks, num_n_blocks,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST_MATH: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) tile of ``OUT (B, H, Lq, Lk)`` (uint8: 1 = kept) per program."""
+    """One (BLOCK_M, BLOCK_N) tile of ``OUT (B, H, Lq, Lk)`` (uint8: 1 = kept) per program;
+    ``out_strides``: its (batch, head, query, key) strides."""
+    stride_ob, stride_oh, stride_om, stride_on = out_strides
     pid = tl.program_id(0)
     m_block = pid % num_m_blocks
     n_block = (pid // num_m_blocks) % num_n_blocks

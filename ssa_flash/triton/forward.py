@@ -71,25 +71,46 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, O, LSE, BETA, B_SSA, N_SSA, MASK,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale_hi, scale_lo,
-    CU_Q, CU_K, SEQUSED_K, stat_stride_h, stride_os, stat_stride_s,
-    RNG, keep31, drop_scale_hi, drop_scale_lo, win_left, win_right,
+    Q, K, V, O, LSE, BETA, ssa_coefs, MASK,
+    q_strides, k_strides, v_strides, o_strides, mask_strides,
+    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale,
+    seqlens, stat_stride_h, split_strides, dropout, window,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr = 0, VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False,
     DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
-    """Output and LSE of one query block (module docstring). Dropout: ``RNG`` the ``(seed,
-    offset)`` int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split
-    as the softmax scale is. Window: ``win_left``, ``win_right`` >= 0 (an unbounded side: at least
-    the sequence length), in the query positions the loops see (bottom-right for a KV cache)."""
+    """Output and LSE of one query block (module docstring). Grouped arguments (tuples):
+    ``ssa_coefs = (B_SSA, N_SSA)`` the SSA coefficients ``(Hq,)`` (dummies for softmax); each
+    ``*_strides`` a 4-D tensor's ``(batch, head, row, column)`` strides; ``scale = (hi, lo)``, the
+    softmax scale as float32 head + remainder; ``seqlens = (CU_Q, CU_K, SEQUSED_K)`` (extents.py);
+    ``split_strides = (output, statistics)`` strides between split slots (``SPLIT``). Dropout:
+    ``dropout = (RNG, keep31, drop_scale_hi, drop_scale_lo)`` with ``RNG`` the ``(seed, offset)``
+    int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split as the
+    softmax scale is; None without. Window: ``window = (left, right)``, both >= 0 (an unbounded
+    side: at least the sequence length), in the query positions the loops see (bottom-right for a
+    KV cache); None without."""
+    B_SSA, N_SSA = ssa_coefs
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
+    scale_hi, scale_lo = scale
+    CU_Q, CU_K, SEQUSED_K = seqlens
+    stride_os, stat_stride_s = split_strides
+    RNG = None
+    keep31 = None
+    drop_scale_hi = None
+    drop_scale_lo = None
+    if DROPOUT:
+        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
+    win_left = None
+    win_right = None
+    if WINDOW:
+        win_left, win_right = window
+
     m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
     # Where this program's sequence lies (extents.py): base offsets of q/o and k/v, the first row

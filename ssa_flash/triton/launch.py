@@ -3,7 +3,10 @@
 Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
 ``v (B, Hkv, Lk, Dv)`` with any strides; ``mask`` is None or a boolean / floating tensor already
 expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
-``(Hq,)`` tensors in the accumulation dtype. Per-row statistics are contiguous ``(B, Hq, Lq)``.
+``(Hq,)`` tensors in the accumulation dtype (SSA logits iff ``b`` is given). Per-row statistics are
+contiguous ``(B, Hq, Lq)``. ``spec`` is the backends' one :class:`~ssa_flash.backends.spec.AttentionSpec`
+(its ``sinks`` and ``softcap`` are refused by ``backends.triton_backend.supports``; the layout fields
+reach these functions as ``layout=`` below).
 
 Two other layouts (``layout=``, see ``extents.py``'s ``VARLEN``):
 
@@ -36,6 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The one spec type of every backend. The backends' interface module depends on nothing above
+# ssa_flash.temperature and imports no backend, so this import (the kernels' host side reading the
+# interface's data types) makes no cycle: tests/ops/test_backends.py checks the import graph.
+from ..backends.spec import AttentionSpec, TemperatureState
 from ..reference import dropout_keep_threshold
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .dropout import dropout_mask_kernel
@@ -52,24 +59,6 @@ from .tiles import Blocks, block_candidates, prune as _prune_candidates  # noqa:
 from .tiles import decode_candidates as _decode_candidates  # noqa: F401
 
 _MAX_GRID = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What the kernels compute, apart from the tensors."""
-
-    scale: float
-    causal: bool
-    group: int  # query heads per key/value head (GQA); 1 without GQA
-    ssa: bool
-    adaptive: bool
-    dropout_p: float = 0.0  # in [0, 1]; 0: the kernels compile without dropout
-    rng: Optional[torch.Tensor] = field(default=None, compare=False)  # (seed, offset) int64 (2,)
-    window_left: int = -1  # query i attends keys j >= i - window_left; -1: unbounded
-    window_right: int = -1  # ... and j <= i + window_right; -1: unbounded
-    # a fixed block configuration per kernel (the first that builds), never a timed one: bitwise
-    # the same results in every process on the same GPU model and software (see _launch)
-    deterministic: bool = False
 
 
 class Packed(NamedTuple):
@@ -92,15 +81,6 @@ class KVCache(NamedTuple):
     seqused_k: torch.Tensor
     k_start: Optional[torch.Tensor] = None
     num_splits: int = 0
-
-
-class TemperatureState(NamedTuple):
-    """Per-row tensors ``(B, Hq, Lq)`` of the adaptive temperature, kept for the backward."""
-
-    beta: torch.Tensor  # the temperature applied to the row
-    lse_l: torch.Tensor  # log-sum-exp of the temperature-free row l
-    entropy: torch.Tensor  # H = entropy of softmax(l)
-    dbeta_dh: torch.Tensor  # d beta / d H where the temperature is active, else 0
 
 
 @dataclass(frozen=True)
@@ -238,8 +218,7 @@ def _split_grid(grid, consts):
 def _compile_errors() -> tuple:
     """The exceptions by which Triton says a configuration cannot be built for this GPU (what its
     own autotuner skips): too much shared memory or too many registers (``OutOfResources``),
-    ptxas failing (``PTXASError`` of ``triton.runtime.errors``; Triton 3.2 has none and raises a
-    plain ``RuntimeError``, which is not skipped, as its own autotuner does not skip it), a
+    ptxas failing (``PTXASError`` of ``triton.runtime.errors``), a
     ``tl.static_assert`` or a shape rule failing at compile time (``CompilationError``, of which
     ``CompileTimeAssertionFailure`` is one). Looked up defensively: a name missing from the
     installed Triton is left out."""
@@ -465,25 +444,24 @@ def _split_scale(scale: float):
 
 
 def _scale_args(scale: float) -> dict:
-    """The softmax scale's kernel arguments ``scale_hi``, ``scale_lo`` (:func:`_split_scale`)."""
-    hi, lo = _split_scale(scale)
-    return dict(scale_hi=hi, scale_lo=lo)
+    """The softmax scale's kernel argument ``scale = (hi, lo)`` (:func:`_split_scale`)."""
+    return dict(scale=_split_scale(scale))
 
 
 def _mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
-    """``(MASK=..., stride_mask_*=...)`` kernel arguments and the ``MASK_KIND`` of ``mask``."""
+    """``(MASK=..., mask_strides=...)`` kernel arguments and the ``MASK_KIND`` of ``mask``."""
     if mask is None:
-        return dict(MASK=like, **_named_strides("mask_", (0, 0, 0, 0), "m")), MASK_NONE
+        return dict(MASK=like, mask_strides=(0, 0, 0, 0)), MASK_NONE
     if mask.dtype == torch.bool:  # bytes: kernels read 0 / non-zero, not i1 pointers
-        return dict(MASK=mask.view(torch.uint8), **_named_strides("mask_", mask.stride(), "m")), MASK_BOOL
-    return dict(MASK=mask, **_named_strides("mask_", mask.stride(), "m")), MASK_ADD
+        return dict(MASK=mask.view(torch.uint8), mask_strides=_strides(mask)), MASK_BOOL
+    return dict(MASK=mask, mask_strides=_strides(mask)), MASK_ADD
 
 
-def _named_strides(name: str, strides, row: str) -> dict:
-    """The kernels' stride parameters of one 4-D tensor, ``stride_<name>{b,h,<row>,d}`` (``row``:
-    ``m`` for query rows, ``n`` for key rows); ``mask_`` strides end in ``b, h, m, n``."""
-    last = "n" if name == "mask_" else "d"
-    return {f"stride_{name}{axis}": int(st) for axis, st in zip(("b", "h", row, last), strides)}
+def _strides(t: torch.Tensor) -> tuple:
+    """A 4-D tensor's strides as the kernels take them, one tuple argument ``(batch, head, row,
+    column)``. Triton specialises each element as it would a scalar argument (1: a constant;
+    a multiple of 16: known divisible), so unit strides still compile to contiguous accesses."""
+    return tuple(int(st) for st in t.stride())
 
 
 def _runtime_params(kernel) -> tuple:
@@ -502,8 +480,9 @@ def _positional(kernel: str, **named) -> tuple:
     """The runtime arguments of attention kernel ``kernel`` (``"fwd"``, ``"row_entropy"``,
     ``"bwd_dq"``, ``"bwd_dkdv"``) in signature order, from their names: launch sites name every
     argument, and one the kernel does not take or one left out is an error here rather than a
-    misplaced argument. (Triton 3.2, the oldest supported, takes no tuple arguments, so the
-    kernels keep flat signatures; :class:`KernelLaunch` records the positional tuple.)"""
+    misplaced argument. Related arguments travel as one tuple (strides, the split scale, the
+    dropout and window parameters; Triton >= 3.3); :class:`KernelLaunch` records the positional
+    tuple."""
     names = _PARAMS[kernel]
     unknown = set(named) - set(names)
     missing = [n for n in names if n not in named]
@@ -520,33 +499,31 @@ def _fast_math(q) -> bool:
 
 
 def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
-    """The feature arguments of the attention kernels by name, ``RNG, keep31, drop_scale_hi,
-    drop_scale_lo, win_left, win_right``, and their ``DROPOUT`` / ``WINDOW`` constexprs. Without
-    dropout or a window they are None, which Triton turns into constants: the kernels then take
-    exactly the parameters they took before these features. An unbounded side of a window is
-    passed as ``Lq + Lk``, which no index difference reaches."""
+    """The feature arguments of the attention kernels by name, ``dropout = (RNG, keep31,
+    drop_scale_hi, drop_scale_lo)`` and ``window = (left, right)``, and their ``DROPOUT`` /
+    ``WINDOW`` constexprs. Without dropout or a window they are None, which Triton turns into
+    constants: the kernels then take exactly the parameters they take without these features. An
+    unbounded side of a window is passed as ``Lq + Lk``, which no index difference reaches."""
     dropout = spec.dropout_p > 0.0
+    drop_args = None
     if dropout:
-        if spec.rng is None:
-            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.rng")
+        if spec.dropout_rng is None:
+            raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng")
         p = float(spec.dropout_p)
         hi, lo = _split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0)
-        drop_args = dict(RNG=spec.rng, keep31=dropout_keep_threshold(p), drop_scale_hi=hi, drop_scale_lo=lo)
-    else:
-        drop_args = dict(RNG=None, keep31=None, drop_scale_hi=None, drop_scale_lo=None)
+        drop_args = (spec.dropout_rng, dropout_keep_threshold(p), hi, lo)
     window = spec.window_left >= 0 or spec.window_right >= 0
     unbounded = Lq + Lk
     left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
     right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
-    win_args = dict(win_left=left, win_right=right) if window else dict(win_left=None, win_right=None)
-    return dict(drop_args, **win_args), dict(DROPOUT=dropout, WINDOW=window)
+    return dict(dropout=drop_args, window=(left, right) if window else None), dict(DROPOUT=dropout, WINDOW=window)
 
 
 # Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
 FORCE_POLY_EXP2: Optional[int] = None
 
 
-def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> int:
+def _poly_exp2_degree(q, ssa: bool, head_block: int, kernel: str) -> int:
     """Degree of the polynomial ``exp2`` (``fast_math.exp2_poly``) that computes half of the interior
     tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
     the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
@@ -565,7 +542,7 @@ def _poly_exp2_degree(q, spec: AttentionSpec, head_block: int, kernel: str) -> i
         return FORCE_POLY_EXP2
     if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
         return 0
-    if not (_fast_math(q) and spec.ssa and head_block <= 64):
+    if not (_fast_math(q) and ssa and head_block <= 64):
         return 0
     return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
 
@@ -589,12 +566,12 @@ def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:
     return "tf32" if tf32_allowed() else "ieee"
 
 
-def _common_consts(q, spec: AttentionSpec, mask_kind, dv=None):
+def _common_consts(q, spec: AttentionSpec, ssa: bool, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
     arch = _capture_arch if _capture is not None else _device_arch(q.device)
     return dict(
-        SSA=spec.ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
+        SSA=ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
         BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
     )
@@ -715,9 +692,9 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     ent, lse_l = _stat_for(lay, q, H), _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    ssa_b = b if spec.ssa else q
-    ssa_n = n if spec.ssa else q
-    consts = _common_consts(q4, spec, mask_kind)
+    ssa_b = b if b is not None else q  # dummies for softmax
+    ssa_n = n if b is not None else q
+    consts = _common_consts(q4, spec, b is not None, mask_kind)
     consts.update(VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
@@ -733,12 +710,12 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
             state["parts"] = ent_out, lse_out = (torch.empty(shape, device=q.device, dtype=acc_torch),
                                                  torch.empty(shape, device=q.device, dtype=acc_torch))
         return _positional(
-            "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, B_SSA=ssa_b, N_SSA=ssa_n, **mask_args,
-            **_named_strides("q", q4.stride(), "m"), **_named_strides("k", k4.stride(), "n"),
+            "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, ssa_coefs=(ssa_b, ssa_n), **mask_args,
+            q_strides=_strides(q4), k_strides=_strides(k4),
             H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
-            **_scale_args(spec.scale), CU_Q=lay.cu_q, CU_K=lay.cu_k, SEQUSED_K=lay.seqused_k,
+            **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, stat_stride_s=ent.numel() if splits > 1 else 0,
-            win_left=feat_args["win_left"], win_right=feat_args["win_right"])
+            window=feat_args["window"])
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -771,9 +748,9 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
         o = o4 = torch.empty((q.shape[0], H, q.shape[2], DV), device=q.device, dtype=q.dtype)
     lse = _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    consts = _common_consts(q4, spec, mask_kind, DV)
+    consts = _common_consts(q4, spec, b is not None, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen,
-                  POLY_EXP2=_poly_exp2_degree(q, spec, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
+                  POLY_EXP2=_poly_exp2_degree(q, b is not None, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
     name = _kernel_name("fwd", lay)
     state = {}
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
@@ -791,12 +768,11 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
             o_out = o_out.select(0, 0)
         return _positional(
             "fwd", Q=q4, K=k4, V=v4, O=o_out, LSE=lse_out, BETA=beta if spec.adaptive else q,
-            B_SSA=b if spec.ssa else q, N_SSA=n if spec.ssa else q, **mask_args,
-            **_named_strides("q", q4.stride(), "m"), **_named_strides("k", k4.stride(), "n"),
-            **_named_strides("v", v4.stride(), "n"), **_named_strides("o", o_out.stride(), "m"),
+            ssa_coefs=(b if b is not None else q, n if b is not None else q), **mask_args,
+            q_strides=_strides(q4), k_strides=_strides(k4), v_strides=_strides(v4), o_strides=_strides(o_out),
             H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
-            **_scale_args(spec.scale), CU_Q=lay.cu_q, CU_K=lay.cu_k, SEQUSED_K=lay.seqused_k,
-            stat_stride_h=lay.stat_stride_h, stride_os=stride_os, stat_stride_s=lse.numel() if splits > 1 else 0,
+            **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
+            stat_stride_h=lay.stat_stride_h, split_strides=(stride_os, lse.numel() if splits > 1 else 0),
             **feat_args)
 
     def grid(blk):
@@ -809,7 +785,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
         o_part, lse_part = state["parts"]
         with _on_device(q.device):
             merge_output_kernel[(lse.numel(),)](
-                o_part, lse_part, o, lse, *o_part.stride(), *o.stride(), H, lay.Lq, DV, splits, lse.numel(),
+                o_part, lse_part, o, lse, tuple(o_part.stride()), tuple(o.stride()), H, lay.Lq, DV, splits, lse.numel(),
                 BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype))
     return o, lse
 
@@ -857,12 +833,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
     mask_args, mask_kind = _mask_args(mask, q4)
-    consts = _common_consts(q4, spec, mask_kind, DV)
+    consts = _common_consts(q4, spec, b is not None, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
-    consts.update(POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dkdv"))
+    consts.update(POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dkdv"))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
         g_given = g is not None
@@ -872,18 +848,18 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         if g is not None or dbeta_only:
             raise ValueError("g and dbeta_only are for the adaptive temperature only")
         beta = lse_l = ent = dbeta_dh = g = q
-    ssa_b = b if spec.ssa else q
-    ssa_n = n if spec.ssa else q
-    common_args = dict(**mask_args, **_named_strides("q", q4.stride(), "m"), **_named_strides("k", k4.stride(), "n"),
-                       **_named_strides("v", v4.stride(), "n"), **_named_strides("do", do4.stride(), "m"),
+    ssa_b = b if b is not None else q  # dummies for softmax
+    ssa_n = n if b is not None else q
+    common_args = dict(ssa_coefs=(ssa_b, ssa_n), **mask_args, q_strides=_strides(q4), k_strides=_strides(k4),
+                       v_strides=_strides(v4), do_strides=_strides(do4),
                        H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, **_scale_args(spec.scale),
-                       CU_Q=lay.cu_q, CU_K=lay.cu_k, stat_stride_h=lay.stat_stride_h, **feat_args)
+                       seqlens=(lay.cu_q, lay.cu_k), stat_stride_h=lay.stat_stride_h, **feat_args)
     B = lay.batch
     parts = {}
 
     def dq_args(blk):
         num_m = triton.cdiv(lay.Lq, blk.m)
-        if spec.ssa:  # packed: programs past their sequence's end write no partial sum
+        if b is not None:  # packed: programs past their sequence's end write no partial sum
             alloc = torch.zeros if packed else torch.empty
             parts["db"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
             parts["dn"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
@@ -891,12 +867,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         dn_part = parts.get("dn", q)
         return _positional(
             "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, LSE=lse, DLSE=dlse if dlse is not None else q,
-            DQ=dq4, DELTA=delta, LSE2=lse2, BETA=beta, LSE_L=lse_l, ENT=ent, DBETA_DH=dbeta_dh, G=g,
-            B_SSA=ssa_b, N_SSA=ssa_n, DB_PART=db_part, DN_PART=dn_part, **common_args,
-            **_named_strides("o", o4.stride(), "m"), **_named_strides("dq", dq4.stride(), "m"), num_m_blocks=num_m)
+            DQ=dq4, DELTA=delta, LSE2=lse2, temperature=(beta, lse_l, ent, dbeta_dh, g),
+            ssa_parts=(db_part, dn_part), **common_args, o_strides=_strides(o4), dq_strides=_strides(dq4),
+            num_m_blocks=num_m)
 
     dq_consts = dict(consts, HAS_DLSE=dlse is not None,
-                     POLY_EXP2=_poly_exp2_degree(q, spec, head_block, "bwd_dq"))
+                     POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dq"))
     if g_given:  # only then: the default specialisations' constexprs stay as they were
         dq_consts["G_GIVEN"] = True
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(lay.Lq, blk.m) * B * H,), dq_args,
@@ -907,14 +883,14 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     def dkdv_args(blk):
         return _positional(
             "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, LSE2=lse2, DELTA=delta, DK=dk4, DV_OUT=dv4,
-            BETA=beta, LSE_L=lse_l, ENT=ent, G=g, B_SSA=ssa_b, N_SSA=ssa_n, **common_args,
-            **_named_strides("dk", dk4.stride(), "n"), **_named_strides("dv", dv4.stride(), "n"), HKV=HKV,
+            temperature=(beta, lse_l, ent, g), **common_args, dk_strides=_strides(dk4), dv_strides=_strides(dv4),
+            HKV=HKV,
             num_n_blocks=triton.cdiv(lay.Lk, blk.n))
 
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
             dkdv_args, consts, q.device, head_block, q.dtype, spec.deterministic)
     db = dn = None
-    if spec.ssa:
+    if b is not None:
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, db, dn
@@ -944,6 +920,6 @@ def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
     num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
     with _on_device(rng.device):
         dropout_mask_kernel[(num_m * num_n * B * H,)](
-            out, rng, dropout_keep_threshold(float(dropout_p)), H, Lq, Lk, *out.stride(), num_m, num_n,
+            out, rng, dropout_keep_threshold(float(dropout_p)), H, Lq, Lk, tuple(out.stride()), num_m, num_n,
             BLOCK_M=bm, BLOCK_N=bn, FAST_MATH=_device_arch(rng.device) is not None)
     return out.bool()

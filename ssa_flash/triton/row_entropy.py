@@ -58,17 +58,26 @@ def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
 
 @triton.jit
 def row_entropy_kernel(
-    Q, K, ENT, LSE, B_SSA, N_SSA, MASK,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    H, Lq, Lk, D, GROUP, num_m_blocks, scale_hi, scale_lo,
-    CU_Q, CU_K, SEQUSED_K, stat_stride_h, stat_stride_s, win_left, win_right,
+    Q, K, ENT, LSE, ssa_coefs, MASK, q_strides, k_strides, mask_strides,
+    H, Lq, Lk, D, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, stat_stride_s, window,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
+    """Entropy and LSE of one query block's rows (module docstring); the grouped arguments as in
+    :func:`~.forward.attention_fwd_kernel` (``stat_stride_s``: between split slots)."""
+    B_SSA, N_SSA = ssa_coefs
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
+    scale_hi, scale_lo = scale
+    CU_Q, CU_K, SEQUSED_K = seqlens
+    win_left = None
+    win_right = None
+    if WINDOW:
+        win_left, win_right = window
+
     m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
     # where this program's sequence lies (extents.py), as in the forward kernel

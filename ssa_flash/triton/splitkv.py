@@ -34,14 +34,14 @@ def _split_weights(LSE_PART, row, stat_stride_s, num_splits, BLOCK_S: tl.constex
 
 @triton.jit
 def merge_output_kernel(
-    O_PART, LSE_PART, O, LSE,
-    stride_ps, stride_pb, stride_ph, stride_pm, stride_pd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H, Lq, DV, num_splits, stat_stride_s,
+    O_PART, LSE_PART, O, LSE, part_strides, o_strides, H, Lq, DV, num_splits, stat_stride_s,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, ACC: tl.constexpr,
 ):
     """``O (B, H, Lq, Dv)`` and ``LSE (B, H, Lq)`` from the partials ``O_PART (S, B, H, Lq, Dv)`` and
-    ``LSE_PART (S, B, H, Lq)`` (row ``r`` of split ``s`` at ``s * stat_stride_s + r``)."""
+    ``LSE_PART (S, B, H, Lq)`` (row ``r`` of split ``s`` at ``s * stat_stride_s + r``); ``part_strides``,
+    ``o_strides`` their strides (split, batch, head, row, column), (batch, head, row, column)."""
+    stride_ps, stride_pb, stride_ph, stride_pm, stride_pd = part_strides
+    stride_ob, stride_oh, stride_om, stride_od = o_strides
     row = tl.program_id(0).to(tl.int64)  # (b * H + h) * Lq + i
     bh = row // Lq
     i = row % Lq

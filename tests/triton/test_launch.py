@@ -121,13 +121,12 @@ def test_deterministic_takes_the_first_that_fits_untimed(on_fake_gpu):
 
 
 def test_deterministic_reaches_every_launch(on_fake_gpu):
-    """The backend's ``spec.deterministic`` reaches the launcher's spec, and every kernel launch
-    of the forward, the statistics and the backward then runs its first candidate untimed."""
+    """The launcher takes the backends' one spec type (nothing to convert, so ``deterministic``
+    reaches it as given), and with ``deterministic`` every kernel launch of the forward, the
+    statistics and the backward runs its first candidate untimed."""
     from ssa_flash.backends import spec as bspec
-    from ssa_flash.backends import triton_backend as tbackend
 
-    for det in (False, True):
-        assert tbackend._spec(launch, bspec.AttentionSpec(scale=0.5, deterministic=det), None).deterministic is det
+    assert launch.AttentionSpec is bspec.AttentionSpec and launch.TemperatureState is bspec.TemperatureState
     _no_timing(on_fake_gpu)
     kernels = {}
     for attr in ("attention_fwd_kernel", "row_entropy_kernel", "attention_bwd_dq_kernel",
@@ -136,7 +135,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
         on_fake_gpu.setattr(launch, attr, kernels[attr])
     q = torch.zeros(1, 2, 40, 64, dtype=torch.bfloat16)
     b = n = torch.ones(2)
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, ssa=True, adaptive=False, deterministic=True)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=False, deterministic=True)
     o, lse = launch.forward(q, q, q, None, b, n, None, spec)
     launch.row_entropy(q, q, None, b, n, spec)
     launch.backward(o, q, q, q, o, lse, None, None, b, n, None, spec)
@@ -314,7 +313,7 @@ def test_tile_tables(arch, kernel, head_block):
 
 def test_capture_records_without_running():
     q = torch.empty(2, 4, 300, 64, device="meta", dtype=torch.bfloat16)
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=2, ssa=True, adaptive=False)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=2, adaptive=False)
     kv = torch.empty(2, 2, 300, 64, device="meta", dtype=torch.bfloat16)
     b = n = torch.empty(4, device="meta")
     with launch.capture_launches(90) as cap:
@@ -335,7 +334,7 @@ def test_unaligned_head_dims_are_padded(d, dv):
     q = torch.empty(1, 2, 40, d, device="meta", dtype=torch.float16)
     k = torch.empty(1, 2, 40, d, device="meta", dtype=torch.float16)
     v = torch.empty(1, 2, 40, dv, device="meta", dtype=torch.float16)
-    spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, ssa=False, adaptive=False)
+    spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, adaptive=False)
     with launch.capture_launches(90) as cap:
         o, lse = launch.forward(q, k, v, None, None, None, None, spec)
         grads = launch.backward(torch.empty_like(o), q, k, v, o, lse, None, None, None, None, None, spec)
@@ -347,6 +346,23 @@ def test_unaligned_head_dims_are_padded(d, dv):
         assert tensors and all(t.shape[-1] % 8 == 0 and t.stride(2) % 8 == 0 for t in tensors), kl.name
 
 
+def test_kernel_strides_are_one_argument_per_tensor():
+    """Each tensor's strides reach the attention kernels as one tuple argument ``<name>_strides``
+    (Triton >= 3.3 takes tuples), not one parameter per axis; a capture passes them as tuples of
+    ints, with a contiguous tensor's unit last stride among them (Triton specialises it as it
+    would a scalar 1)."""
+    for kernel, names in launch._PARAMS.items():
+        assert not [n for n in names if n.startswith("stride_")], kernel
+        assert {"q_strides", "k_strides"} <= set(names), kernel
+    q = torch.empty(1, 2, 40, 64, device="meta", dtype=torch.float16)
+    spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, adaptive=False)
+    with launch.capture_launches(90) as cap:
+        launch.forward(q, q, q, None, None, None, None, spec)
+    (kl,) = cap
+    strides = kl.args[launch._PARAMS["fwd"].index("q_strides")]
+    assert strides == tuple(q.stride()) and strides[-1] == 1
+
+
 def test_launch_arguments_are_named():
     """Launch sites name the kernels' arguments: the positional tuple follows each kernel's
     signature, and a misspelt or missing name is a TypeError naming it."""
@@ -356,8 +372,8 @@ def test_launch_arguments_are_named():
     full = {n: 0 for n in names}
     with pytest.raises(TypeError, match="stride_qx"):
         launch._positional("row_entropy", **full, stride_qx=1)
-    del full["win_left"]
-    with pytest.raises(TypeError, match="win_left"):
+    del full["window"]
+    with pytest.raises(TypeError, match="window"):
         launch._positional("row_entropy", **full)
     # every runtime parameter, none of the constexprs
     assert "Q" in names and "BLOCK_M" not in names and "VARLEN" not in names

@@ -26,7 +26,7 @@ def _captured_precisions(arch, dtype):
     q = torch.empty(1, 2, 64, 64, device="meta", dtype=dtype)
     acc = torch.float32
     b = n = torch.empty(2, device="meta", dtype=acc)
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, ssa=True, adaptive=True)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=True)
     stat = torch.empty(1, 2, 64, device="meta", dtype=acc)
     with launch.capture_launches(arch) as cap:
         launch.row_entropy(q, q, None, b, n, spec)

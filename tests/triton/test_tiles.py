@@ -116,7 +116,7 @@ def test_launcher_never_compiles_what_cannot_fit(monkeypatch, arch):
 def test_capture_records_the_pruned_candidates():
     """The launch the audit compiles lists only what the launcher would try on that family."""
     q = torch.empty(2, 4, 256, 256, device="meta", dtype=torch.float32)
-    spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, ssa=False, adaptive=False)
+    spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, adaptive=False)
     for arch in (75, 86):
         with launch.capture_launches(arch) as cap:
             launch.forward(q, q, q, None, None, None, None, spec)
