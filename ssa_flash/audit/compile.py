@@ -7,8 +7,8 @@ that reports the target. Meta tensors have ``data_ptr() == 0``, so pointers are 
 16-byte aligned and unit strides as constants, as in a real launch of contiguous tensors.
 
 Everything that depends on Triton's internals is in :func:`_triton_compile`; it handles Triton
-3.0 to 3.9, and the kernels, which take tuple arguments, need 3.3 (compiled with 3.3.1, 3.6.0 and
-3.9.0). Tuple arguments are specialised element by element as scalars are (an element equal to
+3.0 to 3.9, and the kernels need 3.4 (tuple arguments need 3.3; 3.3.1 cannot compile the dK/dV
+kernel with dropout), compiled in CI with 3.4.0, 3.6.0 and 3.9.0. Tuple arguments are specialised element by element as scalars are (an element equal to
 1 a constant, a multiple of 16 known divisible: ``specialize_impl`` in 3.3's ``runtime/jit.py``,
 ``native_specialize_impl`` in 3.6 and 3.9), by Triton itself, since the audit launches through
 ``warmup``. The ptxas log (warnings, spills) is captured from Triton where it can print

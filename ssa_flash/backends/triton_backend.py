@@ -43,7 +43,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the kernels cannot run on ``device`` in this process, or None.
 
     ``@triton.jit`` fixes each function's mode when it runs, i.e. when its module is imported
-    (Triton 3.3 to 3.9 alike: ``os.environ`` before 3.4, ``triton.knobs`` after): an interpreted
+    (Triton 3.4 to 3.9 alike: ``os.environ`` before 3.4, ``triton.knobs`` after): an interpreted
     function under ``TRITON_INTERPRET=1``, a GPU kernel otherwise. Triton's own library functions
     (``triton.language.standard``) are made when Triton is imported, this package's kernels when
     ``ssa_flash.triton`` is. Switching the interpreter on later does not convert them: with 3.9
