@@ -27,12 +27,9 @@ Writes ``<out>/icl_linear.json`` (results table + provenance) and PNG plots when
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -45,6 +42,8 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ssa_flash
+
+from run_info import device_name, provenance, resolved_backend  # noqa: E402 (after the path fix)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIGMAS = list(range(1, 11))
@@ -252,55 +251,6 @@ def evaluate(model, sigma, cfg, device, chunk=500):
 # Provenance, output
 
 
-def git_commit():
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=HERE, capture_output=True,
-                               text=True, timeout=10)
-        if out.returncode == 0:
-            return out.stdout.strip(), bool(dirty.stdout.strip())
-    except Exception:
-        pass
-    return None, None
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-
-
-def provenance(device, cfg, mode, backend):
-    commit, dirty = git_commit()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = None
-    return {
-        "script": "examples/icl_linear.py",
-        "argv": sys.argv[1:],
-        "mode": mode,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "examples_dirty": dirty,
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "ssa_flash": getattr(ssa_flash, "__version__", None),
-        "backend": backend,
-        "python": platform.python_version(),
-        "steps": cfg["steps"],
-        "seeds": {"init": cfg["seed"], "train_data": cfg["data_seed"], "eval": cfg["eval_seed"]},
-    }
-
-
-def resolved_backend(requested, device):
-    if requested != "auto":
-        return requested
-    return ssa_flash.available_backends(device)[0]
-
-
 def plot(results, out_dir):
     try:
         import matplotlib
@@ -388,7 +338,7 @@ def main(argv=None):
     print(f"icl_linear [{mode}] on {device_name(device)}, backend {backend}: {cfg['layers']} layers, "
           f"{cfg['heads']} heads, dim {cfg['dim']}, {cfg['steps']} steps x batch {cfg['batch']}")
     results = {"experiment": "icl_linear", "mode": mode, "config": cfg,
-               "provenance": provenance(device, cfg, mode, backend), "paper": PAPER,
+               "provenance": provenance("examples/icl_linear.py", device, cfg, mode, backend), "paper": PAPER,
                "train": {}, "eval": {}, "ssa_params": None}
     t_start = time.time()
     for kind in ("softmax", "ssa"):

@@ -29,12 +29,9 @@ Writes ``<out>/max_retrieval.json`` (results table + provenance) and PNG plots w
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -47,6 +44,8 @@ try:
 except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ssa_flash
+
+from run_info import device_name, provenance, resolved_backend  # noqa: E402 (after the path fix)
 from ssa_flash.temperature import DEFAULT_POLY, DEFAULT_THRESHOLD, beta_from_entropy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -240,55 +239,6 @@ def evaluate(model, size, cfg, device, variants):
 # Provenance, output
 
 
-def git_commit():
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=HERE, capture_output=True,
-                               text=True, timeout=10)
-        if out.returncode == 0:
-            return out.stdout.strip(), bool(dirty.stdout.strip())
-    except Exception:
-        pass
-    return None, None
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-
-
-def provenance(device, cfg, mode, backend):
-    commit, dirty = git_commit()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = None
-    return {
-        "script": "examples/max_retrieval.py",
-        "argv": sys.argv[1:],
-        "mode": mode,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "examples_dirty": dirty,
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "ssa_flash": getattr(ssa_flash, "__version__", None),
-        "backend": backend,
-        "python": platform.python_version(),
-        "steps": cfg["steps"],
-        "seeds": {"init": cfg["seed"], "train_data": cfg["data_seed"], "eval": cfg["eval_seed"]},
-    }
-
-
-def resolved_backend(requested, device):
-    if requested != "auto":
-        return requested
-    return ssa_flash.available_backends(device)[0]
-
-
 def plot(results, out_dir):
     try:
         import matplotlib
@@ -365,7 +315,7 @@ def main(argv=None):
     print(f"max_retrieval [{mode}] on {device_name(device)}, backend {backend}: dim {cfg['dim']}, "
           f"{cfg['steps']} steps x batch {cfg['batch']}, test sizes {sizes[0]}..{sizes[-1]}")
     results = {"experiment": "max_retrieval", "mode": mode, "config": cfg, "test_sizes": sizes,
-               "provenance": provenance(device, cfg, mode, backend), "paper": PAPER,
+               "provenance": provenance("examples/max_retrieval.py", device, cfg, mode, backend), "paper": PAPER,
                "train": {}, "eval": {str(s): {} for s in sizes}, "ssa_params": None}
     t_start = time.time()
     for kind, variants in (("softmax", ("softmax", "adaptive")), ("ssa", ("ssa", "ssa_adaptive"))):

@@ -283,6 +283,23 @@ def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:
     return poly, _check_number("threshold", threshold)
 
 
+def _check_variant(query: Tensor, ssa: bool, b, n, adaptive: bool, poly, threshold, sinks, softcap):
+    """The variant's parameters checked for ``query``'s heads: ``(b, n, poly, threshold, sinks,
+    softcap)`` with ``b``, ``n`` as (Hq,) tensors (None without SSA), the temperature polynomial
+    (the defaults without the adaptive temperature), ``sinks`` None or (Hq,), ``softcap`` a float."""
+    heads = query.shape[1]
+    if ssa:
+        b = _check_head_param("b", b, heads, query)
+        n = _check_head_param("n", n, heads, query)
+    else:
+        b = n = None
+    if adaptive:
+        poly, threshold = _check_poly(poly, threshold)
+    else:
+        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
+    return b, n, poly, threshold, _check_sinks(sinks, heads, query), _check_softcap(softcap)
+
+
 # --------------------------------------------------------------------------------------------
 # Backends
 
@@ -391,16 +408,8 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     dropout_p = float(dropout_p)
     left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
-    ssa = b is not None
-    if ssa:
-        b = _check_head_param("b", b, query.shape[1], query)
-        n = _check_head_param("n", n, query.shape[1], query)
-    if adaptive:
-        poly, threshold = _check_poly(poly, threshold)
-    if not adaptive:
-        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
-    sinks = _check_sinks(sinks, query.shape[1], query)
-    softcap = _check_softcap(softcap)
+    b, n, poly, threshold, sinks, softcap = _check_variant(query, b is not None, b, n, adaptive, poly,
+                                                           threshold, sinks, softcap)
     # dropout bits: a (seed, offset) drawn from torch's generator for the device, on the device
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
@@ -696,18 +705,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     dropout_p = float(dropout_p)
     # a side that excludes nothing in the longest sequences excludes nothing in any
     left, right = _effective_window(_check_window(window_size), max_seqlen_q, max_seqlen_k, is_causal)
-    heads = query.shape[1]
-    if ssa:
-        b = _check_head_param("b", b, heads, query)
-        n = _check_head_param("n", n, heads, query)
-    else:
-        b = n = None
-    if adaptive_temperature:
-        poly, threshold = _check_poly(poly, threshold)
-    else:
-        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
-    sinks = _check_sinks(sinks, heads, query)
-    softcap = _check_softcap(softcap)
+    b, n, poly, threshold, sinks, softcap = _check_variant(query, ssa, b, n, adaptive_temperature, poly,
+                                                           threshold, sinks, softcap)
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
@@ -836,18 +835,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     left, right = _check_window(window_size)
     is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
-    heads = query.shape[1]
-    if ssa:
-        b = _check_head_param("b", b, heads, query)
-        n = _check_head_param("n", n, heads, query)
-    else:
-        b = n = None
-    if adaptive_temperature:
-        poly, threshold = _check_poly(poly, threshold)
-    else:
-        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
-    sinks = _check_sinks(sinks, heads, query)
-    softcap = _check_softcap(softcap)
+    b, n, poly, threshold, sinks, softcap = _check_variant(query, ssa, b, n, adaptive_temperature, poly,
+                                                           threshold, sinks, softcap)
     used = seqlens if lnew == 0 else seqlens + lnew
     spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,

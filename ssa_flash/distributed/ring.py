@@ -399,17 +399,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
     if is_causal and (lq != lk or lq % 2 != 0):
         raise ValueError(f"is_causal: the query and key shards must have one even length (two zig-zag "
                          f"chunks, see shard_sequence), got query length {lq}, key length {lk}")
-    if ssa:
-        b = ops._check_head_param("b", b, query.shape[1], query)
-        n = ops._check_head_param("n", n, query.shape[1], query)
-    else:
-        b = n = None
-    if adaptive_temperature:
-        poly, threshold = ops._check_poly(poly, threshold)
-    else:
-        poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
-    sinks = ops._check_sinks(sinks, query.shape[1], query)
-    softcap = ops._check_softcap(softcap)
+    b, n, poly, threshold, sinks, softcap = ops._check_variant(query, ssa, b, n, adaptive_temperature, poly,
+                                                               threshold, sinks, softcap)
     spec = AttentionSpec(scale=scale, causal=is_causal, group=gqa, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, softcap=softcap)
     name = P.resolve_backend(backend, query, key, value, spec)  # the shards run without the sink
