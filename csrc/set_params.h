@@ -63,6 +63,10 @@ struct AttnCall {
   float* dq_accum;
   float* db_part;
   float* dn_part;
+  // attention sinks (H,) float32 (natural-log logits) or null; logit soft-cap c >= 0 (0: off)
+  // (docs/maths.md section 6; the kernels instantiated with them: dispatch.h, extras_switch)
+  const float* sinks;
+  double softcap;
 };
 
 // Shapes of the backward's buffers for a plan (row-major, float32). A zero-size shape: not
@@ -98,6 +102,8 @@ inline std::string check_call(const AttnCall& c) {
     return "unknown mask_kind " + std::to_string(c.mask_kind);
   if ((c.mask_kind != kMaskNone) != (c.mask != nullptr)) return "mask_kind set without a mask, or a mask without it";
   if ((c.ssa_b == nullptr) != (c.ssa_n == nullptr)) return "give both b and n or neither";
+  if (!std::isfinite(c.softcap) || c.softcap < 0)
+    return "softcap must be finite and >= 0 (0: off), got " + std::to_string(c.softcap);
   if (c.drop_rng != nullptr) {
     if (c.drop_keep31 < 0 || c.drop_keep31 >= (int64_t(1) << 31))
       return "dropout keep31 out of range: " + std::to_string(c.drop_keep31);
@@ -127,6 +133,12 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
   s.mask_sn = s.mask ? c.mask_sn : 0;
   s.ssa_b = c.ssa_b;
   s.ssa_n = c.ssa_n;
+  s.sinks = c.sinks;
+  // s' = (c / scale) tanh((scale / c) s): z' = c tanh(z / c) in raw units; scale 0 makes every
+  // score 0, capped or not
+  s.softcap = c.softcap > 0;
+  s.cap_in = s.softcap ? static_cast<float>(c.scale / c.softcap) : 0.0f;
+  s.cap_out = s.softcap && c.scale > 0 ? static_cast<float>(c.softcap / c.scale) : 0.0f;
   s.drop_rng = c.drop_rng;
   s.drop_keep_below = c.drop_rng ? static_cast<uint32_t>(2 * c.drop_keep31) : 0u;
   s.drop_scale = c.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
