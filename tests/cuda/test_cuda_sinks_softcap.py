@@ -111,14 +111,14 @@ def _check(runs_on, mode, extras, dtype=torch.float16, B=2, Hq=4, Hkv=2, Lq=70, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("extras", list(EXTRAS), ids=str)
 @pytest.mark.parametrize("mode", MODES)
-def test_variants(runs_on, mode, extras, dtype):
+def test_cuda_sinks_softcap_variants(runs_on, mode, extras, dtype):
     """Each variant with sinks, soft-capping and both: GQA, dlse, interior key blocks (no mask, not
     causal: the forward's steady-state loop, the fused backward) and ragged ends."""
     _check(runs_on, mode, EXTRAS[extras], dtype)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_causal_masked_deterministic(runs_on, mode):
+def test_cuda_sinks_softcap_causal_masked(runs_on, mode):
     """Both extras with causality, a boolean mask with rows that attend to nothing (output 0,
     lse = s_h: all their weight on the sink), the two-kernel backward (deterministic)."""
     mask = torch.rand(2, 1, 77, 130, generator=torch.Generator().manual_seed(3)) > 0.3
@@ -131,7 +131,7 @@ def test_causal_masked_deterministic(runs_on, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_float_mask_window_dropout(runs_on, mode):
+def test_cuda_sinks_softcap_float_mask_window_dropout(runs_on, mode):
     """Both extras with an additive mask (-inf entries), a local window and dropout (which leaves
     the sink alone)."""
     mask = torch.randn(1, 1, 90, 120, generator=torch.Generator().manual_seed(6))
@@ -142,7 +142,7 @@ def test_float_mask_window_dropout(runs_on, mode):
 
 @pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])
 @pytest.mark.parametrize("extras", ["sinks", "softcap"])
-def test_window_and_dropout_alone(runs_on, mode, extras):
+def test_cuda_sinks_softcap_window_dropout_alone(runs_on, mode, extras):
     """Each extra alone with a causal window (the checked loops only) and with dropout."""
     _check(runs_on, mode, EXTRAS[extras], B=1, Hq=2, Hkv=2, Lq=100, Lk=100, is_causal=True, window_size=(30, -1))
     _check(runs_on, mode, EXTRAS[extras], B=1, Hq=2, Hkv=1, Lq=60, Lk=140, dropout_p=0.3, seed=2)
