@@ -75,8 +75,8 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // rowsum(dO O) already is the dropped output's).
 // kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw) before the transform;
 // db sees the capped score and dz takes the extra factor 1 - th^2 (docs/maths.md section 6.1).
-template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false>
-SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
+template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
   float t, u, th;
   const float s = softcap_raw<kCap>(p, s_raw, th);
@@ -109,8 +109,8 @@ SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s_raw
 
 // dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible; dp as in
 // score_grad.
-template <bool kSSA, bool kCheck, bool kBand = true, bool kCap = false>
-SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
+template <bool kSSA, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
   float t, u;
   float l2 = logit_raw<kSSA>(ctx, softcap_raw<kCap>(p, s), row_mult<kSSA>(ctx, 1.0f), t, u);

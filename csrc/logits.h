@@ -69,8 +69,8 @@ SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, flo
 // in raw units), which logit_raw then transforms as it would s; `th` receives tanh(cap_in s), whose
 // 1 - th^2 = ds'/ds the backward multiplies in. One FMUL, one MUFU.TANH, one FMUL per score.
 // Without kCap: s itself (and th = 0), no instruction.
-template <bool kCap>
-SSA_DEVICE float softcap_raw(const AttnShape& p, float s, float& th) {
+template <bool kCap, typename P>
+SSA_DEVICE float softcap_raw(const P& p, float s, float& th) {
   if (kCap) {
     th = tanh_approx(s * p.cap_in);
     return th * p.cap_out;
@@ -79,8 +79,8 @@ SSA_DEVICE float softcap_raw(const AttnShape& p, float s, float& th) {
   return s;
 }
 
-template <bool kCap>
-SSA_DEVICE float softcap_raw(const AttnShape& p, float s) {
+template <bool kCap, typename P>
+SSA_DEVICE float softcap_raw(const P& p, float s) {
   float th;
   return softcap_raw<kCap>(p, s, th);
 }
@@ -93,8 +93,8 @@ SSA_DEVICE float softcap_grad(float dl, float th) {
 
 // The sink logit of the (batch, query) head in base-2 units (log2(e) s_h), -inf without sinks
 // (kSink false, or s_h = -inf: the same as no sink).
-template <bool kSink>
-SSA_DEVICE float sink_logit2(const AttnShape& p, int head) {
+template <bool kSink, typename P>
+SSA_DEVICE float sink_logit2(const P& p, int head) {
   return kSink ? p.sinks[head] * kLog2e : neg_inf();
 }
 

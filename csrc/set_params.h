@@ -133,15 +133,19 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
   s.mask_sn = s.mask ? c.mask_sn : 0;
   s.ssa_b = c.ssa_b;
   s.ssa_n = c.ssa_n;
-  s.sinks = c.sinks;
-  // s' = (c / scale) tanh((scale / c) s): z' = c tanh(z / c) in raw units; scale 0 makes every
-  // score 0, capped or not
-  s.softcap = c.softcap > 0;
-  s.cap_in = s.softcap ? static_cast<float>(c.scale / c.softcap) : 0.0f;
-  s.cap_out = s.softcap && c.scale > 0 ? static_cast<float>(c.softcap / c.scale) : 0.0f;
   s.drop_rng = c.drop_rng;
   s.drop_keep_below = c.drop_rng ? static_cast<uint32_t>(2 * c.drop_keep31) : 0u;
   s.drop_scale = c.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
+}
+
+// Sinks and soft-capping (the last fields of FwdParams and BwdParams): s' = (c / scale)
+// tanh((scale / c) s), z' = c tanh(z / c) in raw units; scale 0 makes every score 0, capped or not.
+template <typename P>
+inline void set_extras(P& p, const AttnCall& c) {
+  p.sinks = c.sinks;
+  p.softcap = c.softcap > 0;
+  p.cap_in = p.softcap ? static_cast<float>(c.scale / c.softcap) : 0.0f;
+  p.cap_out = p.softcap && c.scale > 0 ? static_cast<float>(c.softcap / c.scale) : 0.0f;
 }
 
 // An operand's pointer and strides, into a params struct's fields of that operand.
@@ -170,6 +174,7 @@ inline FwdParams fwd_params(const AttnCall& c) {
   p.lse = c.lse;
   p.beta = c.beta;
   p.entropy = nullptr;
+  set_extras(p, c);
   return p;
 }
 
@@ -184,6 +189,7 @@ inline FwdParams row_entropy_params(AttnCall c) {
   set_operand(p.k, p.k_sb, p.k_sh, p.k_sm, c.k);
   p.lse = c.lse;
   p.entropy = c.entropy;
+  set_extras(p, c);
   return p;
 }
 
@@ -235,6 +241,7 @@ inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   p.dbeta_dh = c.dbeta_dh;
   p.db_part = is_ssa(c) ? c.db_part : nullptr;
   p.dn_part = is_ssa(c) ? c.dn_part : nullptr;
+  set_extras(p, c);
   return p;
 }
 
