@@ -126,6 +126,21 @@ AttnCall describe(const Tensor& q, const Tensor& k, int64_t dim_v, const optiona
   return c;
 }
 
+// Attention sinks ((H,) float32 on q's device, or none) and the logit soft-cap (>= 0, 0: off),
+// docs/maths.md section 6; check_call checks the cap's value.
+void set_extras(AttnCall& c, const Tensor& q, const optional<Tensor>& sinks, double softcap) {
+  if (sinks.has_value()) {
+    const Tensor& s = *sinks;
+    TORCH_CHECK(s.is_cuda() && s.device() == q.device() && s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                    s.dim() == 1 && s.size(0) == q.size(1),
+                "ssa_flash: sinks must be a contiguous float32 (H,) tensor on ", q.device());
+    c.sinks = s.data_ptr<float>();
+  }
+  c.softcap = softcap;
+  const std::string why = ssa_flash::check_call(c);
+  TORCH_CHECK(why.empty(), "ssa_flash: ", why);
+}
+
 void raise_if(const std::string& err) { TORCH_CHECK(err.empty(), "ssa_flash CUDA kernel: ", err); }
 
 cudaStream_t as_stream(int64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
@@ -134,7 +149,8 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
                                int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
                                const optional<Tensor>& beta, double scale, bool causal, int64_t group,
                                int64_t stream_handle, const optional<Tensor>& drop_rng, int64_t drop_keep31,
-                               double drop_scale, int64_t window_left, int64_t window_right) {
+                               double drop_scale, int64_t window_left, int64_t window_right,
+                               const optional<Tensor>& sinks, double softcap) {
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
@@ -143,6 +159,7 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
   check_stat(beta, "beta", q);
   AttnCall c = describe(q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
                         drop_rng, drop_keep31, drop_scale);
+  set_extras(c, q, sinks, softcap);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   c.v = operand(v);
@@ -156,12 +173,14 @@ std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v
 std::tuple<Tensor, Tensor> row_entropy(const Tensor& q, const Tensor& k, const optional<Tensor>& mask,
                                        int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
                                        double scale, bool causal, int64_t group, int64_t stream_handle,
-                                       int64_t window_left, int64_t window_right) {
+                                       int64_t window_left, int64_t window_right, const optional<Tensor>& sinks,
+                                       double softcap) {
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   // (the statistics are of the undropped rows)
   AttnCall c = describe(q, k, q.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
                         c10::nullopt, 0, 0.0);
+  set_extras(c, q, sinks, softcap);
   Tensor ent = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor lse = at::empty_like(ent);
   c.lse = lse.data_ptr<float>();
@@ -176,19 +195,21 @@ Tensor small_row_stride(const Tensor& t) { return t.stride(2) < (int64_t(1) << 2
 
 at::IntArrayRef shape(const int64_t* dims, size_t n) { return at::IntArrayRef(dims, n); }
 
-// Returns dq, dk, dv (padded head dims, like the inputs) and the (B, H, num_partials) partial
-// sums of db and dn (empty tensors for softmax); the caller sums the partials over (0, 2).
+// Returns dq, dk, dv (padded head dims, like the inputs), the (B, H, num_partials) partial
+// sums of db and dn (empty tensors for softmax; the caller sums the partials over (0, 2)) and the
+// row-statistics workspace (B, H, stat_rows, 2 or 6: bwd_kernel.h, RowStat), from which the caller
+// reduces the sinks' gradient (ssa_flash/backends/cuda_backend.py).
 // dq is the float32 accumulator (B, H, stat_rows, accum_cols) of dQ / scale when the backward
 // ran fused (set_params.h, bwd_buffers); the caller crops, scales and converts it
 // (ssa_flash/backends/cuda.py). deterministic: the two-kernel path (bitwise reproducible); else
 // the fused kernel where the device and head dim allow it (launch.h, BwdPlan).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
     const optional<Tensor>& dlse, const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
     const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
     int64_t stream_handle, bool deterministic, const optional<Tensor>& drop_rng, int64_t drop_keep31,
-    double drop_scale, int64_t window_left, int64_t window_right) {
+    double drop_scale, int64_t window_left, int64_t window_right, const optional<Tensor>& sinks, double softcap) {
   check_qkv_like(q_in, "query", q_in);
   check_qkv_like(dout_in, "grad_out", q_in);
   const Tensor q = small_row_stride(q_in);
@@ -208,6 +229,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   AttnCall c = describe(q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
                         drop_rng, drop_keep31, drop_scale);
   c.deterministic = deterministic;
+  set_extras(c, q, sinks, softcap);
   c.v = operand(v);
   c.o = operand(o);
   c.dout = operand(dout);
@@ -236,7 +258,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
     c.dn_part = dn_part.data_ptr<float>();
   }
   raise_if(ssa_flash::run_backward(c, plan, as_stream(stream_handle)));
-  return {dq, dk, dv, db_part, dn_part};
+  return {dq, dk, dv, db_part, dn_part, rowstat};
 }
 
 }  // namespace
@@ -246,14 +268,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "attention forward: (out, lse)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("stream"), py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
-        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1);
+        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
   m.def("row_entropy", &row_entropy, "row-entropy pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
         py::arg("mask"), py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("scale"), py::arg("causal"),
-        py::arg("group"), py::arg("stream"), py::arg("window_left") = -1, py::arg("window_right") = -1);
-  m.def("bwd", &bwd, "attention backward: (dq, dk, dv, db_part, dn_part)", py::arg("dout"), py::arg("q"),
+        py::arg("group"), py::arg("stream"), py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
+  m.def("bwd", &bwd, "attention backward: (dq, dk, dv, db_part, dn_part, rowstat)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dlse"), py::arg("mask"),
         py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
         py::arg("dbeta_dh"), py::arg("scale"), py::arg("causal"), py::arg("group"), py::arg("stream"),
         py::arg("deterministic") = false, py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
-        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1);
+        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
 }

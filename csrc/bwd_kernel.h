@@ -73,10 +73,13 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // Dropout: the caller passes dp already multiplied by the weight's dropout factor z (1 / (1 - p)
 // kept, 0 dropped): the forward used z P' V, so dP' = z dO V^T (and dV takes z P'; delta =
 // rowsum(dO O) already is the dropped output's).
-template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true>
-SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
+// kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw) before the transform;
+// db sees the capped score and dz takes the extra factor 1 - th^2 (docs/maths.md section 6.1).
+template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
-  float t, u;
+  float t, u, th;
+  const float s = softcap_raw<kCap>(p, s_raw, th);
   float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
   if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
   const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
@@ -101,16 +104,16 @@ SSA_DEVICE float score_grad(const AttnShape& p, const LogitCtx& ctx, float s, fl
     dn = fmaf(dl, t, dn);
     dl = w * ctx.nb;
   }
-  return dl;
+  return softcap_grad<kCap>(dl, th);
 }
 
 // dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible; dp as in
 // score_grad.
-template <bool kSSA, bool kCheck, bool kBand = true>
-SSA_DEVICE float dbeta_term(const AttnShape& p, const LogitCtx& ctx, float s, float dp, int row, int col,
+template <bool kSSA, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
   float t, u;
-  float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
+  float l2 = logit_raw<kSSA>(ctx, softcap_raw<kCap>(p, s), row_mult<kSSA>(ctx, 1.0f), t, u);
   if (kCheck) {
     l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
     if (l2 == neg_inf()) return 0.0f;
@@ -153,7 +156,10 @@ SSA_DEVICE void score_gemms(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4],
 //
 // kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
 // (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
-template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false>
+// kCap: soft-capping (score_grad); kSink (adaptive only): the sink's term of dbeta,
+// dS'_sink s_h = -P'_sink delta s_h (docs/maths.md section 6.2), added once per row after the dbeta
+// pass. Without an adaptive temperature a sink needs nothing here: the forward's lse includes it.
+template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
@@ -362,8 +368,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = n0 + Frag::col(lane, nt) + (i & 1);
-            if (i < 2) dbeta_lo += dbeta_term<kSSA, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
-            else dbeta_hi += dbeta_term<kSSA, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
+            if (i < 2) dbeta_lo += dbeta_term<kSSA, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
+            else dbeta_hi += dbeta_term<kSSA, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
           }
         }
       } else {
@@ -373,7 +379,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
           for (int i = 0; i < 4; ++i) {
             const int col = n0 + Frag::col(lane, nt) + (i & 1);
             float pp;
-            s[0][nt][i] = score_grad<kSSA, kAdaptive, kCheck>(p, ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
+            s[0][nt][i] = score_grad<kSSA, kAdaptive, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
                                                               col, i < 2 ? st_lo : st_hi, pp, db_part, dn_part);
           }
         }
@@ -404,8 +410,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's copies)
 
     if (kAdaptive && pass == 0) {
-      st_lo.g = quad_sum(dbeta_lo) * dbdh_lo;
-      st_hi.g = quad_sum(dbeta_hi) * dbdh_hi;
+      dbeta_lo = quad_sum(dbeta_lo);
+      dbeta_hi = quad_sum(dbeta_hi);
+      if (kSink) {
+        // (natural units; rows past len_q have delta 0)
+        const float sink = p.sinks[blk.head];
+        if (sink != neg_inf()) {
+          dbeta_lo -= ex2(fmaf(sink * kLog2e, st_lo.beta, -st_lo.lse2)) * st_lo.delta * sink;
+          dbeta_hi -= ex2(fmaf(sink * kLog2e, st_hi.beta, -st_hi.lse2)) * st_hi.delta * sink;
+        }
+      }
+      st_lo.g = dbeta_lo * dbdh_lo;
+      st_hi.g = dbeta_hi * dbdh_hi;
       if (write_ws) {
         ws_lo[kG] = st_lo.g;
         ws_hi[kG] = st_hi.g;
@@ -480,7 +496,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 // Pipeline per step (Q and the statistics double-buffered, dO single):
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T, dV += P^T dO_t (kFusedDq: dS^T to
 //   shared) | issue dO_{t+1} | dK += dS^T Q_t (kFusedDq: dQ_t = dS K, atomics)
-template <typename Tr, bool kSSA, bool kAdaptive, bool kFusedDq>
+template <typename Tr, bool kSSA, bool kAdaptive, bool kFusedDq, bool kCap = false>
 SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;  // queries per step
@@ -722,7 +738,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
             for (int hi = 0; hi < 2; ++hi) {
               const int i = c + 2 * hi;
               float pp;
-              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck, !kFusedDq>(
+              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck, !kFusedDq, kCap>(
                   p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq, key_lo() + hi * Frag::kHi, r, pp, db_acc, dn_acc);
               s[0][mt][i] = pp;
             }
@@ -902,15 +918,15 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 }
 
 // dK/dV of the two-kernel backward (after attn_bwd_dq_kernel)
-template <typename Tr, bool kSSA, bool kAdaptive>
+template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
-  bwd_key_block<Tr, kSSA, kAdaptive, false>(p);
+  bwd_key_block<Tr, kSSA, kAdaptive, false, kCap>(p);
 }
 
 // dK, dV and dQ (fp32 atomics) of the fused backward (after attn_bwd_dq_kernel's pre-pass)
-template <typename Tr, bool kSSA, bool kAdaptive>
+template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const BwdParams p) {
-  bwd_key_block<Tr, kSSA, kAdaptive, true>(p);
+  bwd_key_block<Tr, kSSA, kAdaptive, true, kCap>(p);
 }
 
 }  // namespace ssa_flash

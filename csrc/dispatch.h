@@ -31,6 +31,19 @@ auto feature_switch(bool ssa, bool adaptive, F&& f) {
   return f(False{}, False{});
 }
 
+// f(Ssa, Adaptive, Cap, Sink): feature_switch with the two optional features every query-row
+// kernel is also templated on, logit soft-capping and attention sinks (docs/maths.md section 6);
+// calls without them get the <Ssa, Adaptive, False, False> instances, the kernels as they were
+// before these features.
+template <typename F>
+auto extras_switch(bool ssa, bool adaptive, bool cap, bool sink, F&& f) {
+  return bool_switch(cap, [&](auto C) {
+    return bool_switch(sink, [&](auto K) {
+      return feature_switch(ssa, adaptive, [&](auto S, auto A) { return f(S, A, C, K); });
+    });
+  });
+}
+
 // SSA_FLASH_HEAD_DIM_<D> = 0 leaves head dim D out of the build (a build-time knob for quick
 // experiments and the emulator's shorter builds); by default all five are compiled.
 #ifndef SSA_FLASH_HEAD_DIM_32

@@ -13,6 +13,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 using ssa_emu::ex2;
 using ssa_emu::lg2;
 using ssa_emu::rcp;
+using ssa_emu::tanh_approx;
 #else
 // ------------------------------------------------------------------------------------------
 // Fast math: base-2 exponential and logarithm (MUFU). ex2(-inf) = +0, lg2(0) = -inf.
@@ -33,6 +34,19 @@ SSA_DEVICE float rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+// tanh (logit soft-capping): tanh.approx.f32 (MUFU.TANH, sm_75+; absolute error about 2^-11,
+// below the float16 / bfloat16 rounding of the inputs the scores come from); sm_70 has no such
+// instruction and uses tanh x = 1 - 2 / (2^(2x log2 e) + 1) (one MUFU.EX2, one MUFU.RCP), which
+// saturates to +-1 for large |x| (ex2 -> inf or 0).
+SSA_DEVICE float tanh_approx(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+  return 1.0f - 2.0f * rcp(ex2(x * (2.0f * kLog2e)) + 1.0f);
+#else
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
 }
 #endif  // SSA_FLASH_EMULATE
 

@@ -64,7 +64,13 @@ namespace ssa_flash {
 // K_{j+1} before O += P V_j (sm_75) or after it (sm_70), the orders ptxas compiles without
 // spills; every block rescales there (no steady-state loop: its second copy of the step spilled
 // on sm_75).
-template <typename Tr, bool kSSA, bool kAdaptive>
+//
+// Soft-capping and sinks (kCap, kSink; docs/maths.md section 6): the capped raw score replaces the
+// dot product before anything else sees it (logits.h, softcap_raw: the interior loop's x is then
+// c tanh(z / c) / scale or its SSA t, with the same multiplier); a sink starts its row at the sink
+// logit (row_state.h, init_row_sink), which m = sink2 beta, l = 1 make part of the final o and lse
+// with nothing per element. Without them the kernel compiles exactly as before.
+template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
@@ -144,6 +150,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   zero(acc_o);
   float m_run[kMS][2], l_run[kMS][2];
   init_row_state(m_run, l_run);
+  if (kSink) {
+    const float sink2 = sink_logit2<kSink>(p, blk.head);
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) {
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi)
+        init_row_sink(m_run[ms][hi], l_run[ms][hi], sink2 * row_beta(row0 + ms * kStripRows + hi * Frag::kHi),
+                      Frag::rank(lane) == 0);
+    }
+  }
   const T* sQw = sQ + warp * kMS * 16 * kS;
   float s[kMS][kNT][4];   // scores, then logits (checked) or x (interior), then weights
   float mq[kMS][2];       // this block's row max of s (quad-reduced)
@@ -211,11 +227,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
         for (int i = 0; i < 4; ++i) {
           const int hi = i >> 1;
           float x;
+          const float sc = softcap_raw<kCap>(p, s[ms][nt][i]);
           if (!kCheck) {
-            x = kSSA ? xor_sign(lg2(fmaf(ctx.c, fabsf(s[ms][nt][i]), 1.0f)), s[ms][nt][i]) : s[ms][nt][i];
+            x = kSSA ? xor_sign(lg2(fmaf(ctx.c, fabsf(sc), 1.0f)), sc) : sc;
           } else {
             float t, u;
-            x = logit_raw<kSSA>(ctx, s[ms][nt][i], mult[ms][hi], t, u);
+            x = logit_raw<kSSA>(ctx, sc, mult[ms][hi], t, u);
             x = apply_mask(p, ctx, x, row0 + ms * kStripRows + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
                            mask_mult[hi]);
           }
@@ -372,7 +389,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 // with a = 2^(m - m'): lam' = a lam, kc' = a (kc + lam (m - m')); both are linear in (lam, kc),
 // so per-thread partials rescale the same way and are summed over the quad at the end.
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
-template <typename Tr, bool kSSA>
+// kCap, kSink as in the forward: the sink is an entry of the row (temperature-free, so m = sink2,
+// lam = 1, kc = 0 at the start) and counts in both H and the LSE.
+template <typename Tr, bool kSSA, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(const FwdParams p) {
   using T = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM;
@@ -425,6 +444,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
 
   float m_run[kMS][2], lam[kMS][2], kc[kMS][2];
   init_row_state(m_run, lam, kc);
+  if (kSink) {
+    const float sink2 = sink_logit2<kSink>(p, blk.head);
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms)
+      for (int hi = 0; hi < 2; ++hi) init_row_sink(m_run[ms][hi], lam[ms][hi], sink2, Frag::rank(lane) == 0);
+  }
   const T* sQw = sQ + warp * kMS * 16 * kS;
 
   // step `it` of the order runs key block j from K buffer it & 1 (the prologue filled buffer 0)
@@ -465,7 +490,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float t, u;
-          float l2 = logit_raw<kSSA>(ctx, s[ms][nt][i], mult, t, u);
+          float l2 = logit_raw<kSSA>(ctx, softcap_raw<kCap>(p, s[ms][nt][i]), mult, t, u);
           if (kCheck) l2 = apply_mask(p, ctx, l2, row[ms][i >> 1], n0 + Frag::col(lane, nt) + (i & 1), kLog2e);
           s[ms][nt][i] = l2;
           mx[i >> 1] = fmaxf(mx[i >> 1], l2);

@@ -104,28 +104,41 @@ dim3 key_grid(const AttnShape& p) {
   return dim3((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
 }
 
-// Launches the (SSA, adaptive) instance of a kernel template that pick(Ssa, Adaptive) returns
-// (dispatch.h, feature_switch), with Tr's threads.
+// Launches the (SSA, adaptive, softcap, sink) instance of a kernel template that
+// pick(Ssa, Adaptive, Cap, Sink) returns (dispatch.h, extras_switch), with Tr's threads.
 template <typename T, typename Tr, typename Params, typename Pick>
 std::string launch_variant(const char* name, Pick&& pick, bool ssa, bool adaptive, dim3 grid, int smem,
                            cudaStream_t stream, const Params& p) {
-  return launch<T>(feature_switch(ssa, adaptive, pick), name, grid, Tr::kNThreads, smem, stream, p);
+  return launch<T>(extras_switch(ssa, adaptive, p.softcap, p.sinks != nullptr, pick), name, grid, Tr::kNThreads,
+                   smem, stream, p);
 }
 
 template <typename T, int D>
 std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   return launch_variant<T, Tr>(
-      "attn_fwd_kernel", [](auto S, auto A) { return &attn_fwd_kernel<Tr, decltype(S)::value, decltype(A)::value>; },
+      "attn_fwd_kernel", [](auto S, auto A, auto C, auto K) {
+        return &attn_fwd_kernel<Tr, decltype(S)::value, decltype(A)::value, decltype(C)::value, decltype(K)::value>;
+      },
       ssa, adaptive, query_grid<Tr>(p), fwd_smem_bytes(D, sizeof(T), device_path()), stream, p);
 }
 
 template <typename T, int D>
 std::string row_entropy_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
-  auto kernel = bool_switch(ssa, [](auto S) { return &attn_row_entropy_kernel<Tr, decltype(S)::value>; });
+  auto kernel = extras_switch(ssa, false, p.softcap, p.sinks != nullptr, [](auto S, auto, auto C, auto K) {
+    return &attn_row_entropy_kernel<Tr, decltype(S)::value, decltype(C)::value, decltype(K)::value>;
+  });
   return launch<T>(kernel, "attn_row_entropy_kernel", query_grid<Tr>(p), Tr::kNThreads,
                    row_entropy_smem_bytes(D, sizeof(T), device_path()), stream, p);
+}
+
+// The dQ kernel (or its pre-pass, kPrep) of a (Ssa, Adaptive, Cap, Sink) call: a sink matters
+// there only with the adaptive temperature (its dbeta term), so a sink without it runs the
+// sink-free instance. (The key-block kernels need no sink at all: the lse they read includes it.)
+template <typename Dq, bool kPrep, typename S, typename A, typename C, typename K>
+auto dq_kernel(S, A, C, K) {
+  return &attn_bwd_dq_kernel<Dq, S::value, A::value, kPrep, C::value, K::value && A::value>;
 }
 
 template <typename T, int D>
@@ -137,18 +150,21 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
       // pre-pass: delta (and the adaptive g), then the fused kernel
       std::string err = launch_variant<T, Dq>(
           "attn_bwd_dq_kernel (pre-pass)",
-          [](auto S, auto A) { return &attn_bwd_dq_kernel<Dq, decltype(S)::value, decltype(A)::value, true>; }, ssa,
+          [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, true>(S, A, C, K); }, ssa,
           adaptive, query_grid<Dq>(p), bwd_prep_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
       if (!err.empty()) return err;
       using Tr = FusedTraits<D, T>;
       return launch_variant<T, Tr>(
           "attn_bwd_fused_kernel",
-          [](auto S, auto A) { return &attn_bwd_fused_kernel<Tr, decltype(S)::value, decltype(A)::value>; }, ssa,
+          [](auto S, auto A, auto C, auto) {
+            return &attn_bwd_fused_kernel<Tr, decltype(S)::value, decltype(A)::value, decltype(C)::value>;
+          },
+          ssa,
           adaptive, key_grid<Tr>(p), bwd_fused_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
     }
   }
   std::string err = launch_variant<T, Dq>(
-      "attn_bwd_dq_kernel", [](auto S, auto A) { return &attn_bwd_dq_kernel<Dq, decltype(S)::value, decltype(A)::value>; },
+      "attn_bwd_dq_kernel", [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, false>(S, A, C, K); },
       ssa, adaptive, query_grid<Dq>(p), dq_smem_bytes(D, sizeof(T), path), stream, p);
   if (!err.empty()) return err;
   // dK/dV with the tile Tr (traits.h: DkdvTraits, or DkdvTraitsSm75 where dkdv_split_for says)
@@ -156,7 +172,10 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
     using Tr = decltype(traits);
     return launch_variant<T, Tr>(
         "attn_bwd_dkdv_kernel",
-        [](auto S, auto A) { return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value>; }, ssa,
+        [](auto S, auto A, auto C, auto) {
+          return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value, decltype(C)::value>;
+        },
+        ssa,
         adaptive, key_grid<Tr>(p), smem, stream, p);
   };
   if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {

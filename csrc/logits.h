@@ -64,4 +64,38 @@ SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, flo
   }
 }
 
+// Logit soft-capping (docs/maths.md section 6.1), for the kernels instantiated with it
+// (kCap): the raw dot product s becomes s' = cap_out tanh(cap_in s) (params.h: z' = c tanh(z / c)
+// in raw units), which logit_raw then transforms as it would s; `th` receives tanh(cap_in s), whose
+// 1 - th^2 = ds'/ds the backward multiplies in. One FMUL, one MUFU.TANH, one FMUL per score.
+// Without kCap: s itself (and th = 0), no instruction.
+template <bool kCap, typename P>
+SSA_DEVICE float softcap_raw(const P& p, float s, float& th) {
+  if (kCap) {
+    th = tanh_approx(s * p.cap_in);
+    return th * p.cap_out;
+  }
+  th = 0.0f;
+  return s;
+}
+
+template <bool kCap, typename P>
+SSA_DEVICE float softcap_raw(const P& p, float s) {
+  float th;
+  return softcap_raw<kCap>(p, s, th);
+}
+
+// ds'/ds = 1 - th^2 of softcap_raw (1 without kCap).
+template <bool kCap>
+SSA_DEVICE float softcap_grad(float dl, float th) {
+  return kCap ? dl * fmaf(-th, th, 1.0f) : dl;
+}
+
+// The sink logit of the (batch, query) head in base-2 units (log2(e) s_h), -inf without sinks
+// (kSink false, or s_h = -inf: the same as no sink).
+template <bool kSink, typename P>
+SSA_DEVICE float sink_logit2(const P& p, int head) {
+  return kSink ? p.sinks[head] * kLog2e : neg_inf();
+}
+
 }  // namespace ssa_flash

@@ -70,6 +70,15 @@ struct FwdParams : AttnShape {
   const float* beta;  // (B, H, Lq) adaptive temperature, or nullptr
   // row-entropy pass only (run_row_entropy): entropy and LSE of softmax(l)
   float* entropy;
+  // Attention sinks and logit soft-capping (docs/maths.md section 6), read only by the kernels
+  // instantiated with them (dispatch.h, extras_switch): sinks (H,) the per-head sink logit
+  // (natural units), or nullptr; the capped raw score s' = cap_out tanh(cap_in s) of a raw dot
+  // product s, i.e. z' = c tanh(z / c) divided by scale (cap_in = scale / c, cap_out = c / scale),
+  // so everything downstream of the raw score is unchanged. (Last, here and in BwdParams, so
+  // that the kernels without them see every other field at its former offset.)
+  const float* sinks;
+  bool softcap;
+  float cap_in, cap_out;
 };
 
 struct BwdParams : AttnShape {
@@ -108,6 +117,10 @@ struct BwdParams : AttnShape {
   // fused backward only: (B, H, stat_rows, padded head dim) float32, zero on entry; receives
   // dQ / scale by atomics (rows past len_q and columns past dim receive exact zeros)
   float* dq_accum;
+  // as in FwdParams
+  const float* sinks;
+  bool softcap;
+  float cap_in, cap_out;
 };
 
 }  // namespace ssa_flash

@@ -25,4 +25,14 @@ SSA_DEVICE void init_row_state(float (&m)[kMS][2], float (&l)[kMS][2], float (&k
   for (int ms = 0; ms < kMS; ++ms) kc[ms][0] = kc[ms][1] = 0.0f;
 }
 
+// With an attention sink (docs/maths.md section 6.2) a row starts from its sink instead of the
+// empty row: m = sink2 (the sink logit in base-2 units, beta included), l = 1 (2^(sink2 - m)),
+// kc = 0 (the sink's centred logit is 0). l and kc are per-thread partials summed over the quad
+// at the end, so only the quad's first lane (Frag::rank 0, quad_first) holds the sink's 1. A sink of -inf is the
+// empty row (m = -inf, l = 0).
+SSA_DEVICE void init_row_sink(float& m, float& l, float sink2, bool quad_first) {
+  m = sink2;
+  l = (sink2 != neg_inf() && quad_first) ? 1.0f : 0.0f;
+}
+
 }  // namespace ssa_flash

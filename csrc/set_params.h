@@ -63,6 +63,10 @@ struct AttnCall {
   float* dq_accum;
   float* db_part;
   float* dn_part;
+  // attention sinks (H,) float32 (natural-log logits) or null; logit soft-cap c >= 0 (0: off)
+  // (docs/maths.md section 6; the kernels instantiated with them: dispatch.h, extras_switch)
+  const float* sinks;
+  double softcap;
 };
 
 // Shapes of the backward's buffers for a plan (row-major, float32). A zero-size shape: not
@@ -98,6 +102,8 @@ inline std::string check_call(const AttnCall& c) {
     return "unknown mask_kind " + std::to_string(c.mask_kind);
   if ((c.mask_kind != kMaskNone) != (c.mask != nullptr)) return "mask_kind set without a mask, or a mask without it";
   if ((c.ssa_b == nullptr) != (c.ssa_n == nullptr)) return "give both b and n or neither";
+  if (!std::isfinite(c.softcap) || c.softcap < 0)
+    return "softcap must be finite and >= 0 (0: off), got " + std::to_string(c.softcap);
   if (c.drop_rng != nullptr) {
     if (c.drop_keep31 < 0 || c.drop_keep31 >= (int64_t(1) << 31))
       return "dropout keep31 out of range: " + std::to_string(c.drop_keep31);
@@ -132,6 +138,16 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
   s.drop_scale = c.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
 }
 
+// Sinks and soft-capping (the last fields of FwdParams and BwdParams): s' = (c / scale)
+// tanh((scale / c) s), z' = c tanh(z / c) in raw units; scale 0 makes every score 0, capped or not.
+template <typename P>
+inline void set_extras(P& p, const AttnCall& c) {
+  p.sinks = c.sinks;
+  p.softcap = c.softcap > 0;
+  p.cap_in = p.softcap ? static_cast<float>(c.scale / c.softcap) : 0.0f;
+  p.cap_out = p.softcap && c.scale > 0 ? static_cast<float>(c.softcap / c.scale) : 0.0f;
+}
+
 // An operand's pointer and strides, into a params struct's fields of that operand.
 template <typename Ptr>
 inline void set_operand(Ptr& ptr, int64_t& sb, int64_t& sh, int64_t& sm, const Operand& o) {
@@ -158,6 +174,7 @@ inline FwdParams fwd_params(const AttnCall& c) {
   p.lse = c.lse;
   p.beta = c.beta;
   p.entropy = nullptr;
+  set_extras(p, c);
   return p;
 }
 
@@ -172,6 +189,7 @@ inline FwdParams row_entropy_params(AttnCall c) {
   set_operand(p.k, p.k_sb, p.k_sh, p.k_sm, c.k);
   p.lse = c.lse;
   p.entropy = c.entropy;
+  set_extras(p, c);
   return p;
 }
 
@@ -223,6 +241,7 @@ inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   p.dbeta_dh = c.dbeta_dh;
   p.db_part = is_ssa(c) ? c.db_part : nullptr;
   p.dn_part = is_ssa(c) ? c.dn_part : nullptr;
+  set_extras(p, c);
   return p;
 }
 

@@ -58,6 +58,10 @@ SLOW_TESTS = {
     "test_gpu_bench_tiny", "test_smoke_default_output_is_found_and_named_smoke",
     "test_build_ext_compiler_error_installs_pure_python", "test_cuda_section_on_a_known_kernel",
     "test_ops_gradcheck_reference_backend",
+    # the CUDA kernels' sinks and soft-capping on the emulator (the -inf sink, entropy and
+    # supports tests of that module stay in the fast tier)
+    "test_cuda_sinks_softcap_variants", "test_cuda_sinks_softcap_causal_masked",
+    "test_cuda_sinks_softcap_float_mask_window_dropout", "test_cuda_sinks_softcap_window_dropout_alone",
 }
 
 

@@ -226,6 +226,7 @@ inline V shfl_xor(V v, int off) {
 inline float ex2(float x) { return std::exp2(x); }
 inline float lg2(float x) { return std::log2(x); }
 inline float rcp(float x) { return 1.0f / x; }
+inline float tanh_approx(float x) { return std::tanh(x); }
 
 // __syncwarp(): a synchronisation point like the others (every lane of the warp arrives first).
 inline void syncwarp() {

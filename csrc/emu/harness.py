@@ -97,7 +97,8 @@ class AttnCall(ctypes.Structure):
         ("ssa_b", _PTR), ("ssa_n", _PTR), ("drop_rng", _PTR), ("drop_keep31", _I64), ("drop_scale", _F64),
         *((nm, Operand) for nm in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")),
         *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum",
-                                "db_part", "dn_part")),
+                                "db_part", "dn_part", "sinks")),
+        ("softcap", _F64),
     ]
 
 
@@ -159,7 +160,7 @@ class Emulator:
 
     @staticmethod
     def _describe(q, k, dim_v, mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
-                  drop_rng=None, drop_keep31=0, drop_scale=0.0) -> AttnCall:
+                  drop_rng=None, drop_keep31=0, drop_scale=0.0, sinks=None, softcap=0.0) -> AttnCall:
         """What csrc/api.cpp's describe() fills from the tensors."""
         B, H, Lq, D = q.shape
         c = AttnCall(batch=B, heads=H, heads_kv=k.shape[1], group=group, len_q=Lq, len_k=k.shape[2], dim=D,
@@ -170,6 +171,7 @@ class Emulator:
             c.mask = _ptr(mask)
             c.mask_sb, c.mask_sh, c.mask_sm, c.mask_sn = mask.stride()
         c.ssa_b, c.ssa_n = _ptr(b), _ptr(n)
+        c.sinks, c.softcap = _ptr(sinks), float(softcap)
         if drop_rng is not None:
             c.drop_rng, c.drop_keep31, c.drop_scale = _ptr(drop_rng), int(drop_keep31), float(drop_scale)
         return c
@@ -181,21 +183,21 @@ class Emulator:
             raise RuntimeError(err.decode())
 
     def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0, drop_rng=None,
-            drop_keep31=0, drop_scale=0.0, window_left=-1, window_right=-1):
+            drop_keep31=0, drop_scale=0.0, window_left=-1, window_right=-1, sinks=None, softcap=0.0):
         c = self._describe(q, k, v.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
-                           window_right, drop_rng, drop_keep31, drop_scale)
+                           window_right, drop_rng, drop_keep31, drop_scale, sinks, softcap)
         o, lse = _nan((*q.shape[:3], v.shape[-1]), q.dtype), _nan(q.shape[:3])
         c.v, c.o, c.lse, c.beta = _operand(v), _operand(o), _ptr(lse), _ptr(beta)
-        self._run(0, c, (q, k, v, mask, b, n, beta, drop_rng))
+        self._run(0, c, (q, k, v, mask, b, n, beta, drop_rng, sinks))
         return o, lse
 
     def row_entropy(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0, window_left=-1,
-              window_right=-1):
+              window_right=-1, sinks=None, softcap=0.0):
         c = self._describe(q, k, q.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
-                           window_right)
+                           window_right, sinks=sinks, softcap=softcap)
         ent, lse_l = _nan(q.shape[:3]), _nan(q.shape[:3])
         c.lse, c.entropy = _ptr(lse_l), _ptr(ent)
-        self._run(1, c, (q, k, mask, b, n))
+        self._run(1, c, (q, k, mask, b, n, sinks))
         return ent, lse_l
 
     def wgmma_issued(self) -> int:
@@ -221,9 +223,9 @@ class Emulator:
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
             scale, causal, group, stream=0, deterministic=False, drop_rng=None, drop_keep31=0, drop_scale=0.0,
-            window_left=-1, window_right=-1):
+            window_left=-1, window_right=-1, sinks=None, softcap=0.0):
         c = self._describe(q, k, v.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
-                           window_right, drop_rng, drop_keep31, drop_scale)
+                           window_right, drop_rng, drop_keep31, drop_scale, sinks, softcap)
         c.deterministic = int(deterministic)
         c.v, c.o, c.dout = _operand(v), _operand(o), _operand(dout)
         c.lse, c.dlse, c.beta, c.lse_l, c.entropy, c.dbeta_dh = map(_ptr, (lse, dlse, beta, lse_l, entropy, dbeta_dh))
@@ -240,8 +242,8 @@ class Emulator:
         c.dk, c.dv, c.rowstat = _operand(dk), _operand(dv), _ptr(rowstat)
         if b is not None:
             c.db_part, c.dn_part = _ptr(db_part), _ptr(dn_part)
-        self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, b, n, beta, lse_l, entropy, dbeta_dh, drop_rng))
-        return dq, dk, dv, db_part, dn_part
+        self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, b, n, beta, lse_l, entropy, dbeta_dh, drop_rng, sinks))
+        return dq, dk, dv, db_part, dn_part, rowstat
 
     # ---- what backend="cuda" computes --------------------------------------------------------
 

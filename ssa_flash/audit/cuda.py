@@ -111,10 +111,17 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     if kernel == "bwd_fused" and d > 64:
         dq_cols = d // (warps // (block_m // 16))
         inner_trips = dq_cols // (32 if dq_cols % 32 == 0 else 16)
+    # the bool template arguments of each kernel (csrc/fwd_kernel.h, bwd_kernel.h), the
+    # soft-capping and sink switches last (false: the kernels without them)
+    names = {"fwd": ("ssa", "adaptive", "softcap", "sinks"), "row_entropy": ("ssa", "softcap", "sinks"),
+             "bwd_dq": ("ssa", "adaptive", "prep", "softcap", "sinks"),
+             "bwd_dkdv": ("ssa", "adaptive", "softcap"), "bwd_fused": ("ssa", "adaptive", "softcap")}[kernel]
+    flags = dict(zip(names, bools))
     return {"kernel": kernel, "head_dim": d, "block_m": block_m, "block_n": ints[2], "warps": warps,
             "dtype": dtype, "col_split": tail[0] if tail else 1,
-            "ssa": bools[0] if bools else None, "adaptive": bools[1] if len(bools) > 1 else False,
-            "prep": bools[2] if len(bools) > 2 else False, "inner_trips": inner_trips}
+            "ssa": flags.get("ssa"), "adaptive": flags.get("adaptive", False),
+            "prep": flags.get("prep", False), "softcap": flags.get("softcap", False),
+            "sinks": flags.get("sinks", False), "inner_trips": inner_trips}
 
 
 #: Symbol describers, tried in order; the first non-None answer is used.
@@ -285,7 +292,8 @@ def text_report(result: dict, arch: int) -> str:
     rows = []
     for k in result["kernels"]:
         d = k["describe"] or {}
-        name = (f"{d['kernel']}{'(prep)' if d.get('prep') else ''} ssa={int(bool(d['ssa']))} adapt={int(bool(d['adaptive']))} D={d['head_dim']} "
+        extras = ("+cap" if d.get("softcap") else "") + ("+sink" if d.get("sinks") else "") if d else ""
+        name = (f"{d['kernel']}{'(prep)' if d.get('prep') else ''}{extras} ssa={int(bool(d['ssa']))} adapt={int(bool(d['adaptive']))} D={d['head_dim']} "
                 f"{d['dtype']} {d['block_m']}x{d['block_n']}w{d['warps']}" if d else k["symbol"][:60])
         spill = k["spill_store_bytes"] + k["spill_load_bytes"]
         loops = k["loops"] or [None]
@@ -318,7 +326,8 @@ def kernel_rows(result: dict) -> Dict[tuple, dict]:
     """The kernels of an :func:`audit` result by ``(kernel, op, head_dim, dtype)`` (``op`` as the
     Triton audit names it: softmax, ssa, adaptive, ssa_adaptive); the fused backward's pre-pass is
     ``bwd_prep``. Specialisations the launcher never runs on sm_80+ (the sm_75 dK/dV split) are
-    left out."""
+    left out, as are the soft-capping and sink instances (the tables compare the kernels without
+    them; their spills are still in ``result["kernels"]``)."""
     out: Dict[tuple, dict] = {}
     for row in result.get("kernels", []):
         d = row.get("describe")
@@ -326,6 +335,8 @@ def kernel_rows(result: dict) -> Dict[tuple, dict]:
             continue
         if d["kernel"] == "bwd_dkdv" and d["col_split"] != (1 if d["head_dim"] <= 128 else 2):
             continue  # DkdvTraitsSm75
+        if d.get("softcap") or d.get("sinks"):
+            continue
         op = {(False, False): "softmax", (True, False): "ssa", (False, True): "adaptive",
               (True, True): "ssa_adaptive"}[(bool(d["ssa"]), bool(d["adaptive"]))]
         kernel = "bwd_prep" if d.get("prep") else d["kernel"]

@@ -13,7 +13,8 @@ What the kernels run (anything else: :func:`supports` says why): float16 (sm_70+
 (sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64, 96, 128, 256, others
 zero-padded); any strides (copies are made where the head dim is not contiguous, not a multiple of
 8, or rows are not 16-byte aligned); boolean or additive masks of any strides; causal; GQA;
-softmax or SSA logits, fixed or adaptive temperature. The backward is one fused kernel after a
+softmax or SSA logits, fixed or adaptive temperature; attention sinks and logit soft-capping
+(kernels compiled with them only for calls that use them). The backward is one fused kernel after a
 pre-pass (FlashAttention-2's five GEMMs per tile, dQ accumulated with float32 atomics) where the
 device and head dim allow it, and the two-kernel path (dQ kernel, dK/dV kernel, no atomics) with
 ``deterministic=True`` or elsewhere; db/dn are per-block partial sums reduced in a fixed order
@@ -406,9 +407,6 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
 
 def _feature_reason(spec: AttentionSpec, sinks=None) -> Optional[str]:
     """Why the kernels cannot compute ``spec`` (with ``sinks``), or None."""
-    if sinks is not None or spec.softcap > 0:
-        return ("the CUDA C++ kernels do not implement attention sinks or logit soft-capping yet "
-                "(sinks=, softcap=; docs/support.md): use backend='reference'")
     if spec.dropout_p > 0 and spec.dropout_rng is None:
         return "dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng"
     return None
@@ -497,6 +495,41 @@ def _head_param(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.float().contiguous()
 
 
+def _extras_args(sinks: Optional[torch.Tensor], spec: AttentionSpec) -> dict:
+    """The kernels' attention sinks ((Hq,) float32) and logit soft-cap (docs/maths.md §6); none
+    without them (the kernels compiled without either then run)."""
+    out = {}
+    if sinks is not None:
+        out["sinks"] = sinks.float().contiguous()
+    if spec.softcap > 0:
+        out["softcap"] = float(spec.softcap)
+    return out
+
+
+def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, rowstat: torch.Tensor,
+                temp: Optional[TemperatureState]) -> torch.Tensor:
+    """``dsinks (Hq,)`` float32 from per-row statistics (docs/maths.md §6.2): the forward's ``lse``
+    (sink included) and the backward's row-statistics workspace ``rowstat (B, Hq, stat_rows, 2 or
+    6)`` (csrc/bwd_kernel.h, RowStat: delta = <dO, o> - dlse at 1, the adaptive g = dbeta dbeta/dH,
+    dbeta with the sink's term, at 5). Plain: ``-sum_{b,i} P_sink delta``; adaptive:
+    ``sum_{b,i} [-beta P'_sink delta - g P_sink (s - lse_l + H)]``. A per-row formula reduced by
+    one torch sum over a fixed shape (deterministic); a sink of -inf gets 0."""
+    lq = lse.shape[2]
+    stats = rowstat[:, :, :lq]
+    delta = stats[..., 1]
+    s = sinks.float().view(1, -1, 1).expand_as(delta)
+    finite = torch.isfinite(s)
+    s0 = torch.where(finite, s, torch.zeros_like(s))
+    lse = lse.float()
+    if temp is None:
+        term = -torch.exp(s0 - lse) * delta
+    else:
+        beta, lse_l, ent = temp.beta.float(), temp.lse_l.float(), temp.entropy.float()
+        g = stats[..., 5]
+        term = -beta * torch.exp(beta * s0 - lse) * delta - g * torch.exp(s0 - lse_l) * (s0 - lse_l + ent)
+    return torch.where(finite, term, torch.zeros_like(term)).sum(dim=(0, 2))
+
+
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
@@ -555,7 +588,7 @@ def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
     with _on_device(q.device):
         return ext.row_entropy(_prep(qs, d8), _prep(k, d8), mask_t, kind, _head_param(b), _head_param(n),
                          scale, bool(spec.causal), int(spec.group), _stream(q.device),
-                         **_window_args(spec))
+                         **_window_args(spec), **_extras_args(sinks, spec))
 
 
 def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
@@ -568,7 +601,8 @@ def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
     with _on_device(q.device):
         o, lse = ext.fwd(_prep(qs, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
                          _head_param(n), beta, scale, bool(spec.causal), int(spec.group),
-                         _stream(q.device), **_dropout_args(spec), **_window_args(spec))
+                         _stream(q.device), **_dropout_args(spec), **_window_args(spec),
+                         **_extras_args(sinks, spec))
     return _unpad(o, v.shape[-1]), lse
 
 
@@ -587,14 +621,15 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[Te
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     qp = _prep(qs, d8)
     with _on_device(q.device):
-        dq, dk, dvv, db_part, dn_part = ext.bwd(
+        dq, dk, dvv, db_part, dn_part, rowstat = ext.bwd(
             _prep(dout.to(q.dtype), dv8), qp, _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
             bf, nf, beta, lse_l, ent, dbeta_dh, scale, bool(spec.causal), int(spec.group),
             _stream(q.device), deterministic=bool(spec.deterministic), **_dropout_args(spec),
-            **_window_args(spec))
+            **_window_args(spec), **_extras_args(sinks, spec))
         dq = _finish_dq(dq, qp, float(spec.scale))
     db = dn = None
     if bf is not None:  # partial sums (B, Hq, query blocks)
         db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), db, dn, None
+    dsinks = None if sinks is None else _sinks_grad(sinks, lse, rowstat, temp if spec.adaptive else None)
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), db, dn, dsinks
