@@ -30,7 +30,9 @@ NVCC = shutil.which("nvcc")
 # architectures compiled (``SSA_FLASH_COMPILE_ARCHS``, e.g. "75 80 90a"): sm_75 for the Turing
 # path, sm_80 and sm_90a for the mma.sync / wgmma paths (and the audit)
 ARCHS = os.environ.get("SSA_FLASH_COMPILE_ARCHS", "75 80 90a").split()
-TIMEOUT_S = 900
+# per nvcc run (every architecture): a backward file takes minutes on an idle 2-core machine and
+# over 15 on one shared by several test sessions
+TIMEOUT_S = 2400
 
 
 class Compiled(NamedTuple):
