@@ -22,6 +22,20 @@ needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETER), reason="needs CUDA
 MODES = ["softmax", "ssa", "adaptive", "ssa_adaptive"]
 
 
+def rotating_modes(cases, per_case=2):
+    """``(mode, *case)`` tuples for ``pytest.mark.parametrize``: case i with ``per_case``
+    consecutive variants from ``MODES[i % 4]`` on, so that each variant takes its share of the
+    cases and, with ``per_case=2``, every case runs with one variant of softmax scores and one of
+    SSA's. The in-depth files use it where a case's corner (a length, a mask kind, a GQA ratio)
+    is handled by code the variants share; the feature matrix (tests/features.py) takes every
+    feature with every variant."""
+    out = []
+    for i, case in enumerate(cases):
+        case = case if isinstance(case, tuple) else (case,)
+        out += [(MODES[(i + j) % len(MODES)], *case) for j in range(per_case)]
+    return out
+
+
 def make_qkv(B=1, Hq=2, Hkv=None, Lq=19, Lk=None, D=16, Dv=None, dtype=torch.float32,
              device=DEVICE, requires_grad=True, q_scale=1.0, seed=0):
     Hkv = Hq if Hkv is None else Hkv

@@ -20,11 +20,13 @@ specialisation):
 Targets not met today are listed in ``KNOWN_FAILURES`` and run as ``xfail(strict=True)``: when a
 kernel change makes one pass, the test fails (XPASS) until its entry is removed.
 
-Skipped when nvcc is not on PATH. Both audits are cached (``SSA_FLASH_AUDIT_CACHE``, default
-``~/.cache/ssa_flash/audit``): the CUDA one under a hash of ``csrc``, nvcc's version and flags; the
-Triton variants here are a subset of ``tests/audit/test_audit.py``'s, which runs first and fills the
-cache. Measured on 2 shared cores: 3 min 16 s with nothing cached (6.2 CPU-minutes: 8 nvcc runs,
-24 Triton specialisations), 12 s cached.
+Skipped when nvcc is not on PATH. The cubins are those of the session's objects
+(tests/csrc_objects.py: one ``nvcc -c`` per file for every architecture, as an extension build
+compiles them, shared with tests/cuda/test_csrc_compile.py), so CI compiles each file once; the
+audit CLI (``python -m ssa_flash.audit --cuda only``) compiles its own cubins, with the same
+flags, and caches them. The Triton variants here are a subset of ``tests/audit/test_audit.py``'s,
+which runs first and fills the audit cache (``SSA_FLASH_AUDIT_CACHE``, default
+``~/.cache/ssa_flash/audit``).
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/: background)
 
 from ssa_flash.audit import cuda as cuda_audit
-from ssa_flash.audit import specs
+from ssa_flash.audit import resources, specs
 import background  # noqa: E402  (tests/background.py)
+import csrc_objects  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
@@ -105,26 +108,49 @@ def _triton_audit():
 
 
 def _submit(name):
-    """"cuda80", "cuda90" (every .cu file for that arch, cached by source hash; cold, the CPU time
-    is these compiles) or "triton"."""
-    if name == "triton":
-        return background.submit("audit_cuda.triton", _triton_audit)
-    return background.submit(f"audit_cuda.{name}", cuda_audit.audit, int(name[4:]), jobs=min(2, os.cpu_count() or 1))
+    """"triton": the Triton variants' audit."""
+    return background.submit("audit_cuda.triton", _triton_audit)
+
+
+def _gpu(arch):
+    return f"sm_{arch}{'a' if arch >= 90 else ''}"
 
 
 def prebuild(items):
     """Starts the compiles the selected tests need (tests/background.py)."""
-    if any("cuda_results" in item.fixturenames for item in items):
-        for arch in ARCHS:
-            _submit(f"cuda{arch}")
+    if any("cuda_results" in item.fixturenames for item in items) and cuda_audit.unavailable() is None:
+        if all(_gpu(arch)[3:] in csrc_objects.ARCHS for arch in ARCHS):
+            for cu in csrc_objects.CU_FILES:
+                csrc_objects.submit(cu.name)
     if any("triton_results" in item.fixturenames for item in items):
         _submit("triton")
 # --- end of background builds ---
 
 
+def _cuda_audit(arch):
+    """``cuda_audit.audit(arch)``'s result, from the cubins of the session's objects and ptxas's
+    report of their sm_<arch> entries (the front end's warnings: test_csrc_compile's), or from the
+    audit's own compiles when ``SSA_FLASH_COMPILE_ARCHS`` leaves ``arch`` out of the objects."""
+    gpu = _gpu(arch)
+    if gpu[3:] not in csrc_objects.ARCHS:
+        return cuda_audit.audit(arch, jobs=min(2, os.cpu_count() or 1))
+    compiles, kernels = [], []
+    for cu in csrc_objects.CU_FILES:
+        built = csrc_objects.submit(cu.name).result()
+        log = csrc_objects.ptxas_log(built.output, gpu)
+        compiles.append({"file": cu.name, "returncode": built.returncode, "compile_s": round(built.seconds, 1),
+                         "warnings": resources.parse_ptxas_log(log).warnings,
+                         "error": None if built.obj else built.output[-2000:]})
+        if built.obj is not None:
+            for row in cuda_audit.analyse_cubin(csrc_objects.cubin(built, gpu), log, arch):
+                row["file"] = cu.name
+                kernels.append(row)
+    return {"compiles": compiles, "kernels": kernels}
+
+
 @pytest.fixture(scope="module")
 def cuda_results():
-    return {arch: _submit(f"cuda{arch}").result() for arch in ARCHS}
+    return {arch: _cuda_audit(arch) for arch in ARCHS}
 
 
 @pytest.fixture(scope="module")

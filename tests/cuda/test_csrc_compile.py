@@ -16,16 +16,15 @@
    misreading of the PTX ISA shared by the kernels and the emulation, and speed.
 
 Skipped when nvcc is not on PATH or torch's C++ headers are missing. The compilations (one nvcc per
-file, every architecture per nvcc) start in the background when collection ends
+file, every architecture per nvcc: tests/csrc_objects.py, whose objects tests/audit/test_audit_cuda.py
+audits too) start in the background when collection ends
 (tests/background.py, ``prebuild``) and this module runs near the end of a session, so they
 overlap the other modules' tests; its emulation tests run while nvcc finishes. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other
 architectures.
 """
 from __future__ import annotations
 
-import inspect
 import math
-import os
 import random
 import re
 import shutil
@@ -40,12 +39,14 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 
 import background
+import csrc_objects
+from attn_testing import rotating_modes
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-CU_FILES = sorted(CSRC.glob("*.cu"))
+CU_FILES = csrc_objects.CU_FILES
 NVCC = shutil.which("nvcc")
-ARCHS = os.environ.get("SSA_FLASH_COMPILE_ARCHS", "75 80 90a").split()
+ARCHS = csrc_objects.ARCHS
 TIMEOUT_S = 900
 NVRTC_HEAD_DIMS = (32, 64, 96, 128, 256)
 
@@ -61,21 +62,6 @@ pytestmark = [
     pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH"),
     pytest.mark.skipif(TORCH_INCLUDES is None, reason="torch's C++ headers are not installed"),
 ]
-
-
-def _cxx_std() -> str:
-    """The C++ standard torch's own extension builds use (C++20 for recent torch, else C++17)."""
-    try:
-        return "c++20" if "c++20" in inspect.getsource(cpp_extension) else "c++17"
-    except (OSError, TypeError):
-        return "c++17"
-
-
-def _gencode():
-    flags = []
-    for arch in ARCHS:
-        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-    return flags
 
 
 def _nvcc(args, cwd=CSRC):
@@ -123,7 +109,7 @@ def _binding_args(out_path):
     python_include = sysconfig.get_paths().get("include")
     if not python_include or not (Path(python_include) / "Python.h").is_file():
         return None
-    args = ["-c", "-x", "c++", f"-std={_cxx_std()}", "-O0", "-I", str(CSRC), "-I", python_include,
+    args = ["-c", "-x", "c++", f"-std={csrc_objects.cxx_std()}", "-O0", "-I", str(CSRC), "-I", python_include,
             "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
             "-Xcompiler", "-Wall", "-Xcompiler", "-Wno-unused-function"]
     for inc in TORCH_INCLUDES:
@@ -146,20 +132,14 @@ def _build_emulator(dir_name, **kw):
 def _job_table():
     """Every compilation of this module, name -> (function, args, kwargs): the CPU emulators
     (first: the emulation tests need them first and run while nvcc works), the .cu files (one
-    nvcc each, every architecture; the backward files, slowest, first), the sm_70 NVRTC builds,
-    the binding."""
-    common = ["-c", f"-std={_cxx_std()}", "-O3", "--expt-relaxed-constexpr", *_gencode(), "-I", str(CSRC),
-              "-Xptxas", "-v"]
-    # the same flags as a torch extension build
-    common += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-               "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+    nvcc each, every architecture: csrc_objects; the backward files, slowest, first), the sm_70
+    NVRTC builds, the binding."""
     table = {"emulator": (_build_emulator, ("emu",), {}),
              "emulator_sm75": (_build_emulator, ("emu75",), dict(head_dims=(64, 128), sm75=True)),
              "emulator_sm70": (_build_emulator, ("emu70",), dict(head_dims=(64, 128, 256), sm70=True)),
              "emulator_sm90": (_build_emulator, ("emu90",), dict(head_dims=(64, 128), sm90=True))}
-    objs = "csrc_objs"
     for cu in sorted(CU_FILES, key=lambda p: not p.name.startswith("bwd")):
-        table[cu.name] = (_nvcc_to, (objs, [*common, cu.name, "-o"], cu.stem + ".o"), {})
+        table[cu.name] = None  # csrc_objects.submit
     # sm_70 through the CUDA 12.9 wheels (NVRTC + ptxas), one process per head dim
     for d in NVRTC_HEAD_DIMS:
         table[f"nvrtc_sm70_d{d}"] = (_nvrtc_sm70_in, (f"nvrtc_d{d}", d), {})
@@ -177,6 +157,8 @@ def _nvrtc_sm70_in(dir_name, head_dim):
 
 
 def _submit(name):
+    if name.endswith(".cu"):
+        return csrc_objects.submit(name)
     entry = _job_table()[name]
     return None if entry is None else background.submit(f"csrc.{name}", entry[0], *entry[1], **entry[2])
 
@@ -378,14 +360,16 @@ def test_emulated_float_mask_odd_dims(emu_lib, mode):
     _emu_check(emu_lib, mode, B=2, Lq=66, Lk=80, D=59, Dv=40, mask=mask, transpose=True)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (256, torch.float16), (96, torch.float16)])
+# head dims and lengths: each corner with two variants (one of softmax scores, one of SSA's; the
+# corner's code is the variants' shared code), as tests/triton's in-depth files do; every variant
+# runs every feature on the emulator in tests/cuda/test_cuda_features.py
+@pytest.mark.parametrize("mode,D,dtype", rotating_modes([(128, torch.bfloat16), (256, torch.float16),
+                                                         (96, torch.float16)]))
 def test_emulated_head_dims(emu_lib, mode, D, dtype):
     _emu_check(emu_lib, mode, Hq=2, Hkv=1, Lq=65, Lk=64, D=D, dtype=dtype, causal=True, lazy=D != 96)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (96, torch.float16)])
+@pytest.mark.parametrize("mode,D,dtype", rotating_modes([(128, torch.bfloat16), (96, torch.float16)]))
 def test_emulated_fused_wide_heads(emu_lib, mode, D, dtype):
     """The fused backward above D = 64 (its dQ GEMM a rolled loop over column chunks: two of 32
     at D = 128, three of 16 at D = 96): interior query-block steps, GQA (two heads per key/value
@@ -433,8 +417,7 @@ def test_emulated_random_cases(emu_lib, chunk):
             raise AssertionError(f"case {i} of chunk {chunk}: {mode} {shown}: {err}") from err
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("Lq,Lk", [(1, 1), (1, 90), (90, 1)])
+@pytest.mark.parametrize("mode,Lq,Lk", rotating_modes([(1, 1), (1, 90), (90, 1)]))
 def test_emulated_lengths(emu_lib, mode, Lq, Lk):
     _emu_check(emu_lib, mode, Lq=Lq, Lk=Lk, D=32, causal=Lq > 1, transpose=True)
 
@@ -753,7 +736,7 @@ def test_there_are_sources():
 
 @pytest.mark.parametrize("name", [cu.name for cu in CU_FILES])
 def test_cu_compiles(cu_results, name):
-    rc, output, seconds = cu_results[name]
+    rc, output, seconds, _ = cu_results[name]
     assert rc == 0, f"nvcc failed on {name} ({seconds:.0f}s):\n{output[-20000:]}"
     warnings = _own_warnings(output)
     assert not warnings, f"{name}: compiler warnings in csrc/:\n" + "\n".join(warnings[:50])

@@ -2,7 +2,9 @@
 ``i - left <= j <= i + right`` (-1: unbounded), top-left aligned, intersected with ``is_causal``
 and masks.
 
-The kernels are held to the reference (an explicit band mask) for the four variants, to SDPA and
+The kernels are held to the reference (an explicit band mask), each window case with two of the
+four variants (``rotating_modes``; the feature matrix, tests/triton/test_triton_features.py, runs
+windows with every variant), to SDPA and
 FlexAttention given the equivalent mask (independent implementations), and to skipping the key
 (query) blocks outside the window rather than masking them."""
 import pytest
@@ -13,7 +15,8 @@ import ssa_flash
 from ssa_flash import ops, reference
 from ssa_flash.backends import cuda_backend
 from ssa_flash.backends.spec import AttentionSpec
-from attn_testing import DEVICE, FLOORS, MODES, call, check, fa_tolerance_check, head_params, make_qkv, needs_kernels
+from attn_testing import (DEVICE, FLOORS, call, check, fa_tolerance_check, head_params, make_qkv, needs_kernels,
+                          rotating_modes)
 
 pytestmark = needs_kernels
 
@@ -28,14 +31,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lq,lk,window,causal", CASES)
+@pytest.mark.parametrize("mode,lq,lk,window,causal", rotating_modes(CASES))
 def test_against_reference(mode, lq, lk, window, causal):
     q, k, v = make_qkv(B=1, Hq=2, Lq=lq, Lk=lk, D=16)
     check(mode, q, k, v, window_size=window, is_causal=causal, with_dlse=True)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])  # the matrix: windows with GQA for adaptive, ssa
 def test_gqa_masks(mode):
     """GQA, a float mask with -inf entries, a window, causal: every rule intersects."""
     q, k, v = make_qkv(B=2, Hq=4, Hkv=2, Lq=35, Lk=35, D=16)

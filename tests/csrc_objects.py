@@ -1,0 +1,106 @@
+"""``csrc/*.cu`` compiled once per test session, as an extension build compiles them: ``nvcc -c``
+with the extension's flags (``ssa_flash.backends.cuda_backend.NVCC_FLAGS``), torch's C++ standard,
+``-Xptxas -v``, one nvcc per file for every architecture CI checks (``ARCHS``). Shared by
+tests/cuda/test_csrc_compile.py (errors, warnings, spills of every architecture) and
+tests/audit/test_audit_cuda.py (the SASS audit of the sm_80 / sm_90a cubins in the objects), so
+that CI compiles each file once instead of once per module.
+
+One background job per file (tests/background.py, key ``csrc.<file name>``)::
+
+    built = csrc_objects.submit("fwd_fp16.cu").result()     # a Compiled
+    cubin = csrc_objects.cubin(built, "sm_90a")              # bytes of that architecture's ELF
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import background
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+CU_FILES = sorted(CSRC.glob("*.cu"))
+NVCC = shutil.which("nvcc")
+# architectures compiled (``SSA_FLASH_COMPILE_ARCHS``, e.g. "75 80 90a"): sm_75 for the Turing
+# path, sm_80 and sm_90a for the mma.sync / wgmma paths (and the audit)
+ARCHS = os.environ.get("SSA_FLASH_COMPILE_ARCHS", "75 80 90a").split()
+# per nvcc run (every architecture): a backward file takes minutes on an idle 2-core machine and
+# over 15 on one shared by several test sessions
+TIMEOUT_S = 2400
+
+
+class Compiled(NamedTuple):
+    """One file's nvcc run: exit status, nvcc's whole output (ptxas -v of every architecture
+    included), seconds, the object (None when nvcc failed)."""
+    returncode: int
+    output: str
+    seconds: float
+    obj: Optional[Path]
+
+
+def cxx_std() -> str:
+    """The C++ standard torch's own extension builds use (C++20 for recent torch, else C++17)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    try:
+        return "c++20" if "c++20" in inspect.getsource(cpp_extension) else "c++17"
+    except (OSError, TypeError):
+        return "c++17"
+
+
+def nvcc_args() -> list:
+    """nvcc's arguments (before the file): the extension's flags, every architecture of ``ARCHS``."""
+    from ssa_flash.backends.cuda_backend import NVCC_FLAGS
+
+    gencode = []
+    for arch in ARCHS:
+        gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    return ["-c", f"-std={cxx_std()}", *NVCC_FLAGS, *gencode, "-I", str(CSRC), "-Xptxas", "-v"]
+
+
+def _compile(name: str) -> Compiled:
+    obj = background.tmpdir("csrc_objs") / (Path(name).stem + ".o")
+    start = time.monotonic()
+    proc = subprocess.run([NVCC, *nvcc_args(), name, "-o", str(obj)], cwd=CSRC, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    return Compiled(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start,
+                    obj if proc.returncode == 0 else None)
+
+
+def submit(name: str) -> "background.Job":
+    """The session's compile of ``csrc/<name>`` (started now unless it already was)."""
+    return background.submit(f"csrc.{name}", _compile, name)
+
+
+def cubin(built: Compiled, gpu: str) -> bytes:
+    """The ``gpu`` (``"sm_80"``, ``"sm_90a"``) ELF of an object (``cuobjdump -xelf``)."""
+    from ssa_flash.audit.compile import tool
+
+    out = background.tmpdir(f"cubin_{built.obj.stem}_{gpu}")
+    proc = subprocess.run([tool("cuobjdump"), "-xelf", gpu, str(built.obj)], cwd=out, capture_output=True, text=True)
+    found = sorted(out.glob(f"*.{gpu}.cubin"))
+    if proc.returncode != 0 or len(found) != 1:
+        raise RuntimeError(f"cuobjdump -xelf {gpu} {built.obj.name}: {found} {proc.stdout}{proc.stderr}")
+    return found[0].read_bytes()
+
+
+_ENTRY = re.compile(r"Compiling entry function '\S+' for '(\w+)'")
+
+
+def ptxas_log(output: str, gpu: str) -> str:
+    """The ``ptxas -v`` lines of ``gpu``'s entry functions (each from its "Compiling entry
+    function ... for 'gpu'" line to the next entry's)."""
+    keep, lines = False, []
+    for line in output.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            keep = m.group(1) == gpu
+        if keep:
+            lines.append(line)
+    return "\n".join(lines)
