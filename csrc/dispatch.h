@@ -35,14 +35,33 @@ auto feature_switch(bool ssa, bool adaptive, F&& f) {
 // kernel is also templated on, logit soft-capping and attention sinks (docs/maths.md section 6);
 // calls without them get the <Ssa, Adaptive, False, False> instances, the kernels as they were
 // before these features.
+// SSA_FLASH_EXTRAS: which of these instances a build holds. 1 (default): all. 0: only those
+// without soft-capping and sinks (the kernels of a call that uses neither; a quicker build).
+// 2: only those with one of them (the tests compile the new instances apart from the old ones:
+// tests/csrc_objects.py). An instance a build leaves out is a null kernel, which launch() reports
+// as an error, never a wrong result.
+#ifndef SSA_FLASH_EXTRAS
+#define SSA_FLASH_EXTRAS 1
+#endif
+
 template <typename F>
 auto extras_switch(bool ssa, bool adaptive, bool cap, bool sink, F&& f) {
   return bool_switch(cap, [&](auto C) {
     return bool_switch(sink, [&](auto K) {
-      return feature_switch(ssa, adaptive, [&](auto S, auto A) { return f(S, A, C, K); });
+      return feature_switch(ssa, adaptive, [&](auto S, auto A) {
+        constexpr bool kExtra = decltype(C)::value || decltype(K)::value;
+        if constexpr (SSA_FLASH_EXTRAS == 1 || (SSA_FLASH_EXTRAS == 2) == kExtra) {
+          return f(S, A, C, K);
+        } else if constexpr (SSA_FLASH_EXTRAS == 2) {
+          return decltype(f(S, A, True{}, True{}))(nullptr);
+        } else {
+          return decltype(f(S, A, False{}, False{}))(nullptr);
+        }
+      });
     });
   });
 }
+
 
 // SSA_FLASH_HEAD_DIM_<D> = 0 leaves head dim D out of the build (a build-time knob for quick
 // experiments and the emulator's shorter builds); by default all five are compiled.

@@ -55,6 +55,10 @@ inline std::string device_info(int& arch, int& max_optin) {
 template <typename T, typename Params>
 std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, int threads,
                    int smem, cudaStream_t stream, const Params& p) {
+  if (kernel == nullptr) {  // dispatch.h: an instance this build leaves out (SSA_FLASH_EXTRAS)
+    return std::string(name) + ": this build has no kernel for these options (built with SSA_FLASH_EXTRAS=" +
+           std::to_string(SSA_FLASH_EXTRAS) + ")";
+  }
 #ifdef SSA_FLASH_EMULATE
   (void)stream;
   return ssa_emu::launch(kernel, name, grid, threads, smem, p);  // csrc/emu: CPU emulation
