@@ -79,17 +79,19 @@ def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SO
     Under ``SOFTCAP`` the cap ``cap_c`` replaces ``|scale|`` in ``cb`` and ``coef`` (logits.py);
     ``ds_scale`` then also lacks the per-element ``1 - t^2``."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    magnitude = scale * scale_sign
-    if SOFTCAP:
-        magnitude = cap_c
     if SSA:
         b = tl.load(B_SSA + off_h).to(ACC)
         n = tl.load(N_SSA + off_h).to(ACC)
-        cb = b * magnitude
+        if SOFTCAP:
+            cb = b * cap_c
+        else:
+            cb = b * (scale * scale_sign)
         coef = n * scale_sign
         ds_scale = n * b * scale
     else:
-        cb = magnitude
+        cb = scale * scale_sign
+        if SOFTCAP:
+            cb = cap_c
         coef = scale * LOG2E
         if SOFTCAP:
             coef = cap_c * scale_sign * LOG2E
@@ -168,12 +170,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
             dl = dl * beta[:, None]
         if SSA:
             r = ssa_reciprocal(u, x, BLOCK_M, BLOCK_N, FAST_MATH, POLY_EXP2)
-            dn_acc += tl.sum(dl * x, 1)
+            r_t = r
             if SOFTCAP:  # dz'/dz = 1 - t^2; db sees the capped score
-                db_acc += tl.sum(dl * (r * t), 1)
                 r_t = r * t
+                db_acc += tl.sum(dl * r_t, 1)
                 r = r * (1.0 - t * t)
             ds = dl * r
+            dn_acc += tl.sum(dl * x, 1)
             if ADAPTIVE:
                 dn_ent += tl.sum(ent_term * x, 1)
                 if SOFTCAP:
@@ -322,7 +325,8 @@ def attention_bwd_dq_kernel(
         p_sink = tl.exp2(sink * LOG2E * beta - lse2)
         ds_sink = tl.where(row_ok, -p_sink * delta, 0.0)
         if ADAPTIVE:
-            dbeta += tl.where(p_sink > 0.0, ds_sink * (sink * LOG2E), 0.0)
+            # (a sink of -inf: no term; where() first, so that no 0 * inf is formed)
+            dbeta += ds_sink * tl.where(p_sink > 0.0, sink * LOG2E, 0.0)
     if ADAPTIVE:
         if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
@@ -340,8 +344,8 @@ def attention_bwd_dq_kernel(
         dsink = ds_sink * beta
         if ADAPTIVE:
             p_sink_l = tl.exp2(sink * LOG2E - lse_l2)
-            dsink -= tl.where(row_ok & (p_sink_l > 0.0),
-                              g * p_sink_l * ((sink * LOG2E - lse_l2) * LN2 + ent), 0.0)
+            log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2) * LN2, 0.0)
+            dsink -= tl.where(row_ok, g * p_sink_l * (log_p_sink + ent), 0.0)
         tl.store(DSINK_PART + bh * num_m_blocks + m_block, tl.sum(dsink, 0))
     if SSA:
         # db = n scale sum(dl s / u) = n scale sum_i q_i . dq_i (unscaled dq: sum_j (dl/u)_ij k_j);

@@ -153,16 +153,18 @@ def head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SOFT
     times ``coef`` (no per-element sign work for negative ``n`` or ``scale``). Under ``SOFTCAP``
     the cap ``cap_c`` takes the place of ``|scale|`` (module docstring)."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    magnitude = scale * scale_sign
-    if SOFTCAP:
-        magnitude = cap_c
     if SSA:
         n = tl.load(N_SSA + off_h).to(ACC)
-        cb = tl.load(B_SSA + off_h).to(ACC) * magnitude
+        if SOFTCAP:
+            cb = tl.load(B_SSA + off_h).to(ACC) * cap_c
+        else:
+            cb = tl.load(B_SSA + off_h).to(ACC) * (scale * scale_sign)
         coef = tl.abs(n)
         q_sign = tl.where(n < 0, -scale_sign, scale_sign)
     else:
-        cb = magnitude
+        cb = scale * scale_sign
+        if SOFTCAP:
+            cb = cap_c
         coef = cb * LOG2E
         q_sign = scale_sign
     return cb, coef, q_sign
