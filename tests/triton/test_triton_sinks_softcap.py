@@ -198,8 +198,9 @@ def test_large_softcap_is_no_softcap(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_gradcheck_with_sinks_and_softcap(mode):
-    """q, k, v, b, n and the sinks with a cap, a mask emptying one row and a -inf sink; random
-    projections (fast_mode), except the full Jacobian of SSA with the adaptive temperature."""
+    """q, k, v, b, n and the sinks with a cap, a mask emptying one row and a -inf sink: random
+    projections (fast_mode); for SSA with the adaptive temperature also the full Jacobian in b, n
+    and the sinks (that of q, k, v too would take ~700 interpreted launches)."""
     q, k, v, b, n, s = _inputs(Hq=2, Hkv=1, Lq=5, Lk=6, D=16, Dv=16)
     with torch.no_grad():
         s[1] = float("-inf")
@@ -213,7 +214,9 @@ def test_gradcheck_with_sinks_and_softcap(mode):
         out, lse = _attend("triton", mode, q, k, v, b if ssa else None, n if ssa else None, s, mask, spec)
         return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
-    assert torch.autograd.gradcheck(fn, (q, k, v, b, n, s), fast_mode=mode != "ssa_adaptive")
+    assert torch.autograd.gradcheck(fn, (q, k, v, b, n, s), fast_mode=True)
+    if mode == "ssa_adaptive":
+        assert torch.autograd.gradcheck(lambda b, n, s: fn(q.detach(), k.detach(), v.detach(), b, n, s), (b, n, s))
 
 
 # --------------------------------------------------------------------------------------------
