@@ -62,6 +62,10 @@ SLOW_TESTS = {
     # supports tests of that module stay in the fast tier)
     "test_cuda_sinks_softcap_variants", "test_cuda_sinks_softcap_causal_masked",
     "test_cuda_sinks_softcap_float_mask_window_dropout", "test_cuda_sinks_softcap_window_dropout_alone",
+    # tests/triton/test_triton_sinks_softcap.py: its fast tier is every variant with both features
+    "test_matches_reference_one_feature", "test_masks_with_sinks_and_softcap", "test_dropout_and_window",
+    "test_packed_batch", "test_kvcache_split_kv_decode", "test_gradcheck_with_sinks_and_softcap",
+    "test_kernel_sinks_minus_inf_is_no_sink", "test_large_softcap_is_no_softcap",
 }
 
 

@@ -24,8 +24,9 @@ MASKS = ("none", "bool", "additive")
 #: Feature switches that change what the launcher compiles (and its tile choice): none; dropout
 #: (p = 0.1); a sliding window of 256 keys (causal) or 256 either side; a packed variable-length
 #: batch (no mask); one decoding step (Lq = 1) on a KV cache (forward and statistics only, no
-#: mask). Several join with "+", e.g. "dropout+window".
-FEATURES = ("none", "dropout", "window", "varlen", "decode")
+#: mask); attention sinks (a ``(Hq,)`` sink logit per head); logit soft-capping (``softcap=30``).
+#: Several join with "+", e.g. "dropout+window", "sinks+softcap".
+FEATURES = ("none", "dropout", "window", "varlen", "decode", "sinks", "softcap")
 HEAD_DIMS = (32, 64, 111, 128, 256)  # 111: an odd dim, zero-padded to the 128 tile
 DTYPES = ("bf16", "fp16")  # also "fp32" (IEEE dots, torch's default) and "tf32" (float32, TF32 dots)
 ARCHS = (80, 90)
@@ -141,6 +142,9 @@ def _call_host(v: Variant):
         feat.update(dropout_p=0.1, dropout_rng=meta(2, dtype=torch.int64))
     if "window" in fs:
         feat.update(window_left=256, window_right=0 if v.causal else 256)
+    if "softcap" in fs:
+        feat.update(softcap=30.0)
+    sinks = meta(H, dtype=acc) if "sinks" in fs else None
     spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, adaptive=v.adaptive,
                                 **feat)
     layout = None
@@ -155,14 +159,14 @@ def _call_host(v: Variant):
         layout = launch.KVCache(meta(B, dtype=torch.int32))
     rows = (H, B * L) if "varlen" in fs else (B, H, Lq)
     if v.kernel == "row_entropy":
-        launch.row_entropy(q, k, mask, b, n, spec, layout)
+        launch.row_entropy(q, k, mask, b, n, spec, layout, sinks=sinks)
     elif v.kernel == "fwd":
         beta = meta(*rows, dtype=acc) if v.adaptive else None
-        launch.forward(q, k, val, mask, b, n, beta, spec, layout)
+        launch.forward(q, k, val, mask, b, n, beta, spec, layout, sinks=sinks)
     else:
         o, lse = meta(*q.shape), meta(*rows, dtype=acc)
         temp = launch.TemperatureState(*(meta(*rows, dtype=acc) for _ in range(4))) if v.adaptive else None
-        launch.backward(o, q, k, val, o, lse, None, mask, b, n, temp, spec, layout)
+        launch.backward(o, q, k, val, o, lse, None, mask, b, n, temp, spec, layout, sinks=sinks)
 
 
 def capture(v: Variant, candidate: int = 0):

@@ -3,7 +3,8 @@
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
 packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts; dropout
-(Philox bits generated in the kernels, regenerated in the backward) and windows. No atomics
+(Philox bits generated in the kernels, regenerated in the backward), windows, attention sinks and
+logit soft-capping (compile-time switches: calls without them run the kernels compiled without). No atomics
 (per-block partial sums of db/dn reduced in a fixed order); ``spec.deterministic`` fixes the block
 configurations, which are otherwise timed (see ``launch._launch``).
 Triton is imported on first use, so the package works without it.
@@ -98,20 +99,10 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
-    if sinks is not None or spec.softcap > 0:
-        return ("the Triton kernels do not implement attention sinks or logit soft-capping yet "
-                "(sinks=, softcap=; docs/support.md): use backend='reference'")
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return (f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {q.shape[-1]}, "
                 f"value {v.shape[-1]}")
     return None
-
-
-def _refuse_unsupported(q, k, v, spec: AttentionSpec, sinks) -> None:
-    """Direct callers of the backend functions get an error, not a silently ignored sink or cap
-    (until the kernels implement them, supports() refuses them and the ops never come here)."""
-    if sinks is not None or spec.softcap > 0:
-        raise ValueError(f"ssa_flash Triton backend: {supports(q, k, v, spec, sinks)}")
 
 
 def _layout(launch, spec: AttentionSpec):
@@ -148,33 +139,30 @@ def _bf16(x):
 
 
 def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
-    _refuse_unsupported(q, k, k, spec, sinks)
     launch = _launch()
     if _emulate_bf16(q):
         q, k, mask = _f32(q), _f32(k), _f32(mask)
-    return launch.row_entropy(q, k, mask, b, n, spec, _layout(launch, spec))
+    return launch.row_entropy(q, k, mask, b, n, spec, _layout(launch, spec), sinks=sinks)
 
 
 def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
-    _refuse_unsupported(q, k, v, spec, sinks)
     launch = _launch()
     if _emulate_bf16(q):
         o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), b, n, sinks, beta, spec)
         return _bf16(o), lse
     return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, spec,
-                          _layout(launch, spec))
+                          _layout(launch, spec), sinks=sinks)
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
-    _refuse_unsupported(q, k, v, spec, sinks)
     launch = _launch()
     if _emulate_bf16(q):
-        dq, dk, dv, db, dn, _ = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n, sinks,
-                                         temp, spec)
-        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn, None
-    return (*launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp if spec.adaptive else None, spec,
-                             _layout(launch, spec)), None)
+        dq, dk, dv, db, dn, dsinks = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n,
+                                              sinks, temp, spec)
+        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn, dsinks
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp if spec.adaptive else None, spec,
+                           _layout(launch, spec), sinks=sinks)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
@@ -196,7 +184,7 @@ def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: Temperatur
                                               temp, g, spec)
         return _bf16(dq), _bf16(dk), _bf16(dv), db, dn
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp,
-                           spec, g=g)
+                           spec, g=g)[:5]
 
 
 def dropout_mask(rng, shape, dropout_p: float):

@@ -44,6 +44,14 @@ kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring atten
 ``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
 row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The
 ``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
+
+Soft-capping (``SOFTCAP``, docs/maths.md §6.1): the tiles recompute the capped score ``t`` (logits.py)
+and ``ds`` gains the factor ``dz'/dz = 1 - t^2``; ``db`` is then accumulated per element
+(``n c sgn(scale) sum dl t / u``: the identity above no longer holds, ``b`` multiplying the capped
+score). Sinks (``SINKS``, §6.2): the LSE the forward stored includes the sink, so the keys' terms
+are unchanged; kernel 1 adds the sink's term of ``dbeta`` and writes one partial sum of
+``d s_h = sum_i [beta_i dS'_i,sink - g_i P_i,sink (log P_i,sink + H_i)]`` per program
+(``dS'_sink = -P'_sink delta``), reduced in a fixed order like ``db``. Kernel 2 needs no change.
 """
 import triton
 import triton.language as tl
@@ -51,7 +59,8 @@ import triton.language as tl
 from .dropout import dropout_keep, dropout_state
 from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, stage_range,
                       window_key_bounds, window_query_bounds)
-from .logits import LN2, LOG2E, combine_scale, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
+from .logits import (LN2, LOG2E, combine_scale, safe_row_max, softcap_ratio, ssa_reciprocal,
+                     tile_logit_input_and_u)
 from .masks import boundary_logits
 
 
@@ -62,40 +71,52 @@ def _masked_lse2(lse):
 
 
 @triton.jit
-def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA: tl.constexpr, ACC: tl.constexpr):
+def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SOFTCAP: tl.constexpr,
+                        ACC: tl.constexpr):
     """``(cb, coef, ds_scale)`` of one head: ``cb = |scale| b``; ``coef`` turns ``x`` into base-2
     logits with its sign (``n sgn(scale)`` for SSA, ``scale log2(e)`` for softmax);
-    ``ds_scale = dl/ds`` without the ``1 / (1 + b|z|)`` factor (``n b scale``, or ``scale``)."""
+    ``ds_scale = dl/ds`` without the ``1 / (1 + b|z|)`` factor (``n b scale``, or ``scale``).
+    Under ``SOFTCAP`` the cap ``cap_c`` replaces ``|scale|`` in ``cb`` and ``coef`` (logits.py);
+    ``ds_scale`` then also lacks the per-element ``1 - t^2``."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
     if SSA:
         b = tl.load(B_SSA + off_h).to(ACC)
         n = tl.load(N_SSA + off_h).to(ACC)
-        cb = b * (scale * scale_sign)
+        if SOFTCAP:
+            cb = b * cap_c
+        else:
+            cb = b * (scale * scale_sign)
         coef = n * scale_sign
         ds_scale = n * b * scale
     else:
         cb = scale * scale_sign
+        if SOFTCAP:
+            cb = cap_c
         coef = scale * LOG2E
+        if SOFTCAP:
+            coef = cap_c * scale_sign * LOG2E
         ds_scale = scale
     return cb, coef, ds_scale
 
 
 @triton.jit
-def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
+def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
                    q, do, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                    stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-                   cb, coef, lse2, delta, beta, lse_l2, ent,
+                   cb, coef, lse2, delta, beta, lse_l2, ent, cap_a,
                    SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
                    BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
                    win_left, win_right, drop, drop_scale, start_m,
-                   WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+                   WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
     ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
-    (``drop``: ``dropout.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
+    (``drop``: ``dropout.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query).
+    SSA with ``SOFTCAP`` also ``db_acc += rowsum(dl t / u)`` (and ``db_ent``): the cap breaks the
+    identity that gives ``db`` from ``dQ``."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -113,7 +134,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
             v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x, u = tile_logit_input_and_u(s, cb, SSA, ACC, FAST_MATH)
+        x, u, t = tile_logit_input_and_u(s, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
@@ -149,36 +170,50 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta,
             dl = dl * beta[:, None]
         if SSA:
             r = ssa_reciprocal(u, x, BLOCK_M, BLOCK_N, FAST_MATH, POLY_EXP2)
+            r_t = r
+            if SOFTCAP:  # dz'/dz = 1 - t^2; db sees the capped score
+                r_t = r * t
+                db_acc += tl.sum(dl * r_t, 1)
+                r = r * (1.0 - t * t)
             ds = dl * r
             dn_acc += tl.sum(dl * x, 1)
             if ADAPTIVE:
                 dn_ent += tl.sum(ent_term * x, 1)
+                if SOFTCAP:
+                    db_ent += tl.sum(ent_term * r_t, 1)
                 dq_ent += tl.dot((ent_term * r).to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
         else:
             ds = dl
+            if SOFTCAP:
+                ds = dl * (1.0 - t * t)
             if ADAPTIVE:
-                dq_ent += tl.dot(ent_term.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
+                ent_ds = ent_term
+                if SOFTCAP:
+                    ent_ds = ent_term * (1.0 - t * t)
+                dq_ent += tl.dot(ent_ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
-    return dq, dq_ent, dn_acc, dn_ent, dbeta
+    return dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, DQ, DELTA, LSE2, temperature, ssa_coefs, ssa_parts, MASK,
     q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, mask_strides,
-    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, dropout, window,
+    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, dropout, window, sinks, softcap,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
     G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
+    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """dQ of one query block, with (SSA) its share of dB, dN and (adaptive) the temperature terms.
     Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``temperature = (BETA, LSE_L,
     ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
     ``ssa_parts = (DB_PART, DN_PART)`` the per-program partial sums of dB and dN,
-    ``seqlens = (CU_Q, CU_K)``."""
+    ``seqlens = (CU_Q, CU_K)``; ``sinks = (SINK, DSINK_PART)`` the ``(Hq,)`` sink logits and the
+    per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward."""
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
     DB_PART, DN_PART = ssa_parts
     stride_ob, stride_oh, stride_om, stride_od = o_strides
@@ -234,8 +269,14 @@ def attention_bwd_dq_kernel(
     tl.store(LSE2 + row_stat, lse2, mask=row_ok)  # for the dK/dV kernel, ready to use
 
     scale = combine_scale(scale_hi, scale_lo, ACC)
-    cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
+    cap_a = 1.0
+    cap_c = 1.0
+    if SOFTCAP:
+        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
     zero_row = tl.zeros((BLOCK_M,), dtype=ACC)
+    db_acc = zero_row
+    db_ent = zero_row
     dn_acc = zero_row
     dn_ent = zero_row
     dbeta = zero_row
@@ -269,13 +310,23 @@ def attention_bwd_dq_kernel(
     for STAGE in tl.static_range(3):
         if STAGE != 0 or WINDOW:
             start, end = stage_range(STAGE, lo, a, mid, hi)
-            dq, dq_ent, dn_acc, dn_ent, dbeta = _dq_key_blocks(
-                dq, dq_ent, dn_acc, dn_ent, dbeta, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+            dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent = _dq_key_blocks(
+                dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
                 start, end, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-                cb, coef, lse2, delta, beta, lse_l2, ent, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
+                cb, coef, lse2, delta, beta, lse_l2, ent, cap_a, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
                 BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0,
-                win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT)
+                win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT, SOFTCAP)
 
+    if SINKS:
+        # The sink is an entry of the row with value 0 (docs/maths.md §6.2): its dS' is
+        # -P'_sink delta (dP = 0), and its term of dbeta_i = sum_j dS'_ij l_ij is added here.
+        SINK, DSINK_PART = sinks
+        sink = tl.load(SINK + off_h).to(ACC)
+        p_sink = tl.exp2(sink * LOG2E * beta - lse2)
+        ds_sink = tl.where(row_ok, -p_sink * delta, 0.0)
+        if ADAPTIVE:
+            # (a sink of -inf: no term; where() first, so that no 0 * inf is formed)
+            dbeta += ds_sink * tl.where(p_sink > 0.0, sink * LOG2E, 0.0)
     if ADAPTIVE:
         if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
@@ -285,13 +336,27 @@ def attention_bwd_dq_kernel(
             tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
         dn_acc = dn_acc - g * dn_ent
+        if SOFTCAP:
+            db_acc = db_acc - g * db_ent
+    if SINKS:
+        # d s_h = sum_i [beta_i dS'_i,sink - g_i P_i,sink (log P_i,sink + H_i)] (the second term:
+        # the entropy path, adaptive only; P_sink temperature-free), one partial sum per program
+        dsink = ds_sink * beta
+        if ADAPTIVE:
+            p_sink_l = tl.exp2(sink * LOG2E - lse_l2)
+            log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2) * LN2, 0.0)
+            dsink -= tl.where(row_ok, g * p_sink_l * (log_p_sink + ent), 0.0)
+        tl.store(DSINK_PART + bh * num_m_blocks + m_block, tl.sum(dsink, 0))
     if SSA:
         # db = n scale sum(dl s / u) = n scale sum_i q_i . dq_i (unscaled dq: sum_j (dl/u)_ij k_j);
         # dn = sgn(scale) ln2 sum(dl x). Rows past Lq have q = 0 and dl = 0.
         scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
         n = tl.load(N_SSA + off_h).to(ACC)
-        q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
-        tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
+        if SOFTCAP:  # db = n c sgn(scale) sum(dl t / u): z' = c sgn(scale) t
+            tl.store(DB_PART + bh * num_m_blocks + m_block, tl.sum(db_acc, 0) * (n * cap_c * scale_sign))
+        else:
+            q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
+            tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
         tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
     dq = dq * ds_scale
     tl.store(DQ + batch * stride_dqb + q_row0 * stride_dqm + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -301,14 +366,14 @@ def attention_bwd_dq_kernel(
 @triton.jit
 def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, hi,
                        stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-                       cb, coef, ds_scale, LSE2, DELTA, BETA, LSE_L, ENT, G,
+                       cb, coef, ds_scale, LSE2, DELTA, BETA, LSE_L, ENT, G, cap_a,
                        SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
                        BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr,
                        start_n, win_left, win_right, drop, drop_scale,
-                       WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+                       WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
     (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
     this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
@@ -335,7 +400,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             lse2 = tl.load(LSE2 + row_stat)
             delta = tl.load(DELTA + row_stat)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x, u = tile_logit_input_and_u(st, cb, SSA, ACC, FAST_MATH)
+        x, u, t = tile_logit_input_and_u(st, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
@@ -391,6 +456,8 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                 ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
         if SSA:
             ds = ds * ssa_reciprocal(u, x, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
+        if SOFTCAP:  # dz'/dz
+            ds = ds * (1.0 - t * t)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
@@ -399,11 +466,12 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
 def attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV_OUT, temperature, ssa_coefs, MASK,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, mask_strides,
-    H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale, seqlens, stat_stride_h, dropout, window,
+    H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale, seqlens, stat_stride_h, dropout, window, softcap,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """dK and dV of one key block (of one key/value head, over the query heads of its group).
     Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``temperature = (BETA, LSE_L, ENT,
@@ -453,6 +521,10 @@ def attention_bwd_dkdv_kernel(
     v = tl.load(V + batch * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=vd_ok, other=0.0)
     scale = combine_scale(scale_hi, scale_lo, ACC)
+    cap_a = 1.0
+    cap_c = 1.0
+    if SOFTCAP:
+        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
 
     # Query blocks: [lo, diag_end) boundary (causal diagonal), [diag_end, int_end) interior,
     # [int_end, Lq) boundary (ragged end). A ragged key block makes every tile a boundary one.
@@ -478,7 +550,7 @@ def attention_bwd_dkdv_kernel(
     for g_idx in range(0, GROUP):
         off_h = off_kv * GROUP + g_idx
         row_base = row_stat_base(off_b * H + off_h, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-        cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, SSA, ACC)
+        cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
         q_ptrs = Q + batch * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = DO + batch * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
         mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
@@ -492,9 +564,9 @@ def attention_bwd_dkdv_kernel(
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, start, end,
                 stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
-                LSE2, DELTA, BETA, LSE_L, ENT, G, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
+                LSE2, DELTA, BETA, LSE_L, ENT, G, cap_a, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
                 BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2 if STAGE == 1 else 0,
-                start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT)
+                start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT, SOFTCAP)
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale

@@ -1,5 +1,5 @@
 """Fast arithmetic of the kernels' inner loops: the GPU's one-instruction approximations
-(``lg2.approx``, ``rcp.approx``, under ``FAST_MATH``, i.e. on a GPU in float32 accumulation; the
+(``lg2.approx``, ``rcp.approx``, ``tanh.approx``, under ``FAST_MATH``, i.e. on a GPU in float32 accumulation; the
 interpreter and float64 run exact maths), a sign copy in one bitwise op, and ``exp2`` by a
 polynomial on the FMA pipe (``POLY_EXP2``) to take work off the MUFU unit.
 """
@@ -32,6 +32,22 @@ def fast_recip(u, FAST_MATH: tl.constexpr):
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
         return 1.0 / u
+
+
+@triton.jit
+def fast_tanh(y, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``tanh(y)`` (soft-capping). On a GPU in float32 (``FAST_MATH``) the hardware
+    ``tanh.approx.f32`` (one MUFU op, sm_75+; absolute error about 2^-11, what FlashAttention's
+    soft-capping uses too); elsewhere (the interpreter, which cannot run inline PTX, and float64)
+    ``sgn(y) (1 - e) / (1 + e)`` with ``e = exp(-2|y|)``, exact to rounding (absolute error
+    ~1e-16 in float64, enough for the gradient checks)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        e = tl.exp(-2.0 * tl.abs(y))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(y < 0, -t, t)
 
 
 @triton.jit

@@ -11,6 +11,10 @@ edge come first; see ``extents.py`` and ``masks.py``.
 
 With ``DROPOUT`` the weights that multiply V are those kept by the dropout mask, and the output is
 scaled by ``1 / (1 - p)``; the running sum ``l_i`` (hence the LSE) is that of the undropped row.
+
+``SOFTCAP`` caps the scores (``logits.py``); ``SINKS`` starts each row from its sink logit
+(``logits.row_start``), so the LSE includes the sink and a row with no admissible key gets output 0
+and ``lse = s_h``. The sink is not dropped (its value vector is 0).
 """
 import triton
 import triton.language as tl
@@ -19,7 +23,8 @@ from .dropout import dropout_keep, dropout_state
 from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
                       stage_range, window_key_bounds)
 from .fast_math import exp2_half_poly
-from .logits import LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, tile_logit_input
+from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, softcap_ratio,
+                     tile_logit_input)
 from .masks import boundary_logits
 from .tile_loads import load_rows
 
@@ -27,13 +32,14 @@ from .tile_loads import load_rows
 @triton.jit
 def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     stride_kn, stride_vn, stride_mask_m, stride_mask_n,
-                    Lq, Lk, D, DV, cb, coef, mask_scale,
+                    Lq, Lk, D, DV, cb, coef, mask_scale, cap_a,
                     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                     BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
                     BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
-                    win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr):
+                    win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
     is :func:`~.dropout.dropout_state`'s tuple and ``start_m`` the first query (unused without
@@ -43,7 +49,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
         k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
         v = load_rows(v_ptrs, start_n, stride_vn, offs_n, Lk, DV, BLOCK_DV, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
+        x = tile_logit_input(s, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef[:, None], offs_m, offs_n, Lq, Lk, mask_base,
                                  stride_mask_m, stride_mask_n, mask_scale[:, None],
@@ -74,12 +80,13 @@ def attention_fwd_kernel(
     Q, K, V, O, LSE, BETA, ssa_coefs, MASK,
     q_strides, k_strides, v_strides, o_strides, mask_strides,
     H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale,
-    seqlens, stat_stride_h, split_strides, dropout, window,
+    seqlens, stat_stride_h, split_strides, dropout, window, sinks, softcap,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr = 0, VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False,
     DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
+    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """Output and LSE of one query block (module docstring). Grouped arguments (tuples):
     ``ssa_coefs = (B_SSA, N_SSA)`` the SSA coefficients ``(Hq,)`` (dummies for softmax); each
@@ -90,7 +97,9 @@ def attention_fwd_kernel(
     int64 tensor, ``keep31 = round((1 - p) 2^31)``, ``drop_scale = 1 / (1 - p)`` split as the
     softmax scale is; None without. Window: ``window = (left, right)``, both >= 0 (an unbounded
     side: at least the sequence length), in the query positions the loops see (bottom-right for a
-    KV cache); None without."""
+    KV cache); None without. ``sinks``: the ``(Hq,)`` sink logits (``SINKS``; with ``SPLIT`` split
+    0 holds the sink, so that the merge counts it once); ``softcap = (hi, lo)``, the cap ``c``
+    split as the scale is (``SOFTCAP``); None without."""
     B_SSA, N_SSA = ssa_coefs
     stride_qb, stride_qh, stride_qm, stride_qd = q_strides
     stride_kb, stride_kh, stride_kn, stride_kd = k_strides
@@ -131,7 +140,11 @@ def attention_fwd_kernel(
     row_ok = offs_m < Lq
 
     scale = combine_scale(scale_hi, scale_lo, ACC)
-    cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, SSA, ACC)
+    cap_a = 1.0
+    cap_c = 1.0
+    if SOFTCAP:
+        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
     q_ptrs = Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q = (q * q_sign).to(Q.dtype.element_ty)
@@ -146,7 +159,12 @@ def attention_fwd_kernel(
         coef = coef * beta
         mask_scale = mask_scale * beta
 
-    m_i, l_i = row_start(BLOCK_M, ACC)
+    sink_l2 = mask_scale
+    if SINKS:
+        sink_l2 = tl.load(sinks + off_h).to(ACC) * mask_scale  # beta * s_h * log2(e)
+        if SPLIT:
+            sink_l2 = tl.where(tl.program_id(1) == 0, sink_l2, float("-inf"))
+    m_i, l_i = row_start(BLOCK_M, ACC, sink_l2, SINKS)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
     drop = (0, 0, 0, 0, 0)
@@ -180,10 +198,10 @@ def attention_fwd_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             acc, l_i, m_i = _fwd_key_blocks(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, start, end,
-                stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale,
+                stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
                 SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
                 FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0, win_left, win_right, drop, m_block * BLOCK_M,
-                WINDOW, DROPOUT)
+                WINDOW, DROPOUT, SOFTCAP)
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum

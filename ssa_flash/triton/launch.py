@@ -5,8 +5,9 @@ Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, 
 expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
 ``(Hq,)`` tensors in the accumulation dtype (SSA logits iff ``b`` is given). Per-row statistics are
 contiguous ``(B, Hq, Lq)``. ``spec`` is the backends' one :class:`~ssa_flash.backends.spec.AttentionSpec`
-(its ``sinks`` and ``softcap`` are refused by ``backends.triton_backend.supports``; the layout fields
-reach these functions as ``layout=`` below).
+(``spec.softcap`` turns on the kernels' ``SOFTCAP``; the sink logits, an ``(Hq,)`` tensor in the
+accumulation dtype, arrive as ``sinks=`` and turn on ``SINKS``; the layout fields reach these
+functions as ``layout=`` below).
 
 Two other layouts (``layout=``, see ``extents.py``'s ``VARLEN``):
 
@@ -519,6 +520,22 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
     return dict(dropout=drop_args, window=(left, right) if window else None), dict(DROPOUT=dropout, WINDOW=window)
 
 
+def _logit_args(spec: AttentionSpec, sinks: Optional[torch.Tensor], acc: torch.dtype):
+    """The attention kernels' ``sinks`` and ``softcap = (hi, lo)`` arguments and their ``SINKS`` /
+    ``SOFTCAP`` constexprs, which appear only when on: without a sink or a cap the arguments are
+    None (constants to Triton) and the constexprs those of the kernels' defaults, so such calls
+    compile exactly the kernels they compiled before these features existed."""
+    args = dict(sinks=None, softcap=None)
+    consts = {}
+    if sinks is not None:
+        args["sinks"] = sinks.to(acc).contiguous()
+        consts["SINKS"] = True
+    if spec.softcap > 0:
+        args["softcap"] = _split_scale(float(spec.softcap))
+        consts["SOFTCAP"] = True
+    return args, consts
+
+
 # Tests set this to 3 or 4 to run the polynomial exp2 under the interpreter (see below).
 FORCE_POLY_EXP2: Optional[int] = None
 
@@ -681,11 +698,11 @@ def _pad_head(x):
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
-    """Entropy and log-sum-exp of ``softmax(l)`` per row, each ``(B, Hq, Lq)`` (packed: ``(Hq,
-    total_q)``), O(L) memory."""
+def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None, sinks=None):
+    """Entropy and log-sum-exp of ``softmax(l)`` per row (the sink an entry of the row if
+    ``sinks``), each ``(B, Hq, Lq)`` (packed: ``(Hq, total_q)``), O(L) memory."""
     if _unaligned(layout, q):
-        return row_entropy(_pad_head(q), _pad_head(k), mask, b, n, spec, layout)
+        return row_entropy(_pad_head(q), _pad_head(k), mask, b, n, spec, layout, sinks)
     lay = _resolve_layout(q, k, None, layout)
     q4, k4 = lay.q, lay.k
     _, H, _, D = q4.shape
@@ -698,6 +715,8 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     consts.update(VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
+    logit_args, logit_consts = _logit_args(spec, sinks, acc_torch)
+    consts.update(logit_consts)
     name = _kernel_name("row_entropy", lay)
     state = {}
 
@@ -715,7 +734,7 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
             H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, stat_stride_s=ent.numel() if splits > 1 else 0,
-            window=feat_args["window"])
+            window=feat_args["window"], **logit_args)
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -730,11 +749,11 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None):
     return ent, lse_l
 
 
-def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
+def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=None):
     """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``
-    (packed: ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``)."""
+    (packed: ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``); with ``sinks`` of ``beta * [l, s_h]``."""
     if _unaligned(layout, q, v):
-        o, lse = forward(_pad_head(q), _pad_head(k), _pad_head(v), mask, b, n, beta, spec, layout)
+        o, lse = forward(_pad_head(q), _pad_head(k), _pad_head(v), mask, b, n, beta, spec, layout, sinks)
         return o[..., :v.shape[-1]].contiguous(), lse
     lay = _resolve_layout(q, k, v, layout)
     q4, k4, v4 = lay.q, lay.k, lay.v
@@ -755,6 +774,8 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
     state = {}
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts.update(feat_consts)
+    logit_args, logit_consts = _logit_args(spec, sinks, acc_torch)
+    consts.update(logit_consts)
 
     def args(blk):
         splits = _splits(lay, blk.m, blk.n, H, q.device)
@@ -773,7 +794,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
             H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, split_strides=(stride_os, lse.numel() if splits > 1 else 0),
-            **feat_args)
+            **feat_args, **logit_args)
 
     def grid(blk):
         return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
@@ -792,8 +813,9 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None):
 
 def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
              spec: AttentionSpec, layout=None, *, g: Optional[torch.Tensor] = None,
-             dbeta_only: bool = False):
-    """Gradients ``(dq, dk, dv, db, dn)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax.
+             dbeta_only: bool = False, sinks: Optional[torch.Tensor] = None):
+    """Gradients ``(dq, dk, dv, db, dn, dsinks)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax,
+    ``dsinks`` ``(Hq,)`` or None without ``sinks``.
 
     ``dlse`` (or None) is the gradient reaching the returned LSE: since ``d lse_i / d S'_ij = P'_ij``
     it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``). ``layout``: None (dense) or
@@ -808,12 +830,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if _unaligned(layout, q, v):
         res = backward(_pad_head(do), _pad_head(q), _pad_head(k), _pad_head(v), _pad_head(o), lse, dlse, mask,
-                       b, n, temp, spec, layout, g=g, dbeta_only=dbeta_only)
+                       b, n, temp, spec, layout, g=g, dbeta_only=dbeta_only, sinks=sinks)
         if dbeta_only:
             return res
-        dq, dk, dv, db, dn = res
+        dq, dk, dv, db, dn, dsinks = res
         D, DV = q.shape[-1], v.shape[-1]
-        return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), db, dn
+        return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), db, dn, dsinks
     lay = _resolve_layout(q, k, v, layout)
     packed = lay.varlen == VARLEN_PACKED
     q4, k4, v4 = lay.q, lay.k, lay.v
@@ -839,6 +861,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
     consts.update(POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dkdv"))
+    logit_args, logit_consts = _logit_args(spec, sinks, acc_torch)
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
         g_given = g is not None
@@ -863,15 +886,20 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
             alloc = torch.zeros if packed else torch.empty
             parts["db"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
             parts["dn"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
+        sink_args = None
+        if sinks is not None:
+            parts["dsinks"] = (torch.zeros if packed else torch.empty)((B * H * num_m,), device=q.device,
+                                                                     dtype=acc_torch)
+            sink_args = (logit_args["sinks"], parts["dsinks"])
         db_part = parts.get("db", q)
         dn_part = parts.get("dn", q)
         return _positional(
             "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, LSE=lse, DLSE=dlse if dlse is not None else q,
             DQ=dq4, DELTA=delta, LSE2=lse2, temperature=(beta, lse_l, ent, dbeta_dh, g),
             ssa_parts=(db_part, dn_part), **common_args, o_strides=_strides(o4), dq_strides=_strides(dq4),
-            num_m_blocks=num_m)
+            num_m_blocks=num_m, sinks=sink_args, softcap=logit_args["softcap"])
 
-    dq_consts = dict(consts, HAS_DLSE=dlse is not None,
+    dq_consts = dict(consts, **logit_consts, HAS_DLSE=dlse is not None,
                      POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dq"))
     if g_given:  # only then: the default specialisations' constexprs stay as they were
         dq_consts["G_GIVEN"] = True
@@ -885,15 +913,20 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
             "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, LSE2=lse2, DELTA=delta, DK=dk4, DV_OUT=dv4,
             temperature=(beta, lse_l, ent, g), **common_args, dk_strides=_strides(dk4), dv_strides=_strides(dv4),
             HKV=HKV,
-            num_n_blocks=triton.cdiv(lay.Lk, blk.n))
+            num_n_blocks=triton.cdiv(lay.Lk, blk.n), softcap=logit_args["softcap"])
 
+    dkdv_consts = dict(consts)
+    if spec.softcap > 0:  # the dK/dV kernel needs no sink (its tiles use the sink-including LSE)
+        dkdv_consts["SOFTCAP"] = True
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
-            dkdv_args, consts, q.device, head_block, q.dtype, spec.deterministic)
-    db = dn = None
+            dkdv_args, dkdv_consts, q.device, head_block, q.dtype, spec.deterministic)
+    db = dn = dsinks = None
     if b is not None:
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
         dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
-    return dq, dk, dv, db, dn
+    if sinks is not None:  # per-program partial sums added in a fixed order; per query head
+        dsinks = parts["dsinks"].view(B, H, -1).sum(dim=(0, 2))
+    return dq, dk, dv, db, dn, dsinks
 
 
 def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):

@@ -14,11 +14,21 @@ With the adaptive temperature the row's ``beta`` multiplies the coefficient too,
 tile turns ``x`` into its weights with one fused multiply-add and one ``exp2`` per element:
 ``p = exp2(x * coef_row - m_row)``. What makes an element inadmissible (sequence ends, causality,
 a window, an attention mask) is applied to ``l2`` afterwards: ``masks.py``.
+
+Soft-capping (``SOFTCAP``, docs/maths.md §6.1) replaces the scaled score ``z = scale s`` by
+``z' = c tanh(z / c)`` before the transform. With ``t = tanh(|scale| s / c)`` (one multiply and one
+tanh per element; ``sgn(t) = sgn(s)``, ``|z'| = c |t|``) the same formulas hold with ``t`` in place
+of ``s`` and ``c`` in place of ``|scale|``: softmax ``x = t``, ``coef = c log2(e)``; SSA
+``x = sgn(t) log2(1 + b c |t|)``. The sign of the scale stays in ``q_sign`` (forward) or ``coef``
+(backward) as without the cap.
+
+Attention sinks (``SINKS``, §6.2): a row starts from its sink logit instead of from nothing
+(:func:`row_start`), which is all the forward and the statistics pass need.
 """
 import triton
 import triton.language as tl
 
-from .fast_math import copy_sign, exp2_poly, fast_recip
+from .fast_math import copy_sign, exp2_poly, fast_recip, fast_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -51,9 +61,21 @@ def ssa_log_weight(s, cb, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
 
 
 @triton.jit
-def tile_logit_input(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
+def capped_score(s, cap_a, SOFTCAP: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``t = tanh(cap_a s)`` with ``cap_a = |scale| / c`` under ``SOFTCAP`` (module docstring),
+    ``s`` itself otherwise."""
+    if SOFTCAP:
+        return fast_tanh(s * cap_a, ACC, FAST_MATH)
+    else:
+        return s
+
+
+@triton.jit
+def tile_logit_input(s, cb, cap_a, SSA: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+                     FAST_MATH: tl.constexpr):
     """``x``, the per-element input of the logit (``l2 = x * coef``): ``s`` for softmax, SSA's
-    signed ``log2(1 + cb|s|)`` otherwise."""
+    signed ``log2(1 + cb|s|)`` otherwise; ``s`` soft-capped first under ``SOFTCAP``."""
+    s = capped_score(s, cap_a, SOFTCAP, ACC, FAST_MATH)
     if SSA:
         x, _ = ssa_log_weight(s, cb, ACC, FAST_MATH)
         return x
@@ -62,24 +84,40 @@ def tile_logit_input(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.
 
 
 @triton.jit
-def tile_logit_input_and_u(s, cb, SSA: tl.constexpr, ACC: tl.constexpr, FAST_MATH: tl.constexpr):
-    """The backward's form of :func:`tile_logit_input`: ``(x, u)`` with SSA's ``u = 1 + cb|s|``
-    (``dx/ds = cb / (u ln 2)`` up to the sign, see :func:`ssa_reciprocal`); softmax's ``x = s``
-    has ``dx/ds = 1`` and ``u`` is unused (1)."""
+def tile_logit_input_and_u(s, cb, cap_a, SSA: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+                           FAST_MATH: tl.constexpr):
+    """The backward's form of :func:`tile_logit_input`: ``(x, u, t)`` with SSA's ``u = 1 + cb|t|``
+    (``dx/dt = cb / (u ln 2)`` up to the sign, see :func:`ssa_reciprocal`; softmax's ``x = t``
+    has ``dx/dt = 1`` and ``u`` is unused, 1) and ``t`` the capped score (``s`` without
+    ``SOFTCAP``), whose ``dt/ds = cap_a (1 - t^2)``."""
+    t = capped_score(s, cap_a, SOFTCAP, ACC, FAST_MATH)
     if SSA:
-        x, u = ssa_log_weight(s, cb, ACC, FAST_MATH)
+        x, u = ssa_log_weight(t, cb, ACC, FAST_MATH)
     else:
-        x = s
+        x = t
         u = 1.0
-    return x, u
+    return x, u, t
 
 
 @triton.jit
-def row_start(BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+def row_start(BLOCK_M: tl.constexpr, ACC: tl.constexpr, sink_l2, SINKS: tl.constexpr):
     """``(m, total)``: a row's running maximum of base-2 logits and its running sum of weights
-    before any key is seen (``-inf`` and 0; the online softmax of the forward and the statistics
-    pass starts from here)."""
-    return tl.full((BLOCK_M,), float("-inf"), dtype=ACC), tl.zeros((BLOCK_M,), dtype=ACC)
+    before any key is seen; the online softmax of the forward and the statistics pass starts from
+    here. Without ``SINKS``: ``-inf`` and 0. With: the row's sink logit ``sink_l2`` (base 2,
+    ``(BLOCK_M,)``, times ``beta`` where the temperature applies) and its weight 1, or the empty
+    row again where ``sink_l2`` is ``-inf`` (no sink)."""
+    if SINKS:
+        return sink_l2, tl.where(sink_l2 == float("-inf"), 0.0, 1.0).to(ACC)
+    else:
+        return tl.full((BLOCK_M,), float("-inf"), dtype=ACC), tl.zeros((BLOCK_M,), dtype=ACC)
+
+
+@triton.jit
+def softcap_ratio(scale, softcap, ACC: tl.constexpr):
+    """``(cap_a, c)``: ``|scale| / c`` and the cap ``c`` (``softcap = (hi, lo)`` split as the scale
+    is); both unused (1) without ``SOFTCAP``."""
+    c = combine_scale(softcap[0], softcap[1], ACC)
+    return tl.abs(scale) / c, c
 
 
 @triton.jit
@@ -105,21 +143,28 @@ def combine_scale(scale_hi, scale_lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def head_coefficients(B_SSA, N_SSA, off_h, scale, SSA: tl.constexpr, ACC: tl.constexpr):
+def head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SOFTCAP: tl.constexpr,
+                      ACC: tl.constexpr):
     """``(cb, coef, q_sign)`` of one head. ``cb = |scale| * b`` is SSA's argument scale (unused for
     softmax); ``coef >= 0`` is the factor from ``x`` to base-2 logits (``|n|`` for SSA,
     ``|scale| * log2(e)`` for softmax); ``q_sign`` (+1 or -1) is the sign of ``n * scale`` (SSA)
     or ``scale`` (softmax). Kernels multiply the queries by ``q_sign`` once per program, so that
     the logits are ``x * coef`` with ``coef >= 0`` and a tile's row maximum is that of ``x``
-    times ``coef`` (no per-element sign work for negative ``n`` or ``scale``)."""
+    times ``coef`` (no per-element sign work for negative ``n`` or ``scale``). Under ``SOFTCAP``
+    the cap ``cap_c`` takes the place of ``|scale|`` (module docstring)."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
     if SSA:
         n = tl.load(N_SSA + off_h).to(ACC)
-        cb = tl.load(B_SSA + off_h).to(ACC) * (scale * scale_sign)
+        if SOFTCAP:
+            cb = tl.load(B_SSA + off_h).to(ACC) * cap_c
+        else:
+            cb = tl.load(B_SSA + off_h).to(ACC) * (scale * scale_sign)
         coef = tl.abs(n)
         q_sign = tl.where(n < 0, -scale_sign, scale_sign)
     else:
         cb = scale * scale_sign
+        if SOFTCAP:
+            cb = cap_c
         coef = cb * LOG2E
         q_sign = scale_sign
     return cb, coef, q_sign

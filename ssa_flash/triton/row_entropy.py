@@ -9,14 +9,16 @@ grows to ``m'``, with ``a = 2^(m - m')``: ``lam' = a lam``, ``kc' = a (kc + lam 
 Interior key blocks first, then boundary ones, as in the forward (under ``WINDOW``, boundary
 blocks cut by the window's left edge first); the same ``VARLEN`` layouts and ``SPLIT`` (partial
 ``(entropy, lse)`` per split, merged in ``splitkv.py``). Dropout does not enter: it acts on the
-final weights, after the temperature that these statistics decide.
+final weights, after the temperature that these statistics decide. ``SOFTCAP`` caps the scores
+(``logits.py``); with ``SINKS`` each row starts from its sink logit ``m = s_h``, ``lam = 1``,
+``kc = 0`` (``logits.row_start``): the sink is an entry of the row (docs/maths.md §6.2).
 """
 import triton
 import triton.language as tl
 
 from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
                       stage_range, window_key_bounds)
-from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max,
+from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, softcap_ratio,
                      tile_logit_input)
 from .masks import boundary_logits
 from .tile_loads import load_rows
@@ -24,17 +26,17 @@ from .tile_loads import load_rows
 
 @triton.jit
 def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
-                      stride_kn, stride_mask_m, stride_mask_n, Lq, Lk, D, cb, coef,
+                      stride_kn, stride_mask_m, stride_mask_n, Lq, Lk, D, cb, coef, cap_a,
                       SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                       BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                      win_left, win_right, WINDOW: tl.constexpr):
+                      win_left, win_right, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x = tile_logit_input(s, cb, SSA, ACC, FAST_MATH)
+        x = tile_logit_input(s, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base,
                                  stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
@@ -59,14 +61,16 @@ def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
 @triton.jit
 def row_entropy_kernel(
     Q, K, ENT, LSE, ssa_coefs, MASK, q_strides, k_strides, mask_strides,
-    H, Lq, Lk, D, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, stat_stride_s, window,
+    H, Lq, Lk, D, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, stat_stride_s, window, sinks, softcap,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = False,
+    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """Entropy and LSE of one query block's rows (module docstring); the grouped arguments as in
-    :func:`~.forward.attention_fwd_kernel` (``stat_stride_s``: between split slots)."""
+    :func:`~.forward.attention_fwd_kernel` (``stat_stride_s``: between split slots; ``sinks``,
+    ``softcap`` likewise)."""
     B_SSA, N_SSA = ssa_coefs
     stride_qb, stride_qh, stride_qm, stride_qd = q_strides
     stride_kb, stride_kh, stride_kn, stride_kd = k_strides
@@ -93,14 +97,23 @@ def row_entropy_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
     scale = combine_scale(scale_hi, scale_lo, ACC)
-    cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, SSA, ACC)
+    cap_a = 1.0
+    cap_c = 1.0
+    if SOFTCAP:
+        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
     q = tl.load(Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q = (q * q_sign).to(Q.dtype.element_ty)
     k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
     mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
 
-    m_i, lam = row_start(BLOCK_M, ACC)
+    sink_l2 = tl.zeros((BLOCK_M,), dtype=ACC)
+    if SINKS:  # the sink is an entry of the row whose entropy this is (temperature-free)
+        sink_l2 += tl.load(sinks + off_h).to(ACC) * LOG2E
+        if SPLIT:  # split 0 holds it, so that the merge counts it once
+            sink_l2 = tl.where(tl.program_id(1) == 0, sink_l2, float("-inf"))
+    m_i, lam = row_start(BLOCK_M, ACC, sink_l2, SINKS)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
     lo = 0
     hi = Lk
@@ -124,8 +137,8 @@ def row_entropy_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             m_i, lam, kc = _row_entropy_key_blocks(
                 m_i, lam, kc, q, k_ptrs, mask_base, pos_m, start, end, stride_kn, stride_mask_m, stride_mask_n,
-                pos_end, Lk, D, cb, coef, SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
-                DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW)
+                pos_end, Lk, D, cb, coef, cap_a, SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+                DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW, SOFTCAP)
 
     empty = lam == 0.0
     safe_lam = tl.where(empty, 1.0, lam)

@@ -10,6 +10,11 @@ that split ``s`` holds):
     H   = sum_s w_s (H_s + lse - lse_s)          (-sum p log p, with p = w_s q on split s's keys)
 
 A row whose every split is empty gets ``o = 0``, ``lse = -inf``, ``H = 0``. One program per row.
+
+These formulas hold for any partition of a row's entries, so an attention sink (``SINKS``) needs
+nothing here: it is an entry of split 0's share (the forward and statistics kernels start split
+0's rows from the sink, the others from nothing), which counts it exactly once, with its ``beta``
+in the output's LSE and without it in the entropy's, as docs/maths.md §6.2 asks.
 """
 import triton
 import triton.language as tl

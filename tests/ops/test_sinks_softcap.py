@@ -1,7 +1,8 @@
 """Attention sinks and logit soft-capping above the kernels (docs/design.md §1.6): the custom ops
 and the reference backend (float64 gradcheck of q, k, v, b, n and sinks), the public functions
-(arguments, backend choice, results against ``ssa_flash.reference``), the Triton / CUDA
-backends' refusal until their kernels implement them, the nn modules, and the key-shard pieces
+(arguments, backend choice, results against ``ssa_flash.reference``), the CUDA backend's
+refusal until its kernels implement them (the Triton kernels':
+tests/triton/test_triton_sinks_softcap.py), the nn modules, and the key-shard pieces
 of ring attention (the sink counted once per row). Multi-rank ring attention:
 tests/distributed/test_distributed_sinks.py."""
 import dataclasses
@@ -226,48 +227,43 @@ def test_errors_varlen_kvcache():
 
 
 # --------------------------------------------------------------------------------------------
-# Backend choice: kernels that do not implement them refuse clearly; auto goes on
+# Backend choice: both kernel families take them; auto runs them on the kernels
 
 
-def test_triton_and_cuda_supports_refuse_until_their_kernels_have_them(monkeypatch):
+def test_kernel_backends_accept_sinks_and_softcap(monkeypatch):
+    """Both kernel families implement sinks and soft-capping (tests/triton/test_triton_sinks_softcap.py,
+    tests/cuda/test_cuda_sinks_softcap.py): their supports() accept them where they accept the call
+    without them."""
     monkeypatch.setattr(cuda_backend, "_capability", lambda device: (8, 0, 166912))  # an A100
     x = fake((1, 4, 8, 64))
     sinks = torch.zeros(4)
-    # (the CUDA C++ kernels implement both: tests/cuda/test_cuda_sinks_softcap.py)
-    for mod in (triton_backend,):
+    for mod in (triton_backend, cuda_backend):
         assert mod.supports(x, x, x, AttentionSpec(scale=0.1)) is None
-        why_sinks = mod.supports(x, x, x, AttentionSpec(scale=0.1), sinks)
-        why_cap = mod.supports(x, x, x, AttentionSpec(scale=0.1, softcap=5.0))
-        for why in (why_sinks, why_cap):
-            assert why is not None and "sinks" in why and "soft-capping" in why
-    # direct callers of the backend functions get an error, not a silently dropped sink
-    q = torch.zeros(1, 4, 8, 16)
-    with pytest.raises(ValueError, match="sinks"):
-        triton_backend.forward(q, q, q, None, None, None, sinks, None, AttentionSpec(scale=0.1))
+        assert mod.supports(x, x, x, AttentionSpec(scale=0.1), sinks) is None
+        assert mod.supports(x, x, x, AttentionSpec(scale=0.1, softcap=5.0), sinks) is None
 
 
 @pytest.mark.skipif(not INTERPRETER and not torch.cuda.is_available(), reason="needs the Triton kernels")
-def test_named_triton_refuses_and_auto_takes_the_reference(monkeypatch):
-    """``backend="triton"`` with sinks or softcap raises ``BackendUnavailableError`` naming them;
-    ``"auto"`` takes the next backend whose ``supports`` accepts (the reference); without sinks
-    and softcap ``"auto"`` still runs the Triton kernels, through the same op call."""
+def test_auto_runs_sinks_and_softcap_on_the_triton_kernels(monkeypatch):
+    """``"auto"`` (and ``backend="triton"``) run calls with sinks and softcap on the Triton
+    kernels, which match the specification; without them the op call is the one it was."""
     from ssa_flash.triton import launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v = (x.detach().to(device, torch.float32) for x in _qkv(Hq=2, Hkv=2, D=8, Dv=8))
-    for kw in (dict(sinks=0.5), dict(softcap=3.0)):
-        with pytest.raises(ssa_flash.BackendUnavailableError, match="sinks or logit soft-capping"):
-            ssa_flash.ssa_attention(q, k, v, backend="triton", **kw)
     launches, op_calls = [], []
     fwd, attention = launch.forward, ssa_autograd.attention
     monkeypatch.setattr(launch, "forward", lambda *a, **kw: launches.append(1) or fwd(*a, **kw))
     monkeypatch.setattr(ssa_autograd, "attention",
-                        lambda *a, **kw: op_calls.append((a[6], kw.get("sinks"), a[7].softcap)) or attention(*a, **kw))
-    out = ssa_flash.ssa_attention(q, k, v, sinks=0.5, softcap=3.0)
-    torch.testing.assert_close(out, reference.ssa_attention(q, k, v, sinks=0.5, softcap=3.0))
-    assert not launches and not op_calls  # auto: the reference (the specification) ran
+                        lambda *a, **kw: op_calls.append((a[6], kw.get("sinks") is not None, a[7].softcap))
+                        or attention(*a, **kw))
+    for backend in ("auto", "triton"):
+        out = ssa_flash.ssa_attention(q, k, v, sinks=0.5, softcap=3.0, backend=backend)
+        torch.testing.assert_close(out, reference.ssa_attention(q, k, v, sinks=0.5, softcap=3.0),
+                                   rtol=1e-5, atol=1e-5)
+    assert len(launches) == 2 and op_calls == [("triton", True, 3.0)] * 2
     ssa_flash.ssa_attention(q, k, v)
-    assert launches and op_calls == [("triton", None, 0.0)]
+    assert op_calls[-1] == ("triton", False, 0.0)
 
 
 def test_auto_candidates_end_with_the_reference():
