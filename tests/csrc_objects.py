@@ -54,27 +54,45 @@ def cxx_std() -> str:
         return "c++17"
 
 
-def nvcc_args() -> list:
-    """nvcc's arguments (before the file): the extension's flags, every architecture of ``ARCHS``."""
+# The soft-capping / sink instances (csrc/dispatch.h, SSA_FLASH_EXTRAS) compiled apart: a file's
+# ``<file>`` unit holds the kernels without them, for every architecture (as before the features),
+# and ``<file>+extras`` only those with them, float16, head dims 64 and 128, for the mma.sync and
+# wgmma paths (sm_80, sm_90a). All of them for every architecture would triple nvcc's time;
+# float16 and bfloat16 share the code, and the other head dims only change tile constants.
+EXTRAS = "+extras"
+EXTRAS_UNITS = [cu.name + EXTRAS for cu in CU_FILES if cu.stem.endswith("fp16")]
+EXTRAS_ARCHS = [a for a in ("80", "90a") if a in ARCHS]
+EXTRAS_DEFINES = ["-DSSA_FLASH_EXTRAS=2", "-DSSA_FLASH_HEAD_DIM_32=0", "-DSSA_FLASH_HEAD_DIM_96=0",
+                  "-DSSA_FLASH_HEAD_DIM_256=0"]
+
+
+def nvcc_args(archs=None) -> list:
+    """nvcc's arguments (before the file): the extension's flags, every architecture of ``archs``
+    (``ARCHS``)."""
     from ssa_flash.backends.cuda_backend import NVCC_FLAGS
 
     gencode = []
-    for arch in ARCHS:
+    for arch in ARCHS if archs is None else archs:
         gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     return ["-c", f"-std={cxx_std()}", *NVCC_FLAGS, *gencode, "-I", str(CSRC), "-Xptxas", "-v"]
 
 
 def _compile(name: str) -> Compiled:
-    obj = background.tmpdir("csrc_objs") / (Path(name).stem + ".o")
+    extras = name.endswith(EXTRAS)
+    source = name[:-len(EXTRAS)] if extras else name
+    obj = background.tmpdir("csrc_objs") / (Path(source).stem + ("_extras" if extras else "") + ".o")
+    args = ([*nvcc_args(EXTRAS_ARCHS), *EXTRAS_DEFINES] if extras
+            else [*nvcc_args(), "-DSSA_FLASH_EXTRAS=0"])
     start = time.monotonic()
-    proc = subprocess.run([NVCC, *nvcc_args(), name, "-o", str(obj)], cwd=CSRC, capture_output=True, text=True,
+    proc = subprocess.run([NVCC, *args, source, "-o", str(obj)], cwd=CSRC, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     return Compiled(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start,
                     obj if proc.returncode == 0 else None)
 
 
 def submit(name: str) -> "background.Job":
-    """The session's compile of ``csrc/<name>`` (started now unless it already was)."""
+    """The session's compile of ``csrc/<name>`` (a .cu file or one of ``EXTRAS_UNITS``; started now
+    unless it already was)."""
     return background.submit(f"csrc.{name}", _compile, name)
 
 

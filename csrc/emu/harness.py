@@ -50,13 +50,15 @@ def cuda_include_dir() -> Optional[Path]:
 
 
 def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str = "-O1",
-          sm75: bool = False, sm70: bool = False, sm90: bool = False) -> Path:
+          sm75: bool = False, sm70: bool = False, sm90: bool = False, extras: bool = True) -> Path:
     """Compiles csrc/emu/emu_main.cpp (and through it every kernel) for the host; returns the
     shared library. ``head_dims`` limits the instantiated head dims (compile time); ``sm75``
     emulates the Turing code path (fp16 m16n8k16 as two m16n8k8; use eager copies, as sm_75's
     synchronous loads); ``sm70`` the Volta one (mma.m8n8k4 from plain shared-memory loads, the
     sm_70 accumulator layout, P / dS through per-warp shared memory; fp16 only); ``sm90`` the
-    sm_90a one (the kernels' wgmma paths, swizzled shared-memory tiles read through descriptors)."""
+    sm_90a one (the kernels' wgmma paths, swizzled shared-memory tiles read through descriptors).
+    ``extras=False`` leaves out the soft-capping / sink instances (``SSA_FLASH_EXTRAS=0``, csrc/dispatch.h):
+    about a third of the compile time."""
     inc = cuda_include_dir()
     if inc is None:
         raise RuntimeError("CUDA headers (cuda_fp16.h) not found")
@@ -64,8 +66,9 @@ def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str =
     if cxx is None:
         raise RuntimeError("no host C++ compiler")
     suffix = "_sm75" if sm75 else "_sm70" if sm70 else "_sm90" if sm90 else ""
-    out = Path(out_dir) / f"libssa_emu{suffix}.so"
+    out = Path(out_dir) / f"libssa_emu{suffix}{'' if extras else '_noextras'}.so"
     defs = [f"-DSSA_FLASH_HEAD_DIM_{d}={int(d in head_dims)}" for d in (32, 64, 96, 128, 256)]
+    defs.append(f"-DSSA_FLASH_EXTRAS={int(extras)}")
     cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
            *defs, *(["-DSSA_FLASH_EMULATE_SM75"] if sm75 else []),
            *(["-DSSA_FLASH_EMULATE_SM70"] if sm70 else []),

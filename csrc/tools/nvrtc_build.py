@@ -55,9 +55,18 @@ def missing_reason() -> Optional[str]:
     return f"CUDA 12 wheels not installed: {', '.join(what)}" if what else None
 
 
-def instantiations(head_dims: Sequence[int] = HEAD_DIMS) -> str:
-    """The translation unit: every float16 kernel of the given head dims."""
+def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] = ()) -> str:
+    """The translation unit: every float16 kernel of the given head dims without soft-capping and
+    sinks, and for the head dims in ``extras`` also the instances with both (dispatch.h,
+    extras_switch; sm_70 computes the cap's tanh without MUFU.TANH: csrc/fast_math.h)."""
     lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', "namespace ssa_flash {"]
+    for d in extras:
+        for ssa in ("false", "true"):
+            for ad in ("false", "true"):
+                lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}, true, true>(const FwdParams);")
+                lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}, false, true, {ad}>(const BwdParams);")
+                lines.append(f"template __global__ void attn_bwd_dkdv_kernel<DkdvTraits<{d}, __half>, {ssa}, {ad}, true>(const BwdParams);")
+            lines.append(f"template __global__ void attn_row_entropy_kernel<FwdTraits<{d}, __half>, {ssa}, true, true>(const FwdParams);")
     for d in head_dims:
         for ssa in ("false", "true"):
             for ad in ("false", "true"):
@@ -99,15 +108,17 @@ def nvrtc_ptx(source: str, arch: str, include_dirs: List[Path], lib: Path) -> Tu
     return ptx, log_text
 
 
-def build(out_dir, arch: str = "70", head_dims: Sequence[int] = HEAD_DIMS) -> Tuple[int, str, Optional[Path]]:
-    """(return code, NVRTC + ptxas output, cubin path) of compiling the fp16 kernels for sm_<arch>."""
+def build(out_dir, arch: str = "70", head_dims: Sequence[int] = HEAD_DIMS,
+          extras: Sequence[int] = ()) -> Tuple[int, str, Optional[Path]]:
+    """(return code, NVRTC + ptxas output, cubin path) of compiling the fp16 kernels for sm_<arch>
+    (:func:`instantiations`)."""
     nvrtc, ptxas, include = find_wheels()
     why = missing_reason()
     if why:
         return 1, why, None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ptx, log = nvrtc_ptx(instantiations(head_dims), arch, [CSRC, include], nvrtc)
+    ptx, log = nvrtc_ptx(instantiations(head_dims, extras), arch, [CSRC, include], nvrtc)
     if ptx is None:
         return 1, "NVRTC failed:\n" + log, None
     ptx_path = out / f"ssa_flash_sm{arch}.ptx"
@@ -122,9 +133,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="70")
     ap.add_argument("--head-dim", type=int, action="append", dest="head_dims")
+    ap.add_argument("--extras-head-dim", type=int, action="append", dest="extras", default=[],
+                    help="also the instances with soft-capping and sinks at this head dim")
     ap.add_argument("--out", default="build/nvrtc")
     args = ap.parse_args(argv)
-    rc, log, cubin = build(args.out, args.arch, tuple(args.head_dims or HEAD_DIMS))
+    rc, log, cubin = build(args.out, args.arch, tuple(args.head_dims or HEAD_DIMS), tuple(args.extras))
     print(log)
     print(f"cubin: {cubin}" if cubin else "failed")
     return rc

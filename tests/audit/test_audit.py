@@ -632,7 +632,12 @@ def test_cuda_symbol_description():
     d = cuda.describe_ssa_flash("_ZN9ssa_flash23attn_row_entropy_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
                                 "__nv_bfloat16Li1EEELb0EEEvNS_9FwdParamsE")
     assert d == {"kernel": "row_entropy", "head_dim": 256, "block_m": 64, "block_n": 32, "warps": 4, "dtype": "bf16",
-                 "col_split": 1, "ssa": False, "adaptive": False, "prep": False, "inner_trips": 1}
+                 "col_split": 1, "ssa": False, "adaptive": False, "prep": False, "inner_trips": 1,
+                 "softcap": False, "sinks": False}
+    # the soft-capping / sink switches (csrc/dispatch.h, extras_switch): row entropy <Tr, Ssa, Cap, Sink>
+    d = cuda.describe_ssa_flash("_ZN9ssa_flash23attn_row_entropy_kernelINS_12KernelTraitsILi256ELi64ELi32ELi4E13"
+                                "__nv_bfloat16Li1EEELb1ELb1ELb0EEEvNS_9FwdParamsE")
+    assert (d["ssa"], d["softcap"], d["sinks"]) == (True, True, False)
     d = cuda.describe_ssa_flash("_ZN9ssa_flash20attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6"
                                 "__halfLi2EEELb1ELb1EEEvNS_9BwdParamsE")
     assert (d["kernel"], d["dtype"], d["col_split"], d["ssa"], d["adaptive"]) == ("bwd_dkdv", "fp16", 2, True, True)

@@ -49,6 +49,8 @@ NVCC = shutil.which("nvcc")
 ARCHS = csrc_objects.ARCHS
 TIMEOUT_S = 900
 NVRTC_HEAD_DIMS = (32, 64, 96, 128, 256)
+# every .cu file without the soft-capping / sink instances, and those instances apart (csrc_objects)
+CU_UNITS = [cu.name for cu in CU_FILES] + csrc_objects.EXTRAS_UNITS
 
 
 def _torch_includes():
@@ -80,7 +82,9 @@ def _nvrtc_sm70(out_dir, head_dim):
     if check.returncode != 0 or check.stdout.strip():
         return None
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(tool), "--arch", "70", "--head-dim", str(head_dim), "--out", str(out_dir)],
+    # the instances with soft-capping and sinks at one head dim (the sm_70 tanh)
+    extras = ["--extras-head-dim", str(head_dim)] if head_dim == 64 else []
+    proc = subprocess.run([sys.executable, str(tool), "--arch", "70", "--head-dim", str(head_dim), *extras, "--out", str(out_dir)],
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
@@ -135,11 +139,13 @@ def _job_table():
     nvcc each, every architecture: csrc_objects; the backward files, slowest, first), the sm_70
     NVRTC builds, the binding."""
     table = {"emulator": (_build_emulator, ("emu",), {}),
-             "emulator_sm75": (_build_emulator, ("emu75",), dict(head_dims=(64, 128), sm75=True)),
-             "emulator_sm70": (_build_emulator, ("emu70",), dict(head_dims=(64, 128, 256), sm70=True)),
-             "emulator_sm90": (_build_emulator, ("emu90",), dict(head_dims=(64, 128), sm90=True))}
-    for cu in sorted(CU_FILES, key=lambda p: not p.name.startswith("bwd")):
-        table[cu.name] = None  # csrc_objects.submit
+             # the other code paths' emulators without the softcap / sink instances (their tests
+             # do not use them; tests/cuda/test_cuda_sinks_softcap.py runs the first emulator)
+             "emulator_sm75": (_build_emulator, ("emu75",), dict(head_dims=(64, 128), sm75=True, extras=False)),
+             "emulator_sm70": (_build_emulator, ("emu70",), dict(head_dims=(64, 128, 256), sm70=True, extras=False)),
+             "emulator_sm90": (_build_emulator, ("emu90",), dict(head_dims=(64, 128), sm90=True, extras=False))}
+    for name in sorted([cu.name for cu in CU_FILES] + csrc_objects.EXTRAS_UNITS, key=lambda n: not n.startswith("bwd")):
+        table[name] = None  # csrc_objects.submit
     # sm_70 through the CUDA 12.9 wheels (NVRTC + ptxas), one process per head dim
     for d in NVRTC_HEAD_DIMS:
         table[f"nvrtc_sm70_d{d}"] = (_nvrtc_sm70_in, (f"nvrtc_d{d}", d), {})
@@ -157,7 +163,7 @@ def _nvrtc_sm70_in(dir_name, head_dim):
 
 
 def _submit(name):
-    if name.endswith(".cu"):
+    if name.endswith(".cu") or name in csrc_objects.EXTRAS_UNITS:
         return csrc_objects.submit(name)
     entry = _job_table()[name]
     return None if entry is None else background.submit(f"csrc.{name}", entry[0], *entry[1], **entry[2])
@@ -171,7 +177,7 @@ def prebuild(items):
     for item in items:
         names += [f.replace("emu_lib", "emulator") for f in item.fixturenames if f.startswith("emu_lib")]
         if "cu_results" in item.fixturenames:
-            names += [cu.name for cu in CU_FILES]
+            names += CU_UNITS
         if item.originalname == "test_sm70_compiles_with_cuda12_wheels":
             names.append(f"nvrtc_sm70_d{item.callspec.params['head_dim']}")
         if item.originalname == "test_binding_compiles":
@@ -196,7 +202,7 @@ def jobs():
 
 @pytest.fixture(scope="module")
 def cu_results(jobs):
-    return {name: jobs[name].result() for name in (cu.name for cu in CU_FILES)}
+    return {name: jobs[name].result() for name in CU_UNITS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,7 +223,7 @@ def _emu_harness():
 
 def _import_testing():
     try:
-        import ssa_flash  # noqa: F401
+        import ssa_flash  # noqa: F401 (importable as installed, else from the checkout)
     except ImportError:
         sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -734,7 +740,7 @@ def test_there_are_sources():
     assert (CSRC / "api.cpp").is_file()
 
 
-@pytest.mark.parametrize("name", [cu.name for cu in CU_FILES])
+@pytest.mark.parametrize("name", CU_UNITS)
 def test_cu_compiles(cu_results, name):
     rc, output, seconds, _ = cu_results[name]
     assert rc == 0, f"nvcc failed on {name} ({seconds:.0f}s):\n{output[-20000:]}"
