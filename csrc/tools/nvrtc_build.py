@@ -60,23 +60,21 @@ def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] =
     sinks, and for the head dims in ``extras`` also the instances with both (dispatch.h,
     extras_switch; sm_70 computes the cap's tanh without MUFU.TANH: csrc/fast_math.h)."""
     lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', "namespace ssa_flash {"]
-    for d in extras:
+    units = [(d, False) for d in head_dims] + [(d, True) for d in extras]
+    for d, extra in units:
         for ssa in ("false", "true"):
             for ad in ("false", "true"):
-                lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}, true, true>(const FwdParams);")
-                lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}, false, true, {ad}>(const BwdParams);")
-                lines.append(f"template __global__ void attn_bwd_dkdv_kernel<DkdvTraits<{d}, __half>, {ssa}, {ad}, true>(const BwdParams);")
-            lines.append(f"template __global__ void attn_row_entropy_kernel<FwdTraits<{d}, __half>, {ssa}, true, true>(const FwdParams);")
-    for d in head_dims:
-        for ssa in ("false", "true"):
-            for ad in ("false", "true"):
-                lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}>(const FwdParams);")
-                lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")
-                lines.append(f"template __global__ void attn_bwd_dkdv_kernel<DkdvTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")
-                if d <= 64:  # the fused backward and its pre-pass (sm_70: csrc/traits.h, bwd_fused_for)
+                # template arguments after (Ssa, Adaptive): the cap and the sink (dQ: the sink only
+                # with the adaptive temperature; dK/dV: the cap only)
+                fwd, dq, dkdv = (", true, true", f", false, true, {ad}", ", true") if extra else ("", "", "")
+                lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}{fwd}>(const FwdParams);")
+                lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}{dq}>(const BwdParams);")
+                lines.append(f"template __global__ void attn_bwd_dkdv_kernel<DkdvTraits<{d}, __half>, {ssa}, {ad}{dkdv}>(const BwdParams);")
+                if d <= 64 and not extra:  # the fused backward and its pre-pass (sm_70: csrc/traits.h, bwd_fused_for)
                     lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}, true>(const BwdParams);")
                     lines.append(f"template __global__ void attn_bwd_fused_kernel<FusedTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")
-            lines.append(f"template __global__ void attn_row_entropy_kernel<FwdTraits<{d}, __half>, {ssa}>(const FwdParams);")
+            row = ", true, true" if extra else ""
+            lines.append(f"template __global__ void attn_row_entropy_kernel<FwdTraits<{d}, __half>, {ssa}{row}>(const FwdParams);")
     lines.append("}  // namespace ssa_flash")
     return "\n".join(lines) + "\n"
 
