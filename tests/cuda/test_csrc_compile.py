@@ -747,7 +747,8 @@ def test_cu_compiles(cu_results, name):
     warnings = _own_warnings(output)
     assert not warnings, f"{name}: compiler warnings in csrc/:\n" + "\n".join(warnings[:50])
     spills = _spills(output)
-    unknown = [sp for sp in spills if not _known_spill(sp, KNOWN_SM75_SPILLS, "sm_75")]
+    unknown = [sp for sp in spills if not _known_spill(sp, KNOWN_SM75_SPILLS, "sm_75")
+               and not _known_spill(sp, KNOWN_SM90A_EXTRAS_SPILLS, "sm_90a")]
     assert not unknown, f"{name}: register spills ({' '.join(ARCHS)}):\n" + "\n".join(unknown)
 
 
@@ -765,6 +766,25 @@ def _known_spill(spill: str, known: dict, arch: str = "") -> bool:
 # from dropout's code until windowed calls stopped rotating their key blocks on sm_70 / sm_75,
 # tile.h KeyBlocks, 2026-11-25.)
 KNOWN_SM75_SPILLS: dict = {}
+
+
+# Known sm_90a spills of the soft-capping kernels (found by this test when they were added,
+# 2026-11-26; open: bench/NOTES.md), name fragment -> byte cap (stores): the fused backward at
+# D = 128 (adaptive, softcap) and the dQ kernel at D = 64 (SSA + adaptive, softcap, with or
+# without the sink). Strict like the others below.
+KNOWN_SM90A_EXTRAS_SPILLS: dict = {
+    "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1ELb1E": 8,
+    "attn_bwd_dq_kernelINS_12KernelTraitsILi64ELi64ELi64ELi4E6__halfLi1EEELb1ELb1ELb0ELb1E": 16,
+}
+
+
+def test_known_sm90a_extras_spills_still_spill(cu_results):
+    """Strict: a kernel listed in KNOWN_SM90A_EXTRAS_SPILLS that no longer spills fails until removed."""
+    if "90a" not in csrc_objects.EXTRAS_ARCHS:
+        pytest.skip("sm_90a not compiled (SSA_FLASH_COMPILE_ARCHS)")
+    spills = [sp for name in cu_results for sp in _spills(cu_results[name][1]) if "(sm_90a)" in sp]
+    gone = [k for k in KNOWN_SM90A_EXTRAS_SPILLS if not any(k in sp for sp in spills)]
+    assert not gone, f"listed in KNOWN_SM90A_EXTRAS_SPILLS but no longer spilling (remove them): {gone}"
 
 
 def test_known_sm75_spills_still_spill(cu_results):
