@@ -6,7 +6,7 @@ softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_atten
 
 ``ssa_flash.reference`` holds the same functions written naively: the specification in code.
 """
-from . import cuda, nn, ops, reference
+from . import cuda, nn, reference
 from .errors import BackendUnavailableError
 from .ops import (
     adaptive_temperature_attention,
@@ -21,4 +21,16 @@ from .ops import (
 
 __version__ = "0.1.0"
 
-__all__ = [*ops.__all__, "reference", "nn"]
+__all__ = [
+    "ssa_attention",
+    "softmax_attention",
+    "adaptive_temperature_attention",
+    "attention_entropy",
+    "varlen_attention",
+    "attention_with_kvcache",
+    "dropout_mask",
+    "available_backends",
+    "BackendUnavailableError",
+    "reference",
+    "nn",
+]
