@@ -50,3 +50,19 @@ def build_emulator(out_dir=None, **kw):
     if h is None:
         pytest.skip(lib)
     return h.Emulator(lib, **kw)
+
+
+def cuda_backend_context():
+    """A factory of the context the CUDA backend runs in: the extension on a GPU (skips when it is
+    unavailable), else the emulator built for this session. Tests call ``with factory(): ...``."""
+    import contextlib
+
+    import ssa_flash
+    from attn_testing import CUDA, DEVICE
+
+    if CUDA:
+        if not ssa_flash.cuda.is_available():
+            pytest.skip(f"CUDA backend unavailable: {ssa_flash.cuda.unavailable_reason(DEVICE)}")
+        return contextlib.nullcontext
+    emu = build_emulator()
+    return lambda: ssa_flash.cuda.emulated(emu)

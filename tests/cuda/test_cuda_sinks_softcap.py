@@ -8,7 +8,6 @@ and either backward path. The CUDA backend has no packed or KV-cache path (docs/
 those combinations are the Triton and reference backends' alone."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 import ssa_flash
 from attn_testing import CUDA, MODES, call, compare, detached_copy, head_params
-from emulation import build_emulator
+from emulation import cuda_backend_context
 from ssa_flash import reference
 from ssa_flash.backends import cuda_backend
 from ssa_flash.backends.spec import AttentionSpec
@@ -29,12 +28,7 @@ EXTRAS = {"sinks": dict(sinks=True), "softcap": dict(softcap=2.0), "both": dict(
 @pytest.fixture(scope="module")
 def runs_on():
     """The context the CUDA backend runs in: the extension on a GPU, else the emulator."""
-    if CUDA:
-        if not ssa_flash.cuda.is_available():
-            pytest.skip(f"CUDA backend unavailable: {ssa_flash.cuda.unavailable_reason(DEVICE)}")
-        return contextlib.nullcontext
-    emu = build_emulator()
-    return lambda: ssa_flash.cuda.emulated(emu)
+    return cuda_backend_context()
 
 
 def _sinks(H, scale=1.5, seed=4):
