@@ -154,6 +154,25 @@ class Runner:
         self.results: dict = {}
         self._unavailable: Dict[str, Optional[str]] = {}
         self._warmed: set = set()
+        self._sweep_seconds: Dict[tuple, tuple] = {}  # (op, impl) -> (seqlen, seconds) of the memory sweep
+
+    def expected_seconds(self, task: Task) -> Optional[float]:
+        """A memory-sweep row's expected wall time: the same (op, impl) at the previous length,
+        scaled by the square of the length ratio (attention's cost; tuning and compiling
+        included). None for the first length and for speed rows."""
+        prev = self._sweep_seconds.get((task.op, task.impl)) if task.sweep == "memory" else None
+        if prev is None:
+            return None
+        seqlen, seconds = prev
+        return seconds * (task.shape.seqlen / seqlen) ** 2
+
+    def would_overrun(self, task: Task) -> Optional[float]:
+        """The expected seconds of ``task`` when starting it now would end past the time budget
+        (a 128k row started just inside the budget ran on past the caller's hard limit), else None."""
+        expected = self.expected_seconds(task)
+        if self.cfg.time_budget_s is None or expected is None:
+            return None
+        return expected if self.elapsed() + expected > self.cfg.time_budget_s else None
 
     # ---------------------------------------------------------------- progress and output
     def log(self, msg: str) -> None:
@@ -227,6 +246,10 @@ class Runner:
         rows = {p: self._row(task, p) for p in task.passes}
         if self.over_budget():
             return [self._finish(r, None, None, "skipped: time budget exhausted") for r in rows.values()]
+        expected = self.would_overrun(task)
+        if expected is not None:
+            note = f"skipped: would overrun the time budget (~{expected:.0f} s expected from the previous length)"
+            return [self._finish(r, None, None, note) for r in rows.values()]
         if task.impl not in self._unavailable:
             self._unavailable[task.impl] = availability(task.impl, self.device)
         why = self._unavailable[task.impl]
@@ -347,7 +370,10 @@ class Runner:
                     " (allocating inputs)"
                 rows = [self._finish(self._row(task, p), None, None, note) for p in task.passes]
             else:
+                started = time.monotonic()
                 rows = self.run_task(task, inputs)
+                if task.sweep == "memory" and any(r.get("ms") is not None for r in rows):
+                    self._sweep_seconds[(task.op, task.impl)] = (task.shape.seqlen, time.monotonic() - started)
             for row in rows:
                 done += 1
                 self.rows.append(row)

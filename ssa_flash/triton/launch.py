@@ -270,7 +270,10 @@ def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -
     try:
         from .. import __version__ as ours
 
-        source = getattr(kernel, "cache_key", None) or _source_hash(kernel)
+        # a compiled JITFunction's cache_key is a bare hash: the name goes first so that a cached
+        # file says which kernel it is for (and the interpreter's stand-in already holds it)
+        source = getattr(kernel, "cache_key", None)
+        source = f"{_jit_name(kernel)}:{source}" if source else _source_hash(kernel)
         parts = (f"gpu={_gpu_name(device)}", f"torch={torch.__version__}", f"triton={triton.__version__}",
                  f"ssa_flash={ours}", f"kernel={source}", f"name={name}", f"head_block={head_block}",
                  f"dtype={dtype}", f"bucket={bucket}", f"consts={sorted((k, repr(v)) for k, v in consts.items())}",
@@ -281,16 +284,19 @@ def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -
         return None
 
 
+def _jit_name(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    return getattr(fn, "__name__", type(kernel).__name__)
+
+
 def _source_hash(kernel) -> str:
     """A kernel without Triton's ``cache_key`` (the interpreter's, a test's stand-in): its name
     and a hash of its Python source where there is one."""
-    fn = getattr(kernel, "fn", kernel)
     try:
-        src = inspect.getsource(fn)
+        src = inspect.getsource(getattr(kernel, "fn", kernel))
     except (OSError, TypeError):
         src = ""
-    name = getattr(fn, "__name__", type(kernel).__name__)
-    return f"{name}:{hashlib.sha256(src.encode('utf-8')).hexdigest()[:16]}"
+    return f"{_jit_name(kernel)}:{hashlib.sha256(src.encode('utf-8')).hexdigest()[:16]}"
 
 
 def _cache_path(key: str) -> Path:

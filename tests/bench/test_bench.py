@@ -158,6 +158,32 @@ def test_time_budget_and_oom_rows_are_recorded(monkeypatch):
     assert all(r["ms"] is None and r["note"] == "out of memory" for r in res["rows"])
 
 
+def test_memory_rows_that_would_overrun_the_budget_are_not_started(monkeypatch):
+    """A memory-sweep row is expected to take the previous length's time times the squared length
+    ratio: one that would end past the budget is skipped with that estimate, not started."""
+    cfg = runner.Config(device="cpu", dtype=torch.float32, seqlens=(), headdims=(8,), batch_tokens=8, heads=1,
+                        ops=("softmax",), impls=("reference",), memory_seqlens=(8, 16),
+                        memory_impls=("reference",), memory_ops=("softmax",), matmul_size=16, quiet=True,
+                        cpu_reps=1)
+    r = runner.Runner(cfg)
+    r.run()  # measures L = 8 and 16: the sweep remembers the last length's time
+    seqlen, seconds = r._sweep_seconds[("softmax", "reference")]
+    assert seqlen == 16 and seconds > 0
+
+    def task(L):
+        return runner.Task("memory", runner.Shape(1, 1, L, 8, True, torch.float32), "softmax", "reference",
+                           ("fwd_bwd",))
+
+    clock = [50.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    r.start, r.cfg.time_budget_s = 0.0, 100.0
+    r._sweep_seconds[("softmax", "reference")] = (16, 10.0)
+    assert r.expected_seconds(task(32)) == 40.0 and r.would_overrun(task(32)) is None  # 50 + 40 <= 100
+    assert r.would_overrun(task(64)) == 160.0  # 50 + 160 > 100
+    (row,) = r.run_task(task(64), None)
+    assert row["ms"] is None and row["note"].startswith("skipped: would overrun the time budget (~160 s")
+
+
 def test_reference_rows_measure_on_cpu():
     cfg = runner.Config(device="cpu", dtype=torch.float32, seqlens=(8,), headdims=(8,), batch_tokens=8,
                         heads=1, causal=(True,), ops=("ssa",), impls=("reference", "ssa_flash.cuda"),

@@ -228,3 +228,16 @@ def test_support_reason_asks_the_backend_with_the_checked_inputs(monkeypatch):
     # the real backend refuses float32 (and, without a GPU, the CPU device): a reason, not None
     monkeypatch.undo()
     assert selfcheck.support_reason("cuda", "softmax", case, torch.float32, DEVICE)
+
+
+def test_checks_take_the_first_block_configuration(monkeypatch):
+    """The self-check's checks run without block-size timing (SSA_FLASH_AUTOTUNE=0 inside, gone
+    after); a user's own setting is kept as it is."""
+    monkeypatch.delenv("SSA_FLASH_AUTOTUNE", raising=False)
+    with selfcheck.first_block_configuration():
+        assert os.environ["SSA_FLASH_AUTOTUNE"] == "0"
+    assert "SSA_FLASH_AUTOTUNE" not in os.environ
+    monkeypatch.setenv("SSA_FLASH_AUTOTUNE", "1")
+    with selfcheck.first_block_configuration():
+        assert os.environ["SSA_FLASH_AUTOTUNE"] == "1"
+    assert os.environ["SSA_FLASH_AUTOTUNE"] == "1"

@@ -181,6 +181,18 @@ def test_cache_key_names_what_decides_the_choice(on_fake_gpu):
     assert launch._cache_path(key) != launch._cache_path(other)
 
 
+def test_cache_key_names_a_compiled_kernel(on_fake_gpu):
+    """On a GPU a JITFunction has ``cache_key`` (a bare hash of its source and dependencies): the
+    key still names the kernel (the interpreter's kernels have none; the test above sees those)."""
+    class Compiled:
+        fn = getattr(launch.attention_fwd_kernel, "fn", launch.attention_fwd_kernel)
+        cache_key = "0123456789abcdef"
+
+    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    key = launch._cache_key(Compiled(), "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024, {}, cands)
+    assert "kernel=attention_fwd_kernel:0123456789abcdef" in key
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign", "not_a_candidate"])
 def test_a_damaged_cache_file_is_ignored(on_fake_gpu, damage):
     cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
