@@ -7,7 +7,9 @@
 # Steps, in order, each time-limited:
 #   1. the CUDA extension's build starts in the background (minutes of nvcc; torch's build lock
 #      makes any test that loads the extension meanwhile wait for it, then load the result);
-#   2. while it builds, the Triton half: the GPU smoke tier without the CUDA backend
+#   2. while it builds, the Triton half: first the tests of RECHECK (default bench/gpu_recheck.txt,
+#      one pytest node id per line: what failed on the last GPU run, so that the next one begins
+#      with their tracebacks), then the GPU smoke tier without the CUDA backend
 #      (`pytest -m gpu_smoke -k "not cuda"`: tests/gpu_smoke/test_gpu_smoke.py, every kernel family
 #      once at small odd shapes against the float64 reference with FlashAttention's rule), then
 #      the GPU suite's other tests that do not touch the CUDA backend (SUITE below);
@@ -22,13 +24,14 @@
 # (smoke-triton, suite-triton, smoke-cuda, suite-cuda; written as the tests run) and gpu-tests.json
 # (their sum), and the logs cuda-build.log, <step>.log, bench.log, selfcheck.log.
 # Environment knobs:
-#   OUT, PYTHON (default python), JOBS (xdist workers; 0: none), SUITE (test paths of the GPU
-#   suite: default every test directory that runs kernels; the CPU-only compiles and audits,
-#   packaging, docs and the distributed gloo tests are left to the CPU CI), BUILD_WAIT (default
-#   300), SMOKE_LIMIT / SUITE_LIMIT (seconds for each Triton step, default 120 / 150; the CUDA
-#   steps get half), BENCH_ARGS (extra benchmark options), RUN_SMOKE=0 / RUN_TESTS=0 /
-#   RUN_CUDA=0 / RUN_SELFCHECK=0 to skip those steps (e.g. a second call spent on the
-#   benchmark, with BENCH_ARGS="--headdims 128" and the like).
+#   OUT, PYTHON (default python), RECHECK (file of node ids) / RECHECK_LIMIT (seconds, default 90) /
+#   RUN_RECHECK=0, JOBS (xdist workers; 0: none), SUITE (test paths of the GPU suite: default every
+#   test directory that runs kernels; the CPU-only compiles and audits, packaging, docs and the
+#   distributed gloo tests are left to the CPU CI), BUILD_WAIT (default 300), SMOKE_LIMIT /
+#   SUITE_LIMIT (seconds for each Triton step, default 120 / 150; the CUDA steps get half),
+#   BENCH_ARGS (extra benchmark options), RUN_SMOKE=0 / RUN_TESTS=0 / RUN_CUDA=0 /
+#   RUN_SELFCHECK=0 to skip those steps (e.g. a second call spent on the benchmark, with
+#   BENCH_ARGS="--headdims 128" and the like).
 set -u
 BUDGET=${1:-${BUDGET:-540}}
 START=$(date +%s)
@@ -89,7 +92,7 @@ step() {
   log "$name: pytest $* (limit ${limit}s)"
   rm -f "$OUT/$name-tests.json"
   SSA_FLASH_TESTS_JSON="$OUT/$name-tests.json" timeout --signal=TERM --kill-after=10 "$limit" \
-    $PY -m pytest -p ssa_flash.bench.pytest_summary -q -rfE -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@" \
+    $PY -m pytest -p ssa_flash.bench.pytest_summary -q -rfEs -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
   [ -f "$OUT/$name-tests.json" ] || echo '{"passed": null, "failed": null, "skipped": null}' > "$OUT/$name-tests.json"
@@ -98,7 +101,14 @@ step() {
   STEPS+=("$name")
 }
 
-# 2. the Triton half, while nvcc works
+# 2. the Triton half, while nvcc works; first what failed last time (node ids; '#' comments)
+RECHECK=${RECHECK:-bench/gpu_recheck.txt}
+if [ -f "$RECHECK" ] && [ "${RUN_RECHECK:-1}" != "0" ]; then
+  mapfile -t RECHECK_IDS < <(grep -v '^\s*\(#\|$\)' "$RECHECK")
+  if [ ${#RECHECK_IDS[@]} -gt 0 ]; then
+    step recheck "$(cap "${RECHECK_LIMIT:-90}" 300)" --tb=long "${RECHECK_IDS[@]}"
+  fi
+fi
 if [ "${RUN_SMOKE:-1}" != "0" ]; then step smoke-triton "$(cap "${SMOKE_LIMIT:-120}" 200)" -m gpu_smoke -k "not cuda" tests/gpu_smoke; fi
 # shellcheck disable=SC2086
 if [ "${RUN_TESTS:-1}" != "0" ]; then step suite-triton "$(cap "${SUITE_LIMIT:-150}" 200)" -m "not gpu_smoke" -k "not cuda" $SUITE; fi
@@ -115,6 +125,10 @@ if [ -n "$BUILD_PID" ]; then
     wait "$BUILD_PID"; rc=$?
   fi
   tail -n 3 "$OUT/cuda-build.log"
+  # what a fresh process (as each test worker is) says of the backend now
+  $PY -c 'import torch; from ssa_flash import cuda; print("unavailable_reason in a new process:", cuda.unavailable_reason(torch.device("cuda")))' \
+    >> "$OUT/cuda-build.log" 2>&1
+  tail -n 1 "$OUT/cuda-build.log"
   if [ "$rc" -eq 0 ]; then
     if [ "${RUN_SMOKE:-1}" != "0" ]; then step smoke-cuda "$(cap $(( ${SMOKE_LIMIT:-120} / 2 )) 150)" -m gpu_smoke -k cuda tests/gpu_smoke; fi
     # shellcheck disable=SC2086
