@@ -36,6 +36,7 @@
 #include "frag.h"
 #include "gemm_mma.h"
 #include "gemm_wgmma.h"
+#include "kernel_head.h"
 #include "logits.h"
 #include "mask.h"
 #include "memory.h"
@@ -161,13 +162,7 @@ SSA_DEVICE void score_gemms(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4],
 // pass. Without an adaptive temperature a sink needs nothing here: the forward's lse includes it.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
-  using T = typename Tr::Elem;
-  constexpr int kBlockM = Tr::kBlockM;
-  constexpr int kBlockN = Tr::kBlockN;
-  constexpr int kD = Tr::kHeadDim;
-  constexpr int kS = Tr::kStride;
-  using Pad = PaddedTile<kS>;
-  constexpr int kNThreads = Tr::kNThreads;
+  SSA_TILE_NAMES(Tr);
   constexpr int kNWarps = Tr::kNWarps;
   constexpr int kNT = kBlockN / 8;
   constexpr int kDT = kD / 8;
@@ -177,11 +172,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   using LK = Select<kWg, Sw128Tile<kBlockN>, Pad>;  // K, V tiles
   constexpr int kTileQ = LQ::elems(kBlockM, kD), kTileK = LK::elems(kBlockN, kD);
 
-#if defined(__CUDA_ARCH__)
-  if (kernel_unsupported<T, kD>()) {
-    __trap();
-  } else {
-#endif
+  if (never_launched(kernel_unsupported<T, kD>())) return;
   extern __shared__ uint4 smem_raw[];
   T* sQ = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
   T* sdO = sQ + kTileQ;
@@ -469,9 +460,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       p.dn_part[idx] = dn * kLn2;
     }
   }
-#if defined(__CUDA_ARCH__)
-  }
-#endif
 }
 
 // ------------------------------------------------------------------------------------------
@@ -498,13 +486,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 //   shared) | issue dO_{t+1} | dK += dS^T Q_t (kFusedDq: dQ_t = dS K, atomics)
 template <typename Tr, bool kSSA, bool kAdaptive, bool kFusedDq, bool kCap = false>
 SSA_DEVICE void bwd_key_block(const BwdParams& p) {
-  using T = typename Tr::Elem;
-  constexpr int kBlockM = Tr::kBlockM;  // queries per step
-  constexpr int kBlockN = Tr::kBlockN;  // keys of this CTA
-  constexpr int kD = Tr::kHeadDim;
-  constexpr int kS = Tr::kStride;
-  using Pad = PaddedTile<kS>;
-  constexpr int kNThreads = Tr::kNThreads;
+  SSA_TILE_NAMES(Tr);  // kBlockM queries per step, kBlockN keys of this CTA
   constexpr int kNWarps = Tr::kNWarps;
   constexpr int kSplit = Tr::kColSplit;  // warps per 16-key strip, each owning kDC columns
   // sm_90a at the head dims of bwd_wgmma (traits.h): S^T, dP^T, dV and dK as wgmma, the CTA's 4
@@ -548,10 +530,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #if defined(__CUDA_ARCH__)
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
   // kernel only where bwd_fused_for says)
-  if (kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
-      (kFusedDq && !bwd_fused_for(kD, kSSA, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))) {
-    __trap();
-  } else {
+  if (never_launched(kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
+                     (kFusedDq && !bwd_fused_for(kD, kSSA, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))))
+    return;
 #endif
   // (the host plans dropout and windows on the two-kernel path)
   if (kFusedDq && (p.drop_rng != nullptr || p.window)) __trap();
@@ -912,9 +893,6 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
         *reinterpret_cast<uint32_t*>(dv + c_hi * p.dv_sm + col) = pack2<T>(dv_acc[0][dt][2], dv_acc[0][dt][3]);
     }
   }
-#if defined(__CUDA_ARCH__)
-  }
-#endif
 }
 
 // dK/dV of the two-kernel backward (after attn_bwd_dq_kernel)

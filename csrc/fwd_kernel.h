@@ -14,6 +14,7 @@
 #include "frag.h"
 #include "gemm_mma.h"
 #include "gemm_wgmma.h"
+#include "kernel_head.h"
 #include "logits.h"
 #include "mask.h"
 #include "memory.h"
@@ -24,6 +25,25 @@
 #include "traits.h"
 
 namespace ssa_flash {
+
+// The score GEMM of a key block (the forward and the row-entropy pass), s = Q K^T over kN keys
+// and a kD reduction: wgmma over each of the warpgroup's kMS m64 halves (sQ the whole query
+// tile; one group, waited for at once) or mma.sync over this warp's kMS 16-row strips (sQw its
+// first row; kS the padded row stride).
+template <bool kWg, typename T, int kMS, int kN, int kD, typename LQ, typename LK, int kS>
+SSA_DEVICE void score_gemm(float (&s)[kMS][kN / 8][4], const T* sQ, const T* sQw, const T* sK, int lane) {
+  if constexpr (kWg) {
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) wg_gemm_nt<T, kN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
+  } else {
+    zero(s);
+    gemm_nt<T, kMS, kN, kD, kS, kS>(s, sQw, sK, lane);
+  }
+}
 
 // Forward: per row, l2 = (phi(z) + mask) * log2(e), times beta (ADAPTIVE); m = a reference
 // max, l = running sum of 2^(l2 - m) (partial per thread, reduced over the quad at the end),
@@ -72,13 +92,7 @@ namespace ssa_flash {
 // with nothing per element. Without them the kernel compiles exactly as before.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
-  using T = typename Tr::Elem;
-  constexpr int kBlockM = Tr::kBlockM;
-  constexpr int kBlockN = Tr::kBlockN;
-  constexpr int kD = Tr::kHeadDim;
-  constexpr int kS = Tr::kStride;
-  using Pad = PaddedTile<kS>;
-  constexpr int kNThreads = Tr::kNThreads;
+  SSA_TILE_NAMES(Tr);
   constexpr int kMS = Tr::kMS;      // 16-row strips per warp
   constexpr int kNT = kBlockN / 8;  // n8 tiles of a score strip
   constexpr int kDT = kD / 8;       // n8 tiles of an output strip
@@ -91,11 +105,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   // rows between a warp's strips: consecutive (mma.sync), or the two m64 halves (wgmma)
   constexpr int kStripRows = kWg ? 64 : 16;
 
-#if defined(__CUDA_ARCH__)
-  if (kernel_unsupported<T, kD>()) {
-    __trap();
-  } else {
-#endif
+  if (never_launched(kernel_unsupported<T, kD>())) return;
   extern __shared__ uint4 smem_raw[];
   T* sQ = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + LQ::elems(kBlockM, kD);
@@ -200,17 +210,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       *drop_slot() = keep.w;
     }
 
-    if constexpr (kWg) {
-#pragma unroll
-      for (int ms = 0; ms < kMS; ++ms) wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK);
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
-    } else {
-      zero(s);
-      gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK, lane);
-    }
+    score_gemm<kWg, T, kMS, kBlockN, kD, LQ, LK, kS>(s, sQ, sQw, sK, lane);
 
     bool need = false;
 #pragma unroll
@@ -378,9 +378,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
       }
     }
   }
-#if defined(__CUDA_ARCH__)
-  }
-#endif
 }
 
 // Row-entropy pass (attn_row_entropy_kernel): per row the running max m, lam = sum 2^(l2 - m) and the centred
@@ -393,13 +390,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 // lam = 1, kc = 0 at the start) and counts in both H and the LSE.
 template <typename Tr, bool kSSA, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(const FwdParams p) {
-  using T = typename Tr::Elem;
-  constexpr int kBlockM = Tr::kBlockM;
-  constexpr int kBlockN = Tr::kBlockN;
-  constexpr int kD = Tr::kHeadDim;
-  constexpr int kS = Tr::kStride;
-  using Pad = PaddedTile<kS>;
-  constexpr int kNThreads = Tr::kNThreads;
+  SSA_TILE_NAMES(Tr);
   constexpr int kMS = Tr::kMS;
   constexpr int kNT = kBlockN / 8;
   // sm_90a: S as wgmma, as in the forward
@@ -409,11 +400,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
   using LK = Select<kWg, Sw128Tile<kBlockN>, Pad>;
   constexpr int kTileK = LK::elems(kBlockN, kD);
 
-#if defined(__CUDA_ARCH__)
-  if (kernel_unsupported<T, kD>()) {
-    __trap();
-  } else {
-#endif
+  if (never_launched(kernel_unsupported<T, kD>())) return;
   extern __shared__ uint4 smem_raw[];
   T* sQ = kWg ? align_smem_1024<T>(smem_raw) : reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + LQ::elems(kBlockM, kD);  // two buffers
@@ -469,18 +456,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
     __syncthreads();
 
     float s[kMS][kNT][4];
-    if constexpr (kWg) {
-#pragma unroll
-      for (int ms = 0; ms < kMS; ++ms)
-        wg_gemm_nt<T, kBlockN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK + buf * kTileK);
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
-    } else {
-      zero(s);
-      gemm_nt<T, kMS, kBlockN, kD, kS, kS>(s, sQw, sK + buf * kTileK, lane);
-    }
+    score_gemm<kWg, T, kMS, kBlockN, kD, LQ, LK, kS>(s, sQ, sQw, sK + buf * kTileK, lane);
 
 #pragma unroll
     for (int ms = 0; ms < kMS; ++ms) {
@@ -544,9 +520,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
       }
     }
   }
-#if defined(__CUDA_ARCH__)
-  }
-#endif
 }
 
 }  // namespace ssa_flash

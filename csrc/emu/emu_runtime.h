@@ -292,6 +292,21 @@ inline float to_float(uint16_t bits) {
   return static_cast<float>(h);
 }
 
+// D += A B (A: 16 x kK, B: kK x 8, unpacked from the quad's fragments) for this lane's C/D
+// fragment of an m16n8 product: c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1).
+template <int kK>
+inline void add_product_m16n8(float (&d)[4], const float (&A)[16][kK], const float (&B)[kK][8]) {
+  const int lane = lane_id();
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0);
+    const int col = 2 * t + (i & 1);
+    float acc = 0.0f;
+    for (int k = 0; k < kK; ++k) acc += A[row][k] * B[k][col];
+    d[i] += acc;
+  }
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D = A (16x16) B (16x8) + C, with the PTX
 // ISA fragment layouts (groupID g = lane/4, t = lane%4):
 //   A: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); lower column in the
@@ -327,15 +342,7 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
     B[2 * t + 9][g] = to_float<T>(static_cast<uint16_t>(o.b[1] >> 16));
   }
   }
-  const int lane = lane_id();
-  const int g = lane / 4, t = lane % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0);
-    const int col = 2 * t + (i & 1);
-    float acc = 0.0f;
-    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
-    d[i] += acc;
-  }
+  add_product_m16n8(d, A, B);
 }
 
 // mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 (sm_75): A (16x8): a0 (g, 2t..2t+1),
@@ -357,15 +364,7 @@ inline void mma_1688_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
     B[2 * t][g] = to_float<__half>(static_cast<uint16_t>(o.b[0] & 0xffff));
     B[2 * t + 1][g] = to_float<__half>(static_cast<uint16_t>(o.b[0] >> 16));
   }
-  const int lane = lane_id();
-  const int g = lane / 4, t = lane % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0);
-    const int col = 2 * t + (i & 1);
-    float acc = 0.0f;
-    for (int k = 0; k < 8; ++k) acc += A[row][k] * B[k][col];
-    d[i] += acc;
-  }
+  add_product_m16n8(d, A, B);
 }
 
 // mma.sync.aligned.m8n8k4.row.{col,row}.f32.f16.f16.f32 (sm_70): four independent 8x8x4
