@@ -71,6 +71,30 @@ def query_block_program(num_m_blocks, H, GROUP):
 
 
 @triton.jit
+def key_block_program(num_n_blocks, HKV):
+    """``(n_block, off_b, off_kv)`` of a program of a key-block grid (dK/dV): its key block, batch
+    element and key/value head."""
+    pid = tl.program_id(0)
+    n_block = pid % num_n_blocks
+    bhkv = (pid // num_n_blocks).to(tl.int64)
+    return n_block, bhkv // HKV, bhkv % HKV
+
+
+@triton.jit
+def rows_base(strides, batch, row0):
+    """Offset of this sequence's first row in a 4-D tensor with ``strides = (batch, head, row,
+    column)`` (``batch``, ``row0`` from :func:`sequence_extent`)."""
+    return batch * strides[0] + row0 * strides[2]
+
+
+@triton.jit
+def tile_ptrs(PTR, base, strides, head, offs_rows, offs_cols):
+    """Pointers of the ``(rows, cols)`` tile of head ``head`` at rows ``offs_rows`` and columns
+    ``offs_cols`` past ``base`` (:func:`rows_base`) of a 4-D tensor with ``strides``."""
+    return PTR + base + head * strides[1] + offs_rows[:, None] * strides[2] + offs_cols[None, :] * strides[3]
+
+
+@triton.jit
 def sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN: tl.constexpr):
     """Where batch element (or packed sequence) ``off_b``'s rows lie, for every ``VARLEN`` layout:
     ``(batch, q_row0, k_row0, Lq, Lk, q_shift)``.
@@ -161,6 +185,28 @@ def window_key_bounds(m0, hi, mid, win_left, win_right,
     a = tl.minimum(tl.maximum(int_lo, lo), hi)
     b = tl.maximum(a, tl.minimum(mid, hi))
     return lo, a, b, hi
+
+
+@triton.jit
+def query_key_ranges(pos0, Lk, win_left, win_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key-block ranges ``(lo, a, mid, hi)`` of the query block whose first position is ``pos0``
+    (forward and statistics kernels; shifted bottom-right for a KV cache): ``[lo, a)`` boundary
+    blocks (a window's left edge), ``[a, mid)`` interior, ``[mid, hi)`` boundary (the causal
+    diagonal, a window's right edge, the ragged end); with ``SPLIT`` this program's share."""
+    hi = Lk
+    mid = interior_end(0, Lk, BLOCK_N)
+    if CAUSAL:
+        hi = tl.minimum(Lk, pos0 + BLOCK_M)
+        # key blocks wholly at or below the first row of this query block
+        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
+    lo = 0
+    a = 0
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    if SPLIT:
+        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
+    return lo, a, mid, hi
 
 
 @triton.jit

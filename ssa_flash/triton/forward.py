@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 from .dropout import dropout_keep, dropout_state
-from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
-                      stage_range, window_key_bounds)
+from .extents import (query_block_program, query_key_ranges, row_stat_base, rows_base, sequence_extent,
+                      stage_range, tile_ptrs)
 from .fast_math import exp2_half_poly
-from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, softcap_ratio,
-                     tile_logit_input)
+from .grouped_args import dropout_args, logit_scales, window_edges
+from .logits import LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
 from .tile_loads import load_rows
 
@@ -101,24 +101,10 @@ def attention_fwd_kernel(
     0 holds the sink, so that the merge counts it once); ``softcap = (hi, lo)``, the cap ``c``
     split as the scale is (``SOFTCAP``); None without."""
     B_SSA, N_SSA = ssa_coefs
-    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
-    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
-    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
-    stride_ob, stride_oh, stride_om, stride_od = o_strides
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
-    scale_hi, scale_lo = scale
     CU_Q, CU_K, SEQUSED_K = seqlens
     stride_os, stat_stride_s = split_strides
-    RNG = None
-    keep31 = None
-    drop_scale_hi = None
-    drop_scale_lo = None
-    if DROPOUT:
-        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
-    win_left = None
-    win_right = None
-    if WINDOW:
-        win_left, win_right = window
+    RNG, keep31, drop_scale_hi, drop_scale_lo = dropout_args(dropout, DROPOUT)
+    win_left, win_right = window_edges(window, WINDOW)
 
     m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
 
@@ -128,10 +114,10 @@ def attention_fwd_kernel(
     if VARLEN == 1:  # the grid is sized by the longest sequence
         if m_block * BLOCK_M >= Lq:
             return
-    q_base = batch * stride_qb + q_row0 * stride_qm
-    o_base = batch * stride_ob + q_row0 * stride_om
-    k_base = batch * stride_kb + k_row0 * stride_kn
-    v_base = batch * stride_vb + k_row0 * stride_vn
+    q_base = rows_base(q_strides, batch, q_row0)
+    o_base = rows_base(o_strides, batch, q_row0)
+    k_base = rows_base(k_strides, batch, k_row0)
+    v_base = rows_base(v_strides, batch, k_row0)
     row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -139,18 +125,15 @@ def attention_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < Lq
 
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    cap_a = 1.0
-    cap_c = 1.0
-    if SOFTCAP:
-        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
     cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
-    q_ptrs = Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q_ptrs = tile_ptrs(Q, q_base, q_strides, off_h, offs_m, offs_d)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q = (q * q_sign).to(Q.dtype.element_ty)
-    k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + v_base + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+    offs_nb = tl.arange(0, BLOCK_N)
+    k_ptrs = tile_ptrs(K, k_base, k_strides, off_kv, offs_nb, offs_d)
+    v_ptrs = tile_ptrs(V, v_base, v_strides, off_kv, offs_nb, offs_dv)
+    mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
 
     coef = tl.zeros((BLOCK_M,), dtype=ACC) + coef_head
     mask_scale = tl.zeros((BLOCK_M,), dtype=ACC) + LOG2E
@@ -171,25 +154,14 @@ def attention_fwd_kernel(
     if DROPOUT:
         drop = dropout_state(RNG, off_b, off_h, keep31)
 
-    # Key blocks: [lo, a) boundary (a window's left edge), [a, mid) interior, [mid, hi) boundary
-    # (the causal diagonal, a window's right edge, the ragged end). The loops compare key
-    # positions with the query positions pos_m (shifted bottom-right for a KV cache).
-    pos0 = m_block * BLOCK_M + q_shift
+    # Key blocks (extents.query_key_ranges); the loops compare key positions with the query
+    # positions pos_m (shifted bottom-right for a KV cache).
+    lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M + q_shift, Lk, win_left, win_right, CAUSAL, WINDOW, SPLIT,
+                                      BLOCK_M, BLOCK_N)
     pos_m = offs_m + q_shift
     pos_end = Lq + q_shift
-    hi = Lk
-    mid = interior_end(0, Lk, BLOCK_N)
-    if CAUSAL:
-        hi = tl.minimum(Lk, pos0 + BLOCK_M)
-        # key blocks wholly at or below the first row of this query block
-        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
-    lo = 0
-    a = 0
-    if WINDOW:
-        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
     row_out = row_base
-    if SPLIT:  # this program's share of the keys; partial results go to split slots
-        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
+    if SPLIT:  # partial results go to split slots
         split = tl.program_id(1).to(tl.int64)
         o_base += split * stride_os
         row_out += split * stat_stride_s
@@ -198,7 +170,7 @@ def attention_fwd_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             acc, l_i, m_i = _fwd_key_blocks(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, start, end,
-                stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
+                k_strides[2], v_strides[2], mask_strides[2], mask_strides[3], pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
                 SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
                 FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0, win_left, win_right, drop, m_block * BLOCK_M,
                 WINDOW, DROPOUT, SOFTCAP)
@@ -210,6 +182,6 @@ def attention_fwd_kernel(
     else:
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    o_ptrs = O + o_base + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_ptrs = tile_ptrs(O, o_base, o_strides, off_h, offs_m, offs_dv)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + row_out + offs_m, lse, mask=row_ok)
