@@ -56,12 +56,12 @@ are unchanged; kernel 1 adds the sink's term of ``dbeta`` and writes one partial
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep, dropout_state
-from .extents import (interior_end, key_block_program, query_block_program, query_key_ranges, row_stat_base,
-                      rows_base, sequence_extent, stage_range, tile_ptrs, window_key_bounds, window_query_bounds)
-from .grouped_args import dropout_args, logit_scales, window_edges
-from .logits import LN2, LOG2E, combine_scale, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
+from .dropout import dropout_keep
+from .extents import (interior_end, key_block_rows, query_block_rows, query_rows, row_stat_base, rows_base, stage_range,
+                      tile_ptrs, window_key_bounds, window_query_bounds)
+from .logits import LN2, LOG2E, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
 from .masks import boundary_logits
+from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
 
 
 @triton.jit
@@ -216,25 +216,16 @@ def attention_bwd_dq_kernel(
     per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward."""
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
     DB_PART, DN_PART = ssa_parts
-    B_SSA, N_SSA = ssa_coefs
-    CU_Q, CU_K = seqlens
-    RNG, keep31, drop_scale_hi, drop_scale_lo = dropout_args(dropout, DROPOUT)
-    win_left, win_right = window_edges(window, WINDOW)
 
-    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
-
-    # where this program's sequence lies (extents.py: dense or packed); q, dO, O and dQ share
-    # the query rows, K and V the key rows
-    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(CU_Q, CU_K, CU_Q, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if m_block * BLOCK_M >= Lq:
-            return
-    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # where this program's rows lie (extents.py: dense or packed); q, dO, O and dQ share the
+    # query rows, K and V the key rows
+    (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, _,
+     past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
+    if past_end:
+        return
+    row_base, offs_m, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, VARLEN)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Lq
     qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
 
@@ -251,6 +242,7 @@ def attention_bwd_dq_kernel(
     tl.store(LSE2 + row_stat, lse2, mask=row_ok)  # for the dK/dV kernel, ready to use
 
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
     cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
     zero_row = tl.zeros((BLOCK_M,), dtype=ACC)
     db_acc = zero_row
@@ -272,11 +264,9 @@ def attention_bwd_dq_kernel(
     k_ptrs = tile_ptrs(K, rows_base(k_strides, batch, k_row0), k_strides, off_kv, offs_nb, offs_d)
     v_ptrs = tile_ptrs(V, rows_base(v_strides, batch, k_row0), v_strides, off_kv, offs_nb, offs_dv)
     mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
-    drop = (0, 0, 0, 0, 0)
-    drop_scale = 1.0
-    if DROPOUT:
-        drop = dropout_state(RNG, off_b, off_h, keep31)
-        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+    drop = dropout_stream(dropout, off_b, off_h, DROPOUT)
+    drop_scale = dropout_scale(dropout, DROPOUT, ACC)
+    win_left, win_right = window_edges(window, WINDOW)
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
@@ -456,19 +446,12 @@ def attention_bwd_dkdv_kernel(
     Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``temperature = (BETA, LSE_L, ENT,
     G)``."""
     BETA, LSE_L, ENT, G = temperature
-    B_SSA, N_SSA = ssa_coefs
-    CU_Q, CU_K = seqlens
-    RNG, keep31, drop_scale_hi, drop_scale_lo = dropout_args(dropout, DROPOUT)
-    win_left, win_right = window_edges(window, WINDOW)
 
-    n_block, off_b, off_kv = key_block_program(num_n_blocks, HKV)
-
-    start_n = n_block * BLOCK_N
-    # where this program's sequence lies (extents.py: dense or packed)
-    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(CU_Q, CU_K, CU_Q, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if start_n >= Lk:
-            return
+    # where this program's rows lie (extents.py: dense or packed)
+    start_n, off_b, off_kv, batch, q_row0, k_row0, Lq, Lk, past_end = key_block_rows(
+        num_n_blocks, HKV, seqlens, Lq, Lk, BLOCK_N, VARLEN)
+    if past_end:
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -480,6 +463,7 @@ def attention_bwd_dkdv_kernel(
     k = tl.load(tile_ptrs(K, k_base, k_strides, off_kv, offs_n, offs_d), mask=kd_ok, other=0.0)
     v = tl.load(tile_ptrs(V, v_base, v_strides, off_kv, offs_n, offs_dv), mask=vd_ok, other=0.0)
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
 
     # Query blocks: [lo, diag_end) boundary (causal diagonal), [diag_end, int_end) interior,
     # [int_end, Lq) boundary (ragged end). A ragged key block makes every tile a boundary one.
@@ -492,12 +476,11 @@ def attention_bwd_dkdv_kernel(
         diag_end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
     int_end = interior_end(diag_end, tl.maximum(Lq, diag_end), BLOCK_M)
     hi = Lq
+    win_left, win_right = window_edges(window, WINDOW)
     if WINDOW:
         lo, diag_end, int_end, hi = window_query_bounds(start_n, lo, diag_end, int_end, Lq, win_left,
                                                         win_right, BLOCK_M, BLOCK_N)
-    drop_scale = 1.0
-    if DROPOUT:
-        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+    drop_scale = dropout_scale(dropout, DROPOUT, ACC)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
@@ -509,9 +492,7 @@ def attention_bwd_dkdv_kernel(
         q_ptrs = tile_ptrs(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_mb, offs_d)
         do_ptrs = tile_ptrs(DO, rows_base(do_strides, batch, q_row0), do_strides, off_h, offs_mb, offs_dv)
         mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
-        drop = (0, 0, 0, 0, 0)
-        if DROPOUT:
-            drop = dropout_state(RNG, off_b, off_h, keep31)
+        drop = dropout_stream(dropout, off_b, off_h, DROPOUT)
         for STAGE in tl.static_range(3):
             start, end = stage_range(STAGE, lo, diag_end, int_end, hi)
             if STAGE == 0:  # a ragged key block's boundary stage runs to cdiv(Lq, BLOCK_M) blocks

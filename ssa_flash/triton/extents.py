@@ -132,6 +132,51 @@ def row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """Where a program of a query-block grid (forward, statistics, dQ) works: its
+    :func:`query_block_program`, its sequence's :func:`sequence_extent` and ``past_end``, true
+    where its block starts past its sequence's end (a packed batch's grid is sized by the longest
+    sequence): such a program returns at once, before :func:`query_rows`.
+    ``seqlens = (CU_Q, CU_K[, SEQUSED_K])`` (the third only for a KV cache).
+    ``(m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift, past_end)``."""
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
+    SEQUSED_K = seqlens[0]  # read only for a KV cache
+    if VARLEN >= 2:
+        SEQUSED_K = seqlens[2]
+    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(seqlens[0], seqlens[1], SEQUSED_K, off_b, Lq, Lk,
+                                                             VARLEN)
+    past_end = False
+    if VARLEN == 1:
+        past_end = m_block * BLOCK_M >= Lq
+    return m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift, past_end
+
+
+@triton.jit
+def query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """``(row_base, offs_m, row_ok)`` of a query-block program past :func:`query_block_rows`' early
+    return: the first row of its per-row statistics (:func:`row_stat_base`), its query rows
+    (``(BLOCK_M,)``) and which of them exist. (Computed after the return, not in
+    ``query_block_rows``: before it they change the packed-batch kernels' compiled code.)"""
+    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return row_base, offs_m, offs_m < Lq
+
+
+@triton.jit
+def key_block_rows(num_n_blocks, HKV, seqlens, Lq, Lk, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
+    """The same for a program of the key-block grid (dK/dV, dense or packed):
+    ``(start_n, off_b, off_kv, batch, q_row0, k_row0, Lq, Lk, past_end)``, ``start_n`` its first
+    key; ``seqlens = (CU_Q, CU_K)``."""
+    n_block, off_b, off_kv = key_block_program(num_n_blocks, HKV)
+    start_n = n_block * BLOCK_N
+    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(seqlens[0], seqlens[1], seqlens[0], off_b, Lq, Lk, VARLEN)
+    past_end = False
+    if VARLEN == 1:
+        past_end = start_n >= Lk
+    return start_n, off_b, off_kv, batch, q_row0, k_row0, Lq, Lk, past_end
+
+
+@triton.jit
 def stage_range(STAGE: tl.constexpr, lo, a, mid, hi):
     """The blocks ``[start, end)`` of loop stage ``STAGE`` of a program whose blocks split as
     ``[lo, a)`` boundary (a window's near edge), ``[a, mid)`` interior (no index checks) and
@@ -188,12 +233,15 @@ def window_key_bounds(m0, hi, mid, win_left, win_right,
 
 
 @triton.jit
-def query_key_ranges(pos0, Lk, win_left, win_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key-block ranges ``(lo, a, mid, hi)`` of the query block whose first position is ``pos0``
-    (forward and statistics kernels; shifted bottom-right for a KV cache): ``[lo, a)`` boundary
-    blocks (a window's left edge), ``[a, mid)`` interior, ``[mid, hi)`` boundary (the causal
-    diagonal, a window's right edge, the ragged end); with ``SPLIT`` this program's share."""
+def query_key_ranges(m0, offs_m, Lq, Lk, q_shift, win_left, win_right, CAUSAL: tl.constexpr,
+                     WINDOW: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the key loops of the query block at rows ``[m0, m0 + BLOCK_M)`` (``offs_m``) see
+    (forward and statistics kernels): ``(pos_m, pos_end, lo, a, mid, hi)``. The query positions
+    ``pos_m`` and their bound ``pos_end`` are the rows shifted bottom-right by ``q_shift`` for a KV
+    cache; of the key blocks, ``[lo, a)`` are boundary blocks (a window's left edge), ``[a, mid)``
+    interior, ``[mid, hi)`` boundary (the causal diagonal, a window's right edge, the ragged end);
+    with ``SPLIT`` this program's share."""
+    pos0 = m0 + q_shift
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
@@ -206,7 +254,7 @@ def query_key_ranges(pos0, Lk, win_left, win_right, CAUSAL: tl.constexpr, WINDOW
         lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
     if SPLIT:
         lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
-    return lo, a, mid, hi
+    return offs_m + q_shift, Lq + q_shift, lo, a, mid, hi
 
 
 @triton.jit

@@ -19,13 +19,12 @@ and ``lse = s_h``. The sink is not dropped (its value vector is 0).
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep, dropout_state
-from .extents import (query_block_program, query_key_ranges, row_stat_base, rows_base, sequence_extent,
-                      stage_range, tile_ptrs)
+from .dropout import dropout_keep
+from .extents import query_block_rows, query_key_ranges, query_rows, rows_base, stage_range, tile_ptrs
 from .fast_math import exp2_half_poly
-from .grouped_args import dropout_args, logit_scales, window_edges
-from .logits import LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, tile_logit_input
+from .logits import LN2, LOG2E, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
+from .prologue import dropout_scale, dropout_stream, logit_scales, signed_query_tile, window_edges
 from .tile_loads import load_rows
 
 
@@ -100,36 +99,25 @@ def attention_fwd_kernel(
     KV cache); None without. ``sinks``: the ``(Hq,)`` sink logits (``SINKS``; with ``SPLIT`` split
     0 holds the sink, so that the merge counts it once); ``softcap = (hi, lo)``, the cap ``c``
     split as the scale is (``SOFTCAP``); None without."""
-    B_SSA, N_SSA = ssa_coefs
-    CU_Q, CU_K, SEQUSED_K = seqlens
-    stride_os, stat_stride_s = split_strides
-    RNG, keep31, drop_scale_hi, drop_scale_lo = dropout_args(dropout, DROPOUT)
-    win_left, win_right = window_edges(window, WINDOW)
-
-    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
-
-    # Where this program's sequence lies (extents.py): base offsets of q/o and k/v, the first row
-    # of its per-row statistics, its lengths, and (KV cache) the bottom-right shift.
-    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if m_block * BLOCK_M >= Lq:
-            return
+    # Where this program's rows lie (extents.py): its query block, sequence and statistics rows;
+    # (KV cache) the bottom-right shift.
+    (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift,
+     past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
+    if past_end:
+        return
+    row_base, offs_m, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, VARLEN)
     q_base = rows_base(q_strides, batch, q_row0)
     o_base = rows_base(o_strides, batch, q_row0)
     k_base = rows_base(k_strides, batch, k_row0)
     v_base = rows_base(v_strides, batch, k_row0)
-    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Lq
 
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
     cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
-    q_ptrs = tile_ptrs(Q, q_base, q_strides, off_h, offs_m, offs_d)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    q = (q * q_sign).to(Q.dtype.element_ty)
+    q = signed_query_tile(Q, q_base, q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
     offs_nb = tl.arange(0, BLOCK_N)
     k_ptrs = tile_ptrs(K, k_base, k_strides, off_kv, offs_nb, offs_d)
     v_ptrs = tile_ptrs(V, v_base, v_strides, off_kv, offs_nb, offs_dv)
@@ -150,18 +138,16 @@ def attention_fwd_kernel(
     m_i, l_i = row_start(BLOCK_M, ACC, sink_l2, SINKS)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
-    drop = (0, 0, 0, 0, 0)
-    if DROPOUT:
-        drop = dropout_state(RNG, off_b, off_h, keep31)
+    drop = dropout_stream(dropout, off_b, off_h, DROPOUT)
 
     # Key blocks (extents.query_key_ranges); the loops compare key positions with the query
     # positions pos_m (shifted bottom-right for a KV cache).
-    lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M + q_shift, Lk, win_left, win_right, CAUSAL, WINDOW, SPLIT,
-                                      BLOCK_M, BLOCK_N)
-    pos_m = offs_m + q_shift
-    pos_end = Lq + q_shift
+    win_left, win_right = window_edges(window, WINDOW)
+    pos_m, pos_end, lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M, offs_m, Lq, Lk, q_shift, win_left, win_right,
+                                                      CAUSAL, WINDOW, SPLIT, BLOCK_M, BLOCK_N)
     row_out = row_base
     if SPLIT:  # partial results go to split slots
+        stride_os, stat_stride_s = split_strides
         split = tl.program_id(1).to(tl.int64)
         o_base += split * stride_os
         row_out += split * stat_stride_s
@@ -177,7 +163,7 @@ def attention_fwd_kernel(
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum
-        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+        drop_scale = dropout_scale(dropout, DROPOUT, ACC)
         out = acc * (drop_scale / tl.where(empty, 1.0, l_i))[:, None]
     else:
         out = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -16,11 +16,10 @@ final weights, after the temperature that these statistics decide. ``SOFTCAP`` c
 import triton
 import triton.language as tl
 
-from .extents import (query_block_program, query_key_ranges, row_stat_base, rows_base, sequence_extent,
-                      stage_range, tile_ptrs)
-from .grouped_args import logit_scales, window_edges
+from .extents import query_block_rows, query_key_ranges, query_rows, rows_base, stage_range, tile_ptrs
 from .logits import LN2, LOG2E, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
+from .prologue import logit_scales, signed_query_tile, window_edges
 from .tile_loads import load_rows
 
 
@@ -71,27 +70,17 @@ def row_entropy_kernel(
     """Entropy and LSE of one query block's rows (module docstring); the grouped arguments as in
     :func:`~.forward.attention_fwd_kernel` (``stat_stride_s``: between split slots; ``sinks``,
     ``softcap`` likewise)."""
-    B_SSA, N_SSA = ssa_coefs
-    CU_Q, CU_K, SEQUSED_K = seqlens
-    win_left, win_right = window_edges(window, WINDOW)
-
-    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
-
-    # where this program's sequence lies (extents.py), as in the forward kernel
-    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if m_block * BLOCK_M >= Lq:
-            return
-    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # where this program's rows lie (extents.py), as in the forward kernel
+    (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift,
+     past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
+    if past_end:
+        return
+    row_base, offs_m, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, VARLEN)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < Lq
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
     cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
-    q = tl.load(tile_ptrs(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_m, offs_d),
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    q = (q * q_sign).to(Q.dtype.element_ty)
+    q = signed_query_tile(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
     k_ptrs = tile_ptrs(K, rows_base(k_strides, batch, k_row0), k_strides, off_kv, tl.arange(0, BLOCK_N), offs_d)
     mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
 
@@ -103,10 +92,9 @@ def row_entropy_kernel(
     m_i, lam = row_start(BLOCK_M, ACC, sink_l2, SINKS)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
     # positions the loops compare (bottom-right for a KV cache), as in the forward kernel
-    lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M + q_shift, Lk, win_left, win_right, CAUSAL, WINDOW, SPLIT,
-                                      BLOCK_M, BLOCK_N)
-    pos_m = offs_m + q_shift
-    pos_end = Lq + q_shift
+    win_left, win_right = window_edges(window, WINDOW)
+    pos_m, pos_end, lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M, offs_m, Lq, Lk, q_shift, win_left, win_right,
+                                                      CAUSAL, WINDOW, SPLIT, BLOCK_M, BLOCK_N)
     row_out = row_base
     if SPLIT:
         row_out += tl.program_id(1).to(tl.int64) * stat_stride_s
