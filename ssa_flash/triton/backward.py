@@ -223,8 +223,7 @@ def attention_bwd_dq_kernel(
      past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
     if past_end:
         return
-    row_base, offs_m, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, VARLEN)
-    offs_d = tl.arange(0, BLOCK_D)
+    row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
     offs_dv = tl.arange(0, BLOCK_DV)
     qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)

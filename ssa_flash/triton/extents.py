@@ -152,14 +152,16 @@ def query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M: tl.conste
 
 
 @triton.jit
-def query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
-    """``(row_base, offs_m, row_ok)`` of a query-block program past :func:`query_block_rows`' early
-    return: the first row of its per-row statistics (:func:`row_stat_base`), its query rows
-    (``(BLOCK_M,)``) and which of them exist. (Computed after the return, not in
+def query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               VARLEN: tl.constexpr):
+    """``(row_base, offs_m, offs_d, row_ok)`` of a query-block program past
+    :func:`query_block_rows`' early return: the first row of its per-row statistics
+    (:func:`row_stat_base`), its query rows (``(BLOCK_M,)``), the head-dim columns
+    (``(BLOCK_D,)``) and which rows exist. (Computed after the return, not in
     ``query_block_rows``: before it they change the packed-batch kernels' compiled code.)"""
     row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    return row_base, offs_m, offs_m < Lq
+    return row_base, offs_m, tl.arange(0, BLOCK_D), offs_m < Lq
 
 
 @triton.jit

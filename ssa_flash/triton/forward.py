@@ -105,13 +105,12 @@ def attention_fwd_kernel(
      past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
     if past_end:
         return
-    row_base, offs_m, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, VARLEN)
+    row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
     q_base = rows_base(q_strides, batch, q_row0)
     o_base = rows_base(o_strides, batch, q_row0)
     k_base = rows_base(k_strides, batch, k_row0)
     v_base = rows_base(v_strides, batch, k_row0)
 
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)

@@ -75,8 +75,7 @@ def row_entropy_kernel(
      past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
     if past_end:
         return
-    row_base, offs_m, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, VARLEN)
-    offs_d = tl.arange(0, BLOCK_D)
+    row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
     B_SSA, N_SSA = ssa_coefs
     cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
