@@ -56,12 +56,12 @@ are unchanged; kernel 1 adds the sink's term of ``dbeta`` and writes one partial
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep, dropout_state
-from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, stage_range,
-                      window_key_bounds, window_query_bounds)
-from .logits import (LN2, LOG2E, combine_scale, safe_row_max, softcap_ratio, ssa_reciprocal,
-                     tile_logit_input_and_u)
+from .dropout import dropout_keep
+from .extents import (interior_end, key_block_rows, query_block_rows, query_rows, row_stat_base, rows_base, stage_range,
+                      tile_ptrs, window_key_bounds, window_query_bounds)
+from .logits import LN2, LOG2E, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
 from .masks import boundary_logits
+from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
 
 
 @triton.jit
@@ -216,50 +216,22 @@ def attention_bwd_dq_kernel(
     per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward."""
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
     DB_PART, DN_PART = ssa_parts
-    stride_ob, stride_oh, stride_om, stride_od = o_strides
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd = dq_strides
-    B_SSA, N_SSA = ssa_coefs
-    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
-    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
-    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
-    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
-    scale_hi, scale_lo = scale
-    CU_Q, CU_K = seqlens
-    RNG = None
-    keep31 = None
-    drop_scale_hi = None
-    drop_scale_lo = None
-    if DROPOUT:
-        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
-    win_left = None
-    win_right = None
-    if WINDOW:
-        win_left, win_right = window
 
-    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
-
-    # where this program's sequence lies (extents.py: dense or packed); q, dO, O and dQ share
-    # the query rows, K and V the key rows
-    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(CU_Q, CU_K, CU_Q, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if m_block * BLOCK_M >= Lq:
-            return
-    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    # where this program's rows lie (extents.py: dense or packed); q, dO, O and dQ share the
+    # query rows, K and V the key rows
+    (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, _,
+     past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
+    if past_end:
+        return
+    row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Lq
     qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
 
-    q = tl.load(Q + batch * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=qd_ok, other=0.0)
-    do = tl.load(DO + batch * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+    q = tl.load(tile_ptrs(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_m, offs_d), mask=qd_ok, other=0.0)
+    do = tl.load(tile_ptrs(DO, rows_base(do_strides, batch, q_row0), do_strides, off_h, offs_m, offs_dv),
                  mask=vd_ok, other=0.0)
-    o = tl.load(O + batch * stride_ob + q_row0 * stride_om + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                mask=vd_ok, other=0.0)
+    o = tl.load(tile_ptrs(O, rows_base(o_strides, batch, q_row0), o_strides, off_h, offs_m, offs_dv), mask=vd_ok, other=0.0)
     row_stat = row_base + offs_m
     delta = tl.sum(do.to(ACC) * o.to(ACC), 1)
     if HAS_DLSE:  # d lse_i / d S'_ij = P'_ij: a gradient on the LSE only shifts delta
@@ -268,11 +240,8 @@ def attention_bwd_dq_kernel(
     lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
     tl.store(LSE2 + row_stat, lse2, mask=row_ok)  # for the dK/dV kernel, ready to use
 
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    cap_a = 1.0
-    cap_c = 1.0
-    if SOFTCAP:
-        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
     cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
     zero_row = tl.zeros((BLOCK_M,), dtype=ACC)
     db_acc = zero_row
@@ -290,14 +259,13 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     dq_ent = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
 
-    k_ptrs = K + batch * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + batch * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
-    drop = (0, 0, 0, 0, 0)
-    drop_scale = 1.0
-    if DROPOUT:
-        drop = dropout_state(RNG, off_b, off_h, keep31)
-        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+    offs_nb = tl.arange(0, BLOCK_N)
+    k_ptrs = tile_ptrs(K, rows_base(k_strides, batch, k_row0), k_strides, off_kv, offs_nb, offs_d)
+    v_ptrs = tile_ptrs(V, rows_base(v_strides, batch, k_row0), v_strides, off_kv, offs_nb, offs_dv)
+    mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
+    drop = dropout_stream(dropout, off_b, off_h, DROPOUT)
+    drop_scale = dropout_scale(dropout, DROPOUT, ACC)
+    win_left, win_right = window_edges(window, WINDOW)
     hi = Lk
     mid = interior_end(0, Lk, BLOCK_N)
     if CAUSAL:
@@ -312,7 +280,7 @@ def attention_bwd_dq_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent = _dq_key_blocks(
                 dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-                start, end, stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
+                start, end, k_strides[2], v_strides[2], mask_strides[2], mask_strides[3], Lq, Lk, D, DV,
                 cb, coef, lse2, delta, beta, lse_l2, ent, cap_a, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
                 BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0,
                 win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT, SOFTCAP)
@@ -359,7 +327,7 @@ def attention_bwd_dq_kernel(
             tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
         tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
     dq = dq * ds_scale
-    tl.store(DQ + batch * stride_dqb + q_row0 * stride_dqm + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+    tl.store(tile_ptrs(DQ, rows_base(dq_strides, batch, q_row0), dq_strides, off_h, offs_m, offs_d),
              dq.to(DQ.dtype.element_ty), mask=qd_ok)
 
 
@@ -477,54 +445,24 @@ def attention_bwd_dkdv_kernel(
     Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``temperature = (BETA, LSE_L, ENT,
     G)``."""
     BETA, LSE_L, ENT, G = temperature
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd = dk_strides
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd = dv_strides
-    B_SSA, N_SSA = ssa_coefs
-    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
-    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
-    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
-    stride_dob, stride_doh, stride_dom, stride_dod = do_strides
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
-    scale_hi, scale_lo = scale
-    CU_Q, CU_K = seqlens
-    RNG = None
-    keep31 = None
-    drop_scale_hi = None
-    drop_scale_lo = None
-    if DROPOUT:
-        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
-    win_left = None
-    win_right = None
-    if WINDOW:
-        win_left, win_right = window
 
-    pid = tl.program_id(0)
-    n_block = pid % num_n_blocks
-    bhkv = (pid // num_n_blocks).to(tl.int64)
-    off_b = bhkv // HKV
-    off_kv = bhkv % HKV
-
-    start_n = n_block * BLOCK_N
-    # where this program's sequence lies (extents.py: dense or packed)
-    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(CU_Q, CU_K, CU_Q, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if start_n >= Lk:
-            return
+    # where this program's rows lie (extents.py: dense or packed)
+    start_n, off_b, off_kv, batch, q_row0, k_row0, Lq, Lk, past_end = key_block_rows(
+        num_n_blocks, HKV, seqlens, Lq, Lk, BLOCK_N, VARLEN)
+    if past_end:
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < Lk
     kd_ok = col_ok[:, None] & (offs_d[None, :] < D)
     vd_ok = col_ok[:, None] & (offs_dv[None, :] < DV)
-    k = tl.load(K + batch * stride_kb + k_row0 * stride_kn + off_kv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kd_ok, other=0.0)
-    v = tl.load(V + batch * stride_vb + k_row0 * stride_vn + off_kv * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                mask=vd_ok, other=0.0)
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    cap_a = 1.0
-    cap_c = 1.0
-    if SOFTCAP:
-        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    k_base = rows_base(k_strides, batch, k_row0)
+    v_base = rows_base(v_strides, batch, k_row0)
+    k = tl.load(tile_ptrs(K, k_base, k_strides, off_kv, offs_n, offs_d), mask=kd_ok, other=0.0)
+    v = tl.load(tile_ptrs(V, v_base, v_strides, off_kv, offs_n, offs_dv), mask=vd_ok, other=0.0)
+    scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
 
     # Query blocks: [lo, diag_end) boundary (causal diagonal), [diag_end, int_end) interior,
     # [int_end, Lq) boundary (ragged end). A ragged key block makes every tile a boundary one.
@@ -537,12 +475,11 @@ def attention_bwd_dkdv_kernel(
         diag_end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
     int_end = interior_end(diag_end, tl.maximum(Lq, diag_end), BLOCK_M)
     hi = Lq
+    win_left, win_right = window_edges(window, WINDOW)
     if WINDOW:
         lo, diag_end, int_end, hi = window_query_bounds(start_n, lo, diag_end, int_end, Lq, win_left,
                                                         win_right, BLOCK_M, BLOCK_N)
-    drop_scale = 1.0
-    if DROPOUT:
-        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+    drop_scale = dropout_scale(dropout, DROPOUT, ACC)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=ACC)
@@ -551,19 +488,17 @@ def attention_bwd_dkdv_kernel(
         off_h = off_kv * GROUP + g_idx
         row_base = row_stat_base(off_b * H + off_h, off_h, q_row0, Lq, stat_stride_h, VARLEN)
         cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
-        q_ptrs = Q + batch * stride_qb + q_row0 * stride_qm + off_h * stride_qh + offs_mb[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + batch * stride_dob + q_row0 * stride_dom + off_h * stride_doh + offs_mb[:, None] * stride_dom + offs_dv[None, :] * stride_dod
-        mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
-        drop = (0, 0, 0, 0, 0)
-        if DROPOUT:
-            drop = dropout_state(RNG, off_b, off_h, keep31)
+        q_ptrs = tile_ptrs(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_mb, offs_d)
+        do_ptrs = tile_ptrs(DO, rows_base(do_strides, batch, q_row0), do_strides, off_h, offs_mb, offs_dv)
+        mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
+        drop = dropout_stream(dropout, off_b, off_h, DROPOUT)
         for STAGE in tl.static_range(3):
             start, end = stage_range(STAGE, lo, diag_end, int_end, hi)
             if STAGE == 0:  # a ragged key block's boundary stage runs to cdiv(Lq, BLOCK_M) blocks
                 end = tl.minimum(end, hi)
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, start, end,
-                stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV, cb, coef, ds_scale,
+                q_strides[2], do_strides[2], mask_strides[2], mask_strides[3], Lq, Lk, D, DV, cb, coef, ds_scale,
                 LSE2, DELTA, BETA, LSE_L, ENT, G, cap_a, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
                 BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2 if STAGE == 1 else 0,
                 start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT, SOFTCAP)
@@ -572,7 +507,7 @@ def attention_bwd_dkdv_kernel(
         dk = dk * scale
     if DROPOUT:
         dv = dv * drop_scale
-    tl.store(DK + batch * stride_dkb + k_row0 * stride_dkn + off_kv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(tile_ptrs(DK, rows_base(dk_strides, batch, k_row0), dk_strides, off_kv, offs_n, offs_d),
              dk.to(DK.dtype.element_ty), mask=kd_ok)
-    tl.store(DV_OUT + batch * stride_dvb + k_row0 * stride_dvn + off_kv * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
+    tl.store(tile_ptrs(DV_OUT, rows_base(dv_strides, batch, k_row0), dv_strides, off_kv, offs_n, offs_dv),
              dv.to(DV_OUT.dtype.element_ty), mask=vd_ok)

@@ -71,6 +71,30 @@ def query_block_program(num_m_blocks, H, GROUP):
 
 
 @triton.jit
+def key_block_program(num_n_blocks, HKV):
+    """``(n_block, off_b, off_kv)`` of a program of a key-block grid (dK/dV): its key block, batch
+    element and key/value head."""
+    pid = tl.program_id(0)
+    n_block = pid % num_n_blocks
+    bhkv = (pid // num_n_blocks).to(tl.int64)
+    return n_block, bhkv // HKV, bhkv % HKV
+
+
+@triton.jit
+def rows_base(strides, batch, row0):
+    """Offset of this sequence's first row in a 4-D tensor with ``strides = (batch, head, row,
+    column)`` (``batch``, ``row0`` from :func:`sequence_extent`)."""
+    return batch * strides[0] + row0 * strides[2]
+
+
+@triton.jit
+def tile_ptrs(PTR, base, strides, head, offs_rows, offs_cols):
+    """Pointers of the ``(rows, cols)`` tile of head ``head`` at rows ``offs_rows`` and columns
+    ``offs_cols`` past ``base`` (:func:`rows_base`) of a 4-D tensor with ``strides``."""
+    return PTR + base + head * strides[1] + offs_rows[:, None] * strides[2] + offs_cols[None, :] * strides[3]
+
+
+@triton.jit
 def sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN: tl.constexpr):
     """Where batch element (or packed sequence) ``off_b``'s rows lie, for every ``VARLEN`` layout:
     ``(batch, q_row0, k_row0, Lq, Lk, q_shift)``.
@@ -105,6 +129,53 @@ def row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN: tl.constexpr):
     else:
         base = bh * Lq
     return base
+
+
+@triton.jit
+def query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """Where a program of a query-block grid (forward, statistics, dQ) works: its
+    :func:`query_block_program`, its sequence's :func:`sequence_extent` and ``past_end``, true
+    where its block starts past its sequence's end (a packed batch's grid is sized by the longest
+    sequence): such a program returns at once, before :func:`query_rows`.
+    ``seqlens = (CU_Q, CU_K[, SEQUSED_K])`` (the third only for a KV cache).
+    ``(m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift, past_end)``."""
+    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
+    SEQUSED_K = seqlens[0]  # read only for a KV cache
+    if VARLEN >= 2:
+        SEQUSED_K = seqlens[2]
+    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(seqlens[0], seqlens[1], SEQUSED_K, off_b, Lq, Lk,
+                                                             VARLEN)
+    past_end = False
+    if VARLEN == 1:
+        past_end = m_block * BLOCK_M >= Lq
+    return m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift, past_end
+
+
+@triton.jit
+def query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               VARLEN: tl.constexpr):
+    """``(row_base, offs_m, offs_d, row_ok)`` of a query-block program past
+    :func:`query_block_rows`' early return: the first row of its per-row statistics
+    (:func:`row_stat_base`), its query rows (``(BLOCK_M,)``), the head-dim columns
+    (``(BLOCK_D,)``) and which rows exist. (Computed after the return, not in
+    ``query_block_rows``: before it they change the packed-batch kernels' compiled code.)"""
+    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return row_base, offs_m, tl.arange(0, BLOCK_D), offs_m < Lq
+
+
+@triton.jit
+def key_block_rows(num_n_blocks, HKV, seqlens, Lq, Lk, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
+    """The same for a program of the key-block grid (dK/dV, dense or packed):
+    ``(start_n, off_b, off_kv, batch, q_row0, k_row0, Lq, Lk, past_end)``, ``start_n`` its first
+    key; ``seqlens = (CU_Q, CU_K)``."""
+    n_block, off_b, off_kv = key_block_program(num_n_blocks, HKV)
+    start_n = n_block * BLOCK_N
+    batch, q_row0, k_row0, Lq, Lk, _ = sequence_extent(seqlens[0], seqlens[1], seqlens[0], off_b, Lq, Lk, VARLEN)
+    past_end = False
+    if VARLEN == 1:
+        past_end = start_n >= Lk
+    return start_n, off_b, off_kv, batch, q_row0, k_row0, Lq, Lk, past_end
 
 
 @triton.jit
@@ -161,6 +232,31 @@ def window_key_bounds(m0, hi, mid, win_left, win_right,
     a = tl.minimum(tl.maximum(int_lo, lo), hi)
     b = tl.maximum(a, tl.minimum(mid, hi))
     return lo, a, b, hi
+
+
+@triton.jit
+def query_key_ranges(m0, offs_m, Lq, Lk, q_shift, win_left, win_right, CAUSAL: tl.constexpr,
+                     WINDOW: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the key loops of the query block at rows ``[m0, m0 + BLOCK_M)`` (``offs_m``) see
+    (forward and statistics kernels): ``(pos_m, pos_end, lo, a, mid, hi)``. The query positions
+    ``pos_m`` and their bound ``pos_end`` are the rows shifted bottom-right by ``q_shift`` for a KV
+    cache; of the key blocks, ``[lo, a)`` are boundary blocks (a window's left edge), ``[a, mid)``
+    interior, ``[mid, hi)`` boundary (the causal diagonal, a window's right edge, the ragged end);
+    with ``SPLIT`` this program's share."""
+    pos0 = m0 + q_shift
+    hi = Lk
+    mid = interior_end(0, Lk, BLOCK_N)
+    if CAUSAL:
+        hi = tl.minimum(Lk, pos0 + BLOCK_M)
+        # key blocks wholly at or below the first row of this query block
+        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
+    lo = 0
+    a = 0
+    if WINDOW:
+        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    if SPLIT:
+        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
+    return offs_m + q_shift, Lq + q_shift, lo, a, mid, hi
 
 
 @triton.jit

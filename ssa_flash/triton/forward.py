@@ -19,13 +19,12 @@ and ``lse = s_h``. The sink is not dropped (its value vector is 0).
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep, dropout_state
-from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
-                      stage_range, window_key_bounds)
+from .dropout import dropout_keep
+from .extents import query_block_rows, query_key_ranges, query_rows, rows_base, stage_range, tile_ptrs
 from .fast_math import exp2_half_poly
-from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, softcap_ratio,
-                     tile_logit_input)
+from .logits import LN2, LOG2E, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
+from .prologue import dropout_scale, dropout_stream, logit_scales, signed_query_tile, window_edges
 from .tile_loads import load_rows
 
 
@@ -100,57 +99,28 @@ def attention_fwd_kernel(
     KV cache); None without. ``sinks``: the ``(Hq,)`` sink logits (``SINKS``; with ``SPLIT`` split
     0 holds the sink, so that the merge counts it once); ``softcap = (hi, lo)``, the cap ``c``
     split as the scale is (``SOFTCAP``); None without."""
-    B_SSA, N_SSA = ssa_coefs
-    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
-    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
-    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
-    stride_ob, stride_oh, stride_om, stride_od = o_strides
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
-    scale_hi, scale_lo = scale
-    CU_Q, CU_K, SEQUSED_K = seqlens
-    stride_os, stat_stride_s = split_strides
-    RNG = None
-    keep31 = None
-    drop_scale_hi = None
-    drop_scale_lo = None
-    if DROPOUT:
-        RNG, keep31, drop_scale_hi, drop_scale_lo = dropout
-    win_left = None
-    win_right = None
-    if WINDOW:
-        win_left, win_right = window
+    # Where this program's rows lie (extents.py): its query block, sequence and statistics rows;
+    # (KV cache) the bottom-right shift.
+    (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift,
+     past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
+    if past_end:
+        return
+    row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
+    q_base = rows_base(q_strides, batch, q_row0)
+    o_base = rows_base(o_strides, batch, q_row0)
+    k_base = rows_base(k_strides, batch, k_row0)
+    v_base = rows_base(v_strides, batch, k_row0)
 
-    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
-
-    # Where this program's sequence lies (extents.py): base offsets of q/o and k/v, the first row
-    # of its per-row statistics, its lengths, and (KV cache) the bottom-right shift.
-    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if m_block * BLOCK_M >= Lq:
-            return
-    q_base = batch * stride_qb + q_row0 * stride_qm
-    o_base = batch * stride_ob + q_row0 * stride_om
-    k_base = batch * stride_kb + k_row0 * stride_kn
-    v_base = batch * stride_vb + k_row0 * stride_vn
-    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < Lq
 
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    cap_a = 1.0
-    cap_c = 1.0
-    if SOFTCAP:
-        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
+    scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    B_SSA, N_SSA = ssa_coefs
     cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
-    q_ptrs = Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    q = (q * q_sign).to(Q.dtype.element_ty)
-    k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + v_base + off_kv * stride_vh + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+    q = signed_query_tile(Q, q_base, q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
+    offs_nb = tl.arange(0, BLOCK_N)
+    k_ptrs = tile_ptrs(K, k_base, k_strides, off_kv, offs_nb, offs_d)
+    v_ptrs = tile_ptrs(V, v_base, v_strides, off_kv, offs_nb, offs_dv)
+    mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
 
     coef = tl.zeros((BLOCK_M,), dtype=ACC) + coef_head
     mask_scale = tl.zeros((BLOCK_M,), dtype=ACC) + LOG2E
@@ -167,29 +137,16 @@ def attention_fwd_kernel(
     m_i, l_i = row_start(BLOCK_M, ACC, sink_l2, SINKS)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
 
-    drop = (0, 0, 0, 0, 0)
-    if DROPOUT:
-        drop = dropout_state(RNG, off_b, off_h, keep31)
+    drop = dropout_stream(dropout, off_b, off_h, DROPOUT)
 
-    # Key blocks: [lo, a) boundary (a window's left edge), [a, mid) interior, [mid, hi) boundary
-    # (the causal diagonal, a window's right edge, the ragged end). The loops compare key
-    # positions with the query positions pos_m (shifted bottom-right for a KV cache).
-    pos0 = m_block * BLOCK_M + q_shift
-    pos_m = offs_m + q_shift
-    pos_end = Lq + q_shift
-    hi = Lk
-    mid = interior_end(0, Lk, BLOCK_N)
-    if CAUSAL:
-        hi = tl.minimum(Lk, pos0 + BLOCK_M)
-        # key blocks wholly at or below the first row of this query block
-        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
-    lo = 0
-    a = 0
-    if WINDOW:
-        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    # Key blocks (extents.query_key_ranges); the loops compare key positions with the query
+    # positions pos_m (shifted bottom-right for a KV cache).
+    win_left, win_right = window_edges(window, WINDOW)
+    pos_m, pos_end, lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M, offs_m, Lq, Lk, q_shift, win_left, win_right,
+                                                      CAUSAL, WINDOW, SPLIT, BLOCK_M, BLOCK_N)
     row_out = row_base
-    if SPLIT:  # this program's share of the keys; partial results go to split slots
-        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
+    if SPLIT:  # partial results go to split slots
+        stride_os, stat_stride_s = split_strides
         split = tl.program_id(1).to(tl.int64)
         o_base += split * stride_os
         row_out += split * stat_stride_s
@@ -198,18 +155,18 @@ def attention_fwd_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             acc, l_i, m_i = _fwd_key_blocks(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, start, end,
-                stride_kn, stride_vn, stride_mask_m, stride_mask_n, pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
+                k_strides[2], v_strides[2], mask_strides[2], mask_strides[3], pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
                 SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
                 FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0, win_left, win_right, drop, m_block * BLOCK_M,
                 WINDOW, DROPOUT, SOFTCAP)
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum
-        drop_scale = combine_scale(drop_scale_hi, drop_scale_lo, ACC)
+        drop_scale = dropout_scale(dropout, DROPOUT, ACC)
         out = acc * (drop_scale / tl.where(empty, 1.0, l_i))[:, None]
     else:
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    o_ptrs = O + o_base + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_ptrs = tile_ptrs(O, o_base, o_strides, off_h, offs_m, offs_dv)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + row_out + offs_m, lse, mask=row_ok)

@@ -16,11 +16,10 @@ final weights, after the temperature that these statistics decide. ``SOFTCAP`` c
 import triton
 import triton.language as tl
 
-from .extents import (interior_end, query_block_program, row_stat_base, sequence_extent, split_key_range,
-                      stage_range, window_key_bounds)
-from .logits import (LN2, LOG2E, combine_scale, head_coefficients, row_start, safe_row_max, softcap_ratio,
-                     tile_logit_input)
+from .extents import query_block_rows, query_key_ranges, query_rows, rows_base, stage_range, tile_ptrs
+from .logits import LN2, LOG2E, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
+from .prologue import logit_scales, signed_query_tile, window_edges
 from .tile_loads import load_rows
 
 
@@ -71,42 +70,18 @@ def row_entropy_kernel(
     """Entropy and LSE of one query block's rows (module docstring); the grouped arguments as in
     :func:`~.forward.attention_fwd_kernel` (``stat_stride_s``: between split slots; ``sinks``,
     ``softcap`` likewise)."""
+    # where this program's rows lie (extents.py), as in the forward kernel
+    (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift,
+     past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)
+    if past_end:
+        return
+    row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
+    scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
     B_SSA, N_SSA = ssa_coefs
-    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
-    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
-    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n = mask_strides
-    scale_hi, scale_lo = scale
-    CU_Q, CU_K, SEQUSED_K = seqlens
-    win_left = None
-    win_right = None
-    if WINDOW:
-        win_left, win_right = window
-
-    m_block, bh, off_b, off_h, off_kv = query_block_program(num_m_blocks, H, GROUP)
-
-    # where this program's sequence lies (extents.py), as in the forward kernel
-    batch, q_row0, k_row0, Lq, Lk, q_shift = sequence_extent(CU_Q, CU_K, SEQUSED_K, off_b, Lq, Lk, VARLEN)
-    if VARLEN == 1:  # the grid is sized by the longest sequence
-        if m_block * BLOCK_M >= Lq:
-            return
-    q_base = batch * stride_qb + q_row0 * stride_qm
-    k_base = batch * stride_kb + k_row0 * stride_kn
-    row_base = row_stat_base(bh, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < Lq
-    scale = combine_scale(scale_hi, scale_lo, ACC)
-    cap_a = 1.0
-    cap_c = 1.0
-    if SOFTCAP:
-        cap_a, cap_c = softcap_ratio(scale, softcap, ACC)
     cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
-    q = tl.load(Q + q_base + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    q = (q * q_sign).to(Q.dtype.element_ty)
-    k_ptrs = K + k_base + off_kv * stride_kh + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    mask_base = MASK + off_b * stride_mask_b + off_h * stride_mask_h
+    q = signed_query_tile(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
+    k_ptrs = tile_ptrs(K, rows_base(k_strides, batch, k_row0), k_strides, off_kv, tl.arange(0, BLOCK_N), offs_d)
+    mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
 
     sink_l2 = tl.zeros((BLOCK_M,), dtype=ACC)
     if SINKS:  # the sink is an entry of the row whose entropy this is (temperature-free)
@@ -115,28 +90,18 @@ def row_entropy_kernel(
             sink_l2 = tl.where(tl.program_id(1) == 0, sink_l2, float("-inf"))
     m_i, lam = row_start(BLOCK_M, ACC, sink_l2, SINKS)
     kc = tl.zeros((BLOCK_M,), dtype=ACC)
-    lo = 0
-    hi = Lk
-    mid = interior_end(0, Lk, BLOCK_N)
     # positions the loops compare (bottom-right for a KV cache), as in the forward kernel
-    pos0 = m_block * BLOCK_M + q_shift
-    pos_m = offs_m + q_shift
-    pos_end = Lq + q_shift
-    if CAUSAL:
-        hi = tl.minimum(Lk, pos0 + BLOCK_M)
-        mid = tl.minimum(mid, (tl.maximum(pos0 + 1, 0) // BLOCK_N) * BLOCK_N)
-    a = lo
-    if WINDOW:
-        lo, a, mid, hi = window_key_bounds(pos0, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    win_left, win_right = window_edges(window, WINDOW)
+    pos_m, pos_end, lo, a, mid, hi = query_key_ranges(m_block * BLOCK_M, offs_m, Lq, Lk, q_shift, win_left, win_right,
+                                                      CAUSAL, WINDOW, SPLIT, BLOCK_M, BLOCK_N)
     row_out = row_base
     if SPLIT:
-        lo, a, mid, hi = split_key_range(lo, a, mid, hi, BLOCK_N)
         row_out += tl.program_id(1).to(tl.int64) * stat_stride_s
     for STAGE in tl.static_range(3):
         if STAGE != 0 or WINDOW:
             start, end = stage_range(STAGE, lo, a, mid, hi)
             m_i, lam, kc = _row_entropy_key_blocks(
-                m_i, lam, kc, q, k_ptrs, mask_base, pos_m, start, end, stride_kn, stride_mask_m, stride_mask_n,
+                m_i, lam, kc, q, k_ptrs, mask_base, pos_m, start, end, k_strides[2], mask_strides[2], mask_strides[3],
                 pos_end, Lk, D, cb, coef, cap_a, SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
                 DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW, SOFTCAP)
 
