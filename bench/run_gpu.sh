@@ -30,7 +30,7 @@
 #   distributed gloo tests are left to the CPU CI), BUILD_WAIT (default 300), SMOKE_LIMIT /
 #   SUITE_LIMIT (seconds for each Triton step, default 120 / 150; the CUDA steps get half),
 #   BENCH_ARGS (extra benchmark options), RUN_SMOKE=0 / RUN_TESTS=0 / RUN_CUDA=0 /
-#   RUN_SELFCHECK=0 to skip those steps (e.g. a second call spent on the benchmark, with
+#   RUN_BENCH=0 / RUN_SELFCHECK=0 to skip those steps (e.g. a second call spent on the benchmark, with
 #   BENCH_ARGS="--headdims 128" and the like).
 set -u
 BUDGET=${1:-${BUDGET:-540}}
@@ -163,16 +163,20 @@ PY
 # 4. the benchmark, with what is left (minus a margin for the self-check, plots and copying back)
 SELF_CHECK_RESERVE=${SELF_CHECK_RESERVE:-60}
 [ "${RUN_SELFCHECK:-1}" = "0" ] && SELF_CHECK_RESERVE=0
-BENCH_BUDGET=$(( $(left) - SELF_CHECK_RESERVE - 40 ))
-[ $BENCH_BUDGET -lt 30 ] && BENCH_BUDGET=30
-log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"
-# shellcheck disable=SC2086
-timeout --signal=INT --kill-after=20 $(( BENCH_BUDGET + 30 )) \
-  $PY -m ssa_flash.bench --out "$OUT" --gpu-tests-json "$OUT/gpu-tests.json" \
-  --time-budget "$BENCH_BUDGET" --warmup-ms 10 --rep-ms 40 $EXTRA_IMPLS ${BENCH_ARGS:-} \
-  > "$OUT/bench.log" 2>&1
-log "benchmark rc $?"
-grep -v '^\[ *[0-9]*/' "$OUT/bench.log" | tail -n 40
+if [ "${RUN_BENCH:-1}" = "0" ]; then
+  log "benchmark skipped (RUN_BENCH=0)"
+else
+  BENCH_BUDGET=$(( $(left) - SELF_CHECK_RESERVE - 40 ))
+  [ $BENCH_BUDGET -lt 30 ] && BENCH_BUDGET=30
+  log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"
+  # shellcheck disable=SC2086
+  timeout --signal=INT --kill-after=20 $(( BENCH_BUDGET + 30 )) \
+    $PY -m ssa_flash.bench --out "$OUT" --gpu-tests-json "$OUT/gpu-tests.json" \
+    --time-budget "$BENCH_BUDGET" --warmup-ms 10 --rep-ms 40 $EXTRA_IMPLS ${BENCH_ARGS:-} \
+    > "$OUT/bench.log" 2>&1
+  log "benchmark rc $?"
+  grep -v '^\[ *[0-9]*/' "$OUT/bench.log" | tail -n 40
+fi
 
 # 5. the self-check, with whatever time remains
 SC_LIMIT=$(( $(left) - 5 ))

@@ -755,9 +755,13 @@ def _check_cache(query, k_cache, v_cache, key, value, enable_gqa: bool) -> int:
 
 def _append_to_cache(cache: Tensor, new: Tensor, cache_seqlens: Tensor) -> None:
     """Writes ``new (B, H, Lnew, d)`` into ``cache`` at rows ``cache_seqlens[b] + [0, Lnew)``, in
-    place, without reading ``cache_seqlens`` on the host."""
+    place, without reading ``cache_seqlens`` on the host. Rows are clamped into the cache: GPU
+    values are not validated (no device synchronisation), and an out-of-range scatter index is a
+    device-side assert that ends the CUDA context, where a clamped one only writes a wrong row
+    (meaningless results for out-of-range input, as documented)."""
     B, H, Lnew, d = new.shape
     rows = cache_seqlens.to(torch.int64)[:, None] + torch.arange(Lnew, device=cache.device)
+    rows = rows.clamp(0, cache.shape[2] - 1)
     cache.scatter_(2, rows[:, None, :, None].expand(B, H, Lnew, d), new)
 
 

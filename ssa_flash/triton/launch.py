@@ -366,6 +366,8 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype,
                                  adaptive=bool(consts.get("ADAPTIVE", False)),
                                  dropout=bool(consts.get("DROPOUT", False)), window=bool(consts.get("WINDOW", False)))
     cands = _prune_candidates(cands, name, head_block, dtype, arch)  # what cannot fit is never compiled
+    if arch is not None and consts.get("MASK_KIND", 0) == MASK_BOOL:
+        cands = [c for c in cands if min(c.m, c.n) > 16] or cands
     if _capture is not None:
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
@@ -455,10 +457,37 @@ def _scale_args(scale: float) -> dict:
     return dict(scale=_split_scale(scale))
 
 
+def _bool_mask_as_additive(like: torch.Tensor) -> bool:
+    """Whether a boolean mask reaches compiled float64 kernels as an additive one (0 / -inf).
+
+    Triton 3.6 cannot compile a float64 ``tl.dot`` whose operand is computed from 8-bit data (the
+    boolean mask's bytes feed the probabilities of the second matmul): its MMA lowering takes the
+    narrowest type on the operand's chain for the k-width and asserts "fp64 don't support largeK
+    MMA" (seen on an H200, 2026-11-26). float64 is the dtype of gradient checks, where a float mask's
+    8 bytes per element cost nothing that matters; the interpreter has no such limit.
+
+    The same mask bytes miscompile silently at 16-wide tiles in 16-bit and float32 (H200, Triton
+    3.6: wrong out / dQ / dK with a 16 x 16 configuration, right with 32 x 32 and above, right with
+    an additive mask at 16 x 16), so :func:`_launch` offers kernels that read a boolean mask on a
+    GPU no configuration with a 16-wide side."""
+    return like.dtype == torch.float64 and like.device.type == "cuda" and not interpreting()
+
+
+def _additive_from_bool(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` (bool, True = attend) as a float64 additive mask, 0 where True and -inf where False,
+    with the same broadcast (stride-0) dimensions: a row with no True stays a row of -inf, which the
+    kernels treat as they treat an empty boolean row."""
+    base = mask[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.stride())]
+    return torch.zeros(base.shape, dtype=torch.float64, device=mask.device).masked_fill_(
+        ~base, float("-inf")).expand(mask.shape)
+
+
 def _mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
     """``(MASK=..., mask_strides=...)`` kernel arguments and the ``MASK_KIND`` of ``mask``."""
     if mask is None:
         return dict(MASK=like, mask_strides=(0, 0, 0, 0)), MASK_NONE
+    if mask.dtype == torch.bool and _bool_mask_as_additive(like):
+        mask = _additive_from_bool(mask)
     if mask.dtype == torch.bool:  # bytes: kernels read 0 / non-zero, not i1 pointers
         return dict(MASK=mask.view(torch.uint8), mask_strides=_strides(mask)), MASK_BOOL
     return dict(MASK=mask, mask_strides=_strides(mask)), MASK_ADD

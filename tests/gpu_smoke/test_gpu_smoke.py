@@ -66,8 +66,8 @@ def cuda_kernels(tmp_path_factory):
     GPU (skipped with the backend's reason when it is neither built nor buildable), its CPU
     emulation otherwise (skipped without the CUDA headers)."""
     if CUDA:
-        why = cuda_backend.unavailable_reason(torch.device("cuda"))
-        if why is not None:
+        why = cuda_backend.unavailable_reason(torch.device("cuda"))  # "" when available
+        if why:
             pytest.skip(f"CUDA backend unavailable: {why}")
         cuda_backend.load_extension()  # builds it if needed; a failed build is an error, not a skip
         return contextlib.nullcontext

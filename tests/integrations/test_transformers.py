@@ -212,7 +212,7 @@ def test_errors():
     with pytest.raises(ValueError, match="n_init"):
         ssa_hf.enable_ssa(model, n_init=1.0)
     # "ssa" selected without enable_ssa: no parameters to use
-    bare = transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_implementation="ssa")).eval()
+    bare = transformers.GPT2LMHeadModel(gpt2_config(n_layer=1, attn_implementation="ssa")).to(DEVICE).eval()
     with pytest.raises(RuntimeError, match="enable_ssa"):
         bare(tokens(1, 4))
 

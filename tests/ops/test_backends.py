@@ -282,6 +282,7 @@ def test_jit_build_targets_sm90a(monkeypatch):
     """A JIT build with no TORCH_CUDA_ARCH_LIST compiles an H100's code as sm_90a (the dQ kernel's
     wgmma path; torch's default, plain sm_90, would leave it out), other GPUs as themselves."""
     caps = [(9, 0), (8, 0), (9, 0)]
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)  # a GPU image may set one (the H200's did)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: caps[i])

@@ -55,3 +55,35 @@ def test_gradcheck_across_blocks(mode):
     f = lambda *a: call(ssa_flash, mode, *a[:3], *(a[3:] or (None, None)), is_causal=True,  # noqa: E731
                         enable_gqa=True, backend="triton")
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])
+def test_float64_bool_mask_as_additive_is_the_same_attention(mode, monkeypatch):
+    """On a GPU a float64 call's boolean mask reaches the kernels as an additive 0 / -inf mask (a
+    Triton 3.6 limit: launch._bool_mask_as_additive). Both kinds give the same out, lse and
+    gradients, empty rows and a broadcast (stride-0) batch dimension included."""
+    from ssa_flash.triton import launch
+
+    q, k, v = make_qkv(B=2, Hq=2, Hkv=2, Lq=5, Lk=7, D=4, dtype=torch.float64)
+    b, n = head_params(2, dtype=torch.float64)
+    m = torch.rand(1, 1, 5, 7, generator=torch.Generator().manual_seed(3)) > 0.4
+    m[..., 2, :] = False
+    m[..., 0, 0] = True
+    kw = dict(attn_mask=m.expand(2, 2, 5, 7).to(DEVICE), backend="triton")
+    args = (q, k, v, b, n) if "ssa" in mode else (q, k, v)
+
+    def run():
+        out, lse = call(ssa_flash, mode, *args[:3], *(args[3:] or (None, None)), return_lse=True, **kw)
+        grads = torch.autograd.grad((out * 1.3).sum() + torch.where(torch.isfinite(lse), lse, 0).sum(), args)
+        return (out, lse) + grads
+
+    as_is = run()
+    seen = []
+    original = launch._additive_from_bool
+    monkeypatch.setattr(launch, "_bool_mask_as_additive", lambda like: like.dtype == torch.float64)
+    monkeypatch.setattr(launch, "_additive_from_bool", lambda mask: seen.append(mask) or original(mask))
+    converted = run()
+    assert seen and all(t.dtype == torch.bool for t in seen)
+    assert torch.isneginf(converted[1][:, :, 2]).all()
+    for a, c in zip(as_is, converted):
+        torch.testing.assert_close(c, a, atol=1e-14, rtol=1e-13)

@@ -337,6 +337,26 @@ def test_capture_records_without_running():
     assert kl.constexprs["EVEN_D"]
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+def test_boolean_masks_get_no_16_wide_tiles_on_a_gpu(arch):
+    """A kernel reading a boolean mask's bytes miscompiled at 16-wide tiles (H200, Triton 3.6:
+    wrong out, dQ and dK at 16 x 16, right at 32 x 32 and with an additive mask): on a GPU such
+    launches are offered no configuration with a 16-wide side; additive masks keep them (float32
+    halves its tiles to 16 in the tables)."""
+    q = torch.empty(1, 2, 300, 16, device="meta", dtype=torch.float32)
+    b = n = torch.empty(2, device="meta")
+    spec = launch.AttentionSpec(scale=0.25, causal=False, group=1, adaptive=False)
+    kinds = {}
+    for name, mask in (("bool", torch.empty(300, 300, device="meta", dtype=torch.bool)),
+                       ("additive", torch.empty(300, 300, device="meta", dtype=torch.float32))):
+        with launch.capture_launches(arch) as cap:
+            launch.forward(q, q, q, mask.expand(1, 2, 300, 300), b, n, None, spec)
+        (kl,) = cap
+        kinds[name] = kl.candidates
+    assert kinds["bool"] and all(min(c.m, c.n) > 16 for c in kinds["bool"])
+    assert any(min(c.m, c.n) == 16 for c in kinds["additive"])
+
+
 @pytest.mark.parametrize("d,dv", [(111, 111), (59, 64), (64, 30)])
 def test_unaligned_head_dims_are_padded(d, dv):
     """Head dims that are not a multiple of 8 reach the kernels zero-padded to one (16-byte rows:

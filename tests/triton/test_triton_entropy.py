@@ -72,8 +72,8 @@ def test_adaptive_covers_both_sides_of_threshold(ssa, causal):
     q = _spread_queries(q).requires_grad_()
     kw = dict(is_causal=causal)
     if ssa:  # SSA weights ~ |z|^n for large |z|: peaked rows need a large n, not only large logits
-        b = torch.tensor([0.7, 1.3], dtype=torch.float64, requires_grad=True)
-        n = torch.tensor([6.0, 9.0], dtype=torch.float64, requires_grad=True)
+        b = torch.tensor([0.7, 1.3], dtype=torch.float64, device=DEVICE, requires_grad=True)
+        n = torch.tensor([6.0, 9.0], dtype=torch.float64, device=DEVICE, requires_grad=True)
         kw.update(b=b, n=n)
     ent = reference.attention_entropy(q, k, **kw).detach()
     p = polyval(DEFAULT_POLY, ent)

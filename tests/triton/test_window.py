@@ -15,8 +15,8 @@ import ssa_flash
 from ssa_flash import ops, reference
 from ssa_flash.backends import cuda_backend
 from ssa_flash.backends.spec import AttentionSpec
-from attn_testing import (DEVICE, FLOORS, call, check, fa_tolerance_check, head_params, make_qkv, needs_kernels,
-                          rotating_modes)
+from attn_testing import (DEVICE, FLOORS, INTERPRETER, call, check, fa_tolerance_check, head_params, make_qkv,
+                          needs_kernels, rotating_modes)
 
 pytestmark = needs_kernels
 
@@ -75,7 +75,8 @@ def test_ssa_against_flex_attention():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k, v = make_qkv(B=1, Hq=2, Lq=37, Lk=45, D=16, dtype=torch.float64, requires_grad=False)
-    b, n = torch.tensor([0.7, 1.3], dtype=torch.float64), torch.tensor([1.5, 2.5], dtype=torch.float64)
+    b = torch.tensor([0.7, 1.3], dtype=torch.float64, device=DEVICE)
+    n = torch.tensor([1.5, 2.5], dtype=torch.float64, device=DEVICE)
     left, right = 4, 9
 
     def score_mod(s, bi, h, i, j):
@@ -86,7 +87,7 @@ def test_ssa_against_flex_attention():
 
     block_mask = create_block_mask(mask_mod, None, None, 37, 45, device=DEVICE)
     flex = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    ours = ssa_flash.ssa_attention(q, k, v, b=b.to(DEVICE), n=n.to(DEVICE), window_size=(left, right),
+    ours = ssa_flash.ssa_attention(q, k, v, b=b, n=n, window_size=(left, right),
                                    backend="triton")
     torch.testing.assert_close(ours, flex, atol=1e-10, rtol=1e-10)
 
@@ -95,11 +96,15 @@ def test_ssa_against_flex_attention():
 def test_blocks_outside_the_window_are_skipped(mode):
     """NaN in value rows (and output-gradient rows) that no query's window reaches: a kernel that
     visited their blocks with zero weights would compute 0 * NaN = NaN; skipping them keeps the
-    output and every gradient finite and equal to the reference on clean inputs."""
-    Lq, Lk, window = 32, 64, (5, 4)  # queries 0..31 reach keys up to 35: key blocks 48..63 never
+    output and every gradient finite and equal to the reference on clean inputs. Lengths are in
+    units of T, the widest tile a launch may take (16 under the interpreter, 128 on a GPU: with
+    T = 16 on a GPU the NaN rows shared a visited 64-key block, and 0 * NaN is NaN there as in
+    any materialised product)."""
+    T = 16 if INTERPRETER else 128
+    Lq, Lk, window = 2 * T, 4 * T, (5, 4)  # queries < 2T reach keys < 2T + 5: keys >= 3T never
     q, k, v = make_qkv(B=1, Hq=2, Lq=Lq, Lk=Lk, D=16, requires_grad=False)
     v_nan = v.clone()
-    v_nan[:, :, 48:] = float("nan")
+    v_nan[:, :, 3 * T:] = float("nan")
     b, n = head_params(2)
     leaves = [t.clone().requires_grad_() for t in (q, k, v_nan)]
     out = call(ssa_flash, mode, *leaves, b, n, window_size=window, backend="triton")
@@ -112,20 +117,20 @@ def test_blocks_outside_the_window_are_skipped(mode):
     ref_grads = torch.autograd.grad(ref.sum(), clean)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=2e-5, rtol=2e-5)
-    # the left edge: queries >= 32 reach keys >= 27 only, so key block 0..15 is skipped for them
-    q, k, v = make_qkv(B=1, Hq=2, Lq=64, Lk=64, D=16)
+    # the left edge: queries >= 2T reach keys >= 2T - 5 only, so key block 0..T-1 is skipped for them
+    q, k, v = make_qkv(B=1, Hq=2, Lq=4 * T, Lk=4 * T, D=16)
     v_nan = v.detach().clone()
-    v_nan[:, :, :16] = float("nan")
+    v_nan[:, :, :T] = float("nan")
     q_ = q.detach().clone().requires_grad_()
     out = call(ssa_flash, mode, q_, k, v_nan, b, n, window_size=window, backend="triton")
-    assert torch.isfinite(out[:, :, 32:]).all() and torch.isnan(out[:, :, :8]).all()
-    (dq,) = torch.autograd.grad(out[:, :, 32:].sum(), (q_,))
-    assert torch.isfinite(dq[:, :, 32:]).all()
+    assert torch.isfinite(out[:, :, 2 * T:]).all() and torch.isnan(out[:, :, :8]).all()
+    (dq,) = torch.autograd.grad(out[:, :, 2 * T:].sum(), (q_,))
+    assert torch.isfinite(dq[:, :, 2 * T:]).all()
     # the dK/dV kernel: query blocks outside a key block's window are skipped too, on both sides
     out = call(ssa_flash, mode, q, k, v, b, n, window_size=window, backend="triton")
-    for rows, keys in ((slice(48, 64), slice(0, 32)), (slice(0, 16), slice(32, 64))):
+    for rows, keys in ((slice(3 * T, 4 * T), slice(0, 2 * T)), (slice(0, T), slice(2 * T, 4 * T))):
         dout = torch.ones_like(out)
-        dout[:, :, rows] = float("nan")  # queries >= 48 reach keys >= 43; queries < 16, keys < 20
+        dout[:, :, rows] = float("nan")  # queries >= 3T reach keys >= 3T - 5; queries < T, keys < T + 4
         dk, dv = torch.autograd.grad(out, (k, v), dout, retain_graph=True)
         assert torch.isfinite(dk[:, :, keys]).all() and torch.isfinite(dv[:, :, keys]).all()
 
