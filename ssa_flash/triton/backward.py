@@ -197,9 +197,9 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DQ, DELTA, LSE2, temperature, ssa_coefs, ssa_parts, MASK,
+    Q, K, V, O, DO, DQ, row_stats, temperature, ssa_coefs, ssa_parts, MASK,
     q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, mask_strides,
-    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, dropout, window, sinks, softcap,
+    dims, scale, seqlens, dropout, window, sinks, softcap,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -209,11 +209,15 @@ def attention_bwd_dq_kernel(
     SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """dQ of one query block, with (SSA) its share of dB, dN and (adaptive) the temperature terms.
-    Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``temperature = (BETA, LSE_L,
-    ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
+    Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``row_stats = (LSE, DLSE,
+    DELTA, LSE2, stat_stride_h)`` the per-row statistics (the forward's LSE, the gradient reaching
+    it, delta and the base-2 LSE written here for the dK/dV kernel) and their head stride;
+    ``temperature = (BETA, LSE_L, ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
     ``ssa_parts = (DB_PART, DN_PART)`` the per-program partial sums of dB and dN,
     ``seqlens = (CU_Q, CU_K)``; ``sinks = (SINK, DSINK_PART)`` the ``(Hq,)`` sink logits and the
     per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward."""
+    H, Lq, Lk, D, DV, GROUP, num_m_blocks = dims
+    LSE, DLSE, DELTA, LSE2, stat_stride_h = row_stats
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
     DB_PART, DN_PART = ssa_parts
 
@@ -432,9 +436,9 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV_OUT, temperature, ssa_coefs, MASK,
+    Q, K, V, DO, DK, DV_OUT, row_stats, temperature, ssa_coefs, MASK,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, mask_strides,
-    H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks, scale, seqlens, stat_stride_h, dropout, window, softcap,
+    dims, scale, seqlens, dropout, window, softcap,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -442,8 +446,11 @@ def attention_bwd_dkdv_kernel(
     SOFTCAP: tl.constexpr = False,
 ):
     """dK and dV of one key block (of one key/value head, over the query heads of its group).
-    Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``temperature = (BETA, LSE_L, ENT,
-    G)``."""
+    Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``dims = (H, HKV, Lq, Lk, D, DV,
+    GROUP, num_n_blocks)`` (key/value heads too, key blocks per (batch, key/value head));
+    ``row_stats = (LSE2, DELTA, stat_stride_h)``; ``temperature = (BETA, LSE_L, ENT, G)``."""
+    H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks = dims
+    LSE2, DELTA, stat_stride_h = row_stats
     BETA, LSE_L, ENT, G = temperature
 
     # where this program's rows lie (extents.py: dense or packed)

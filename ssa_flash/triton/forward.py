@@ -78,8 +78,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
 def attention_fwd_kernel(
     Q, K, V, O, LSE, BETA, ssa_coefs, MASK,
     q_strides, k_strides, v_strides, o_strides, mask_strides,
-    H, Lq, Lk, D, DV, GROUP, num_m_blocks, scale,
-    seqlens, stat_stride_h, split_strides, dropout, window, sinks, softcap,
+    dims, scale, seqlens, stat_stride_h, split_strides, dropout, window, sinks, softcap,
     SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -88,6 +87,8 @@ def attention_fwd_kernel(
     SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """Output and LSE of one query block (module docstring). Grouped arguments (tuples):
+    ``dims = (H, Lq, Lk, D, DV, GROUP, num_m_blocks)`` the problem's sizes (query heads, lengths,
+    head dims, query heads per key/value head) and the query blocks per (batch, head);
     ``ssa_coefs = (B_SSA, N_SSA)`` the SSA coefficients ``(Hq,)`` (dummies for softmax); each
     ``*_strides`` a 4-D tensor's ``(batch, head, row, column)`` strides; ``scale = (hi, lo)``, the
     softmax scale as float32 head + remainder; ``seqlens = (CU_Q, CU_K, SEQUSED_K)`` (extents.py);
@@ -99,6 +100,7 @@ def attention_fwd_kernel(
     KV cache); None without. ``sinks``: the ``(Hq,)`` sink logits (``SINKS``; with ``SPLIT`` split
     0 holds the sink, so that the merge counts it once); ``softcap = (hi, lo)``, the cap ``c``
     split as the scale is (``SOFTCAP``); None without."""
+    H, Lq, Lk, D, DV, GROUP, num_m_blocks = dims
     # Where this program's rows lie (extents.py): its query block, sequence and statistics rows;
     # (KV cache) the bottom-right shift.
     (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift,

@@ -766,7 +766,7 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None, sinks=None):
         return _positional(
             "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, ssa_coefs=(ssa_b, ssa_n), **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4),
-            H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
+            dims=(H, lay.Lq, lay.Lk, D, spec.group, triton.cdiv(lay.Lq, blk.m)),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, stat_stride_s=ent.numel() if splits > 1 else 0,
             window=feat_args["window"], **logit_args)
@@ -826,7 +826,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=N
             "fwd", Q=q4, K=k4, V=v4, O=o_out, LSE=lse_out, BETA=beta if spec.adaptive else q,
             ssa_coefs=(b if b is not None else q, n if b is not None else q), **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4), v_strides=_strides(v4), o_strides=_strides(o_out),
-            H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, num_m_blocks=triton.cdiv(lay.Lq, blk.m),
+            dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lq, blk.m)),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, split_strides=(stride_os, lse.numel() if splits > 1 else 0),
             **feat_args, **logit_args)
@@ -909,9 +909,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     ssa_b = b if b is not None else q  # dummies for softmax
     ssa_n = n if b is not None else q
     common_args = dict(ssa_coefs=(ssa_b, ssa_n), **mask_args, q_strides=_strides(q4), k_strides=_strides(k4),
-                       v_strides=_strides(v4), do_strides=_strides(do4),
-                       H=H, Lq=lay.Lq, Lk=lay.Lk, D=D, DV=DV, GROUP=spec.group, **_scale_args(spec.scale),
-                       seqlens=(lay.cu_q, lay.cu_k), stat_stride_h=lay.stat_stride_h, **feat_args)
+                       v_strides=_strides(v4), do_strides=_strides(do4), **_scale_args(spec.scale),
+                       seqlens=(lay.cu_q, lay.cu_k), **feat_args)
     B = lay.batch
     parts = {}
 
@@ -929,10 +928,11 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         db_part = parts.get("db", q)
         dn_part = parts.get("dn", q)
         return _positional(
-            "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, LSE=lse, DLSE=dlse if dlse is not None else q,
-            DQ=dq4, DELTA=delta, LSE2=lse2, temperature=(beta, lse_l, ent, dbeta_dh, g),
+            "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, DQ=dq4,
+            row_stats=(lse, dlse if dlse is not None else q, delta, lse2, lay.stat_stride_h),
+            temperature=(beta, lse_l, ent, dbeta_dh, g),
             ssa_parts=(db_part, dn_part), **common_args, o_strides=_strides(o4), dq_strides=_strides(dq4),
-            num_m_blocks=num_m, sinks=sink_args, softcap=logit_args["softcap"])
+            dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, num_m), sinks=sink_args, softcap=logit_args["softcap"])
 
     dq_consts = dict(consts, **logit_consts, HAS_DLSE=dlse is not None,
                      POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dq"))
@@ -945,10 +945,10 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
 
     def dkdv_args(blk):
         return _positional(
-            "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, LSE2=lse2, DELTA=delta, DK=dk4, DV_OUT=dv4,
+            "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, DK=dk4, DV_OUT=dv4, row_stats=(lse2, delta, lay.stat_stride_h),
             temperature=(beta, lse_l, ent, g), **common_args, dk_strides=_strides(dk4), dv_strides=_strides(dv4),
-            HKV=HKV,
-            num_n_blocks=triton.cdiv(lay.Lk, blk.n), softcap=logit_args["softcap"])
+            dims=(H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lk, blk.n)),
+            softcap=logit_args["softcap"])
 
     dkdv_consts = dict(consts)
     if spec.softcap > 0:  # the dK/dV kernel needs no sink (its tiles use the sink-including LSE)

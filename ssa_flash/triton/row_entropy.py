@@ -60,7 +60,7 @@ def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
 @triton.jit
 def row_entropy_kernel(
     Q, K, ENT, LSE, ssa_coefs, MASK, q_strides, k_strides, mask_strides,
-    H, Lq, Lk, D, GROUP, num_m_blocks, scale, seqlens, stat_stride_h, stat_stride_s, window, sinks, softcap,
+    dims, scale, seqlens, stat_stride_h, stat_stride_s, window, sinks, softcap,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -68,8 +68,9 @@ def row_entropy_kernel(
     SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """Entropy and LSE of one query block's rows (module docstring); the grouped arguments as in
-    :func:`~.forward.attention_fwd_kernel` (``stat_stride_s``: between split slots; ``sinks``,
-    ``softcap`` likewise)."""
+    :func:`~.forward.attention_fwd_kernel`, ``dims = (H, Lq, Lk, D, GROUP, num_m_blocks)`` (no
+    value head dim), ``stat_stride_s``: between split slots; ``sinks``, ``softcap`` likewise."""
+    H, Lq, Lk, D, GROUP, num_m_blocks = dims
     # where this program's rows lie (extents.py), as in the forward kernel
     (m_block, bh, off_b, off_h, off_kv, batch, q_row0, k_row0, Lq, Lk, q_shift,
      past_end) = query_block_rows(num_m_blocks, H, GROUP, seqlens, Lq, Lk, BLOCK_M, VARLEN)

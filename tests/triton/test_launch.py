@@ -395,6 +395,12 @@ def test_kernel_strides_are_one_argument_per_tensor():
     assert strides == tuple(q.stride()) and strides[-1] == 1
 
 
+def test_kernel_signatures_are_short():
+    """No attention kernel takes more than 25 runtime parameters: related ones travel as tuples
+    (the problem's sizes, strides, per-row statistics, feature parameters)."""
+    assert {kernel: len(names) for kernel, names in launch._PARAMS.items() if len(names) > 25} == {}
+
+
 def test_launch_arguments_are_named():
     """Launch sites name the kernels' arguments: the positional tuple follows each kernel's
     signature, and a misspelt or missing name is a TypeError naming it."""
