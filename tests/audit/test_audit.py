@@ -65,7 +65,12 @@ TARGET_ARCH, TARGET_DTYPE, TARGET_DIMS = 90, "bf16", (64, 128)
 XFAIL_REASON = "issue 11 target, kernels not there yet"
 KNOWN_FAILURES = {
     # SSA + adaptive temperature, dQ, with a mask, sm_90: 36 B with every tile tried (bench/NOTES.md)
-    "no_spills": {"sm90-bwd_dq-ssa_adaptive-causal-bool-d111-fp16"},
+    # The adaptive backward with a boolean mask at D = 111 (head block 128), sm_90: its spill-free
+    # tiles were 16 wide (dQ 128 x 16, dK/dV 16 x 64), which boolean masks no longer get on a GPU
+    # (Triton 3.6 computed wrong gradients there on an H200: launch._launch); 32-wide and larger
+    # spill 0.3-1.8 KB (bench/NOTES.md, 2026-11-26, second GPU session).
+    "no_spills": {"sm90-bwd_dq-ssa_adaptive-causal-bool-d111-fp16", "sm90-bwd_dq-adaptive-causal-bool-d111-fp16",
+                  "sm90-bwd_dkdv-adaptive-causal-bool-d111-fp16", "sm90-bwd_dkdv-ssa_adaptive-causal-bool-d111-fp16"},
     "no_repeated_tensor_work": set(),
     "no_serialisation": set(),
     "fwd_softmax_instructions": set(),
