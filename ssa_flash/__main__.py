@@ -393,6 +393,9 @@ def main(argv=None) -> int:
     print("rule: max|ours - float64 reference| <= 2 * max|naive reference in the same dtype - float64 "
           "reference| + floor * max(1, max|float64 reference|), for out, dq, dk, dv (db, dn for SSA); "
           f"floors {', '.join(f'{k} {v:g}' for k, v in FLOORS.items() if k in [str(d).replace('torch.', '') for d in dtypes])}\n")
+    if device.type == "cuda":  # an H200 took ~5 s a check on a cold cache: minutes in all
+        print("(each check compiles the kernels it runs the first time on this machine, a few seconds "
+              "each; Triton caches them in ~/.triton/cache, so later runs start at once)\n", flush=True)
     with first_block_configuration():
         results = self_check(device, backends, dtypes)
     failed = [r for r in results if not r.ok]
