@@ -101,22 +101,28 @@ def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SO
 
 @triton.jit
 def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
-                   q, do, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
-                   stride_kn, stride_vn, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-                   cb, coef, lse2, delta, beta, lse_l2, ent, cap_a,
+                   q, do, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi, row_strides, sizes, coefs, rows,
                    SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
-                   win_left, win_right, drop, drop_scale, start_m,
+                   BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr, window, dropout_args,
                    WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
-    """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Accumulates (unscaled):
+    """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Grouped inputs:
+    ``row_strides = (K, V, mask row, mask column)`` strides, ``sizes = (Lq, Lk, D, DV)``,
+    ``coefs = (cb, coef, cap_a)``, the rows' ``rows = (lse2, delta, beta, lse_l2, ent)``,
+    ``window = (left, right)``, ``dropout_args = (drop, drop_scale, start_m)``. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
     ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
     (``drop``: ``dropout.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query).
     SSA with ``SOFTCAP`` also ``db_acc += rowsum(dl t / u)`` (and ``db_ent``): the cap breaks the
     identity that gives ``db`` from ``dQ``."""
+    stride_kn, stride_vn, stride_mask_m, stride_mask_n = row_strides
+    Lq, Lk, D, DV = sizes
+    cb, coef, cap_a = coefs
+    lse2, delta, beta, lse_l2, ent = rows
+    win_left, win_right = window
+    drop, drop_scale, start_m = dropout_args
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
@@ -284,10 +290,11 @@ def attention_bwd_dq_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent = _dq_key_blocks(
                 dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
-                start, end, k_strides[2], v_strides[2], mask_strides[2], mask_strides[3], Lq, Lk, D, DV,
-                cb, coef, lse2, delta, beta, lse_l2, ent, cap_a, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
-                BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0,
-                win_left, win_right, drop, drop_scale, m_block * BLOCK_M, WINDOW, DROPOUT, SOFTCAP)
+                start, end, (k_strides[2], v_strides[2], mask_strides[2], mask_strides[3]), (Lq, Lk, D, DV),
+                (cb, coef, cap_a), (lse2, delta, beta, lse_l2, ent), SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1,
+                EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M,
+                POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, m_block * BLOCK_M),
+                WINDOW, DROPOUT, SOFTCAP)
 
     if SINKS:
         # The sink is an entry of the row with value 0 (docs/maths.md §6.2): its dS' is
@@ -337,20 +344,27 @@ def attention_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, hi,
-                       stride_qm, stride_dom, stride_mask_m, stride_mask_n, Lq, Lk, D, DV,
-                       cb, coef, ds_scale, LSE2, DELTA, BETA, LSE_L, ENT, G, cap_a,
+                       row_strides, sizes, coefs, row_ptrs,
                        SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr,
-                       start_n, win_left, win_right, drop, drop_scale,
+                       BLOCK_N: tl.constexpr, POLY_EXP2: tl.constexpr, window, dropout_args,
                        WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Query blocks ``[lo, hi)`` of one query head for one key block, on transposed tiles
-    (BLOCK_N keys x BLOCK_M queries). Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
+    (BLOCK_N keys x BLOCK_M queries). Grouped inputs as in :func:`_dq_key_blocks`:
+    ``row_strides = (Q, dO, mask row, mask column)`` strides, ``sizes``, ``coefs = (cb, coef,
+    ds_scale, cap_a)``, the row statistics' pointers ``row_ptrs = (LSE2, DELTA, BETA, LSE_L, ENT,
+    G)``, ``window``, ``dropout_args = (drop, drop_scale, start_n)``. Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
     this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
     ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
     ``dP' = r M (dO V^T)``; ``drop`` is this head's ``dropout.dropout_state`` tuple."""
+    stride_qm, stride_dom, stride_mask_m, stride_mask_n = row_strides
+    Lq, Lk, D, DV = sizes
+    cb, coef, ds_scale, cap_a = coefs
+    LSE2, DELTA, BETA, LSE_L, ENT, G = row_ptrs
+    win_left, win_right = window
+    drop, drop_scale, start_n = dropout_args
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -505,10 +519,11 @@ def attention_bwd_dkdv_kernel(
                 end = tl.minimum(end, hi)
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, start, end,
-                q_strides[2], do_strides[2], mask_strides[2], mask_strides[3], Lq, Lk, D, DV, cb, coef, ds_scale,
-                LSE2, DELTA, BETA, LSE_L, ENT, G, cap_a, SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D,
-                BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N, POLY_EXP2 if STAGE == 1 else 0,
-                start_n, win_left, win_right, drop, drop_scale, WINDOW, DROPOUT, SOFTCAP)
+                (q_strides[2], do_strides[2], mask_strides[2], mask_strides[3]), (Lq, Lk, D, DV),
+                (cb, coef, ds_scale, cap_a), (LSE2, DELTA, BETA, LSE_L, ENT, G), SSA, ADAPTIVE, CAUSAL, MASK_KIND,
+                STAGE != 1, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N,
+                POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, start_n),
+                WINDOW, DROPOUT, SOFTCAP)
 
     if not SSA and not ADAPTIVE:
         dk = dk * scale
