@@ -28,7 +28,8 @@
 #   RUN_RECHECK=0, JOBS (xdist workers; 0: none), SUITE (test paths of the GPU suite: default every
 #   test directory that runs kernels; the CPU-only compiles and audits, packaging, docs and the
 #   distributed gloo tests are left to the CPU CI), BUILD_WAIT (default 300), SMOKE_LIMIT /
-#   SUITE_LIMIT (seconds for each Triton step, default 120 / 150; the CUDA steps get half),
+#   SUITE_LIMIT (seconds for each Triton step, default 120 / 150; the CUDA steps get half, or
+#   CUDA_SMOKE_LIMIT / CUDA_SUITE_LIMIT: the CUDA C++ backend has not yet been checked on a GPU),
 #   BENCH_ARGS (extra benchmark options), RUN_SMOKE=0 / RUN_TESTS=0 / RUN_CUDA=0 /
 #   RUN_BENCH=0 / RUN_SELFCHECK=0 to skip those steps (e.g. a second call spent on the benchmark, with
 #   BENCH_ARGS="--headdims 128" and the like).
@@ -130,9 +131,9 @@ if [ -n "$BUILD_PID" ]; then
     >> "$OUT/cuda-build.log" 2>&1
   tail -n 1 "$OUT/cuda-build.log"
   if [ "$rc" -eq 0 ]; then
-    if [ "${RUN_SMOKE:-1}" != "0" ]; then step smoke-cuda "$(cap $(( ${SMOKE_LIMIT:-120} / 2 )) 150)" -m gpu_smoke -k cuda tests/gpu_smoke; fi
+    if [ "${RUN_SMOKE:-1}" != "0" ]; then step smoke-cuda "$(cap "${CUDA_SMOKE_LIMIT:-$(( ${SMOKE_LIMIT:-120} / 2 ))}" 150)" -m gpu_smoke -k cuda tests/gpu_smoke; fi
     # shellcheck disable=SC2086
-    if [ "${RUN_TESTS:-1}" != "0" ]; then step suite-cuda "$(cap $(( ${SUITE_LIMIT:-150} / 2 )) 150)" -m "not gpu_smoke" -k cuda $SUITE; fi
+    if [ "${RUN_TESTS:-1}" != "0" ]; then step suite-cuda "$(cap "${CUDA_SUITE_LIMIT:-$(( ${SUITE_LIMIT:-150} / 2 ))}" 150)" -m "not gpu_smoke" -k cuda $SUITE; fi
   else
     log "CUDA backend not usable (rc $rc): benchmarking without ssa_flash.cuda"
     EXTRA_IMPLS="--impls ssa_flash.triton,sdpa.flash,sdpa.cudnn,sdpa.efficient,sdpa.math,flex,reference"
