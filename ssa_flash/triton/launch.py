@@ -367,6 +367,8 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype,
                                  dropout=bool(consts.get("DROPOUT", False)), window=bool(consts.get("WINDOW", False)))
     cands = _prune_candidates(cands, name, head_block, dtype, arch)  # what cannot fit is never compiled
     if arch is not None and consts.get("MASK_KIND", 0) == MASK_BOOL:
+        # the mask's bytes miscompile silently at 16-wide tiles (H200, Triton 3.6: wrong out / dQ /
+        # dK at 16 x 16, right at 32 x 32 and above, right with an additive mask at 16 x 16)
         cands = [c for c in cands if min(c.m, c.n) > 16] or cands
     if _capture is not None:
         blk = cands[0]
@@ -464,12 +466,7 @@ def _bool_mask_as_additive(like: torch.Tensor) -> bool:
     boolean mask's bytes feed the probabilities of the second matmul): its MMA lowering takes the
     narrowest type on the operand's chain for the k-width and asserts "fp64 don't support largeK
     MMA" (seen on an H200, 2026-11-26). float64 is the dtype of gradient checks, where a float mask's
-    8 bytes per element cost nothing that matters; the interpreter has no such limit.
-
-    The same mask bytes miscompile silently at 16-wide tiles in 16-bit and float32 (H200, Triton
-    3.6: wrong out / dQ / dK with a 16 x 16 configuration, right with 32 x 32 and above, right with
-    an additive mask at 16 x 16), so :func:`_launch` offers kernels that read a boolean mask on a
-    GPU no configuration with a 16-wide side."""
+    8 bytes per element cost nothing that matters; the interpreter has no such limit."""
     return like.dtype == torch.float64 and like.device.type == "cuda" and not interpreting()
 
 
