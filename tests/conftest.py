@@ -1,7 +1,7 @@
 """Test configuration.
 
 * Without a GPU the Triton kernels run through Triton's CPU interpreter, which must be switched on
-  before anything imports triton.
+  before anything imports triton, minus two costs that buy nothing (tests/interpreter_speedup.py).
 * The fast tier, ``python -m pytest -m "not slow"``: the ``slow`` marker is given here, by the
   table below, to what the edit-test loop can leave to CI (compiles, subprocess runs, the
   interpreter's in-depth parametrisations); the feature matrix (tests/features.py: every feature
@@ -22,6 +22,10 @@ if not torch.cuda.is_available():
 
 import background  # noqa: E402  (tests/ is on the path: pyproject.toml's pythonpath)
 import emulation  # noqa: E402
+import interpreter_speedup  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    interpreter_speedup.install()  # (two costs of the interpreter that buy nothing: see its docstring)
 
 # Modules whose tests wait for background builds, in the order they run at the end of a session:
 # the emulation tests first (they need only the emulators, which build first, and keep the main
