@@ -74,13 +74,14 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // Dropout: the caller passes dp already multiplied by the weight's dropout factor z (1 / (1 - p)
 // kept, 0 dropped): the forward used z P' V, so dP' = z dO V^T (and dV takes z P'; delta =
 // rowsum(dO O) already is the dropped output's).
-// kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw) before the transform;
-// db sees the capped score and dz takes the extra factor 1 - th^2 (docs/maths.md section 6.1).
+// kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw: th, the capped score in
+// units of cap_out, which ctx holds) before the transform; db sums w th (cap_out applied with the
+// partial) and dz takes the extra factor 1 - th^2 (docs/maths.md section 6.1).
 template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
 SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& db, float& dn) {
-  float t, u, th;
-  const float s = softcap_raw<kCap>(p, s_raw, th);
+  float t, u;
+  const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
   float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
   if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
   const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
@@ -105,7 +106,7 @@ SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float 
     dn = fmaf(dl, t, dn);
     dl = w * ctx.nb;
   }
-  return softcap_grad<kCap>(dl, th);
+  return softcap_grad<kCap>(dl, s);
 }
 
 // dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible; dp as in
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const T* v = static_cast<const T*>(p.v) + blk.batch * p.v_sb + blk.head_kv * p.v_sh;
   const T* o = static_cast<const T*>(p.o) + blk.batch * p.o_sb + blk.head * p.o_sh;
   const T* dout = static_cast<const T*>(p.dout) + blk.batch * p.do_sb + blk.head * p.do_sh;
-  const LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
+  const LogitCtx ctx = make_logit_ctx<kCap>(p, blk.batch, blk.head, kSSA);
   const int64_t stat0 = blk.batch_head(p) * p.len_q;
   const int r_lo = m0 + warp * 16 + Frag::row(lane);
   const int r_hi = r_lo + Frag::kHi;
@@ -456,7 +457,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         dn += s_red[kNWarps + w];
       }
       const int64_t idx = blk.batch_head(p) * gridDim.x + blk.block;
-      p.db_part[idx] = db * (ctx.n * p.scale);
+      p.db_part[idx] = db * (kCap ? ctx.n * p.scale * p.cap_out : ctx.n * p.scale);
       p.dn_part[idx] = dn * kLn2;
     }
   }
@@ -839,7 +840,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
                            ? m_last
                            : min(m_last, m_first + (tail_rows >= 0 ? tail_rows / kBlockM + 1 : 0) * kBlockM);
     const bool last_head = hh + 1 == hh0 + p.group;
-    const LogitCtx ctx = make_logit_ctx(p, bb, hh, kSSA);
+    const LogitCtx ctx = make_logit_ctx<kCap>(p, bb, hh, kSSA);
     auto run = [&](auto check, int mm) {
       constexpr bool kCheck = decltype(check)::value;
       const bool head_end = kCheck && mm == m_last;
@@ -864,7 +865,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       if ((t & 31) == 0) {
         const int64_t bh = static_cast<int64_t>(blockIdx.z) * p.heads + hh;
         const int64_t idx = (bh * gridDim.x + blockIdx.x) * kNWarps + (t >> 5);
-        p.db_part[idx] = db * (ctx.n * p.scale);
+        p.db_part[idx] = db * (kCap ? ctx.n * p.scale * p.cap_out : ctx.n * p.scale);
         p.dn_part[idx] = dn * kLn2;
       }
       db_acc = dn_acc = 0.0f;

@@ -85,9 +85,9 @@ SSA_DEVICE void score_gemm(float (&s)[kMS][kN / 8][4], const T* sQ, const T* sQw
 // spills; every block rescales there (no steady-state loop: its second copy of the step spilled
 // on sm_75).
 //
-// Soft-capping and sinks (kCap, kSink; docs/maths.md section 6): the capped raw score replaces the
-// dot product before anything else sees it (logits.h, softcap_raw: the interior loop's x is then
-// c tanh(z / c) / scale or its SSA t, with the same multiplier); a sink starts its row at the sink
+// Soft-capping and sinks (kCap, kSink; docs/maths.md section 6): the capped score replaces the dot
+// product before anything else sees it (logits.h, softcap_raw: the interior loop's x is then
+// th = tanh(z / c), or its SSA t, the cap c / scale folded into the logit coefficient); a sink starts its row at the sink
 // logit (row_state.h, init_row_sink), which m = sink2 beta, l = 1 make part of the final o and lse
 // with nothing per element. Without them the kernel compiles exactly as before.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false, bool kSink = false>
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
   const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
   const T* v = blk.kv_head<const T>(p.v, p.v_sb, p.v_sh);
-  LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
+  LogitCtx ctx = make_logit_ctx<kCap>(p, blk.batch, blk.head, kSSA);
   const bool negate_q = kSSA && ctx.n < 0.0f;
   if (kSSA) ctx.n = fabsf(ctx.n);
   // the (batch, head)'s first row of the per-row statistics, formed where used (kept from the
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
 
   const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
   const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
-  const LogitCtx ctx = make_logit_ctx(p, blk.batch, blk.head, kSSA);
+  const LogitCtx ctx = make_logit_ctx<kCap>(p, blk.batch, blk.head, kSSA);
   const float mult = row_mult<kSSA>(ctx, 1.0f);
   const int64_t stat0 = blk.batch_head(p) * p.len_q;
   int row[kMS][2];

@@ -26,15 +26,21 @@ struct LogitCtx {
   int batch, head;
 };
 
-SSA_DEVICE LogitCtx make_logit_ctx(const AttnShape& p, int batch, int head, bool ssa) {
+// kCap: the scores the kernel transforms are th = tanh(cap_in s) (softcap_raw), the capped score
+// being s' = cap_out th; cap_out is folded into c here, so that th replaces s everywhere
+// downstream at no cost per score (what SSA's db sums, w s', is then cap_out w th: the kernels
+// apply cap_out once per partial, bwd_kernel.h).
+template <bool kCap = false, typename P>
+SSA_DEVICE LogitCtx make_logit_ctx(const P& p, int batch, int head, bool ssa) {
   LogitCtx c;
+  const float cap = kCap ? p.cap_out : 1.0f;
   if (ssa) {
     const float b = p.ssa_b[head], n = p.ssa_n[head];
-    c.c = p.scale * b;
+    c.c = p.scale * b * cap;
     c.n = n;
     c.nb = n * b;
   } else {
-    c.c = p.scale * kLog2e;
+    c.c = p.scale * kLog2e * cap;
     c.n = c.nb = 0.0f;
   }
   c.batch = batch;
@@ -65,27 +71,17 @@ SSA_DEVICE float logit_raw(const LogitCtx& c, float s, float mult, float& t, flo
 }
 
 // Logit soft-capping (docs/maths.md section 6.1), for the kernels instantiated with it
-// (kCap): the raw dot product s becomes s' = cap_out tanh(cap_in s) (params.h: z' = c tanh(z / c)
-// in raw units), which logit_raw then transforms as it would s; `th` receives tanh(cap_in s), whose
-// 1 - th^2 = ds'/ds the backward multiplies in. One FMUL, one MUFU.TANH, one FMUL per score.
-// Without kCap: s itself (and th = 0), no instruction.
-template <bool kCap, typename P>
-SSA_DEVICE float softcap_raw(const P& p, float s, float& th) {
-  if (kCap) {
-    th = tanh_approx(s * p.cap_in);
-    return th * p.cap_out;
-  }
-  th = 0.0f;
-  return s;
-}
-
+// (kCap): the raw dot product s becomes th = tanh(cap_in s), the capped score s' = cap_out th
+// (params.h: z' = c tanh(z / c) in raw units) in units of cap_out, which make_logit_ctx<kCap>
+// folds into the logit coefficient; logit_raw then transforms th as it would s, and the backward
+// multiplies in 1 - th^2 = ds'/ds (softcap_grad). One FMUL and one MUFU.TANH per score.
+// Without kCap: s itself, no instruction.
 template <bool kCap, typename P>
 SSA_DEVICE float softcap_raw(const P& p, float s) {
-  float th;
-  return softcap_raw<kCap>(p, s, th);
+  return kCap ? tanh_approx(s * p.cap_in) : s;
 }
 
-// ds'/ds = 1 - th^2 of softcap_raw (1 without kCap).
+// ds'/ds = 1 - th^2 of softcap_raw's th (1 without kCap).
 template <bool kCap>
 SSA_DEVICE float softcap_grad(float dl, float th) {
   return kCap ? dl * fmaf(-th, th, 1.0f) : dl;

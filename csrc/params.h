@@ -73,8 +73,9 @@ struct FwdParams : AttnShape {
   // Attention sinks and logit soft-capping (docs/maths.md section 6), read only by the kernels
   // instantiated with them (dispatch.h, extras_switch): sinks (H,) the per-head sink logit
   // (natural units), or nullptr; the capped raw score s' = cap_out tanh(cap_in s) of a raw dot
-  // product s, i.e. z' = c tanh(z / c) divided by scale (cap_in = scale / c, cap_out = c / scale),
-  // so everything downstream of the raw score is unchanged. (Last, here and in BwdParams, so
+  // product s, i.e. z' = c tanh(z / c) divided by scale (cap_in = scale / c, cap_out = c / scale):
+  // the kernels transform th = tanh(cap_in s) with cap_out folded into the logit coefficient
+  // (logits.h, make_logit_ctx), so everything downstream of the raw score is unchanged. (Last, here and in BwdParams, so
   // that the kernels without them see every other field at its former offset.)
   const float* sinks;
   bool softcap;
