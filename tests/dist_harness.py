@@ -7,7 +7,8 @@ and runs ``fn(rank, world, *args)``. If any rank raises, the others are terminat
 seconds, it kills them and raises too. Nothing hangs.
 
 Children import this module before anything imports Triton: on a machine without a GPU it sets
-``TRITON_INTERPRET=1`` first, so the Triton kernels run through the interpreter there as well.
+``TRITON_INTERPRET=1`` first, so the Triton kernels run through the interpreter there as well
+(with tests/interpreter_speedup.py's changes, as in the session's process).
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ GROUP_TIMEOUT_S = 60.0
 
 def _entry(rank, fn, world, init_file, group_timeout_s, args):
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import interpreter_speedup  # (tests/: on the children's path too)
+
+        interpreter_speedup.install()  # as tests/conftest.py does in the session's process
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
