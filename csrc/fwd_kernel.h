@@ -87,9 +87,9 @@ SSA_DEVICE void score_gemm(float (&s)[kMS][kN / 8][4], const T* sQ, const T* sQw
 //
 // Soft-capping and sinks (kCap, kSink; docs/maths.md section 6): the capped score replaces the dot
 // product before anything else sees it (logits.h, softcap_raw: the interior loop's x is then
-// th = tanh(z / c), or its SSA t, the cap c / scale folded into the logit coefficient); a sink starts its row at the sink
-// logit (row_state.h, init_row_sink), which m = sink2 beta, l = 1 make part of the final o and lse
-// with nothing per element. Without them the kernel compiles exactly as before.
+// th = tanh(z / c), or its SSA t, the cap c / scale folded into the logit coefficient); a sink
+// starts its row at the sink logit (row_state.h, init_row_sink), which m = sink2 beta, l = 1 make
+// part of the final o and lse with nothing per element. Without them the kernel compiles exactly as before.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   SSA_TILE_NAMES(Tr);

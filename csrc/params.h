@@ -75,8 +75,9 @@ struct FwdParams : AttnShape {
   // (natural units), or nullptr; the capped raw score s' = cap_out tanh(cap_in s) of a raw dot
   // product s, i.e. z' = c tanh(z / c) divided by scale (cap_in = scale / c, cap_out = c / scale):
   // the kernels transform th = tanh(cap_in s) with cap_out folded into the logit coefficient
-  // (logits.h, make_logit_ctx), so everything downstream of the raw score is unchanged. (Last, here and in BwdParams, so
-  // that the kernels without them see every other field at its former offset.)
+  // (logits.h, make_logit_ctx), so everything downstream of the raw score is unchanged. (Last,
+  // here and in BwdParams, so that the kernels without them see every other field at its former
+  // offset.)
   const float* sinks;
   bool softcap;
   float cap_in, cap_out;
