@@ -1,6 +1,7 @@
 """``csrc/*.cu`` compiled once per test session, as an extension build compiles them: ``nvcc -c``
 with the extension's flags (``ssa_flash.backends.cuda_backend.NVCC_FLAGS``), torch's C++ standard,
-``-Xptxas -v``, one nvcc per file for every architecture CI checks (``ARCHS``). Shared by
+``-Xptxas -v``, one nvcc per file for every architecture CI checks (``ARCHS``; bfloat16 files at
+the audit's gated head dims only, ``BF16_DIMS``). Shared by
 tests/cuda/test_csrc_compile.py (errors, warnings, spills of every architecture) and
 tests/audit/test_audit_cuda.py (the SASS audit of the sm_80 / sm_90a cubins in the objects), so
 that CI compiles each file once instead of once per module.
@@ -62,8 +63,30 @@ def cxx_std() -> str:
 EXTRAS = "+extras"
 EXTRAS_UNITS = [cu.name + EXTRAS for cu in CU_FILES if cu.stem.endswith("fp16")]
 EXTRAS_ARCHS = [a for a in ("80", "90a") if a in ARCHS]
-EXTRAS_DEFINES = ["-DSSA_FLASH_EXTRAS=2", "-DSSA_FLASH_HEAD_DIM_32=0", "-DSSA_FLASH_HEAD_DIM_96=0",
-                  "-DSSA_FLASH_HEAD_DIM_256=0"]
+HEAD_DIMS = (32, 64, 96, 128, 256)  # csrc/dispatch.h
+
+
+def head_dim_defines(dims) -> list:
+    """``-DSSA_FLASH_HEAD_DIM_<D>=0`` for every head dim not in ``dims`` (csrc/dispatch.h)."""
+    return [f"-DSSA_FLASH_HEAD_DIM_{d}=0" for d in HEAD_DIMS if d not in dims]
+
+
+EXTRAS_DIMS = (64, 128)
+EXTRAS_DEFINES = ["-DSSA_FLASH_EXTRAS=2", *head_dim_defines(EXTRAS_DIMS)]
+
+# bfloat16 units at the head dims the audit gates (64, 128), float16 at every head dim: above
+# sm_75 a kernel's tiles do not depend on its dtype (csrc/traits.h; sm_75 has no bfloat16
+# kernels), so bfloat16 changes only the MMA instruction and the conversions, and float16's
+# compile at every head dim shows each tile shape's registers and spills. Saves ~2.5 CPU-minutes
+# of CI's nvcc time (bench/NOTES.md, CI time).
+BF16_DIMS = (64, 128)
+
+
+def unit_head_dims(name: str) -> tuple:
+    """Head dims compiled into unit ``name`` (a .cu file or one of ``EXTRAS_UNITS``)."""
+    if name.endswith(EXTRAS):
+        return EXTRAS_DIMS
+    return BF16_DIMS if "bf16" in name else HEAD_DIMS
 
 
 def nvcc_args(archs=None) -> list:
@@ -82,7 +105,7 @@ def _compile(name: str) -> Compiled:
     source = name[:-len(EXTRAS)] if extras else name
     obj = background.tmpdir("csrc_objs") / (Path(source).stem + ("_extras" if extras else "") + ".o")
     args = ([*nvcc_args(EXTRAS_ARCHS), *EXTRAS_DEFINES] if extras
-            else [*nvcc_args(), "-DSSA_FLASH_EXTRAS=0"])
+            else [*nvcc_args(), "-DSSA_FLASH_EXTRAS=0", *head_dim_defines(unit_head_dims(name))])
     start = time.monotonic()
     proc = subprocess.run([NVCC, *args, source, "-o", str(obj)], cwd=CSRC, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

@@ -16,8 +16,8 @@
    misreading of the PTX ISA shared by the kernels and the emulation, and speed.
 
 Skipped when nvcc is not on PATH or torch's C++ headers are missing. The compilations (one nvcc per
-file, every architecture per nvcc: tests/csrc_objects.py, whose objects tests/audit/test_audit_cuda.py
-audits too) start in the background when collection ends
+file, every architecture per nvcc, float16 at every head dim and bfloat16 at 64 and 128:
+tests/csrc_objects.py, whose objects tests/audit/test_audit_cuda.py audits too) start in the background when collection ends
 (tests/background.py, ``prebuild``) and this module runs near the end of a session, so they
 overlap the other modules' tests; its emulation tests run while nvcc finishes. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other
 architectures.
@@ -142,9 +142,9 @@ def _job_table():
     (first: the emulation tests need them first and run while nvcc works), the .cu files (one
     nvcc each, every architecture: csrc_objects; the backward files, slowest, first), the sm_70
     NVRTC builds, the binding."""
-    table = {"emulator": (_build_emulator, ("emu",), {}),
-             # the other code paths' emulators without the softcap / sink instances (their tests
-             # do not use them; tests/cuda/test_cuda_sinks_softcap.py runs the first emulator)
+    # without the soft-capping / sink instances (a third of the build time): this module's tests
+    # do not use them; tests/cuda/test_cuda_sinks_softcap.py runs emulation.py's build, which has them
+    table = {"emulator": (_build_emulator, ("emu",), dict(extras=False)),
              "emulator_sm75": (_build_emulator, ("emu75",), dict(head_dims=(64, 128), sm75=True, extras=False)),
              "emulator_sm70": (_build_emulator, ("emu70",), dict(head_dims=(64, 128, 256), sm70=True, extras=False)),
              "emulator_sm90": (_build_emulator, ("emu90",), dict(head_dims=(64, 128), sm90=True, extras=False))}
