@@ -1,8 +1,8 @@
 """``csrc/*.cu`` compiled once per test session, as an extension build compiles them: ``nvcc -c``
 with the extension's flags (``ssa_flash.backends.cuda_backend.NVCC_FLAGS``), torch's C++ standard,
 ``-Xptxas -v``, one nvcc per file for every architecture CI checks (``ARCHS``; bfloat16 files at
-the audit's gated head dims only, ``BF16_DIMS``). Shared by
-tests/cuda/test_csrc_compile.py (errors, warnings, spills of every architecture) and
+the audit's gated head dims only, ``BF16_DIMS``). Shared by tests/cuda/test_csrc_compile.py
+(errors, warnings, spills of every architecture) and
 tests/audit/test_audit_cuda.py (the SASS audit of the sm_80 / sm_90a cubins in the objects), so
 that CI compiles each file once instead of once per module.
 
@@ -72,7 +72,6 @@ def head_dim_defines(dims) -> list:
 
 
 EXTRAS_DIMS = (64, 128)
-EXTRAS_DEFINES = ["-DSSA_FLASH_EXTRAS=2", *head_dim_defines(EXTRAS_DIMS)]
 
 # bfloat16 units at the head dims the audit gates (64, 128), float16 at every head dim: above
 # sm_75 a kernel's tiles do not depend on its dtype (csrc/traits.h; sm_75 has no bfloat16
@@ -104,8 +103,8 @@ def _compile(name: str) -> Compiled:
     extras = name.endswith(EXTRAS)
     source = name[:-len(EXTRAS)] if extras else name
     obj = background.tmpdir("csrc_objs") / (Path(source).stem + ("_extras" if extras else "") + ".o")
-    args = ([*nvcc_args(EXTRAS_ARCHS), *EXTRAS_DEFINES] if extras
-            else [*nvcc_args(), "-DSSA_FLASH_EXTRAS=0", *head_dim_defines(unit_head_dims(name))])
+    args = [*nvcc_args(EXTRAS_ARCHS if extras else None), f"-DSSA_FLASH_EXTRAS={2 if extras else 0}",
+            *head_dim_defines(unit_head_dims(name))]
     start = time.monotonic()
     proc = subprocess.run([NVCC, *args, source, "-o", str(obj)], cwd=CSRC, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

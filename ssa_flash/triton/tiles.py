@@ -19,9 +19,8 @@ First choices come from the static audit (``python -m ssa_flash.audit --arch <fa
 per-family entry of bench/NOTES.md): the largest tiles whose main loops compile without register
 spills and within the family's shared memory. ``tests/audit/test_audit.py`` compiles every family's
 first choice at head dim 128 (and 64 on sm_80 / sm_90; dropout, window, packed and decoding
-launches included) and
-fails on a spill or a shared-memory overflow; ``tests/triton/test_tiles.py`` checks the estimate below
-against every family's limit.
+launches included) and fails on a spill or a shared-memory overflow; ``tests/triton/test_tiles.py``
+checks the estimate below against every family's limit.
 """
 from __future__ import annotations
 

@@ -17,10 +17,10 @@
 
 Skipped when nvcc is not on PATH or torch's C++ headers are missing. The compilations (one nvcc per
 file, every architecture per nvcc, float16 at every head dim and bfloat16 at 64 and 128:
-tests/csrc_objects.py, whose objects tests/audit/test_audit_cuda.py audits too) start in the background when collection ends
-(tests/background.py, ``prebuild``) and this module runs near the end of a session, so they
-overlap the other modules' tests; its emulation tests run while nvcc finishes. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other
-architectures.
+tests/csrc_objects.py, whose objects tests/audit/test_audit_cuda.py audits too) start in the
+background when collection ends (tests/background.py, ``prebuild``) and this module runs near the
+end of a session, so they overlap the other modules' tests; its emulation tests run while nvcc
+finishes. ``SSA_FLASH_COMPILE_ARCHS`` (e.g. ``"75 80 90a"``) selects other architectures.
 """
 from __future__ import annotations
 
