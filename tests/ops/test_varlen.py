@@ -249,9 +249,9 @@ def test_dropout_and_window_match_reference(mode, causal, window):
     for name, grad in ours[2].items():
         assert torch.isfinite(grad).all(), name
         torch.testing.assert_close(grad, ref[2][name], atol=1e-9, rtol=1e-9, msg=f"d{name}")
-    # the window and the dropout both change the result
-    torch.manual_seed(11)
-    plain = run_varlen(mode, q, k, v, b, n, LENS_Q, LENS_K, dout, dlse, "triton", is_causal=causal, enable_gqa=True)
+    # the window and the dropout both change the result (ours equals the reference: compared with
+    # the reference without them, which costs no interpreted kernel)
+    plain = run_varlen(mode, q, k, v, b, n, LENS_Q, LENS_K, dout, dlse, "reference", is_causal=causal, enable_gqa=True)
     assert not torch.allclose(ours[0], plain[0])
 
 
