@@ -25,7 +25,10 @@
 // g_i = dbeta_i * dbeta/dH_i needs dbeta_i = sum_j dS'_ij l_ij over the whole row before any dl:
 // with ADAPTIVE the dQ kernel makes a first pass over the keys (S and dP only) for dbeta, then
 // the main pass with g known. (The Triton kernel instead keeps a second dQ accumulator; in CUDA
-// registers are the scarce resource, so the extra pass is the cheaper choice.)
+// registers are the scarce resource, so the extra pass is the cheaper choice.) dbeta is summed
+// centred, sum_j dS'_ij (l_ij - lse^l_i) + lse^l_i dlse_i (equal, as sum_j dS'_ij = dlse_i): the
+// plain sum's terms are the size of the logits and cancel, turning rounding in P' into an error
+// of lse^l times it (docs/maths.md).
 #pragma once
 
 #include "block_info.h"
@@ -109,8 +112,8 @@ SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float 
   return softcap_grad<kCap>(dl, s);
 }
 
-// dbeta pass: dS'_ij * l_ij (natural units), 0 where the key is not admissible; dp as in
-// score_grad.
+// dbeta pass: dS'_ij * (l_ij - lse^l_i) (natural units, centred: see the top of this file), 0
+// where the key is not admissible; dp as in score_grad.
 template <bool kSSA, bool kCheck, bool kBand = true, bool kCap = false, typename P>
 SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
@@ -121,7 +124,7 @@ SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, 
     if (l2 == neg_inf()) return 0.0f;
   }
   const float pp = ex2(fmaf(l2, r.beta, -r.lse2));
-  return pp * (dp - r.delta) * l2 * kLn2;
+  return pp * (dp - r.delta) * (l2 - r.lse_l2) * kLn2;
 }
 
 // The two score GEMMs of a step, s = A_s B_s^T and dp = A_p B_p^T (S and dP in the dQ kernel,
@@ -159,8 +162,9 @@ SSA_DEVICE void score_gemms(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4],
 // kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
 // (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
 // kCap: soft-capping (score_grad); kSink (adaptive only): the sink's term of dbeta,
-// dS'_sink s_h = -P'_sink delta s_h (docs/maths.md section 6.2), added once per row after the dbeta
-// pass. Without an adaptive temperature a sink needs nothing here: the forward's lse includes it.
+// dS'_sink (s_h - lse^l) = -P'_sink delta (s_h - lse^l) (docs/maths.md section 6.2), added once
+// per row after the dbeta pass. Without an adaptive temperature a sink needs nothing here: the
+// forward's lse includes it.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   SSA_TILE_NAMES(Tr);
@@ -230,6 +234,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   __syncthreads();
 
   // delta = rowsum(dO * O) - dlse: the 4 lanes of a row split its columns in chunks of 8.
+  float dlse_lo = 0.0f, dlse_hi = 0.0f;
   {
     const int lr = warp * 16 + Frag::row(lane);
     float d_lo = 0.0f, d_hi = 0.0f;
@@ -256,8 +261,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     d_lo = quad_sum(d_lo);
     d_hi = quad_sum(d_hi);
     if (p.dlse != nullptr) {
-      if (ok_lo) d_lo -= p.dlse[stat0 + r_lo];
-      if (ok_hi) d_hi -= p.dlse[stat0 + r_hi];
+      if (ok_lo) dlse_lo = p.dlse[stat0 + r_lo];
+      if (ok_hi) dlse_hi = p.dlse[stat0 + r_hi];
+      d_lo -= dlse_lo;
+      d_hi -= dlse_hi;
     }
     st_lo.delta = d_lo;
     st_hi.delta = d_hi;
@@ -405,13 +412,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       dbeta_lo = quad_sum(dbeta_lo);
       dbeta_hi = quad_sum(dbeta_hi);
       if (kSink) {
-        // (natural units; rows past len_q have delta 0)
+        // (natural units, centred as the keys' terms; rows past len_q have delta 0)
         const float sink = p.sinks[blk.head];
         if (sink != neg_inf()) {
-          dbeta_lo -= ex2(fmaf(sink * kLog2e, st_lo.beta, -st_lo.lse2)) * st_lo.delta * sink;
-          dbeta_hi -= ex2(fmaf(sink * kLog2e, st_hi.beta, -st_hi.lse2)) * st_hi.delta * sink;
+          dbeta_lo -= ex2(fmaf(sink * kLog2e, st_lo.beta, -st_lo.lse2)) * st_lo.delta *
+                      fmaf(-st_lo.lse_l2, kLn2, sink);
+          dbeta_hi -= ex2(fmaf(sink * kLog2e, st_hi.beta, -st_hi.lse2)) * st_hi.delta *
+                      fmaf(-st_hi.lse_l2, kLn2, sink);
         }
       }
+      // the centred sum's offset, lse^l dlse (sum_j dS'_ij = dlse_i)
+      dbeta_lo = fmaf(st_lo.lse_l2 * kLn2, dlse_lo, dbeta_lo);
+      dbeta_hi = fmaf(st_hi.lse_l2 * kLn2, dlse_hi, dbeta_hi);
       st_lo.g = dbeta_lo * dbdh_lo;
       st_hi.g = dbeta_hi * dbdh_hi;
       if (write_ws) {

@@ -290,14 +290,19 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec, g=No
     if sinks is not None:  # the sink's value vector is zero: dP'_sink = 0
         dp = torch.cat([dp, dp.new_zeros((*dp.shape[:-1], 1))], dim=-1)
     ds = p_s * (dp - delta.unsqueeze(-1))  # dS', 0 where inadmissible
-    l0 = l.masked_fill(~allowed, 0.0)
     if spec.adaptive:
-        dbeta = (ds * l0).sum(-1)
+        lse_l = temp.lse_l.to(acc)
+        lse_l = torch.where(torch.isfinite(lse_l), lse_l, torch.zeros_like(lse_l))
+        logp = (l - lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)  # log P, P = softmax(l)
+        # dbeta_i = sum_j dS'_ij l_ij summed centred (spec.KeyShardTemperature.row_dbeta): since
+        # sum_j dS'_ij = dlse_i, it is sum_j dS'_ij (l_ij - lse^l_i) + lse^l_i dlse_i
+        dbeta = (ds * logp).sum(-1)
         if dbeta_only:
             return dbeta
+        if dlse is not None:
+            dbeta = dbeta + lse_l * dlse.to(acc)
         g = dbeta * temp.dbeta_dh if g is None else g.to(acc)
         p = _weights(l, allowed, temp.lse_l)  # P = softmax(l), the whole row's
-        logp = (l - temp.lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)
         dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
     else:
         dl = ds

@@ -245,8 +245,9 @@ class KeyShardTemperature(Protocol):
     docs/design.md §1.3: ``g_i = dbeta_i * dbeta/dH_i`` with ``dbeta_i = sum_j dS'_ij l_ij`` over the
     whole row, and every ``dl_ij`` needs ``g_i``. :meth:`Backend.backward` computes ``dbeta`` over
     the keys it is given, which for a key shard is only part of the sum. A caller holding key
-    shards sums :meth:`row_dbeta` over them, forms ``g``, and calls :meth:`backward_given_g` on
-    each shard. ``out``, ``lse`` and ``temp`` are always those of whole rows (all keys).
+    shards sums :meth:`row_dbeta` over them, adds ``temp.lse_l * dlse`` once per row (where a
+    gradient reaches the LSE), forms ``g``, and calls :meth:`backward_given_g` on each shard.
+    ``out``, ``lse`` and ``temp`` are always those of whole rows (all keys).
 
     These functions take no ``sinks``: a sink belongs to the whole row, not to a shard of its
     keys, so a caller holding key shards adds its terms once per row itself
@@ -256,9 +257,12 @@ class KeyShardTemperature(Protocol):
     def row_dbeta(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
                   n: Optional[Tensor], temp: TemperatureState, spec: AttentionSpec) -> Tensor:
-        """``(B, Hq, Lq)``: ``sum_j dS'_ij l_ij`` over the keys given (``l`` the temperature-free
-        logit row, ``dS' = P' * (dout . v_j - delta_i)`` with ``P'`` from the whole row's
-        ``lse``); 0 on rows with no admissible key among them."""
+        """``(B, Hq, Lq)``: ``sum_j dS'_ij (l_ij - lse^l_i)`` over the keys given (``l`` the
+        temperature-free logit row, ``lse^l = temp.lse_l`` its whole row's LSE, ``dS' = P' *
+        (dout . v_j - delta_i)`` with ``P'`` from the whole row's ``lse``); 0 on rows with no
+        admissible key among them. Centred, since ``sum_j dS'_ij = dlse_i`` over the whole row,
+        ``dbeta_i`` is the sum over the shards plus ``lse^l_i dlse_i``, without the cancellation of
+        terms the size of the logits (docs/maths.md)."""
 
     def backward_given_g(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                          lse: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],

@@ -25,7 +25,9 @@ softmax over a logit row ``l`` (``phi(z)`` or ``z``), and for the adaptive tempe
   gradient is a sum over shards: ``dq`` over key shards, ``dk``, ``dv`` over query shards, ``db``,
   ``dn`` over both. The adaptive temperature's ``g_i = dbeta_i dbeta/dH_i`` needs the whole row's
   ``dbeta_i = sum_j dS'_ij l_ij`` first: a pass of :func:`partial_dbeta` over the key shards,
-  summed, then :func:`partial_backward` with that ``g``.
+  summed (each shard's part centred at the row's ``lse^l``, which ``sum_j dS'_ij = dlse_i`` allows:
+  ``+ lse^l_i dlse_i`` once per row where a gradient reaches the LSE), then
+  :func:`partial_backward` with that ``g``.
 
 * attention sinks (docs/design.md §1.6): the sink is one more entry of every row, belonging to no
   key shard, so it is counted once per row, not once per shard: the shards run without it, and
@@ -213,9 +215,11 @@ def merge_outputs_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor)
 def partial_dbeta(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   b: Optional[Tensor], n: Optional[Tensor], temp: TemperatureState,
                   spec: AttentionSpec, backend: str, dlse: Optional[Tensor] = None) -> Tensor:
-    """``(B, Hq, Lq)``: this key shard's part of ``dbeta_i = sum_j dS'_ij l_ij`` (adaptive only).
-    ``out``, ``lse``, ``temp`` (and ``dlse``, the gradient reaching ``lse`` if any) are those of
-    the whole rows. Sum over the key shards, then ``g = dbeta * temp.dbeta_dh``."""
+    """``(B, Hq, Lq)``: this key shard's part of ``dbeta_i = sum_j dS'_ij l_ij`` (adaptive only),
+    centred: ``sum_j dS'_ij (l_ij - lse^l_i)`` with ``lse^l = temp.lse_l``. ``out``, ``lse``,
+    ``temp`` (and ``dlse``, the gradient reaching ``lse`` if any) are those of the whole rows.
+    Sum over the key shards (and :func:`sink_dbeta`), add ``temp.lse_l * dlse`` once if ``dlse``
+    is given, then ``g = dbeta * temp.dbeta_dh``."""
     if not spec.adaptive:
         raise ValueError("partial_dbeta is for the adaptive temperature (spec.adaptive) only")
     be = backends.get(backend)
@@ -303,11 +307,14 @@ def _sink_ds(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, beta: Option
 
 def sink_dbeta(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, temp: TemperatureState,
                dlse: Optional[Tensor] = None) -> Tensor:
-    """``(B, Hq, Lq)``: the sink's part of ``dbeta_i = sum_j dS'_ij l_ij`` (adaptive only), to add
-    once to the sum of :func:`partial_dbeta` over the key shards. Whole rows' tensors."""
+    """``(B, Hq, Lq)``: the sink's part of ``dbeta_i``, centred as :func:`partial_dbeta`'s
+    (``dS'_sink (s_h - lse^l_i)``; adaptive only), to add once to the sum of
+    :func:`partial_dbeta` over the key shards. Whole rows' tensors."""
     s, ds = _sink_ds(dout, out, lse, sinks, temp.beta, dlse)
-    return torch.where(torch.isfinite(s), ds * torch.where(torch.isfinite(s), s, torch.zeros_like(s)),
-                       torch.zeros_like(ds))
+    finite = torch.isfinite(s)  # then lse_l >= s is finite too (the sink is in the row)
+    centred = torch.where(finite, s - torch.where(finite, temp.lse_l.to(ds.dtype), torch.zeros_like(s)),
+                          torch.zeros_like(s))
+    return torch.where(finite, ds * centred, torch.zeros_like(ds))
 
 
 def sink_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,

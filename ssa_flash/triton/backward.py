@@ -37,8 +37,11 @@ per row or per program, not per element, and ``dn`` is accumulated without divid
 so the backward keeps the sign of ``n`` and of the scale in the logit coefficient.
 
 ``g_i = dbeta_i * dbeta/dH_i`` needs ``dbeta_i = sum_j dS'_ij l_ij`` over the whole row before any
-``dl`` is known. Kernel 1 owns whole rows, so it accumulates the ``beta dS'`` part and the
-``P (log P + H)`` part of every row-sum separately and combines them with ``g`` at the end;
+``dl`` is known. It is summed centred, ``sum_j dS'_ij (l_ij - lse^l_i) + lse^l_i dlse_i`` (the
+same, since ``sum_j dS'_ij = dlse_i``, the sink's entry included): the plain sum of terms the size
+of the logits cancels to a small result, and rounding in ``P'`` became an error of ``lse^l`` times
+it (docs/maths.md, the adaptive temperature's backward). Kernel 1 owns whole rows, so it
+accumulates the ``beta dS'`` part and the ``P (log P + H)`` part of every row-sum separately and combines them with ``g`` at the end;
 kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring attention) cannot get
 ``dbeta`` from one launch: it reads each shard's partial ``dbeta`` out of ``G`` (a launch with
 ``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
@@ -113,8 +116,9 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
     ``coefs = (cb, coef, cap_a)``, the rows' ``rows = (lse2, delta, beta, lse_l2, ent)``,
     ``window = (left, right)``, ``dropout_args = (drop, drop_scale, start_m)``. Accumulates (unscaled):
     ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
-    ADAPTIVE also ``dbeta`` and the entropy-term sums. With DROPOUT ``dP' = r M (dO V^T)``
-    (``drop``: ``dropout.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query).
+    ADAPTIVE also ``dbeta`` (centred: ``rowsum(dl (l2 - lse_l2))``) and the entropy-term sums.
+    With DROPOUT ``dP' = r M (dO V^T)`` (``drop``: ``dropout.dropout_state``'s tuple,
+    ``drop_scale = r``, ``start_m`` the first query).
     SSA with ``SOFTCAP`` also ``db_acc += rowsum(dl t / u)`` (and ``db_ent``): the cap breaks the
     identity that gives ``db`` from ``dQ``."""
     stride_kn, stride_vn, stride_mask_m, stride_mask_n = row_strides
@@ -165,13 +169,13 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
-                dbeta += tl.sum(dl * tl.where(admissible, l2, 0.0), 1)
                 log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
+                dbeta += tl.sum(dl * log_p2, 1)
                 ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
             else:
                 l2 = x * coef
-                dbeta += tl.sum(dl * l2, 1)
                 log_p2 = l2 - lse_l2[:, None]
+                dbeta += tl.sum(dl * log_p2, 1)
                 ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None])
             dl = dl * beta[:, None]
         if SSA:
@@ -212,7 +216,7 @@ def attention_bwd_dq_kernel(
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0,
     G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
-    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False, DBETA_PART: tl.constexpr = False,
 ):
     """dQ of one query block, with (SSA) its share of dB, dN and (adaptive) the temperature terms.
     Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``row_stats = (LSE, DLSE,
@@ -221,7 +225,9 @@ def attention_bwd_dq_kernel(
     ``temperature = (BETA, LSE_L, ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
     ``ssa_parts = (DB_PART, DN_PART)`` the per-program partial sums of dB and dN,
     ``seqlens = (CU_Q, CU_K)``; ``sinks = (SINK, DSINK_PART)`` the ``(Hq,)`` sink logits and the
-    per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward."""
+    per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward.
+    ``DBETA_PART``: the keys are a shard of the rows' (:func:`~.launch.row_dbeta`), whose ``dbeta``
+    is the shard's centred sum alone."""
     H, Lq, Lk, D, DV, GROUP, num_m_blocks = dims
     LSE, DLSE, DELTA, LSE2, stat_stride_h = row_stats
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
@@ -244,8 +250,10 @@ def attention_bwd_dq_kernel(
     o = tl.load(tile_ptrs(O, rows_base(o_strides, batch, q_row0), o_strides, off_h, offs_m, offs_dv), mask=vd_ok, other=0.0)
     row_stat = row_base + offs_m
     delta = tl.sum(do.to(ACC) * o.to(ACC), 1)
+    dlse = tl.zeros((BLOCK_M,), dtype=ACC)
     if HAS_DLSE:  # d lse_i / d S'_ij = P'_ij: a gradient on the LSE only shifts delta
-        delta -= tl.load(DLSE + row_stat, mask=row_ok, other=0.0).to(ACC)
+        dlse = tl.load(DLSE + row_stat, mask=row_ok, other=0.0).to(ACC)
+        delta -= dlse
     tl.store(DELTA + row_stat, delta, mask=row_ok)
     lse2 = _masked_lse2(tl.load(LSE + row_stat, mask=row_ok, other=0.0).to(ACC))
     tl.store(LSE2 + row_stat, lse2, mask=row_ok)  # for the dK/dV kernel, ready to use
@@ -304,13 +312,17 @@ def attention_bwd_dq_kernel(
         p_sink = tl.exp2(sink * LOG2E * beta - lse2)
         ds_sink = tl.where(row_ok, -p_sink * delta, 0.0)
         if ADAPTIVE:
-            # (a sink of -inf: no term; where() first, so that no 0 * inf is formed)
-            dbeta += ds_sink * tl.where(p_sink > 0.0, sink * LOG2E, 0.0)
+            # (centred as the keys' terms; a sink of -inf: no term, where() first, so that no
+            # 0 * inf is formed)
+            dbeta += ds_sink * tl.where(p_sink > 0.0, sink * LOG2E - lse_l2, 0.0)
     if ADAPTIVE:
         if G_GIVEN:  # the caller holds only some of the keys and gives the whole row's g
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
         else:
-            # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e)
+            # dbeta_i = sum_j dS'_ij l_ij, with l2 = l log2(e), from its centred sum (module
+            # docstring); a shard of the keys (DBETA_PART) leaves lse^l dlse to its caller
+            if HAS_DLSE and not DBETA_PART:
+                dbeta += lse_l2 * dlse
             g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
             tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent

@@ -856,7 +856,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     For callers holding a shard of the keys (adaptive only; see :func:`row_dbeta`): ``g``
     ``(B, Hq, Lq)`` is the temperature gradient ``g_i = dbeta_i * dbeta/dH_i`` of whole rows, used
     instead of the one computed from the keys given; ``dbeta_only`` runs the dQ kernel alone and
-    returns its ``g`` (``temp.dbeta_dh`` of ones makes that the partial ``dbeta``).
+    returns its ``g`` (``temp.dbeta_dh`` of ones makes that the partial ``dbeta``, centred as
+    :func:`row_dbeta` says).
     """
     if isinstance(layout, KVCache):
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
@@ -935,6 +936,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
                      POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dq"))
     if g_given:  # only then: the default specialisations' constexprs stay as they were
         dq_consts["G_GIVEN"] = True
+    if dbeta_only and dlse is not None:  # a shard's dbeta: the caller adds lse_l * dlse once per row
+        dq_consts["DBETA_PART"] = True
     _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(lay.Lq, blk.m) * B * H,), dq_args,
             dq_consts, q.device, head_block, q.dtype, spec.deterministic)
     if dbeta_only:
@@ -962,10 +965,11 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
 
 
 def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
-    """``dbeta_i = sum_j dS'_ij l_ij`` ``(B, Hq, Lq)`` over the keys given (adaptive only), for a
-    caller holding a shard of the keys: ``o``, ``lse`` and ``temp`` are those of whole rows, so
-    the shards' results sum to the whole row's ``dbeta``. One launch of the dQ kernel with
-    ``dbeta/dH = 1`` (its other outputs are discarded)."""
+    """This shard's centred part of ``dbeta_i``, ``sum_j dS'_ij (l_ij - lse^l_i)`` ``(B, Hq, Lq)``
+    over the keys given (adaptive only; the contract of
+    :meth:`ssa_flash.backends.spec.KeyShardTemperature.row_dbeta`): ``o``, ``lse`` and ``temp``
+    are those of whole rows. One launch of the dQ kernel with ``dbeta/dH = 1`` (its other outputs
+    are discarded)."""
     if not spec.adaptive:
         raise ValueError("row_dbeta is for the adaptive temperature only")
     ones = TemperatureState(temp.beta, temp.lse_l, temp.entropy, torch.ones_like(temp.dbeta_dh))

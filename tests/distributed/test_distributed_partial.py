@@ -40,14 +40,14 @@ def _inputs(mode, dtype, L=24, Hq=2, Hkv=1, D=16, seed=0):
     return q, k, v, dout, b, n
 
 
-def _unsharded(be, q, k, v, dout, b, n, spec):
+def _unsharded(be, q, k, v, dout, b, n, spec, dlse=None):
     temp = beta = None
     if spec.adaptive:
         ent, lse_l = be.row_entropy(q, k, None, b, n, None, spec)
         beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
         temp = backends.TemperatureState(beta, lse_l, ent, dbeta_dh)
     out, lse = be.forward(q, k, v, None, b, n, None, beta, spec)
-    grads = be.backward(dout, q, k, v, out, lse, None, None, b, n, None, temp, spec)[:5]
+    grads = be.backward(dout, q, k, v, out, lse, dlse, None, b, n, None, temp, spec)[:5]
     return out, lse, temp, grads
 
 
@@ -64,10 +64,10 @@ def _pairs(L, causal, cuts):
     return pairs
 
 
-def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_full):
+def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_full, dlse=None):
     """Forward and backward assembled from the partial functions over ``pairs``. The backward
     uses the unsharded out/lse/temperature (the forward's merged ones are compared separately),
-    so forward and backward errors do not mix."""
+    so forward and backward errors do not mix. ``dlse``: the gradient reaching the LSE, if any."""
     def sp(diag):
         return dataclasses.replace(spec, causal=diag)
 
@@ -98,7 +98,10 @@ def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_fu
         for qs, ks, diag in pairs:
             rows(dbeta, qs).add_(P.partial_dbeta(rows(dout, qs), rows(q, qs), rows(k, ks), rows(v, ks),
                                                  rows(out_full, qs), rows(lse_full, qs), b, n, temp_rows(qs),
-                                                 sp(diag), name))
+                                                 sp(diag), name, dlse=None if dlse is None else rows(dlse, qs)))
+        if dlse is not None:  # the shards' parts are centred at lse_l: its term once per row
+            lse_l = temp_full.lse_l
+            dbeta += torch.where(torch.isfinite(lse_l), lse_l, torch.zeros_like(lse_l)) * dlse
         g = dbeta * temp_full.dbeta_dh
     acc = lse_full.dtype
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
@@ -107,7 +110,7 @@ def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_fu
         pq, pk, pv, pb, pn = P.partial_backward(
             rows(dout, qs), rows(q, qs), rows(k, ks), rows(v, ks), rows(out_full, qs), rows(lse_full, qs), b, n,
             sp(diag), name, temp=temp_rows(qs) if spec.adaptive else None,
-            g=rows(g, qs) if spec.adaptive else None)
+            g=rows(g, qs) if spec.adaptive else None, dlse=None if dlse is None else rows(dlse, qs))
         rows(dq, qs).add_(pq)
         rows(dk, ks).add_(pk)
         rows(dv, ks).add_(pv)
@@ -122,15 +125,19 @@ def _close(name, ours, ref, tol):
     assert err <= tol * max(1.0, ref.abs().max().item()), f"{name}: max error {err:.3g}"
 
 
-def _check(name, mode, causal, dtype, cuts, L):
+def _check(name, mode, causal, dtype, cuts, L, with_dlse=False):
     q, k, v, dout, b, n = _inputs(mode, dtype, L=L)
     spec = AttentionSpec(scale=0.3, causal=causal, group=q.shape[1] // k.shape[1], adaptive="adaptive" in mode)
     be = backends.get(name)
-    out_ref, lse_ref, temp_ref, grads_ref = _unsharded(be, q, k, v, dout, b, n, spec)
+    dlse = None
+    if with_dlse:
+        g = torch.Generator().manual_seed(9)
+        dlse = torch.randn(q.shape[:-1], generator=g, dtype=torch.float64).to(DEVICE, dtype)  # (float32 / 64 only)
+    out_ref, lse_ref, temp_ref, grads_ref = _unsharded(be, q, k, v, dout, b, n, spec, dlse)
     if spec.adaptive:  # the temperature must be active on some rows, or the test proves little
         assert (temp_ref.dbeta_dh != 0).any() and (temp_ref.beta > 1).any()
     out, lse, temp, grads = _sharded(name, q, k, v, dout, b, n, spec, _pairs(L, causal, cuts),
-                                     out_ref, lse_ref, temp_ref)
+                                     out_ref, lse_ref, temp_ref, dlse)
     tol = TOL[dtype]
     _close("out", out, out_ref, tol)
     _close("lse", lse, lse_ref, tol)
@@ -158,6 +165,13 @@ def test_triton_shards_merge_to_unsharded(mode, causal):
 def test_triton_shards_float32_and_four_shards():
     """float32, four causal shards (10 visible pairs), SSA with the adaptive temperature."""
     _check("triton", "ssa_adaptive", True, torch.float32, [(0, 6), (6, 12), (12, 18), (18, 24)], 24)
+
+
+@pytest.mark.parametrize("name", [pytest.param("triton", marks=needs_kernels), "reference"])
+def test_shards_with_a_gradient_on_the_lse(name):
+    """A gradient reaching the LSE too (dlse): each shard's part of dbeta is centred at the row's
+    lse^l, and its caller adds lse^l dlse once per row (docs/maths.md section 3.2)."""
+    _check(name, "ssa_adaptive", True, torch.float64, EVEN3, 24, with_dlse=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

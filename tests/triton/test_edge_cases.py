@@ -28,6 +28,22 @@ def test_extreme_b_n(b, n, adaptive):
     check("ssa_adaptive" if adaptive else "ssa", q, k, v, bt, nt)
 
 
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_adaptive_dbeta_at_large_logits(with_dlse):
+    """b = 1e3, n = 20 (logits near 160) and three equal keys, so that the rows that prefer them
+    have an active temperature (H near log 3): dbeta = sum_j dS'_ij l_ij summed plainly cancels
+    terms the size of the logits, and the rounding of the recomputed P' made dq 4.8x and dk 2.5x
+    the tolerance here on the CPU (a GPU's approximate exp2 / log2 fails the plain sum at
+    test_extreme_b_n's inputs too); the kernels sum it centred (docs/maths.md section 3.2). With a
+    gradient on the LSE, the centred sum's offset lse^l dlse."""
+    q, k, v = make_qkv(Lq=19, Lk=21, D=16, seed=1, requires_grad=False)
+    k[:, :, 1:3] = k[:, :, :1]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    bt = torch.full((2,), 1e3, device=DEVICE, requires_grad=True)
+    nt = torch.full((2,), 20.0, device=DEVICE, requires_grad=True)
+    check("ssa_adaptive", q, k, v, bt, nt, with_dlse=with_dlse)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_float16_near_its_range(mode):
     """Inputs of magnitude ~200 in float16: q.k reaches 1e5, beyond float16's range, but the
