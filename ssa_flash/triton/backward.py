@@ -41,12 +41,12 @@ so the backward keeps the sign of ``n`` and of the scale in the logit coefficien
 same, since ``sum_j dS'_ij = dlse_i``, the sink's entry included): the plain sum of terms the size
 of the logits cancels to a small result, and rounding in ``P'`` became an error of ``lse^l`` times
 it (docs/maths.md, the adaptive temperature's backward). Kernel 1 owns whole rows, so it
-accumulates the ``beta dS'`` part and the ``P (log P + H)`` part of every row-sum separately and combines them with ``g`` at the end;
-kernel 2 then reads ``g``. A caller holding only a shard of the keys (ring attention) cannot get
-``dbeta`` from one launch: it reads each shard's partial ``dbeta`` out of ``G`` (a launch with
-``dbeta/dH = 1``), sums them, and launches again with ``G_GIVEN`` (kernel 1 then loads the whole
-row's ``g`` instead of computing it; ``G_GIVEN=False``, the default, compiles as before). The
-``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
+accumulates the ``beta dS'`` part and the ``P (log P + H)`` part of every row-sum separately and
+combines them with ``g`` at the end; kernel 2 then reads ``g``. A caller holding only a shard
+of the keys (ring attention) cannot get ``dbeta`` from one launch: it reads each shard's partial
+(centred) ``dbeta`` out of ``G`` (a launch with ``dbeta/dH = 1``), sums them, and launches again
+with ``G_GIVEN`` (kernel 1 then loads the whole row's ``g`` instead of computing it;
+``G_GIVEN=False``, the default, compiles as before). The ``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
 
 Soft-capping (``SOFTCAP``, docs/maths.md §6.1): the tiles recompute the capped score ``t`` (logits.py)
 and ``ds`` gains the factor ``dz'/dz = 1 - t^2``; ``db`` is then accumulated per element
