@@ -46,7 +46,8 @@ combines them with ``g`` at the end; kernel 2 then reads ``g``. A caller holding
 of the keys (ring attention) cannot get ``dbeta`` from one launch: it reads each shard's partial
 (centred) ``dbeta`` out of ``G`` (a launch with ``dbeta/dH = 1``), sums them, and launches again
 with ``G_GIVEN`` (kernel 1 then loads the whole row's ``g`` instead of computing it;
-``G_GIVEN=False``, the default, compiles as before). The ``db``/``dn`` partials are reduced in a fixed order afterwards, so the backward is deterministic.
+``G_GIVEN=False``, the default, compiles as before). The ``db``/``dn`` partials are reduced in a
+fixed order afterwards, so the backward is deterministic.
 
 Soft-capping (``SOFTCAP``, docs/maths.md §6.1): the tiles recompute the capped score ``t`` (logits.py)
 and ``ds`` gains the factor ``dz'/dz = 1 - t^2``; ``db`` is then accumulated per element
