@@ -26,9 +26,11 @@
 // with ADAPTIVE the dQ kernel makes a first pass over the keys (S and dP only) for dbeta, then
 // the main pass with g known. (The Triton kernel instead keeps a second dQ accumulator; in CUDA
 // registers are the scarce resource, so the extra pass is the cheaper choice.) dbeta is summed
-// centred, sum_j dS'_ij (l_ij - lse^l_i) + lse^l_i dlse_i (equal, as sum_j dS'_ij = dlse_i): the
-// plain sum's terms are the size of the logits and cancel, turning rounding in P' into an error
-// of lse^l times it (docs/maths.md).
+// centred, sum_j dS'_ij (l_ij - c_i) + c_i dlse_i (equal, as sum_j dS'_ij = dlse_i): the plain
+// sum's terms are the size of the logits and cancel, turning rounding in P' into an error of the
+// logits' size times it (docs/maths.md). Here c_i = lse'_i / beta_i (the LSE of S' in l's units,
+// a few units from lse^l, the Triton kernel's choice), so that each term is dS' times the
+// exponent P' is formed from, beta l - lse', over beta: no instruction more per score.
 #pragma once
 
 #include "block_info.h"
@@ -112,8 +114,9 @@ SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float 
   return softcap_grad<kCap>(dl, s);
 }
 
-// dbeta pass: dS'_ij * (l_ij - lse^l_i) (natural units, centred: see the top of this file), 0
-// where the key is not admissible; dp as in score_grad.
+// dbeta pass: dS'_ij * (beta l_ij - lse'_i) (base-2 units; the caller divides the row's sum by
+// beta and multiplies by ln 2: the centred sum, see the top of this file), 0 where the key is not
+// admissible; dp as in score_grad.
 template <bool kSSA, bool kCheck, bool kBand = true, bool kCap = false, typename P>
 SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
@@ -123,8 +126,8 @@ SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, 
     l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
     if (l2 == neg_inf()) return 0.0f;
   }
-  const float pp = ex2(fmaf(l2, r.beta, -r.lse2));
-  return pp * (dp - r.delta) * (l2 - r.lse_l2) * kLn2;
+  const float e = fmaf(l2, r.beta, -r.lse2);
+  return ex2(e) * (dp - r.delta) * e;
 }
 
 // The two score GEMMs of a step, s = A_s B_s^T and dp = A_p B_p^T (S and dP in the dQ kernel,
@@ -162,9 +165,9 @@ SSA_DEVICE void score_gemms(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4],
 // kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
 // (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
 // kCap: soft-capping (score_grad); kSink (adaptive only): the sink's term of dbeta,
-// dS'_sink (s_h - lse^l) = -P'_sink delta (s_h - lse^l) (docs/maths.md section 6.2), added once
-// per row after the dbeta pass. Without an adaptive temperature a sink needs nothing here: the
-// forward's lse includes it.
+// dS'_sink (s_h - c) = -P'_sink delta (s_h - c) (docs/maths.md section 6.2; c the centre of the
+// sum, see the top of this file), added once per row after the dbeta pass. Without an adaptive
+// temperature a sink needs nothing here: the forward's lse includes it.
 template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   SSA_TILE_NAMES(Tr);
@@ -219,13 +222,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       st_lo.beta = p.beta[stat0 + r_lo];
       st_lo.lse_l2 = lse_to_base2(p.lse_l[stat0 + r_lo]);
       st_lo.ent = p.entropy[stat0 + r_lo];
-      dbdh_lo = p.dbeta_dh[stat0 + r_lo];
+      dbdh_lo = p.dbeta_dh[stat0 + r_lo] * kLn2 / st_lo.beta;  // (the dbeta pass: beta dbeta / ln 2)
     }
     if (ok_hi) {
       st_hi.beta = p.beta[stat0 + r_hi];
       st_hi.lse_l2 = lse_to_base2(p.lse_l[stat0 + r_hi]);
       st_hi.ent = p.entropy[stat0 + r_hi];
-      dbdh_hi = p.dbeta_dh[stat0 + r_hi];
+      dbdh_hi = p.dbeta_dh[stat0 + r_hi] * kLn2 / st_hi.beta;
     }
   }
 
@@ -286,7 +289,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         ws[kBeta] = st.beta;
         ws[kLseL] = st.lse_l2;
         ws[kEnt] = st.ent;
-        ws[kG] = 0.0f;  // (the dbeta pass overwrites it)
+        // the offset of dbeta's centred sum (the dbeta pass adds it and overwrites it with g;
+        // kept here, not in registers through the pass: the SSA kernel at D = 64 has none to
+        // spare on sm_90a)
+        ws[kG] = st.lse2 * (half ? dlse_hi : dlse_lo);
       }
     }
   }
@@ -409,21 +415,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's copies)
 
     if (kAdaptive && pass == 0) {
+      // In the exponents' units, beta dbeta / ln 2 = sum_j dS'_ij (beta l2_ij - lse2_i) +
+      // dS'_sink (beta s2 - lse2_i) + lse2_i dlse_i (top of this file: c = lse' / beta); dbdh
+      // carries the ln 2 / beta. The offset, from the workspace, before the quad sum: once per row.
+      if (write_ws) {
+        dbeta_lo += ws_lo[kG];
+        dbeta_hi += ws_hi[kG];
+      }
       dbeta_lo = quad_sum(dbeta_lo);
       dbeta_hi = quad_sum(dbeta_hi);
-      if (kSink) {
-        // (natural units, centred as the keys' terms; rows past len_q have delta 0)
-        const float sink = p.sinks[blk.head];
-        if (sink != neg_inf()) {
-          dbeta_lo -= ex2(fmaf(sink * kLog2e, st_lo.beta, -st_lo.lse2)) * st_lo.delta *
-                      fmaf(-st_lo.lse_l2, kLn2, sink);
-          dbeta_hi -= ex2(fmaf(sink * kLog2e, st_hi.beta, -st_hi.lse2)) * st_hi.delta *
-                      fmaf(-st_hi.lse_l2, kLn2, sink);
+      if (kSink) {  // (rows past len_q have delta 0)
+        const float sink2 = p.sinks[blk.head] * kLog2e;
+        if (sink2 != neg_inf()) {
+          const float e_lo = fmaf(sink2, st_lo.beta, -st_lo.lse2);
+          const float e_hi = fmaf(sink2, st_hi.beta, -st_hi.lse2);
+          dbeta_lo -= ex2(e_lo) * st_lo.delta * e_lo;
+          dbeta_hi -= ex2(e_hi) * st_hi.delta * e_hi;
         }
       }
-      // the centred sum's offset, lse^l dlse (sum_j dS'_ij = dlse_i)
-      dbeta_lo = fmaf(st_lo.lse_l2 * kLn2, dlse_lo, dbeta_lo);
-      dbeta_hi = fmaf(st_hi.lse_l2 * kLn2, dlse_hi, dbeta_hi);
       st_lo.g = dbeta_lo * dbdh_lo;
       st_hi.g = dbeta_hi * dbdh_hi;
       if (write_ws) {
