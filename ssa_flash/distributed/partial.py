@@ -305,16 +305,21 @@ def _sink_ds(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, beta: Option
     return s, -p_sink * delta
 
 
+def _sink_log_p(s: Tensor, temp: TemperatureState, dtype: torch.dtype) -> Tensor:
+    """``log P_sink = s_h - lse^l`` per row (the temperature-free weight's log), 0 where the sink
+    is ``-inf`` (then it has no term; where it is finite, ``lse^l >= s_h`` is finite too)."""
+    finite = torch.isfinite(s)
+    return torch.where(finite, s - torch.where(finite, temp.lse_l.to(dtype), torch.zeros_like(s)),
+                       torch.zeros_like(s))
+
+
 def sink_dbeta(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor, temp: TemperatureState,
                dlse: Optional[Tensor] = None) -> Tensor:
     """``(B, Hq, Lq)``: the sink's part of ``dbeta_i``, centred as :func:`partial_dbeta`'s
     (``dS'_sink (s_h - lse^l_i)``; adaptive only), to add once to the sum of
     :func:`partial_dbeta` over the key shards. Whole rows' tensors."""
     s, ds = _sink_ds(dout, out, lse, sinks, temp.beta, dlse)
-    finite = torch.isfinite(s)  # then lse_l >= s is finite too (the sink is in the row)
-    centred = torch.where(finite, s - torch.where(finite, temp.lse_l.to(ds.dtype), torch.zeros_like(s)),
-                          torch.zeros_like(s))
-    return torch.where(finite, ds * centred, torch.zeros_like(ds))
+    return torch.where(torch.isfinite(s), ds * _sink_log_p(s, temp, ds.dtype), torch.zeros_like(ds))
 
 
 def sink_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
@@ -330,9 +335,7 @@ def sink_backward(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
         if g is None:
             raise ValueError("sink_backward: the adaptive temperature needs g of the whole rows")
         acc = lse.dtype
-        finite = torch.isfinite(s)  # then lse_l >= s is finite too (the sink is in the row)
-        logp = torch.where(finite, s - torch.where(finite, temp.lse_l.to(acc), torch.zeros_like(s)),
-                           torch.zeros_like(s))
+        logp = _sink_log_p(s, temp, acc)
         p = _exp_or_zero(logp, s)
         dl = temp.beta.to(acc) * ds - g.to(acc) * p * (logp + temp.entropy.to(acc))
     return dl.sum(dim=(0, 2))

@@ -7,17 +7,18 @@
 2. The kernels: ``CI_VARIANTS`` (a subset of the full audit, chosen for time: every gated
    first-choice configuration on sm_90 and its non-causal twin on sm_80, plus every kernel x
    switch value at least once) compiled for sm_80 and sm_90 with the installed Triton, through the
-   CLI in a subprocess (this process runs Triton's interpreter, which cannot compile). Gates: every specialisation compiles; no spills at
-   D <= 128; no repeated tensor work; no wgmma serialisation (ptxas C7515); the issue's numeric
-   targets. ``THRESHOLDS`` holds the numbers. Checks that fail today are listed in
+   CLI in a subprocess (this process runs Triton's interpreter, which cannot compile). Gates: every
+   specialisation compiles; no spills at D <= 128; no repeated tensor work; no wgmma serialisation
+   (ptxas C7515); the issue's numeric targets. ``THRESHOLDS`` holds the numbers. Checks that fail today are listed in
    ``KNOWN_FAILURES`` and run as ``xfail(strict=True)``: when a kernel change makes one pass, the
    test fails (XPASS) until its entry is removed, so a reached target becomes a hard gate.
    ``python tests/audit/test_audit.py`` prints the table of today's failures in the form used here.
 2b. Every GPU family of ``ssa_flash/triton/tiles.py`` (sm_75, 80, 86, 90, 100, 120): the first
    choice of ``FAMILY_VARIANTS`` (each kernel at D = 128, and at D = 64 on sm_80 / sm_90, with
    dropout, a window and a packed batch together, the decoding forward, plain SSA at D = 128)
-   compiles within the family's shared memory and registers and without spills, with the installed Triton only; the launcher's
-   shared-memory estimate stays close to the compiler's figure.
+   compiles within the family's shared memory and registers and without spills, with the
+   installed Triton only; the launcher's shared-memory estimate stays close to the compiler's
+   figure.
 3. Other Triton versions: for each directory in ``SSA_FLASH_AUDIT_TRITON`` (``:``-separated, each a
    ``pip install --target`` of one Triton; ``.ci/run`` installs the package's floor and the GPU
    machines' version), every kernel compiles for sm_80 and sm_90 through the audit with that Triton.
