@@ -200,6 +200,42 @@ def cuda_extension_kwargs():
     return {"ext_modules": [ext], "cmdclass": {"build_py": BuildPyWithSources, "build_ext": build_ext}}
 
 
+class _LicenseFieldWriter:
+    """A file for core metadata that writes the classic ``License`` field after
+    ``License-Expression`` (setuptools >= 77 writes only the expression: older pips' ``pip show``
+    then shows an empty License)."""
+
+    def __init__(self, file, text):
+        self._file, self._text = file, text
+
+    def write(self, data):
+        self._file.write(data)
+        if data.startswith("License-Expression: ") and self._text:
+            self._file.write(f"License: {self._text}\n")
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+def distribution_class():
+    """setuptools' Distribution whose metadata (PKG-INFO, a wheel's METADATA) holds both the SPDX
+    ``License-Expression`` of pyproject.toml and the classic ``License`` field with the same text."""
+    from setuptools.dist import Distribution
+
+    class DistributionWithLicenseField(Distribution):
+        def __init__(self, attrs=None):
+            super().__init__(attrs)
+            metadata = self.metadata
+            write = type(metadata).write_pkg_file
+
+            def write_pkg_file(file):
+                write(metadata, _LicenseFieldWriter(file, metadata.license_expression))
+
+            metadata.write_pkg_file = write_pkg_file
+
+    return DistributionWithLicenseField
+
+
 def main():
     import setuptools
 
@@ -213,7 +249,7 @@ def main():
     elif reason and build_flag() != "0":
         print(f"ssa_flash: installing without the CUDA extension ({reason}); backend='cuda' will "
               "JIT-compile it on first use where a toolkit is present")
-    setuptools.setup(**kwargs)
+    setuptools.setup(distclass=distribution_class(), **kwargs)
 
 
 if __name__ == "__main__":  # pip / setuptools' build backend run this file as __main__

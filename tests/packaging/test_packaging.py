@@ -107,8 +107,18 @@ def test_sdist_metadata(sdist):
     assert re.search(r"^License-File: LICENSE$", info, flags=re.M)
     classifiers = re.findall(r"^Classifier: (.*)$", info, flags=re.M)
     assert "Typing :: Typed" in classifiers and "Environment :: GPU :: NVIDIA CUDA" in classifiers
-    assert not [c for c in classifiers if c.startswith("License ::")]  # PEP 639: the expression only
-    assert "Project-URL" not in info  # none is known; none is invented
+    assert not [c for c in classifiers if c.startswith("License ::")]  # PEP 639: no license classifiers
+    # the classic field beside the expression, for older pips (`pip show`) and pre-2.4 readers
+    assert re.search(r"^License: Apache-2\.0$", info, flags=re.M), info[:2000]
+    assert re.search(r"^Author: ", info, flags=re.M)
+    urls = re.findall(r"^Project-URL: [^,]+, (\S+)$", info, flags=re.M)
+    readme = (ROOT / "README.md").read_text()
+    # each URL is one README.md cites (the papers): none is invented
+    assert urls and all(u.rsplit("/", 1)[-1] in readme for u in urls), urls
+    from packaging.metadata import Metadata
+
+    meta = Metadata.from_email(info, validate=True)  # what PyPI and pip parse
+    assert meta.license == meta.license_expression == "Apache-2.0"
 
 
 @pytest.mark.slow
