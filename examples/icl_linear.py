@@ -43,7 +43,7 @@ except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ssa_flash
 
-from run_info import device_name, provenance, resolved_backend  # noqa: E402 (after the path fix)
+from run_info import default_out_dir, device_name, provenance, resolved_backend  # noqa: E402 (after the path fix)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIGMAS = list(range(1, 11))
@@ -305,7 +305,8 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int, default=0, help="init seed; train data uses seed+1, test functions seed+2")
-    p.add_argument("--out", default=None, help="output folder (default: examples/results/icl_linear-<mode>)")
+    p.add_argument("--out", default=None, help="output folder (default: examples/results/icl_linear-<mode> for full runs and "
+                   "presets; --quick / --smoke: <tmp>/ssa_flash-examples/icl_linear-<mode>, outside the checkout)")
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int)
     p.add_argument("--dim", type=int)
@@ -331,7 +332,7 @@ def main(argv=None):
     if device.type == "cpu" and backend == "triton":
         print("note: TRITON_INTERPRET=1 runs the Triton kernels through the interpreter: very slow; "
               "pass --backend reference for the naive implementation")
-    out_dir = args.out or os.path.join(HERE, "results", f"icl_linear-{mode}")
+    out_dir = args.out or default_out_dir("icl_linear", mode)
     os.makedirs(out_dir, exist_ok=True)
     log_every = max(1, cfg["steps"] // 10)
 

@@ -45,7 +45,7 @@ except ImportError:  # running from a checkout without installing the package
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import ssa_flash
 
-from run_info import device_name, provenance, resolved_backend  # noqa: E402 (after the path fix)
+from run_info import default_out_dir, device_name, provenance, resolved_backend  # noqa: E402 (after the path fix)
 from ssa_flash.temperature import DEFAULT_POLY, DEFAULT_THRESHOLD, beta_from_entropy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -283,7 +283,8 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--steps", type=int)
     p.add_argument("--seed", type=int, default=0, help="init seed; train data uses seed+1, test sets seed+2")
-    p.add_argument("--out", default=None, help="output folder (default: examples/results/max_retrieval-<mode>)")
+    p.add_argument("--out", default=None, help="output folder (default: examples/results/max_retrieval-<mode> for full runs and "
+                   "presets; --quick / --smoke: <tmp>/ssa_flash-examples/max_retrieval-<mode>, outside the checkout)")
     p.add_argument("--dim", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--lr", type=float)
@@ -308,7 +309,7 @@ def main(argv=None):
     if device.type == "cpu" and backend == "triton":
         print("note: TRITON_INTERPRET=1 runs the Triton kernels through the interpreter: very slow; "
               "pass --backend reference for the naive implementation")
-    out_dir = args.out or os.path.join(HERE, "results", f"max_retrieval-{mode}")
+    out_dir = args.out or default_out_dir("max_retrieval", mode)
     os.makedirs(out_dir, exist_ok=True)
     sizes = [s for s in TEST_SIZES if s <= cfg["max_test"]]
 

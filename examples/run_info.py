@@ -8,12 +8,28 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 import torch
 
 import ssa_flash
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+#: modes whose results are kept in the repository (examples/results/<example>-<mode>/); the smoke
+#: modes (--quick, --smoke) write outside the source tree unless --out says otherwise
+KEPT_MODES_DIR = os.path.join(HERE, "results")
+
+
+def default_out_dir(example: str, mode: str) -> str:
+    """Where ``example`` writes a ``mode`` run without ``--out``: ``examples/results/<example>-<mode>``
+    for the real runs (full, presets: results worth committing), a folder under the system's
+    temporary directory for the smoke modes (``quick``, ``smoke``), so that trying an example
+    leaves the checkout clean."""
+    if mode in ("quick", "smoke"):
+        return os.path.join(tempfile.gettempdir(), "ssa_flash-examples", f"{example}-{mode}")
+    return os.path.join(KEPT_MODES_DIR, f"{example}-{mode}")
 
 
 def git_commit():

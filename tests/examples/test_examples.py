@@ -93,3 +93,20 @@ def test_max_retrieval(tmp_path):
     assert res["ssa_params"]["b"] > 0 and res["ssa_params"]["n"] >= 1
     assert "accuracy" in stdout
     assert "| 16 |" in tables(tmp_path / "max_retrieval.json")
+
+
+def test_smoke_modes_write_outside_the_checkout():
+    """``--quick`` / ``--smoke`` without ``--out`` leave the source tree clean (a temporary
+    folder); the real runs default to ``examples/results/<example>-<mode>`` (committed results)."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import run_info
+    finally:
+        sys.path.pop(0)
+    root = os.path.realpath(ROOT) + os.sep
+    for example in ("icl_linear", "max_retrieval"):
+        for mode in ("quick", "smoke"):
+            assert not os.path.realpath(run_info.default_out_dir(example, mode)).startswith(root)
+        for mode in ("full", "cpu"):
+            assert run_info.default_out_dir(example, mode) == os.path.join(ROOT, "examples", "results",
+                                                                           f"{example}-{mode}")
