@@ -15,6 +15,14 @@
 2. A small timing table reusing ``ssa_flash.bench`` (CUDA: our kernels vs SDPA's flash backend,
    median ms; CPU: tiny sizes through the interpreter, which measures the interpreter, not kernels).
 
+What a first run costs on a GPU (a cold cache; later runs take seconds): the CUDA extension's JIT
+build for this GPU's architecture only (an sm_90a build took 150-195 s on an H200's host; a
+``TORCH_CUDA_ARCH_LIST`` naming other architectures too is narrowed to this GPU's for the build,
+saying so), then the Triton kernels' compilation, a few seconds per specialisation: the checks
+are shared out over ``--jobs`` processes (default: up to 8 on a GPU), each group of checks
+(backend, dtype, variant) compiling its own specialisations once, so that the whole self-check
+finishes in about two minutes. ``--backends cuda`` checks one backend only.
+
 Exit status 0 when every check run passes, 1 otherwise. ``--help`` for options.
 """
 from __future__ import annotations
@@ -217,11 +225,41 @@ def first_block_configuration():
         os.environ.pop("SSA_FLASH_AUTOTUNE", None)
 
 
-def self_check(device, backends: List[str], dtypes, stream=None) -> List[CheckResult]:
+def _check_group(device: str, backend: str, dname: str, variant: str,
+                 reasons: Dict[str, Optional[str]]) -> List[CheckResult]:
+    """One (backend, dtype, variant)'s checks over every case, in a worker process of
+    :func:`self_check` (the kernels it compiles are its own specialisations)."""
+    import torch
+
+    dtype = getattr(torch, dname)
+    device = torch.device(device)
+    out = []
+    with first_block_configuration():
+        for case in CASES:
+            reason = reasons.get(case.name)
+            if reason is not None:
+                out.append(CheckResult(backend, dname, variant, case.name, True, "-", reason, skipped=True))
+            else:
+                out.append(check(variant, case, dtype, device, backend))
+    return out
+
+
+def default_jobs(device) -> int:
+    """Worker processes of the checks: on a GPU up to 8 (each compiles its own kernels: Triton's
+    compiler runs on one CPU core a process), never more than the CPU cores; 1 on the CPU."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def self_check(device, backends: List[str], dtypes, stream=None, jobs: int = 1) -> List[CheckResult]:
     """Every (backend, dtype, case, variant) check; the ones the backend's ``supports()`` refuses
-    are skipped results (one line for a dtype refused everywhere, with the reason)."""
+    are skipped results (one line for a dtype refused everywhere, with the reason). With
+    ``jobs`` > 1 the (backend, dtype, variant) groups run in that many worker
+    processes, their lines printed as each group finishes."""
     stream = stream or sys.stdout
     results = []
+    groups = []
     header = f"{'backend':8s} {'dtype':9s} {'variant':13s} {'case':19s} {'worst: error / tolerance':34s} result"
     print(header, file=stream)
     print("-" * len(header), file=stream)
@@ -238,6 +276,10 @@ def self_check(device, backends: List[str], dtypes, stream=None) -> List[CheckRe
                 print(f"{backend:8s} {dname:9s} {'(all)':13s} {'(all)':19s} {'-':34s} skipped  {reason}",
                       file=stream, flush=True)
                 continue
+            if jobs > 1:
+                groups += [(device.type, backend, dname, variant, {case.name: why[(case, variant)] for case in CASES})
+                           for variant in VARIANTS]
+                continue
             for case in CASES:
                 for variant in VARIANTS:
                     reason = why[(case, variant)]
@@ -245,6 +287,23 @@ def self_check(device, backends: List[str], dtypes, stream=None) -> List[CheckRe
                         r = CheckResult(backend, dname, variant, case.name, True, "-", reason, skipped=True)
                     else:
                         r = check(variant, case, dtype, device, backend)
+                    results.append(r)
+                    print(_line(r), file=stream, flush=True)
+    if groups:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(min(jobs, len(groups)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_check_group, *g): g for g in groups}
+            for fut in as_completed(futures):
+                _, backend, dname, variant, _ = futures[fut]
+                try:
+                    rs = fut.result()
+                except Exception as err:  # a worker that died (a CUDA error): its checks fail
+                    msg = " ".join(str(err).split())[:200]
+                    rs = [CheckResult(backend, dname, variant, case.name, False, "error",
+                                      f"worker: {type(err).__name__}: {msg}") for case in CASES]
+                for r in rs:
                     results.append(r)
                     print(_line(r), file=stream, flush=True)
     return results
@@ -267,8 +326,9 @@ def prepare_cuda(build: bool, stream=None) -> Optional[str]:
         return None
     if not build:
         return "the CUDA extension is not built (--no-build-cuda)"
-    print("building the CUDA extension (first use, may take minutes; --no-build-cuda skips it; cached "
-          "by torch afterwards)...", file=stream, flush=True)
+    archs = pin_arch_list(stream)
+    print(f"building the CUDA extension (first use, may take minutes{f' for {archs}' if archs else ''}; "
+          "--no-build-cuda skips it; cached by torch afterwards)...", file=stream, flush=True)
     t0 = time.monotonic()
     try:
         cuda_backend.load_extension()
@@ -277,6 +337,26 @@ def prepare_cuda(build: bool, stream=None) -> Optional[str]:
         return f"{err}"
     print(f"built the CUDA extension in {time.monotonic() - t0:.0f} s\n", file=stream, flush=True)
     return None
+
+
+def pin_arch_list(stream=None) -> Optional[str]:
+    """Before a JIT build: ``TORCH_CUDA_ARCH_LIST`` set to the visible GPUs' architectures only
+    (sm_90 as 9.0a), saying so when it replaces a longer list (each architecture more is one more
+    full build of every kernel instance). Returns the list, or None without a GPU."""
+    import torch
+
+    from .backends import _cuda_build
+
+    if not torch.cuda.is_available():
+        return None
+    archs = _cuda_build.device_arch_list(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if given and _cuda_build.normalize_arch_list(given)[0] != archs:
+        print(f"TORCH_CUDA_ARCH_LIST={given!r} narrowed to {archs!r} for this build (the GPUs here; "
+              f"{_cuda_build.arch_count(given)} architectures would take as many times longer)",
+              file=stream or sys.stdout, flush=True)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    return archs
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -351,6 +431,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-build-cuda", action="store_true",
                    help="do not JIT-build the CUDA extension when it is not built yet (minutes); the "
                         "CUDA backend is then not checked")
+    p.add_argument("--backends", default=None,
+                   help="comma list of the kernel backends to check (triton, cuda); default: every one here")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes for the checks on a GPU (default: up to 8; 1 runs them in this process)")
     args = p.parse_args(argv)
 
     t0 = time.monotonic()
@@ -366,6 +450,14 @@ def main(argv=None) -> int:
     except Exception:
         triton_version = "not installed"
     backends = [b for b in ssa_flash.available_backends(device) if b != "reference"]
+    if args.backends:
+        wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+        missing = [b for b in wanted if b not in backends]
+        if missing:
+            print(f"FAILED: backend(s) {', '.join(missing)} not available here (available: "
+                  f"{', '.join(backends) or 'none'})")
+            return 1
+        backends = wanted
     if device.type == "cuda":
         dtypes = [torch.float16, torch.bfloat16, torch.float32]
         where = f"CUDA: {torch.cuda.get_device_name(device)}"
@@ -375,6 +467,9 @@ def main(argv=None) -> int:
     print(f"ssa_flash {ssa_flash.__version__} self-check on {where}")
     print(f"torch {torch.__version__}, triton {triton_version}, CUDA {torch.version.cuda}; "
           f"kernel backends here: {', '.join(backends) or 'none'}")
+    if device.type == "cuda":
+        print("first run on this machine (cold caches): the CUDA extension's build for this GPU only "
+              "(~2.5-3 min for sm_90a), then ~1-2 min of Triton compiles; later runs: seconds")
     not_checked = {}
     if "cuda" in backends:
         why = prepare_cuda(not args.no_build_cuda)
@@ -393,11 +488,13 @@ def main(argv=None) -> int:
     print("rule: max|ours - float64 reference| <= 2 * max|naive reference in the same dtype - float64 "
           "reference| + floor * max(1, max|float64 reference|), for out, dq, dk, dv (db, dn for SSA); "
           f"floors {', '.join(f'{k} {v:g}' for k, v in FLOORS.items() if k in [str(d).replace('torch.', '') for d in dtypes])}\n")
+    jobs = args.jobs if args.jobs is not None else default_jobs(device)
     if device.type == "cuda":  # an H200 took ~5 s a check on a cold cache: minutes in all
-        print("(each check compiles the kernels it runs the first time on this machine, a few seconds "
-              "each; Triton caches them in ~/.triton/cache, so later runs start at once)\n", flush=True)
+        print(f"(each check compiles the kernels it runs the first time on this machine, a few seconds "
+              f"each, shared out over {jobs} process{'es' if jobs > 1 else ''}; Triton caches them in "
+              "~/.triton/cache, so later runs start at once)\n", flush=True)
     with first_block_configuration():
-        results = self_check(device, backends, dtypes)
+        results = self_check(device, backends, dtypes, jobs=jobs)
     failed = [r for r in results if not r.ok]
     skipped = [r for r in results if r.skipped]
     run = len(results) - len(skipped)

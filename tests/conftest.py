@@ -12,9 +12,17 @@
   need in the background; those modules run last (in the order of
   ``RUN_LAST``), so that every other module's interpreter tests run while they build. Modules
   using ``emulation.build_emulator`` get the emulator started the same way (one build for all).
+* GPU runs (bench/run_gpu.sh): a test that meets a CUDA error (a device-side assert, an illegal
+  address: the process's CUDA context is unusable afterwards) ends its process once its reports
+  are sent, so that pytest-xdist starts a fresh worker instead of every later test on it failing
+  (without xdist the session stops there). With ``SSA_FLASH_REQUIRE_CUDA=1`` (set once the CUDA
+  extension is built) a test skipped because the CUDA backend is "unavailable" fails instead.
 """
 import os
+import re
+import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -46,7 +54,7 @@ SLOW_MODULES = {
     "test_examples", "test_gpu_smoke", "test_transformers", "test_triton_kernels", "test_dropout",
     "test_window", "test_varlen", "test_kvcache", "test_gradcheck", "test_properties", "test_independent",
     "test_edge_cases", "test_precision", "test_fast_math", "test_triton_entropy", "test_custom_op",
-    "test_backends", "test_nn", "test_cuda_backend", "test_distributed_sinks",
+    "test_backends", "test_nn", "test_cuda_backend", "test_distributed_sinks", "test_cuda_matrix",
 }
 # tests of the other modules that use these fixtures (a build or a compile each)
 SLOW_FIXTURES = {
@@ -121,3 +129,56 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     background.finish()
+
+
+# -------------------------------------------------------------------------------------------
+# GPU runs: a CUDA error ends the worker; "CUDA backend unavailable" is a failure once it is built
+
+# what torch's CUDA errors say (AcceleratorError / RuntimeError texts): after these the context
+# of the process is unusable (sticky errors)
+CUDA_ERROR = re.compile(r"CUDA error|device-side assert|illegal memory access|illegal instruction|"
+                        r"unspecified launch failure|misaligned address|cudaError|CUBLAS_STATUS_EXECUTION_FAILED")
+# skip reasons that mean "the CUDA backend did not load" (tests/cuda, gpu_smoke, emulation.py)
+CUDA_UNAVAILABLE = re.compile(r"CUDA backend unavailable|CUDA extension|backend='cuda' is unavailable")
+
+
+def is_cuda_error(exc) -> bool:
+    """Whether ``exc`` is a CUDA runtime error of the kind that poisons the process's context."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(exc, accel)) or bool(CUDA_ERROR.search(f"{type(exc).__name__}: {exc}"))
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+_POISONED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and torch.cuda.is_available() and is_cuda_error(call.excinfo.value):
+        item.config.stash.setdefault(_POISONED, f"{item.nodeid} ({call.when}): {call.excinfo.value}"[:500])
+    if (report.skipped and os.environ.get("SSA_FLASH_REQUIRE_CUDA", "0") == "1"
+            and CUDA_UNAVAILABLE.search(_skip_reason(report))):
+        report.outcome = "failed"
+        report.longrepr = (f"SSA_FLASH_REQUIRE_CUDA=1 (the CUDA extension was built for this run) but the test "
+                           f"skipped: {_skip_reason(report)}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    why = item.config.stash.get(_POISONED, None)
+    if why is None:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(f"\nconftest: CUDA error in {why}\nthis worker's CUDA context is unusable: it ends "
+                         "here (pytest-xdist starts another)\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(3)
+    item.session.shouldstop = f"CUDA error in {why}: the CUDA context is unusable, later tests would fail"

@@ -135,3 +135,177 @@ def image_reason(capability: Tuple[int, int], images: Iterable[Image]) -> Option
     return (f"the CUDA extension has no kernel image for this sm_{arch} GPU (built for {built}); "
             f"rebuild it for this GPU, e.g. TORCH_CUDA_ARCH_LIST=\"{capability[0]}.{capability[1]}\" "
             "pip install --no-build-isolation . (docs/cuda.md, Building)")
+
+
+# --------------------------------------------------------------------------------------------
+# Building for the device's architecture only, and from objects compiled elsewhere
+
+# nvcc flags of the extension (cuda_backend.NVCC_FLAGS and setup.py say the same; a test checks it)
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
+              "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+              "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+CU_UNITS = ("fwd_fp16.cu", "fwd_bf16.cu", "bwd_fp16.cu", "bwd_bf16.cu")
+MANIFEST = "manifest.json"
+
+
+def arch_token(capability: Tuple[int, int]) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` token of a GPU of compute capability ``(major, minor)``: sm_90
+    as ``9.0a`` (the wgmma path), others as they are."""
+    major, minor = capability
+    return f"{major}.{minor}{'a' if (major, minor) == (9, 0) else ''}"
+
+
+def device_arch_list(capabilities: Iterable[Tuple[int, int]]) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` naming only the given GPUs' architectures (sorted, no repeats):
+    what a JIT build on this machine needs. Each architecture more in the list is one more full
+    compile of every kernel instance (an sm_90a build alone took 150-195 s on an H200's host)."""
+    return ";".join(arch_token(c) for c in sorted(set(capabilities)))
+
+
+def arch_count(value: str) -> int:
+    """How many architectures a ``TORCH_CUDA_ARCH_LIST`` compiles (each costs a full build)."""
+    return len([t for t in value.replace(" ", ";").split(";") if t.strip()])
+
+
+def csrc_hash(csrc) -> str:
+    """sha256 of the extension's sources (``csrc/*.h``, ``*.cuh``, ``*.cu``, ``*.cpp``, top level:
+    what the objects are compiled from), each file's name and bytes in name order."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(csrc).iterdir() if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def object_commands(csrc, out_dir, arch: str = "90a", nvcc: str = "nvcc", std: str = "c++17") -> List[List[str]]:
+    """The nvcc commands compiling each ``csrc/*.cu`` unit into ``out_dir/<unit>.o`` for ``arch``
+    (e.g. "90a"), as the extension build does (flags, position-independent host code). The units
+    do not include torch: they compile on any machine with the toolkit, GPU or not."""
+    import os
+
+    return [[nvcc, "-c", f"-std={std}", *NVCC_FLAGS, "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+             "-Xcompiler", "-fPIC", "-I", str(csrc), os.path.join(str(csrc), unit),
+             "-o", os.path.join(str(out_dir), unit[:-3] + ".o")] for unit in CU_UNITS]
+
+
+def compile_objects(csrc, out_dir, arch: str = "90a", nvcc: str = "nvcc", std: str = "c++17", jobs: int = 2,
+                    log=print) -> dict:
+    """Compiles the units (``jobs`` nvcc at a time) and writes ``out_dir/manifest.json``:
+    ``{"arch", "csrc_hash", "nvcc", "std", "objects": {name: bytes}, "seconds"}``. Raises
+    RuntimeError with nvcc's output when a unit fails."""
+    import json
+    import os
+    import subprocess
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.monotonic()
+
+    def one(cmd):
+        start = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        log(f"{os.path.basename(cmd[-1])}: {time.monotonic() - start:.0f} s, {os.path.getsize(cmd[-1]) / 2**20:.1f} MiB")
+        return os.path.basename(cmd[-1]), os.path.getsize(cmd[-1])
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        sizes = dict(pool.map(one, object_commands(csrc, out_dir, arch, nvcc, std)))
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    manifest = {"arch": arch, "csrc_hash": csrc_hash(csrc), "nvcc": version[-1] if version else "?", "std": std,
+                "objects": sizes, "seconds": round(time.monotonic() - t0, 1)}
+    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def objects_reason(csrc, obj_dir, arch: str) -> Optional[str]:
+    """Why the objects in ``obj_dir`` cannot stand in for a build of ``csrc`` for ``arch``, or None."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(str(obj_dir), MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"no readable {MANIFEST} in {obj_dir} ({err})"
+    if manifest.get("arch") != arch:
+        return f"objects for sm_{manifest.get('arch')}, this GPU needs sm_{arch}"
+    if manifest.get("csrc_hash") != csrc_hash(csrc):
+        return "the objects were compiled from other csrc/ sources (the kernels changed since)"
+    missing = [u for u in CU_UNITS if not os.path.isfile(os.path.join(str(obj_dir), u[:-3] + ".o"))]
+    if missing:
+        return f"objects missing: {', '.join(missing)}"
+    return None
+
+
+def link_extension(csrc, obj_dir, package_dir, verbose: bool = False) -> str:
+    """Builds ``ssa_flash._C`` next to the package's modules (``package_dir``) from the binding
+    (``csrc/api.cpp``, compiled here against torch: the one unit that includes it) and the
+    objects of :func:`compile_objects`; returns the shared object's path. The CUDA backend then
+    loads it as a prebuilt extension (no JIT build). Needs torch with CUDA and a toolkit."""
+    import glob
+    import os
+    import shutil
+    import sysconfig
+    import tempfile
+
+    from torch.utils.cpp_extension import load  # noqa: PLC0415 (torch only here)
+
+    build = tempfile.mkdtemp(prefix="ssa_flash_link_")
+    objs = [os.path.abspath(os.path.join(str(obj_dir), u[:-3] + ".o")) for u in CU_UNITS]
+    load(name="_C", sources=[os.path.join(str(csrc), "api.cpp")], extra_include_paths=[str(csrc)],
+         extra_cflags=["-O3"], extra_ldflags=objs, with_cuda=True, build_directory=build,
+         is_python_module=True, verbose=verbose)
+    built = glob.glob(os.path.join(build, "_C*.so"))
+    if not built:
+        raise RuntimeError(f"no _C*.so in {build}")
+    dest = os.path.join(str(package_dir), "_C" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    shutil.copy2(built[0], dest)
+    return dest
+
+
+def _main(argv=None) -> int:
+    """``python ssa_flash/backends/_cuda_build.py objects|check|link ...`` (standard library only
+    for ``objects`` and ``check``: they run on a machine without a GPU)."""
+    import argparse
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    p = argparse.ArgumentParser(prog="python ssa_flash/backends/_cuda_build.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, text in (("objects", "compile csrc/*.cu for one architecture (no GPU needed)"),
+                       ("check", "exit 0 when the objects match csrc/ and the architecture"),
+                       ("link", "build ssa_flash/_C from the objects and csrc/api.cpp (GPU machine)")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--out", default=os.path.join(root, "build", "cuda-objects"))
+        s.add_argument("--arch", default="90a", help="e.g. 90a, 80")
+        s.add_argument("--csrc", default=os.path.join(root, "csrc"))
+    sub.choices["objects"].add_argument("--nvcc", default="nvcc")
+    sub.choices["objects"].add_argument("--std", default="c++17")
+    sub.choices["objects"].add_argument("--jobs", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.cmd == "objects":
+        m = compile_objects(args.csrc, args.out, args.arch, args.nvcc, args.std, args.jobs)
+        print(f"{args.out}: {sum(m['objects'].values()) / 2**20:.1f} MiB in {len(m['objects'])} objects, "
+              f"{m['seconds']} s")
+        return 0
+    why = objects_reason(args.csrc, args.out, args.arch)
+    if args.cmd == "check":
+        print(why or "objects match")
+        return 1 if why else 0
+    if why:
+        print(f"cannot link: {why}")
+        return 1
+    print(link_extension(args.csrc, args.out, os.path.join(root, "ssa_flash")))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main())

@@ -9,17 +9,25 @@ the latter alone); xfailed tests count as skipped, xpassed as passed; ``incomple
 unless the session finished. ``failures``: the first ``MAX_FAILURES`` failures as they happen,
 ``{"test", "when", "error"}`` with the end of the error's report (``MAX_ERROR_CHARS``), so that a
 run stopped by a time limit still says what failed and why (pytest prints its summary only at the
-end, pytest-xdist's tracebacks too); ``skip_reasons``: reason -> count.
+end, pytest-xdist's tracebacks too); ``skip_reasons``: reason -> count; ``tests``: node id ->
+``{"outcome": "passed" | "failed" | "error" | "skipped", "duration_s"}`` of every test reported
+so far (a failure in setup or teardown is "error" unless the test itself failed; the GPU ledger,
+:mod:`ssa_flash.bench.ledger`, merges these). The file is rewritten at most every
+``WRITE_EVERY_S`` seconds while tests run (and on SIGTERM, as ``timeout`` sends, and at the end).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 
 MAX_FAILURES = 50
 MAX_ERROR_CHARS = 3000
+WRITE_EVERY_S = 1.0
 _counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "incomplete": True, "exitstatus": None,
-           "failures": [], "skip_reasons": {}}
+           "failures": [], "skip_reasons": {}, "tests": {}}
+_last_write = [0.0]
 
 
 def _failure(report) -> None:
@@ -35,17 +43,49 @@ def _skip(report) -> None:
     _counts["skip_reasons"][reason] = _counts["skip_reasons"].get(reason, 0) + 1
 
 
-def _write() -> None:
+def _write(force: bool = True) -> None:
     path = os.environ.get("SSA_FLASH_TESTS_JSON")
     if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist the controller counts
         return
+    now = time.monotonic()
+    if not force and now - _last_write[0] < WRITE_EVERY_S:
+        return
+    _last_write[0] = now
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(_counts, f)
     os.replace(tmp, path)
 
 
+def _record(report) -> None:
+    """The test's outcome over its phases: a failed call is "failed", a failed setup or teardown
+    "error" (unless the call failed), a skip "skipped", else "passed"; durations add up."""
+    entry = _counts["tests"].setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
+    entry["duration_s"] = round(entry["duration_s"] + float(getattr(report, "duration", 0.0) or 0.0), 3)
+    if report.failed:
+        if report.when == "call" or entry["outcome"] != "failed":
+            entry["outcome"] = "failed" if report.when == "call" else "error"
+    elif report.skipped and entry["outcome"] == "passed":
+        entry["outcome"] = "skipped"
+
+
+def pytest_configure(config):
+    if os.environ.get("SSA_FLASH_TESTS_JSON") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum, frame):  # `timeout` stops the run: keep what it has seen
+            _write()
+            signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        try:
+            signal.signal(signal.SIGTERM, on_term)
+        except ValueError:  # not the main thread
+            pass
+
+
 def pytest_runtest_logreport(report):
+    _record(report)
     if report.when == "call":
         if report.passed:
             _counts["passed"] += 1
@@ -63,8 +103,9 @@ def pytest_runtest_logreport(report):
         _counts["skipped"] += 1
         _skip(report)
     else:
+        _write(force=False)
         return
-    _write()
+    _write(force=False)
 
 
 def pytest_collectreport(report):

@@ -46,3 +46,7 @@ def test_counts_failures_and_skip_reasons(tmp_path):
     assert failures["test_wrong"]["when"] == "call" and "arithmetic is off" in failures["test_wrong"]["error"]
     assert failures["test_setup_error"]["when"] == "setup" and "fixture broke" in failures["test_setup_error"]["error"]
     assert data["skip_reasons"] == {"Skipped: no widget here": 1}
+    tests = {k.split("::")[-1]: v for k, v in data["tests"].items()}
+    assert {k: v["outcome"] for k, v in tests.items()} == {
+        "test_ok": "passed", "test_wrong": "failed", "test_skipped": "skipped", "test_setup_error": "error"}
+    assert all(v["duration_s"] >= 0 for v in tests.values())

@@ -241,3 +241,35 @@ def test_checks_take_the_first_block_configuration(monkeypatch):
     with selfcheck.first_block_configuration():
         assert os.environ["SSA_FLASH_AUTOTUNE"] == "1"
     assert os.environ["SSA_FLASH_AUTOTUNE"] == "1"
+
+
+def test_self_check_groups_run_in_worker_processes():
+    """jobs > 1: each (backend, dtype, variant) group in a spawned process, every check reported."""
+    results = selfcheck.self_check(torch.device("cpu"), ["reference"], [torch.float64], jobs=2)
+    assert len(results) == len(selfcheck.CASES) * len(selfcheck.VARIANTS)
+    assert all(r.ok and not r.skipped for r in results), [r for r in results if not r.ok]
+    assert {(r.variant, r.case) for r in results} == {(v, c.name) for v in selfcheck.VARIANTS for c in selfcheck.CASES}
+
+
+def test_self_check_backends_option(fake_cuda, fake_triton, capsys):
+    """--backends cuda: the CUDA backend's checks only; an absent backend is an error."""
+    fake_cuda["built"] = True
+    assert selfcheck.main(["--no-timing", "--cpu", "--backends", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^cuda\s", out, flags=re.M) and not re.search(r"^triton\s", out, flags=re.M)
+    assert selfcheck.main(["--no-timing", "--cpu", "--backends", "nope"]) == 1
+    assert "backend(s) nope not available here" in capsys.readouterr().out
+
+
+def test_pin_arch_list_narrows_to_the_device(monkeypatch, capsys):
+    from ssa_flash.backends import _cuda_build
+
+    assert _cuda_build.device_arch_list([(9, 0), (8, 0), (9, 0)]) == "8.0;9.0a"
+    assert _cuda_build.arch_count("7.5;8.0 8.6;8.9+PTX;9.0a") == 5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;8.6;9.0")
+    assert selfcheck.pin_arch_list() == "9.0a"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert "narrowed to '9.0a'" in capsys.readouterr().out
