@@ -5,7 +5,9 @@ temperature) and ``ssa_adaptive``. Implementations (``impl``):
 
 * ``ssa_flash.triton``, ``ssa_flash.cuda``: our backends, through the public functions.
 * ``sdpa.flash``, ``sdpa.efficient``, ``sdpa.cudnn``, ``sdpa.math``: PyTorch SDPA pinned to one
-  backend with ``torch.nn.attention.sdpa_kernel`` (softmax only).
+  backend with ``torch.nn.attention.sdpa_kernel`` (softmax only). ``sdpa.flash`` (FlashAttention-2)
+  and ``sdpa.cudnn`` (cuDNN's fused attention, what SDPA picks by default on Hopper with a recent
+  cuDNN) are the baselines users would pick instead; the runner measures them with ours.
 * ``flex``: ``torch.compile``d FlexAttention computing SSA with a ``score_mod`` that reads per-head
   ``b``, ``n`` tensors requiring grad (a block mask for causality).
 * ``reference``: ``ssa_flash.reference``, the naive spec (every score materialised).

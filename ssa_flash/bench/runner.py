@@ -26,7 +26,21 @@ from . import timing
 from .impls import (IMPL_OPS, IMPLS, OPS, PASSES, NotRunnable, Shape, availability, build_call,
                     dtype_name, make_inputs, pass_fn)
 
-CORE_IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash")
+# measured first, side by side: ours and what users would pick instead, SDPA's flash backend
+# (FlashAttention-2) and its cuDNN backend (torch's default on Hopper with a recent cuDNN).
+# FlashAttention-4's Hopper kernels are not a row: their wheels with the CuTe DSL libraries are
+# ~200 MB, too large for a GPU session's 64 MiB carry; its published figures are the anchor.
+CORE_IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn")
+# --subset: named row sets. "targets": the rows docs/design.md §4.1's targets are judged on (H100
+# bf16, 16k tokens, 16 heads, D 64 / 128, L 1k-16k, causal and not; SSA and adaptive vs our softmax
+# and SDPA, FlexAttention's SSA; the 128k memory row), nothing else.
+SUBSETS = {
+    "targets": dict(ops=("softmax", "ssa", "adaptive"),
+                    impls=("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "flex"),
+                    passes=("fwd", "fwd_bwd"), headdims=(64, 128), seqlens=(1024, 2048, 4096, 8192, 16384),
+                    causal=(False, True), memory_seqlens=(131072,),
+                    memory_impls=("ssa_flash.triton", "ssa_flash.cuda"), memory_ops=("ssa",)),
+}
 ROW_FIELDS = ("op", "impl", "pass", "dtype", "batch", "heads", "seqlen", "headdim", "causal", "ms",
               "tflops", "peak_mem_bytes")
 
@@ -60,6 +74,15 @@ class Config:
     smoke: bool = False
     gpu_tests: Optional[Dict[str, int]] = None
     quiet: bool = False
+
+
+def apply_subset(cfg: "Config", name: str) -> "Config":
+    """``cfg`` narrowed to the row set ``name`` of :data:`SUBSETS` (in place; returned). The CPU
+    smoke mode keeps its tiny shapes and implementations: only the operations and passes narrow."""
+    for key, value in SUBSETS[name].items():
+        if not cfg.smoke or key in ("ops", "passes"):
+            setattr(cfg, key, value)
+    return cfg
 
 
 def slug(text: str) -> str:

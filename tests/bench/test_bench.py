@@ -292,3 +292,23 @@ def test_smoke_default_output_is_found_and_named_smoke(tmp_path):
     assert f"results: {files[0]}" in proc.stdout
     assert "not comparable" in proc.stdout
     assert json.loads(files[0].read_text())["smoke"] is True
+
+
+def test_targets_subset_and_cudnn_baseline():
+    """--subset targets: the rows docs/design.md's targets are judged on, cuDNN's SDPA beside the
+    flash backend among the first rows measured."""
+    from ssa_flash.bench import runner
+
+    cfg = runner.apply_subset(runner.Config(device="cuda"), "targets")
+    tasks = runner.plan(cfg)
+    assert {t.op for t in tasks} == {"softmax", "ssa", "adaptive"}
+    assert {t.impl for t in tasks} == {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "flex"}
+    assert {t.shape.headdim for t in tasks if t.sweep == "speed"} == {64, 128}
+    memory = [t for t in tasks if t.sweep == "memory"]
+    assert {(t.shape.seqlen, t.op) for t in memory} == {(131072, "ssa")}
+    first = tasks[:8]
+    assert {"sdpa.flash", "sdpa.cudnn"} <= {t.impl for t in first}
+    assert tasks[-1].impl == "flex"
+    smoke = runner.Config(device="cpu", seqlens=(16,), impls=("ssa_flash.triton",), smoke=True)
+    runner.apply_subset(smoke, "targets")
+    assert smoke.seqlens == (16,) and smoke.impls == ("ssa_flash.triton",) and "ssa_adaptive" not in smoke.ops
