@@ -47,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a JSON list of specialisations (Variant fields: kernel, op, causal, mask, head_dim, "
                         "dtype, arch[, seqlen, group]) instead of the axes above")
     p.add_argument("--quick", action="store_true",
-                   help="the gated configurations only: sm_90, bf16, D 64 and 128, no mask")
+                   help="the gated configurations only: sm_90, bf16, head dims 64 and 128, no mask (every "
+                        "kernel and variant, causal or not), and the CUDA C++ kernels likewise narrowed "
+                        "(sm_90a, the bf16 units built for head dims 64 and 128 only, without the "
+                        "soft-capping / sink instances). A few minutes on a cold cache with 2 cores; "
+                        "no JSON unless --out is given")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     p.add_argument("--all-candidates", action="store_true",
                    help="compile every block configuration the launcher may fall back to, not only its choice")
@@ -101,6 +105,25 @@ def selection(args) -> tuple:
     return specs.variants(**kw), filtered, kw["archs"]
 
 
+def cuda_scope(args):
+    """``(dtypes, head_dims, extras)`` of the CUDA C++ section: what ``--quick``, ``--dtypes`` and
+    ``--dims`` select (None: everything), the soft-capping / sink instances only when no narrowing
+    was asked for or ``--features`` names them."""
+    dtypes = head_dims = None
+    extras = True
+    if args.quick:
+        dtypes, head_dims, extras = ["bf16"], [64, 128], False
+    if args.dtypes:
+        dtypes = [d for d in specs.parse_list(args.dtypes, ["bf16", "fp16", "fp32", "tf32"]) if d in ("bf16", "fp16")]
+    if args.dims:
+        head_dims = specs.parse_list(args.dims, [], int)
+    if args.features:
+        extras = any(f in feature for feature in specs.parse_list(args.features, []) for f in ("softcap", "sinks"))
+    elif args.dtypes or args.dims:
+        extras = False
+    return dtypes, head_dims, extras
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.compare:
@@ -146,9 +169,18 @@ def main(argv=None) -> int:
             elif progress:
                 progress(msg)
         else:
+            dtypes, head_dims, extras = cuda_scope(args)
+            files = cuda_audit.scope_files(cuda_audit.source_dir(), dtypes)
+            flags = cuda_audit.scope_flags(head_dims, extras)
+            if progress:
+                progress(f"ssa_flash.audit: CUDA C++ kernels, {len(files)} nvcc units per architecture "
+                         f"({', '.join(f.name for f in files)}{'; ' + ' '.join(flags) if flags else ''}); "
+                         "each takes minutes on a cold cache")
             for arch in archs:
                 cuda_results[arch] = cuda_audit.audit(arch, progress=progress, dump_dir=args.dump_sass,
-                                                     jobs=args.jobs, use_cache=not args.no_cache)
+                                                     files=files, jobs=args.jobs, use_cache=not args.no_cache,
+                                                     extra_flags=flags) if files else {
+                                                         "skipped": "no CUDA C++ kernels of the selected dtypes"}
                 print(cuda_audit.text_report(cuda_results[arch], arch))
                 print()
     filtered = filtered or args.cuda == "only"

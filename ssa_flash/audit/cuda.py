@@ -128,17 +128,56 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
 DESCRIBERS: List[Callable[[str], Optional[dict]]] = [describe_ssa_flash]
 
 
-def compile_cu(path: Path, arch: int, out_dir: Path, extra_flags=()) -> dict:
+#: seconds between two "still compiling" lines of a running nvcc (:func:`compile_cu`)
+HEARTBEAT_S = 15.0
+
+#: head dims the kernels are compiled for (csrc/dispatch.h); ``-DSSA_FLASH_HEAD_DIM_<D>=0`` leaves one out
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+def scope_flags(head_dims=None, extras: bool = True) -> List[str]:
+    """nvcc defines narrowing a build to ``head_dims`` (None: all of :data:`HEAD_DIMS`; others are
+    zero-padded to these, so a head dim outside them selects the next one up) and, without
+    ``extras``, to the kernels without the soft-capping / sink instances (csrc/dispatch.h's
+    ``SSA_FLASH_EXTRAS`` = 0)."""
+    flags = []
+    if head_dims is not None:
+        keep = {next((h for h in HEAD_DIMS if h >= d), HEAD_DIMS[-1]) for d in head_dims}
+        flags += [f"-DSSA_FLASH_HEAD_DIM_{d}=0" for d in HEAD_DIMS if d not in keep]
+    if not extras:
+        flags.append("-DSSA_FLASH_EXTRAS=0")
+    return flags
+
+
+def scope_files(csrc: Path, dtypes=None) -> List[Path]:
+    """The ``.cu`` files of ``csrc`` holding kernels of ``dtypes`` (audit names: ``fp16``, ``bf16``;
+    None: every file). Files named after no dtype are always kept."""
+    files = sorted(Path(csrc).glob("*.cu"))
+    if dtypes is None:
+        return files
+    known = ("fp16", "bf16")
+    return [f for f in files if not any(k in f.stem for k in known) or any(d in f.stem for d in dtypes)]
+
+
+def compile_cu(path: Path, arch: int, out_dir: Path, extra_flags=(), progress=None,
+               heartbeat_s: float = HEARTBEAT_S) -> dict:
     """``nvcc -cubin`` one file for ``sm_<arch>`` (``sm_90a`` from 90 on). Returns the cubin path,
-    the ptxas log, nvcc's other output and the time."""
+    the ptxas log, nvcc's other output and the time. With ``progress``, says every ``heartbeat_s``
+    seconds that nvcc is still at it (a backward file takes minutes)."""
     gpu = f"sm_{arch}{'a' if arch >= 90 else ''}"
     cubin = out_dir / f"{path.stem}.{gpu}.cubin"
     cmd = ["nvcc", "-cubin", "-std=c++17", f"-arch={gpu}", "-Xptxas", "-v", *nvcc_flags(), *extra_flags,
            "-I", str(path.parent), str(path), "-o", str(cubin)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while True:
+        try:
+            out, err = proc.communicate(timeout=heartbeat_s if progress else None)
+            break
+        except subprocess.TimeoutExpired:  # (communicate again loses no output)
+            progress(f"  nvcc {path.name} for {gpu}: still compiling, {time.monotonic() - start:.0f} s")
     return {"file": path.name, "cubin": cubin if proc.returncode == 0 else None, "returncode": proc.returncode,
-            "log": proc.stdout + proc.stderr, "compile_s": round(time.monotonic() - start, 1)}
+            "log": out + err, "compile_s": round(time.monotonic() - start, 1)}
 
 
 def analyse_cubin(cubin: bytes, ptxas_text: str, arch: int) -> List[dict]:
@@ -217,8 +256,8 @@ def cache_key(path: Path, arch: int, extra_flags=()) -> str:
     return h.hexdigest()
 
 
-def _audit_file(path: Path, arch: int, out_dir: Path, extra_flags=()) -> dict:
-    c = compile_cu(path, arch, out_dir, extra_flags)
+def _audit_file(path: Path, arch: int, out_dir: Path, extra_flags=(), progress=None) -> dict:
+    c = compile_cu(path, arch, out_dir, extra_flags, progress)
     warnings = resources.parse_ptxas_log(c["log"]).warnings
     compile_row = {"file": c["file"], "returncode": c["returncode"], "compile_s": c["compile_s"],
                    "warnings": warnings, "error": None if c["cubin"] else c["log"][-2000:]}
@@ -264,7 +303,11 @@ def audit(arch: int, csrc: Optional[Path] = None, progress=None, dump_dir: Optio
             path, cached = item
             if progress:
                 progress(f"nvcc {path.name} for sm_{arch} ...")
-            res = _audit_file(path, arch, out_dir, extra_flags)
+            res = _audit_file(path, arch, out_dir, extra_flags, progress)
+            if progress:
+                status = "ok" if res["compile"]["returncode"] == 0 else f"exit {res['compile']['returncode']}"
+                progress(f"nvcc {path.name} for sm_{arch}: {status}, {res['compile']['compile_s']} s, "
+                         f"{len(res['kernels'])} kernels analysed")
             if cached is not None and res["compile"]["returncode"] == 0:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 tmp_file = cached.with_suffix(f".{os.getpid()}.tmp")
@@ -277,6 +320,10 @@ def audit(arch: int, csrc: Optional[Path] = None, progress=None, dump_dir: Optio
         with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
             for name, res in pool.map(one, todo):
                 results[name] = res
+    if progress:
+        for p in files:
+            if results[p.name]["compile"].get("cached"):
+                progress(f"nvcc {p.name} for sm_{arch}: cached")
     compiles = [results[p.name]["compile"] for p in files]
     kernels = [row for p in files for row in results[p.name]["kernels"]]
     return {"nvcc": shutil.which("nvcc"), "flags": nvcc_flags(), "extra_flags": list(extra_flags),
