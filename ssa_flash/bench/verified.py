@@ -45,6 +45,39 @@ CPU_MODES = [
      "`tests/cuda/`, the feature matrix (emulated)"),
 ]
 
+#: What the CPU suite checks, by area: (what, how it runs on the CPU, where the tests are).
+CPU_CHECKS = [
+    ("Triton kernels, all four variants, forward + backward against the reference and SDPA / "
+     "FlexAttention; float64 `gradcheck` of q, k, v, b, n; masks, causal, GQA, odd head dims, "
+     "`Lq != Lk`, length 1, non-contiguous inputs, empty rows", "Triton's interpreter",
+     "`tests/triton/`"),
+    ("dropout (the Philox mask against the reference given the same mask, keep rate, "
+     "reproducibility, `gradcheck` at a fixed seed), `window_size`, packed batches "
+     "(`varlen_attention`, with dropout and windows), KV-cache decoding (`attention_with_kvcache`, "
+     "split-KV, bottom-right windows)", "Triton's interpreter, the reference",
+     "`tests/triton/`, `tests/ops/`"),
+    ("attention sinks and soft-capping", "the reference, Triton's interpreter, the CUDA kernels' "
+     "CPU emulation", "`tests/*/test_*sinks*`"),
+    ("custom ops and `torch.compile(fullgraph=True)`, `nn.SSAttention`, the transformers "
+     "integration (GPT-2, Llama)", "CPU", "`tests/ops/`, `tests/nn/`, `tests/integrations/`"),
+    ("ring attention (`ssa_flash.distributed`): every variant, causal zig-zag, gradients of q, k, v, "
+     "b, n against the reference; DDP / FSDP2", "gloo, 2 and 4 processes (Triton's interpreter, the "
+     "reference)", "`tests/distributed/`"),
+    ("CUDA C++ kernels (`csrc/`): compiles without spills outside the listed ones; numerics of every "
+     "variant and feature the backend accepts against the reference", "`nvcc` (sm_75, sm_80, sm_90a; "
+     "sm_70 through the CUDA 12.9 NVRTC where installed), the CPU emulation (`csrc/emu`)", "`tests/cuda/`"),
+    ("static audit: every Triton specialisation compiled for sm_80 / sm_90 (the installed Triton; in "
+     "CI also the audited floor and the GPU machines' version), registers, spills, instruction mix, "
+     "bound model; each GPU family's first tile choices fit its shared memory and compile without "
+     "spills", "compiled on the CPU, nothing run", "`tests/audit/`"),
+    ("first contact with a GPU: launches on the tensors' device, `deterministic=True` fixing the "
+     "tiles, the tuning cache, TF32 for float32, the self-check on GPU machines, the CUDA build "
+     "fallback and kernel-image check", "the GPU side faked ([reliability.md](reliability.md))",
+     "`tests/triton/`, `tests/cli/`, `tests/packaging/`"),
+    ("`python -m ssa_flash` (self-check), `python -m ssa_flash.bench --smoke`", "CPU (interpreter "
+     "timings: nothing about speed)", "`tests/cli/`, `tests/bench/`"),
+]
+
 #: Test files whose name says the feature they take through a backend (the rest: by folder).
 FEATURE_FILES = {
     "test_dropout": "dropout", "test_window": "local window", "test_varlen": "packed batches",
@@ -292,6 +325,8 @@ def render(root=None) -> str:
         "|---|---|---|---|",
     ]
     lines += [f"| {be} | {how} | {dtypes} | {where} |" for be, how, dtypes, where in CPU_MODES]
+    lines += ["", "What the CPU suite checks, by area:", "", "| what | how, on the CPU | tests |", "|---|---|---|"]
+    lines += [f"| {what} | {how} | {where} |" for what, how, where in CPU_CHECKS]
     lines += ["", "Speed and memory measured on a CPU say nothing about the kernels (the interpreter "
               "and the emulation are orders of magnitude slower than a GPU).", ""]
     lines += _session_section(root)
