@@ -144,7 +144,7 @@ def _short(sha: Optional[str]) -> str:
 
 def sessions(root: Path) -> List[dict]:
     """The benchmark sessions' results files (``bench/results/<date>-<gpu>.json``: those holding a
-    ``device`` and benchmark ``rows``), oldest first."""
+    ``device`` and benchmark ``rows``, smoke runs left out), oldest first."""
     out = []
     for path in sorted(glob.glob(str(root / RESULTS / "*.json"))):
         name = os.path.basename(path)
@@ -154,7 +154,7 @@ def sessions(root: Path) -> List[dict]:
             doc = _load(Path(path))
         except (OSError, ValueError):
             continue
-        if isinstance(doc, dict) and "device" in doc and "rows" in doc:
+        if isinstance(doc, dict) and "device" in doc and "rows" in doc and not doc.get("smoke"):
             out.append({"path": Path(path), "doc": doc})
     return out
 

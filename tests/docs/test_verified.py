@@ -41,6 +41,13 @@ def test_without_a_ledger_no_test_is_called_verified_on_a_gpu(tmp_path):
     assert "## GPU sessions" in text and "## Static audit" in text
 
 
+def test_a_cpu_smoke_result_is_no_gpu_session(tmp_path):
+    root = _records(tmp_path)
+    smoke = {"device": "cpu", "date": "2026-12-02", "smoke": True, "rows": [{"impl": "ssa_flash.triton"}]}
+    (root / "bench" / "results" / "2026-12-02-cpu-smoke.json").write_text(json.dumps(smoke))
+    assert "2026-12-02" not in verified.render(root)
+
+
 def test_with_a_ledger(tmp_path):
     root = _records(tmp_path)
     rec = {"commit": "0123456789abcdef", "device": "NVIDIA H200", "date": "2026-12-01", "duration_s": 1.0}
