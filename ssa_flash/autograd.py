@@ -69,15 +69,22 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 # Forward
 
 
-def _attn_fwd(q, k, v, b, n, sinks, mask, backend, *spec_args):
-    spec = AttentionSpec.from_op_args(spec_args)
+def _forward(q, k, v, b, n, sinks, mask, backend: str, spec: AttentionSpec):
+    """``(out, lse, temp)``: ``temp`` the adaptive temperature's :class:`TemperatureState`, or None."""
     be = get_backend(backend)
     if spec.adaptive:
         ent, lse_l = be.row_entropy(q, k, mask, b, n, sinks, spec)
         beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
         out, lse = be.forward(q, k, v, mask, b, n, sinks, beta, spec)
-        return out, lse, beta, lse_l, ent, dbeta_dh
+        return out, lse, TemperatureState(beta, lse_l, ent, dbeta_dh)
     out, lse = be.forward(q, k, v, mask, b, n, sinks, None, spec)
+    return out, lse, None
+
+
+def _attn_fwd(q, k, v, b, n, sinks, mask, backend, *spec_args):
+    out, lse, temp = _forward(q, k, v, b, n, sinks, mask, backend, AttentionSpec.from_op_args(spec_args))
+    if temp is not None:
+        return out, lse, temp.beta, temp.lse_l, temp.entropy, temp.dbeta_dh
     return (out, lse, *(_empty(q, lse.dtype) for _ in range(4)))
 
 
@@ -109,16 +116,22 @@ attn_fwd.register_fake(_attn_fwd_fake)
 # Backward
 
 
-def _attn_bwd(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, entropy, dbeta_dh, backend,
-              *spec_args):
-    spec = AttentionSpec.from_op_args(spec_args)
-    temp = TemperatureState(beta, lse_l, entropy, dbeta_dh) if spec.adaptive else None
+def _backward_impl(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, temp: Optional[TemperatureState],
+                   backend: str, spec: AttentionSpec):
+    """``(dq, dk, dv, db, dn, dsinks)`` through ``backend``; db/dn/dsinks None where not computed."""
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv, db, dn, dsinks = get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, b, n,
-                                                               sinks, temp, spec)
+    return get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec)
+
+
+def _attn_bwd(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, entropy, dbeta_dh, backend,
+              *spec_args):
+    spec = AttentionSpec.from_op_args(spec_args)
+    temp = TemperatureState(beta, lse_l, entropy, dbeta_dh) if spec.adaptive else None
+    dq, dk, dv, db, dn, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, temp, backend,
+                                                spec)
     if db is None:
         db, dn = _empty(q, lse.dtype), _empty(q, lse.dtype)
     if dsinks is None:
@@ -146,7 +159,8 @@ attn_bwd.register_fake(_attn_bwd_fake)
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd formula of attn_fwd
+# Autograd: the custom op's formula (torch.compile, direct callers of torch.ops.ssa_flash) and the
+# eager path's autograd.Function, both over the same implementations (_forward, _backward_impl)
 
 
 def _setup_context(ctx, inputs, output):
@@ -190,6 +204,44 @@ def _backward(ctx, dout, dlse, *_stat_grads):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The eager path (no torch.compile tracing, no dispatch mode): the custom ops' forward and
+    backward implementations called directly, with the spec as one object. A custom op's Python
+    dispatch and its generated autograd wrapper cost ~20 us and ~200 us of host time per call
+    (CPU, torch 2.13), more than all the rest of a call; this ``autograd.Function`` ~10 us. The
+    formula is the ops' (:func:`_backward_impl`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, b, n, sinks, mask, backend, spec):
+        out, lse, temp = _forward(q, k, v, b, n, sinks, mask, backend, spec)
+        ctx.set_materialize_grads(False)
+        ctx.backend, ctx.spec, ctx.temp = backend, spec, temp  # not outputs: no reference cycle
+        ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
+        ctx.save_for_backward(q, k, v, out, lse, b, n, sinks, mask)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return (None,) * 9
+        if ctx.spec.kv_cache:
+            raise RuntimeError("ssa_flash: attention over a KV cache (attention_with_kvcache) is forward only")
+        q, k, v, out, lse, b, n, sinks, mask = ctx.saved_tensors
+        with cuda_backend.emulated(ctx.emulator):
+            grads = _backward_impl(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, ctx.temp, ctx.backend, ctx.spec)
+        return grads + (None,) * 3
+
+
+def _through_ops(*tensors) -> bool:
+    """Whether a call must go through the custom ops: while torch.compile traces, under a
+    dispatch mode (FakeTensorMode, FlopCounterMode, ...), or for tensor subclasses; elsewhere
+    the eager path calls the backends directly."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return any(type(t) is not Tensor for t in tensors)
+
+
 # --------------------------------------------------------------------------------------------
 # Row statistics (not differentiable)
 
@@ -227,8 +279,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[
     lse ``(B, Hq, Lq)`` in the accumulation dtype. A packed batch (``spec.packed``): q, k, v
     ``(total, H, D)``, out ``(total_q, Hq, Dv)``, lse ``(Hq, total_q)``. A KV cache
     (``spec.kv_cache``): forward only (a backward raises)."""
-    out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, sinks, mask, backend, *spec.op_args())
-    return out, lse
+    if _through_ops(q, k, v):
+        out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, sinks, mask, backend, *spec.op_args())
+        return out, lse
+    if torch.autograd._profiler_enabled():  # a name for the call in profiles, as the op would have
+        with torch.profiler.record_function("ssa_flash::attention"):
+            return _EagerAttention.apply(q, k, v, b, n, sinks, mask, backend, spec)
+    return _EagerAttention.apply(q, k, v, b, n, sinks, mask, backend, spec)
 
 
 def row_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tensor],
@@ -236,5 +293,8 @@ def row_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tensor],
                 sinks: Optional[Tensor] = None) -> Tensor:
     """Entropy ``(B, Hq, Lq)`` of each row's weights ``softmax(l)`` (no temperature; with
     ``sinks`` the row ``[l, s_h]``, sink included), through ``backend``; not differentiable."""
-    ent, _ = torch.ops.ssa_flash.row_entropy(q, k, b, n, sinks, mask, backend, *spec.op_args())
+    if _through_ops(q, k):
+        ent, _ = torch.ops.ssa_flash.row_entropy(q, k, b, n, sinks, mask, backend, *spec.op_args())
+    else:
+        ent, _ = get_backend(backend).row_entropy(q, k, mask, b, n, sinks, spec)
     return ent

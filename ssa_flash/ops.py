@@ -148,7 +148,8 @@ def _check_mask(attn_mask, query: Tensor, key: Tensor) -> Optional[Tensor]:
 
 
 def _check_number(name: str, x, *, positive: bool = False) -> float:
-    if isinstance(x, bool) or _is_numpy_bool(x) or not isinstance(x, numbers.Real):
+    if type(x) is not float and type(x) is not int and (
+            isinstance(x, bool) or _is_numpy_bool(x) or not isinstance(x, numbers.Real)):
         raise TypeError(f"{name} must be a real number, got {_type_name(x)}")
     x = float(x)
     if not math.isfinite(x):
@@ -171,8 +172,13 @@ def _check_common(dropout_p, is_causal, scale, head_dim: int, return_lse) -> flo
     return _check_number("scale", scale)
 
 
+_NO_WINDOW = (-1, -1)
+
+
 def _check_window(window_size) -> Tuple[int, int]:
     """``window_size``: a pair ``(left, right)`` of ints >= -1 (-1: that side unbounded)."""
+    if window_size == _NO_WINDOW and type(window_size) is tuple:  # the default, checked cheaply
+        return _NO_WINDOW
     if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence):
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {type(window_size).__name__}")
     if len(window_size) != 2:
@@ -235,7 +241,27 @@ def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
     value = _check_number(name, x)
     if (value <= 0) if positive else (value < 0):
         raise ValueError(f"{name} must be {rule}, got {value}")
-    return torch.full((heads,), value, dtype=acc, device=like.device)
+    return _constant_heads(value, heads, acc, like.device)
+
+
+_constants: dict = {}
+_MAX_CONSTANTS = 256
+
+
+def _constant_heads(value: float, heads: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``(heads,)`` filled with ``value``: a per-head parameter given as a number. Kept per value,
+    shape, dtype and device (a fill is a kernel launch on a GPU, ~5 us of host time per call);
+    the kernels only read it and it never requires grad. Not kept while a CUDA graph captures
+    (a fill recorded there has not run yet) or torch.compile traces (a graph makes its own)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.full((heads,), value, dtype=dtype, device=device)
+    key = (value, heads, dtype, device)
+    t = _constants.get(key)
+    if t is None:
+        if len(_constants) >= _MAX_CONSTANTS:
+            _constants.clear()
+        t = _constants[key] = torch.full((heads,), value, dtype=dtype, device=device)
+    return t
 
 
 def _check_softcap(softcap) -> float:
@@ -273,7 +299,7 @@ def _check_sinks(sinks, heads: int, like: Tensor) -> Optional[Tensor]:
     value = float(sinks)
     if math.isnan(value) or value == float("inf"):
         raise ValueError(f"sinks must be a real number or -inf (no sink), got {value}")
-    return torch.full((heads,), value, dtype=acc, device=like.device)
+    return _constant_heads(value, heads, acc, like.device)
 
 
 def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:

@@ -34,11 +34,12 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import BackendUnavailableError
+from ..triton.interpreter import interpreting
 from . import cuda_backend, reference_backend, triton_backend
 from ._compile import constant_for_compile
 from .spec import AttentionSpec, Backend, KeyShardTemperature, TemperatureState
 
-__all__ = ["NAMES", "get", "available", "resolve", "auto_candidates", "preferred_backend", "AttentionSpec",
+__all__ = ["NAMES", "get", "available", "resolve", "forget", "auto_candidates", "preferred_backend", "AttentionSpec",
            "TemperatureState", "Backend", "KeyShardTemperature", "BackendUnavailableError"]
 
 NAMES = ("triton", "cuda", "reference")
@@ -69,7 +70,40 @@ def available(device, dtype: Optional[torch.dtype] = None) -> Tuple[str, ...]:
     return tuple(name for name in order if get(name).unavailable_reason(device) is None)
 
 
+# Answers of resolve / auto_candidates, per (function, backend, device, dtype, _state()): probing
+# availability (imports, device queries, the extension's files) costs tens of microseconds, too
+# much for every call.
+_answers: dict = {}
+
+
+def forget() -> None:
+    """Forget the remembered availability answers: after a CUDA extension was built or installed
+    by another process (this process notices its own builds), or a test changed what the probes
+    see."""
+    _answers.clear()
+
+
+def _state() -> tuple:
+    """What availability depends on besides the device and dtype: whether Triton interprets, and
+    the CUDA extension's loading state and emulation stack."""
+    return (interpreting(), cuda_backend.load_state())
+
+
+def _remembered(fn):
+    def wrapper(*args):
+        key = (fn, *args, _state())
+        answer = _answers.get(key)
+        if answer is None:
+            answer = _answers[key] = fn(*args)
+        return answer
+
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
 @constant_for_compile
+@_remembered
 def resolve(backend: str, device: torch.device, dtype: torch.dtype) -> Tuple[str, str]:
     """``(name, "")`` for the backend that runs ``backend`` ("auto" or a name) on ``device``, or
     ``("", why)`` when it is unavailable. ``"auto"``: the first of :func:`available`, except an
@@ -88,6 +122,7 @@ def resolve(backend: str, device: torch.device, dtype: torch.dtype) -> Tuple[str
 
 
 @constant_for_compile
+@_remembered
 def auto_candidates(device: torch.device, dtype: torch.dtype) -> Tuple[str, ...]:
     """The backends ``backend="auto"`` may pick on ``device``, in its order of preference: those
     of :func:`available`, less an unverified CUDA backend; the reference last (it runs anything).

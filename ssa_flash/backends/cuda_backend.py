@@ -63,6 +63,7 @@ __all__ = [
     "source_dir",
     "emulated",
     "active_emulator",
+    "load_state",
 ]
 
 NAME = "cuda"
@@ -340,6 +341,12 @@ def is_available() -> bool:
         return _reason(None) is None
     except Exception:
         return False
+
+
+def load_state() -> tuple:
+    """Changes whenever the answers of :func:`unavailable_reason` and :func:`ready` may change in
+    this process: the extension loaded or failed, an emulator entered or left."""
+    return (_ext is not None, _ext_error, len(_emulators))
 
 
 def ready() -> bool:

@@ -137,7 +137,8 @@ class AttentionSpec:
     ``softcap * tanh(z / softcap)`` before the logit transform, masks are added after; 0: off"""
 
     def __post_init__(self):
-        object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
+        if self.poly is not DEFAULT_POLY:  # the default is a tuple of floats already
+            object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
 
     @property
     def packed(self) -> bool:
@@ -157,8 +158,7 @@ class AttentionSpec:
 
     def op_args(self) -> tuple:
         """The field values in schema order, as the ops take them (tuples as lists)."""
-        return tuple(list(getattr(self, f.name)) if isinstance(getattr(self, f.name), tuple)
-                     else getattr(self, f.name) for f in dataclasses.fields(self))
+        return tuple([list(v) if type(v) is tuple else v for v in (getattr(self, name) for name in _FIELD_NAMES)])
 
     @classmethod
     def from_op_args(cls, args: Sequence) -> "AttentionSpec":
@@ -170,6 +170,8 @@ class AttentionSpec:
         """Whether a window bounds either side."""
         return self.window_left >= 0 or self.window_right >= 0
 
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(AttentionSpec))
 
 TENSOR_FIELDS = tuple(i for i, (f, t) in enumerate(
     (f, typing.get_type_hints(AttentionSpec)[f.name]) for f in dataclasses.fields(AttentionSpec))

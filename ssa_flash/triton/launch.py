@@ -55,7 +55,7 @@ from .masks import MASK_ADD, MASK_BOOL, MASK_NONE
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 # The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
 # the audit replaces ``launch.block_candidates`` to compile later candidates).
-from . import tiles  # noqa: F401
+from . import direct, tiles  # noqa: F401
 from .tiles import Blocks, block_candidates, prune as _prune_candidates  # noqa: F401
 from .tiles import decode_candidates as _decode_candidates  # noqa: F401
 
@@ -100,12 +100,22 @@ class KernelLaunch:
     candidates: tuple  # every configuration the launcher may choose for this specialisation
 
 
+def _cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv / next_power_of_2 are constexpr functions (Triton 3.9), ~10 us
+    # per host call
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def _acc_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _head_block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _next_pow2(d))
 
 
 # Split-KV decoding: the SM count the heuristic fills when it cannot ask a GPU (the interpreter,
@@ -134,16 +144,24 @@ _sm_counts: dict = {}
 
 
 def _sm_count(device: torch.device) -> int:
-    if _capture is not None or device.type != "cuda" or interpreting():
+    if _pretended_arch() is not None or device.type != "cuda" or interpreting():
         return DEFAULT_SMS
     if device not in _sm_counts:
         _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _sm_counts[device]
 
 
+# (launch name, device, head block, dtype, constexprs, deterministic, size bucket) -> Blocks
 _chosen_blocks: dict = {}
+# (launch name, device, head block, dtype, constexprs) -> the pruned candidate list
+_candidate_lists: dict = {}
 _capture: Optional[list] = None
 _capture_arch: Optional[int] = None
+
+
+def _pretended_arch() -> Optional[int]:
+    """The architecture that launch capture or stub mode (``direct.stub``) plans for, else None."""
+    return _capture_arch if _capture is not None else direct.stub_arch()
 
 
 @contextmanager
@@ -161,11 +179,22 @@ def capture_launches(arch: int):
         _capture, _capture_arch = None, None
 
 
+_archs: dict = {}
+
+
 def _device_arch(device: torch.device) -> Optional[int]:
-    if interpreting() or device.type != "cuda":
+    """Compute capability of ``device`` as an int (90), None for the interpreter and non-CUDA
+    tensors; the pretended one under capture or stub mode. Read once per device."""
+    pretended = _pretended_arch()
+    if pretended is not None:
+        return pretended
+    if device.type != "cuda" or interpreting():
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
+    arch = _archs.get(device)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = _archs[device] = 10 * major + minor
+    return arch
 
 
 def _autotuning() -> bool:
@@ -342,53 +371,93 @@ def _cache_store(key: Optional[str], blk: Blocks, timings) -> None:
                 os.unlink(tmp)
 
 
-def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype, deterministic: bool = False):
-    """Launch ``kernel`` with the best block configuration for this GPU, on ``device`` (the
-    tensors' device, made current: see :func:`_on_device`) and its current stream.
-
-    Names ending in ``_decode`` take the decoding table (:func:`_decode_candidates`), the others
-    :func:`block_candidates`. A candidate that cannot be built for this GPU (see
-    :func:`_compile_errors`) is skipped. The first time a specialisation meets a problem size
-    (bucketed by the power of two of its program count), every candidate that builds is timed on
-    the real arguments and the fastest is kept (all kernels of the family are idempotent: they
-    only write their outputs), in memory and on disk (:func:`cache_dir`), so that later calls and
-    later processes on the same GPU model and software skip the timing.
-
-    ``deterministic=True``, ``SSA_FLASH_AUTOTUNE=0`` and the interpreter take the first candidate
-    that builds, without timing and without the cache: a fixed choice, the same in every process
-    (outputs depend on the tiles in their last bits). So does a CUDA-graph capture without a
-    remembered choice (no timing during capture)."""
-    arch = _capture_arch if _capture is not None else _device_arch(device)
+def _candidates(name: str, arch: Optional[int], head_block: int, dtype, consts: dict) -> list:
+    """The configurations ``_launch`` may choose, best first, de-duplicated and pruned of what
+    cannot fit (never compiled)."""
     if name.endswith("_decode"):
         cands = _decode_candidates(arch, head_block, dtype)
     else:
         cands = block_candidates(arch, head_block, dtype, name, masked=consts.get("MASK_KIND", 0) != 0,
                                  adaptive=bool(consts.get("ADAPTIVE", False)),
                                  dropout=bool(consts.get("DROPOUT", False)), window=bool(consts.get("WINDOW", False)))
-    cands = _prune_candidates(cands, name, head_block, dtype, arch)  # what cannot fit is never compiled
+    cands = _prune_candidates(cands, name, head_block, dtype, arch)
     if arch is not None and consts.get("MASK_KIND", 0) == MASK_BOOL:
         # the mask's bytes miscompile silently at 16-wide tiles (H200, Triton 3.6: wrong out / dQ /
         # dK at 16 x 16, right at 32 x 32 and above, right with an additive mask at 16 x 16)
         cands = [c for c in cands if min(c.m, c.n) > 16] or cands
+    return list(dict.fromkeys(cands))
+
+
+def _bucket(programs: int, sizes: tuple) -> tuple:
+    """The problem-size bucket a tuned choice is kept for: powers of two of the program count and
+    of ``sizes`` (the launch's sequence lengths and batch x heads), so that tiles timed at 1k
+    tokens x batch 16 are not reused at 16k x batch 1, which has as many programs."""
+    return (_next_pow2(max(1, programs)),
+            *(_next_pow2(max(1, int(x))) for x in sizes))
+
+
+def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype, deterministic: bool = False,
+            sizes: tuple = ()):
+    """Launch ``kernel`` with the best block configuration for this GPU, on ``device`` (the
+    tensors' device, made current: see :func:`_on_device`) and its current stream.
+
+    ``grid_fn(blk)`` and ``args(blk)`` give the grid and the runtime arguments (signature order)
+    for a configuration, ``consts`` the constexprs; ``sizes`` the launch's sequence lengths and
+    batch x heads (:func:`_bucket`). Names ending in ``_decode`` take the decoding table
+    (:func:`_decode_candidates`), the others :func:`block_candidates`. A candidate that cannot be
+    built for this GPU (see :func:`_compile_errors`) is skipped. The first time a specialisation
+    meets a problem-size bucket, every candidate that builds is timed on the real arguments and
+    the fastest is kept (all kernels of the family are idempotent: they only write their
+    outputs), in memory and on disk (:func:`cache_dir`), so that later calls and later processes
+    on the same GPU model and software skip the timing.
+
+    A later call of the same specialisation and bucket is the host's fast path: the kept choice,
+    its grid and arguments, and the kept compiled kernel launched directly (``direct.py``).
+
+    ``deterministic=True``, ``SSA_FLASH_AUTOTUNE=0``, stub mode and the interpreter take the first
+    candidate that builds, without timing and without the cache: a fixed choice, the same in
+    every process (outputs depend on the tiles in their last bits). So does a CUDA-graph capture
+    without a remembered choice (no timing during capture)."""
+    arch = _device_arch(device)
+    spec_key = (name, device, head_block, dtype, tuple(consts.items()))
+    cands = _candidate_lists.get(spec_key)
+    if cands is None:
+        cands = _candidate_lists[spec_key] = _candidates(name, arch, head_block, dtype, consts)
     if _capture is not None:
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
         _capture.append(KernelLaunch(name, kernel, grid, tuple(args(blk)),
                                      dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
         return blk
+    key = spec_key + (bool(deterministic), _bucket(grid_fn(cands[0])[0], sizes))
     with _on_device(device):
+        blk = _chosen_blocks.get(key)
+        if blk is not None:  # the fast path: a kept choice
+            _run(kernel, blk, grid_fn, args, consts, arch, device)
+            return blk
         return _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dtype,
-                               bool(deterministic), arch, list(dict.fromkeys(cands)))
+                               bool(deterministic), arch, cands, key)
 
 
-def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dtype, deterministic, arch, cands):
-    """:func:`_launch`'s choice and launches, with ``device`` current; ``cands`` de-duplicated."""
-    bucket = triton.next_power_of_2(max(1, grid_fn(cands[0])[0]))
-    key = (name, device, head_block, dtype, bucket, tuple(sorted(consts.items())), deterministic)
-    may_tune = not deterministic and arch is not None and len(cands) > 1 and _autotuning()
+def _run(kernel, blk: Blocks, grid_fn, args, consts, arch, device):
+    """One launch of ``kernel`` in configuration ``blk``."""
+    grid, kconsts = _split_grid(grid_fn(blk), consts)
+    if grid[0] > _MAX_GRID or (len(grid) > 1 and grid[1] > 65535):
+        raise ValueError(f"ssa_flash: problem too large for one launch ({grid} programs)")
+    options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+    direct.LAUNCHER.run(kernel, grid, args(blk), dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), options, device)
+
+
+def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dtype, deterministic, arch, cands,
+                    key):
+    """:func:`_launch`'s choice and launches, with ``device`` current; ``cands`` de-duplicated;
+    the choice is kept under ``key``."""
+    bucket = key[-1]
+    may_tune = (not deterministic and arch is not None and len(cands) > 1 and _autotuning()
+                and direct.stub_arch() is None)
     disk_key = None
-    chosen = _chosen_blocks.get(key)
-    if chosen is None and may_tune:
+    chosen = None
+    if may_tune:
         disk_key = _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands)
         chosen = _cache_load(disk_key, cands)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -399,14 +468,9 @@ def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dty
     best, best_ms, last_err, blk = None, float("inf"), None, None
     timings = []
     for blk in cands:
-        grid, kconsts = _split_grid(grid_fn(blk), consts)
-        if grid[0] > _MAX_GRID or (len(grid) > 1 and grid[1] > 65535):
-            raise ValueError(f"ssa_flash: problem too large for one launch ({grid} programs)")
-        extra = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
-        blk_args = args(blk)
 
-        def run(blk=blk, grid=grid, blk_args=blk_args, kconsts=kconsts, extra=extra):
-            kernel[grid](*blk_args, **kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n, **extra)
+        def run(blk=blk):
+            _run(kernel, blk, grid_fn, args, consts, arch, device)
 
         try:
             run()
@@ -424,14 +488,12 @@ def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dty
     if best is None:
         raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
     if best != blk:  # leave the outputs of the chosen configuration (some depend on the tiles)
-        grid, kconsts = _split_grid(grid_fn(best), consts)
-        extra = {"num_warps": best.warps, "num_stages": best.stages}
-        kernel[grid](*args(best), **kconsts, BLOCK_M=best.m, BLOCK_N=best.n, **extra)
+        _run(kernel, best, grid_fn, args, consts, arch, device)
     _chosen_blocks[key] = best
     _cache_store(disk_key, best, timings)
     elapsed = time.perf_counter() - started
     if elapsed > _SLOW_TUNING_S:
-        logger.warning("ssa_flash: tuning the Triton kernel %s (head dim block %d, %s, ~%d programs) took "
+        logger.warning("ssa_flash: tuning the Triton kernel %s (head dim block %d, %s, size bucket %s) took "
                        "%.1f s over %d block configurations; the choice is kept in %s for later processes "
                        "(SSA_FLASH_AUTOTUNE=0: the first that fits, no timing)", name, head_block,
                        str(dtype).replace("torch.", ""), bucket, elapsed, len(timings), cache_dir())
@@ -517,17 +579,20 @@ def _positional(kernel: str, **named) -> tuple:
     dropout and window parameters; Triton >= 3.3); :class:`KernelLaunch` records the positional
     tuple."""
     names = _PARAMS[kernel]
+    if len(named) == len(names):
+        try:
+            return tuple([named[n] for n in names])
+        except KeyError:
+            pass
     unknown = set(named) - set(names)
     missing = [n for n in names if n not in named]
-    if unknown or missing:
-        raise TypeError(f"ssa_flash: {kernel} kernel: unknown arguments {sorted(unknown)}, missing {missing}")
-    return tuple(named[n] for n in names)
+    raise TypeError(f"ssa_flash: {kernel} kernel: unknown arguments {sorted(unknown)}, missing {missing}")
 
 
 def _fast_math(q) -> bool:
     """Hardware approximations (``lg2.approx``, ``rcp.approx``) on a GPU in float32 accumulation;
     the interpreter runs exact maths (it cannot run inline PTX)."""
-    on_gpu = _capture is not None or (q.device.type == "cuda" and not interpreting())
+    on_gpu = _pretended_arch() is not None or (q.device.type == "cuda" and not interpreting())
     return on_gpu and q.dtype != torch.float64
 
 
@@ -618,7 +683,7 @@ def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:
 def _common_consts(q, spec: AttentionSpec, ssa: bool, mask_kind, dv=None):
     d = q.shape[-1]
     even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
-    arch = _capture_arch if _capture is not None else _device_arch(q.device)
+    arch = _device_arch(q.device)
     return dict(
         SSA=ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
         BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
@@ -697,8 +762,8 @@ def _splits(lay: _Layout, block_m: int, block_n: int, H: int, device) -> int:
         return 1
     if lay.splits > 0:
         return lay.splits
-    programs = triton.cdiv(lay.Lq, block_m) * lay.batch * H
-    return num_splits_heuristic(programs, triton.cdiv(lay.Lk, block_n), _sm_count(device))
+    programs = _cdiv(lay.Lq, block_m) * lay.batch * H
+    return num_splits_heuristic(programs, _cdiv(lay.Lk, block_n), _sm_count(device))
 
 
 def _kernel_name(base: str, lay: _Layout) -> str:
@@ -708,7 +773,7 @@ def _kernel_name(base: str, lay: _Layout) -> str:
 
 
 def _merge_block_s(splits: int) -> int:
-    return max(2, triton.next_power_of_2(splits))
+    return max(2, _next_pow2(splits))
 
 
 # Rows whose length is not a multiple of 8 elements (odd head dims such as 59 or 111) cannot be
@@ -763,21 +828,22 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None, sinks=None):
         return _positional(
             "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, ssa_coefs=(ssa_b, ssa_n), **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4),
-            dims=(H, lay.Lq, lay.Lk, D, spec.group, triton.cdiv(lay.Lq, blk.m)),
+            dims=(H, lay.Lq, lay.Lk, D, spec.group, _cdiv(lay.Lq, blk.m)),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, stat_stride_s=ent.numel() if splits > 1 else 0,
             window=feat_args["window"], **logit_args)
 
     def grid(blk):
-        return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
+        return (_cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
 
     _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"], q.dtype,
-            spec.deterministic)
+            spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H))
     if state.get("splits", 1) > 1 and _capture is None:
         ent_part, lse_part = state["parts"]
         with _on_device(q.device):
-            merge_entropy_kernel[(ent.numel(),)](ent_part, lse_part, ent, lse_l, state["splits"], ent.numel(),
-                                                 BLOCK_S=_merge_block_s(state["splits"]), ACC=_acc_dtype(q.dtype))
+            direct.LAUNCHER.run(merge_entropy_kernel, (ent.numel(),),
+                                (ent_part, lse_part, ent, lse_l, state["splits"], ent.numel()),
+                                dict(BLOCK_S=_merge_block_s(state["splits"]), ACC=_acc_dtype(q.dtype)), {}, q.device)
     return ent, lse_l
 
 
@@ -823,23 +889,24 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=N
             "fwd", Q=q4, K=k4, V=v4, O=o_out, LSE=lse_out, BETA=beta if spec.adaptive else q,
             ssa_coefs=(b if b is not None else q, n if b is not None else q), **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4), v_strides=_strides(v4), o_strides=_strides(o_out),
-            dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lq, blk.m)),
+            dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, _cdiv(lay.Lq, blk.m)),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
             stat_stride_h=lay.stat_stride_h, split_strides=(stride_os, lse.numel() if splits > 1 else 0),
             **feat_args, **logit_args)
 
     def grid(blk):
-        return (triton.cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
+        return (_cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
 
     _launch(attention_fwd_kernel, name, grid, args, dict(consts, SPLIT=None), q.device,
-            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic)
+            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H))
     splits = state.get("splits", 1)
     if splits > 1 and _capture is None:
         o_part, lse_part = state["parts"]
         with _on_device(q.device):
-            merge_output_kernel[(lse.numel(),)](
-                o_part, lse_part, o, lse, tuple(o_part.stride()), tuple(o.stride()), H, lay.Lq, DV, splits, lse.numel(),
-                BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype))
+            direct.LAUNCHER.run(
+                merge_output_kernel, (lse.numel(),),
+                (o_part, lse_part, o, lse, tuple(o_part.stride()), tuple(o.stride()), H, lay.Lq, DV, splits, lse.numel()),
+                dict(BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype)), {}, q.device)
     return o, lse
 
 
@@ -913,7 +980,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     parts = {}
 
     def dq_args(blk):
-        num_m = triton.cdiv(lay.Lq, blk.m)
+        num_m = _cdiv(lay.Lq, blk.m)
         if b is not None:  # packed: programs past their sequence's end write no partial sum
             alloc = torch.zeros if packed else torch.empty
             parts["db"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
@@ -938,8 +1005,8 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         dq_consts["G_GIVEN"] = True
     if dbeta_only and dlse is not None:  # a shard's dbeta: the caller adds lse_l * dlse once per row
         dq_consts["DBETA_PART"] = True
-    _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (triton.cdiv(lay.Lq, blk.m) * B * H,), dq_args,
-            dq_consts, q.device, head_block, q.dtype, spec.deterministic)
+    _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (_cdiv(lay.Lq, blk.m) * B * H,), dq_args,
+            dq_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
     if dbeta_only:
         return g
 
@@ -947,14 +1014,14 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         return _positional(
             "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, DK=dk4, DV_OUT=dv4, row_stats=(lse2, delta, lay.stat_stride_h),
             temperature=(beta, lse_l, ent, g), **common_args, dk_strides=_strides(dk4), dv_strides=_strides(dv4),
-            dims=(H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, triton.cdiv(lay.Lk, blk.n)),
+            dims=(H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, _cdiv(lay.Lk, blk.n)),
             softcap=logit_args["softcap"])
 
     dkdv_consts = dict(consts)
     if spec.softcap > 0:  # the dK/dV kernel needs no sink (its tiles use the sink-including LSE)
         dkdv_consts["SOFTCAP"] = True
-    _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (triton.cdiv(lay.Lk, blk.n) * B * HKV,),
-            dkdv_args, dkdv_consts, q.device, head_block, q.dtype, spec.deterministic)
+    _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (_cdiv(lay.Lk, blk.n) * B * HKV,),
+            dkdv_args, dkdv_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
     db = dn = dsinks = None
     if b is not None:
         db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
@@ -986,7 +1053,7 @@ def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:
         return out.bool()
     # tiles unlike any attention kernel's (which use 16 x 16 under the interpreter)
     bm, bn = (32, 64) if _device_arch(rng.device) is None else (64, 128)
-    num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
+    num_m, num_n = _cdiv(Lq, bm), _cdiv(Lk, bn)
     with _on_device(rng.device):
         dropout_mask_kernel[(num_m * num_n * B * H,)](
             out, rng, dropout_keep_threshold(float(dropout_p)), H, Lq, Lk, tuple(out.stride()), num_m, num_n,

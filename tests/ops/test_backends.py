@@ -233,6 +233,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cuda_backend, "_prebuilt", lambda: True)
     monkeypatch.setattr(cuda_backend, "_ext_error", None)
     monkeypatch.setattr(cuda_backend, "VERIFIED_ARCHS", {})
+    monkeypatch.setattr(backends, "_answers", {})  # availability is remembered per probe state
     return arch
 
 
@@ -245,14 +246,18 @@ def test_auto_picks_cuda_only_where_verified(fake_gpu, monkeypatch):
     assert backends.resolve("auto", gpu, torch.float16) == ("triton", "")
     assert backends.available(gpu) == ("triton", "cuda", "reference")
     monkeypatch.setitem(cuda_backend.VERIFIED_ARCHS, (9, 0), {"dtypes": ("float16",), "evidence": "test"})
+    assert backends.resolve("auto", gpu, torch.float16) == ("triton", "")  # remembered
+    backends.forget()
     assert backends.resolve("auto", gpu, torch.float16) == ("cuda", "")
     assert backends.available(gpu, torch.float16)[0] == "cuda"
     assert backends.resolve("auto", gpu, torch.bfloat16) == ("triton", "")  # not verified for bf16
     assert backends.resolve("auto", gpu, torch.float32) == ("triton", "")
     fake_gpu["cap"] = (8, 0)  # another architecture
+    backends.forget()
     assert backends.resolve("auto", gpu, torch.float16) == ("triton", "")
     fake_gpu["cap"] = (9, 0)
     monkeypatch.setattr(cuda_backend, "_prebuilt", lambda: False)  # would need a JIT build first
+    backends.forget()
     assert backends.resolve("auto", gpu, torch.float16) == ("triton", "")
 
 
@@ -411,22 +416,20 @@ def test_emulated_cuda_refuses_what_the_kernels_do_not_run(emulator):
 
 def test_former_entry_point_runs_through_the_ops(emulator, monkeypatch):
     """ssa_flash.cuda.CudaAttentionFunction.apply(..., ext) (csrc/emu/harness.py's entry point)
-    goes through torch.ops.ssa_flash, and its backward, run after the call returned, still uses
-    the emulator it was given."""
+    goes through ssa_flash.autograd (the eager path's autograd.Function), and its backward, run
+    after the call returned, still uses the emulator it was given."""
     q, k, v, b, n = _half_case("ssa_adaptive", D=32, Dv=32)
-    B, Hq, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     seen = []
-    orig = torch.ops.ssa_flash.attn_bwd
+    orig = cuda_backend.backward
 
-    class Spy:
-        def __call__(self, *args):
-            seen.append(cuda_backend.active_emulator())
-            return orig(*args)
+    def spy(*args):
+        seen.append(cuda_backend.active_emulator())
+        return orig(*args)
 
     out, lse = ssa_flash.cuda.CudaAttentionFunction.apply(q, k, v, b, n, None, 32 ** -0.5, True, 2, True,
                                                           (-0.037, 0.481, -2.3, 4.917, -1.791), 0.5, emulator)
-    assert "CompiledFunction" not in type(out.grad_fn).__name__ and "attn_fwd" in type(out.grad_fn).__name__
-    monkeypatch.setattr(torch.ops.ssa_flash, "attn_bwd", Spy())
+    assert "CompiledFunction" not in type(out.grad_fn).__name__ and "EagerAttention" in type(out.grad_fn).__name__
+    monkeypatch.setattr(cuda_backend, "backward", spy)
     grads = torch.autograd.grad(out.float().sum(), (q, k, v, b, n))
     assert seen == [emulator]
     assert cuda_backend.active_emulator() is None

@@ -1,0 +1,331 @@
+"""The host path's cost: ``python -m ssa_flash.bench --host``.
+
+Per public function (softmax, SSA, adaptive temperature, SSA + adaptive) and feature (none, a
+boolean mask, dropout, a window, a packed variable-length batch, a KV cache), backend (Triton,
+CUDA C++) and pass (forward; forward + backward), the host time of one call: the median wall time
+from the call to its return, after warm-up, with the device idle before each call (so a GPU's
+queue never makes the host wait). SDPA's host time is measured the same way in the same run, on
+the same tensors, and every row gives the ratio to it (forward rows to SDPA's forward, forward +
+backward rows to SDPA's forward + backward; a feature SDPA has is compared with SDPA using it).
+
+* On a GPU the launches are real: tiny shapes, so each kernel is short. Then, at the targets'
+  shape (B x L = 16k tokens, 16 heads, D 128, L 1k), the split of one call into its kernels' own
+  time (``torch.profiler``, the sum of the kernels' durations) and its end-to-end time (CUDA
+  events around back-to-back calls): a row whose end-to-end time exceeds 1.1x its kernels' is
+  host-bound.
+* Without a GPU the Triton launcher runs in stub mode (``ssa_flash.triton.direct.stub``): every
+  host step of a GPU call (validation, backend choice, autograd, launch plans, argument packing,
+  the specialisation key of each direct launch) except the launch itself, which does nothing; the
+  CUDA C++ backend runs over a stub extension whose functions only allocate their outputs.
+  Triton's or the driver's own launch cost is therefore not included on the CPU. One intra-op
+  thread (tiny CPU tensors; SDPA's OpenMP threads only add noise at these sizes).
+
+Writes ``<out>/<date>-<device>-host.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from contextlib import ExitStack, contextmanager
+from typing import Callable, List, Optional
+
+import torch
+
+OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
+FEATURES = ("plain", "mask", "dropout", "window", "varlen", "kvcache")
+CUDA_FEATURES = ("plain", "mask", "dropout", "window")  # the CUDA C++ kernels' layouts are dense
+
+
+def _op_kwargs(op: str) -> dict:
+    kw = {}
+    if op in ("ssa", "ssa_adaptive"):
+        kw.update(b=1.0, n=1.5)
+    if op in ("adaptive", "ssa_adaptive"):
+        kw["adaptive_temperature"] = True
+    return kw
+
+
+def _attend(op: str):
+    import ssa_flash
+
+    return ssa_flash.softmax_attention if op == "softmax" else ssa_flash.ssa_attention
+
+
+class _StubExtension:
+    """The CUDA extension's three functions allocating their outputs and computing nothing (the
+    shapes of csrc/binding.cpp's returns): the CUDA C++ backend's host path without a GPU."""
+
+    @staticmethod
+    def fwd(q, k, v, *args, **kw):
+        stat = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        return q.new_empty((*q.shape[:-1], v.shape[-1])), stat
+
+    @staticmethod
+    def row_entropy(q, k, *args, **kw):
+        return (q.new_empty(q.shape[:-1], dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+    @staticmethod
+    def bwd(dout, q, k, v, *args, **kw):
+        B, H, L, D = q.shape
+        part = q.new_empty((B, H, 1), dtype=torch.float32)
+        # the fused backward's float32 dQ accumulator, which the backend crops, scales and casts
+        return (q.new_empty((B, H, L, D), dtype=torch.float32), torch.empty_like(k), torch.empty_like(v), part, part,
+                q.new_empty((B, H, L, 6), dtype=torch.float32))
+
+
+@contextmanager
+def stubbed_launches(arch: int = 90):
+    """Stub mode for both backends (see the module docstring)."""
+    from ..backends import cuda_backend
+    from ..triton import direct
+
+    with direct.stub(arch), cuda_backend.emulated(_StubExtension()):
+        yield
+
+
+class Case:
+    """One row: ``fn()`` runs one call (and its backward for ``fwd_bwd``)."""
+
+    def __init__(self, op: str, impl: str, feature: str, pass_: str, fn: Callable[[], object]):
+        self.op, self.impl, self.feature, self.pass_, self.fn = op, impl, feature, pass_, fn
+
+
+def _inputs(device, dtype, B, H, L, D, requires_grad):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return [torch.randn(B, H, L, D, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+            .requires_grad_(requires_grad) for _ in range(3)]
+
+
+def _feature_kwargs(feature: str, L: int, device) -> dict:
+    if feature == "mask":
+        return {"attn_mask": torch.ones(L, L, dtype=torch.bool, device=device).tril_()}
+    if feature == "dropout":
+        return {"dropout_p": 0.1}
+    if feature == "window":
+        return {"window_size": (L // 4, 0)}
+    return {}
+
+
+def cases(device, dtype, B: int, H: int, L: int, D: int, backends=("triton", "cuda"),
+          ops=OPS, features=FEATURES, passes=("fwd", "fwd_bwd")) -> List[Case]:
+    """The rows, SDPA's first (per feature SDPA has: none, a mask, dropout)."""
+    import torch.nn.functional as F
+
+    import ssa_flash
+
+    out: List[Case] = []
+    qf, kf, vf = _inputs(device, dtype, B, H, L, D, False)
+    qg, kg, vg = _inputs(device, dtype, B, H, L, D, True)
+    grad = torch.randn(B, H, L, D, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    def fwd_bwd(call):
+        def run():
+            call(qg, kg, vg).backward(grad)
+        return run
+
+    for feature in ("plain", "mask", "dropout"):
+        if feature not in features:
+            continue
+        kw = _feature_kwargs(feature, L, device)
+        causal = feature != "mask"
+
+        def sdpa(q, k, v, kw=kw, causal=causal):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
+
+        if "fwd" in passes:
+            out.append(Case("softmax", "sdpa", feature, "fwd", lambda sdpa=sdpa: sdpa(qf, kf, vf)))
+        if "fwd_bwd" in passes:
+            out.append(Case("softmax", "sdpa", feature, "fwd_bwd", fwd_bwd(sdpa)))
+
+    for backend in backends:
+        for feature in features:
+            if backend == "cuda" and feature not in CUDA_FEATURES:
+                continue
+            for op in ops:
+                attend, kw = _attend(op), _op_kwargs(op)
+                if feature in ("varlen", "kvcache"):
+                    out.extend(_layout_cases(feature, op, backend, kw, device, dtype, B, H, L, D, passes))
+                    continue
+                kw = dict(kw, backend=backend, **_feature_kwargs(feature, L, device))
+                causal = feature != "mask"
+
+                def call(q, k, v, attend=attend, kw=kw, causal=causal):
+                    return attend(q, k, v, is_causal=causal, **kw)
+
+                if "fwd" in passes:
+                    out.append(Case(op, f"ssa_flash.{backend}", feature, "fwd", lambda call=call: call(qf, kf, vf)))
+                if "fwd_bwd" in passes:
+                    out.append(Case(op, f"ssa_flash.{backend}", feature, "fwd_bwd", fwd_bwd(call)))
+    return out
+
+
+def _layout_cases(feature, op, backend, kw, device, dtype, B, H, L, D, passes) -> List[Case]:
+    import ssa_flash
+
+    kw = dict(kw, backend=backend, ssa=op in ("ssa", "ssa_adaptive"))
+    if feature == "varlen":
+        total = B * L
+        cu = torch.arange(0, total + 1, L, dtype=torch.int32, device=device)
+        qf, kf, vf = (t.reshape(total, H, D) for t in _inputs(device, dtype, 1, total, 1, H * D, False))
+        qg, kg, vg = (t.detach().reshape(total, H, D).requires_grad_() for t in (qf, kf, vf))
+        grad = torch.randn(total, H, D, dtype=torch.float32).to(device=device, dtype=dtype)
+
+        def call(q, k, v):
+            return ssa_flash.varlen_attention(q, k, v, cu, cu, L, L, is_causal=True, **kw)
+
+        rows = []
+        if "fwd" in passes:
+            rows.append(Case(op, f"ssa_flash.{backend}", feature, "fwd", lambda: call(qf, kf, vf)))
+        if "fwd_bwd" in passes:
+            rows.append(Case(op, f"ssa_flash.{backend}", feature, "fwd_bwd", lambda: call(qg, kg, vg).backward(grad)))
+        return rows
+    # a decoding step: one query per sequence over a cache of L rows, L // 2 of them filled
+    q = torch.randn(B, H, 1, D, dtype=torch.float32).to(device=device, dtype=dtype)
+    kc, vc = _inputs(device, dtype, B, H, L, D, False)[:2]
+    used = torch.full((B,), L // 2, dtype=torch.int32, device=device)
+    if "fwd" not in passes:
+        return []
+    return [Case(op, f"ssa_flash.{backend}", feature, "fwd",
+                 lambda: ssa_flash.attention_with_kvcache(q, kc, vc, cache_seqlens=used, is_causal=True, **kw))]
+
+
+def host_time_us(fn: Callable[[], object], device, warmup: int = 5, reps: int = 200) -> float:
+    """Median wall time of ``fn()`` in microseconds, the device idle before each call."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if cuda:
+            torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def kernel_split_us(fn: Callable[[], object], reps: int = 10) -> dict:
+    """On a GPU: one call's end-to-end time (CUDA events around ``reps`` back-to-back calls) and
+    its kernels' own time (``torch.profiler``: the sum of the device time of every kernel the
+    calls ran, per call), in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    e2e = start.elapsed_time(end) * 1e3 / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for evt in prof.key_averages():
+        total += getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+    kernels = total / reps
+    return {"e2e_us": e2e, "kernel_us": kernels, "host_bound": bool(e2e > 1.1 * kernels)}
+
+
+def _sdpa_key(case: Case) -> tuple:
+    return ("plain" if case.feature not in ("mask", "dropout") else case.feature, case.pass_)
+
+
+def run(out_dir: Optional[str] = None, reps: int = 200, backends=("triton", "cuda"), ops=OPS,
+        features=FEATURES, passes=("fwd", "fwd_bwd"), quiet: bool = False, split: bool = True) -> dict:
+    """Measures every case; returns (and writes, when ``out_dir`` is given) the results."""
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float16  # float16: the CPU path then converts nothing
+    B, H, L, D = (1, 2, 128, 64) if gpu else (1, 2, 64, 16)
+    with ExitStack() as stack:
+        if not gpu:
+            torch.set_num_threads(1)
+            stack.enter_context(stubbed_launches())
+        elif "cuda" in backends:
+            import ssa_flash
+
+            if "cuda" not in ssa_flash.available_backends("cuda"):
+                backends = tuple(b for b in backends if b != "cuda")
+        rows, sdpa = [], {}
+        for case in cases(device, dtype, B, H, L, D, backends, ops, features, passes):
+            try:
+                us = host_time_us(case.fn, device, reps=reps)
+                note = None
+            except Exception as err:  # keep the row, say why
+                us, note = None, f"{type(err).__name__}: {err}"[:200]
+            row = {"op": case.op, "impl": case.impl, "feature": case.feature, "pass": case.pass_, "host_us": us}
+            if case.impl == "sdpa":
+                sdpa[(case.feature, case.pass_)] = us
+            else:
+                base = sdpa.get(_sdpa_key(case))
+                row["sdpa_host_us"] = base
+                row["ratio_to_sdpa"] = None if (us is None or not base) else us / base
+            if note:
+                row["note"] = note
+            rows.append(row)
+            if not quiet:
+                print(_line(row), flush=True)
+        results = {"device": torch.cuda.get_device_name() if gpu else "cpu (launches stubbed)",
+                   "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                   "triton": _triton_version(), "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": str(dtype)},
+                   "reps": reps, "rows": rows}
+        if gpu and split:
+            results["split"] = _splits(backends, ops, quiet)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        name = results["device"].split(" (")[0].lower().replace(" ", "-")
+        path = os.path.join(out_dir, f"{results['date']}-{name}-host.json")
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        results["path"] = path
+    return results
+
+
+def _splits(backends, ops, quiet) -> list:
+    """The profiler split at the targets' shape, L = 1k (B 16, H 16, D 128, bf16), causal."""
+    out = []
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    for case in cases(device, dtype, 16, 16, 1024, 128, backends, ops, ("plain",)):
+        try:
+            split = kernel_split_us(case.fn)
+        except Exception as err:
+            split = {"note": f"{type(err).__name__}: {err}"[:200]}
+        row = {"op": case.op, "impl": case.impl, "pass": case.pass_, "B": 16, "H": 16, "L": 1024, "D": 128, **split}
+        out.append(row)
+        if not quiet and "e2e_us" in split:
+            print(f"split {case.impl:16s} {case.op:13s} {case.pass_:8s} end-to-end {split['e2e_us']:9.1f} us  "
+                  f"kernels {split['kernel_us']:9.1f} us  {'HOST-BOUND' if split['host_bound'] else ''}", flush=True)
+    return out
+
+
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return None
+
+
+def _line(row: dict) -> str:
+    us = "-" if row["host_us"] is None else f"{row['host_us']:8.1f} us"
+    ratio = row.get("ratio_to_sdpa")
+    rtxt = "" if ratio is None else f"  {ratio:5.1f}x SDPA"
+    return f"{row['impl']:16s} {row['op']:13s} {row['feature']:8s} {row['pass']:8s} {us}{rtxt}{'  ' + row['note'] if row.get('note') else ''}"
+
+
+def render(results: dict) -> str:
+    """A text table: one line per row."""
+    lines = [f"host time per call, {results['device']}, torch {results['torch']}, triton {results['triton']}, "
+             f"shape {results['shape']}"]
+    lines += [_line(r) for r in results["rows"]]
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""Launching compiled Triton kernels without Triton's generic launch path.
+
+``kernel[grid](*args, **constexprs)`` binds every argument through Triton's generic binder on
+each call: ~40 arguments and nested tuples for the attention kernels, tens of microseconds of
+host time per launch. The first such call returns the ``CompiledKernel``; :class:`Launcher`
+keeps it per specialisation and launches it again with ``CompiledKernel.run``, the call that
+Triton's ``JITFunction.run`` itself ends with (the same in Triton 3.4 to 3.9: grid, stream,
+function handle, packed metadata, launch metadata and the launch hooks, then every argument of
+the signature in order, constexprs included).
+
+A compiled kernel is only valid for arguments with the properties Triton specialised it on:
+each argument's type, integers equal to 1 (compiled in as constants), integers divisible by 16,
+the integer width (i32 or i64), and pointers' dtypes and 16-byte alignment. :func:`spec_key`
+computes a key at least that fine, so a kept kernel is reused only for arguments of the
+specialisation it was compiled for; any other call goes through ``kernel[grid]`` and Triton's
+own cache, as before. Integers are keyed by value (finer than Triton, cheaper to hash), so a
+new shape's first launch goes through Triton too; at most ``MAX_KEPT`` kernels are kept. ``SSA_FLASH_DIRECT_LAUNCH=0`` turns direct launches off (every launch
+through ``kernel[grid]``), for comparison.
+
+Stub mode (:func:`stub`): the launcher behaves as on a GPU of a given architecture but each
+launch is a no-op, so that the host path's cost can be measured on a machine without a GPU
+(``python -m ssa_flash.bench --host``). Outputs are allocated, never written.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Optional
+
+import torch
+
+ENV = "SSA_FLASH_DIRECT_LAUNCH"
+MAX_KEPT = 4096
+
+
+def enabled() -> bool:
+    """Whether kept compiled kernels are launched directly (the default)."""
+    return os.environ.get(ENV, "1") not in ("", "0")
+
+
+class Unspecialisable(Exception):
+    """An argument of a type :func:`spec_key` cannot key: that launch goes through Triton."""
+
+
+_Tensor = torch.Tensor
+
+
+def _spec(x):
+    t = type(x)
+    if t is int or t is float or x is None or t is bool:
+        return x  # the value itself: finer than Triton's (== 1, % 16, width) and hashed in C
+    if t is _Tensor or isinstance(x, _Tensor):
+        return (x.dtype, x.data_ptr() & 15 == 0)
+    if t is tuple:
+        return tuple([_spec(e) for e in x])
+    raise Unspecialisable(t)
+
+
+def spec_key(args: tuple) -> tuple:
+    """A key at least as fine as what Triton specialises a compiled kernel on, for the runtime
+    arguments ``args``: tensors by dtype and 16-byte alignment, numbers by value (shapes and
+    strides: a new shape is a new key, whose first launch goes through Triton)."""
+    return tuple([_spec(a) for a in args])
+
+
+class _Signature:
+    """A JIT function's parameters: the runtime ones must all precede the constexprs (true of
+    every kernel here); ``tail(consts)`` gives the constexprs' values in signature order."""
+
+    def __init__(self, kernel):
+        fn = getattr(kernel, "fn", kernel)
+        params = list(inspect.signature(fn).parameters.values())
+        is_const = [p.annotation is not None and "constexpr" in str(p.annotation) for p in params]
+        first_const = is_const.index(True) if True in is_const else len(params)
+        self.ok = all(is_const[first_const:])
+        self.n_runtime = first_const
+        self.consts = [(p.name, p.default) for p in params[first_const:]]
+
+    def tail(self, consts: dict) -> tuple:
+        return tuple(consts[name] if name in consts else default for name, default in self.consts)
+
+
+class _StubKernel:
+    """Stands in for a compiled kernel in stub mode: launching it does nothing."""
+
+    function = packed_metadata = None
+
+    @staticmethod
+    def run(*args):
+        return None
+
+
+_stub_arch: Optional[int] = None
+
+
+class Launcher:
+    """The compiled kernels kept per specialisation, and their direct launch."""
+
+    def __init__(self):
+        self._kept: dict = {}
+        self._signatures: dict = {}
+        self._stream = None
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def _signature(self, kernel) -> _Signature:
+        sig = self._signatures.get(kernel)
+        if sig is None:
+            try:
+                sig = _Signature(kernel)
+            except (TypeError, ValueError):  # no inspectable signature: never launched directly
+                sig = _Signature.__new__(_Signature)
+                sig.ok = False
+            self._signatures[kernel] = sig
+        return sig
+
+    def run(self, kernel, grid: tuple, args: tuple, consts: dict, options: dict, device: torch.device):
+        """Launch ``kernel`` on ``grid`` with runtime ``args`` (signature order) and constexprs
+        ``consts`` (block sizes included), compile ``options`` (``num_warps``, ``num_stages``),
+        on ``device``'s current stream (the caller made ``device`` current)."""
+        stub = _stub_arch is not None
+        if not (stub or enabled()) or device.type != "cuda" and not stub:
+            kernel[grid](*args, **consts, **options)
+            return
+        try:
+            key = (kernel, tuple(consts.items()), tuple(options.items()), spec_key(args))
+        except Unspecialisable:
+            kernel[grid](*args, **consts, **options)
+            return
+        kept = self._kept.get(key)
+        if kept is None:
+            if len(self._kept) >= MAX_KEPT:  # shapes that keep changing: start again
+                self._kept.clear()
+            if stub:
+                compiled = _StubKernel
+            else:
+                compiled = kernel[grid](*args, **consts, **options)
+                if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                    return  # not a CompiledKernel (a test's stand-in): never kept
+            sig = self._signature(kernel)
+            if not sig.ok:
+                return
+            self._kept[key] = (compiled, sig.tail(consts))
+            if not stub:
+                return  # this call launched it
+            kept = self._kept[key]
+        compiled, tail = kept
+        if stub:
+            stream, hooks = 0, (None, None)
+        else:
+            stream, hooks = self._current_stream(device), _hooks()
+        meta = None if hooks[0] is None else compiled.launch_metadata(grid, stream, *args, *tail)
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                     compiled.function, compiled.packed_metadata, meta, hooks[0], hooks[1], *args, *tail)
+
+    def _current_stream(self, device: torch.device) -> int:
+        if self._stream is None:
+            from triton.runtime import driver
+
+            self._stream = driver.active.get_current_stream
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return self._stream(index)
+
+
+def _hooks():
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+LAUNCHER = Launcher()
+
+
+def stub_arch() -> Optional[int]:
+    """The architecture stub mode pretends, or None outside it."""
+    return _stub_arch
+
+
+class stub:
+    """Context: launches are no-ops and the launcher plans as on compute capability ``arch``
+    (tensors may be CPU tensors). Not re-entrant."""
+
+    def __init__(self, arch: int = 90):
+        self.arch = int(arch)
+
+    def __enter__(self):
+        global _stub_arch
+        if _stub_arch is not None:
+            raise RuntimeError("direct.stub is not re-entrant")
+        _stub_arch = self.arch
+        return self
+
+    def __exit__(self, *exc):
+        global _stub_arch
+        _stub_arch = None
+        LAUNCHER.clear()
+        return False
