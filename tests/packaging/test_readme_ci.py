@@ -47,12 +47,21 @@ def test_readme_numbered_commands_are_the_install_and_run_lines():
     assert cmds[1].endswith("python -m pytest tests -q"), cmds
 
 
+#: what .ci/run may append to a README command: under `set -e`, a failure before the last `&&` of
+#: a line does not stop a script
+EXIT = " || exit 1"
+
+
+def _ci_line_of(cmd: str, lines) -> int:
+    for i, line in enumerate(lines):
+        if line in (cmd, cmd + EXIT):
+            return i
+    raise AssertionError(f".ci/run does not run the README's command as written: {cmd!r}")
+
+
 def test_ci_runs_the_readme_commands_verbatim_in_order():
     lines = ci_lines()
-    at = []
-    for cmd in numbered_commands():
-        assert cmd in lines, f".ci/run does not run the README's command as written: {cmd!r}"
-        at.append(lines.index(cmd))
+    at = [_ci_line_of(cmd, lines) for cmd in numbered_commands()]
     assert at == sorted(at), "the README's commands run in another order in .ci/run"
     # nothing runs after the test suite: CI's result is the suite's result
     tail = [line for line in lines[at[-1] + 1:] if line and not line.startswith("#")]
@@ -64,7 +73,15 @@ def test_ci_installs_no_extra_the_readme_does_not():
     first: torch's CPU build, setuptools, the CUDA 12.9 compilers, the audit's Triton versions)."""
     readme = set(numbered_commands())
     own = [line for line in ci_lines() if re.search(r"pip install\b.*\s-e\s", line)]
-    assert own and all(line in readme for line in own), own
+    assert own and all(line in readme or line[:-len(EXIT)] in readme for line in own), own
+
+
+def test_a_failing_install_stops_ci():
+    """Every README line in .ci/run that chains commands ends in `|| exit 1` (or is the last line)."""
+    lines = [line for line in ci_lines() if line and not line.startswith("#")]
+    for cmd in numbered_commands():
+        i = _ci_line_of(cmd, lines)
+        assert lines[i].endswith(EXIT) or i == len(lines) - 1, lines[i]
 
 
 def test_other_quick_start_commands_are_subsets_of_the_suite():
