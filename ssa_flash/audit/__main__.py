@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interior-only", action="store_true", help="table: only the gated (interior / main) loop")
     p.add_argument("--dump-sass", metavar="DIR", help="also write each kernel's SASS, ptxas log and Triton IR")
     p.add_argument("--cuda", choices=["auto", "yes", "no", "only"], default="auto",
-                   help="CUDA C++ kernels (csrc/*.cu, needs nvcc): auto = when nvcc is found")
+                   help="CUDA C++ kernels (csrc/*.cu, needs nvcc): auto = when nvcc is found. --quick, "
+                        "--dtypes and --dims narrow the units and head dims compiled; nvcc reports "
+                        "progress while it runs (a backward unit takes minutes)")
     p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"),
                    help="print a before/after table of two audit JSON files and exit")
     p.add_argument("--threshold", type=float, default=0.005, help="--compare: relative change to report")
