@@ -31,7 +31,44 @@ def beta_from_entropy(entropy: torch.Tensor, poly: Sequence[float], threshold: f
 
     The derivative is ``poly'(H)`` where the temperature is active (``H > threshold`` and
     ``poly(H) > 1``) and 0 elsewhere, as autodiff of the paper's ``where``/``maximum`` gives.
+    On a GPU (float32 statistics) one Triton kernel computes the same (``ssa_flash.triton.
+    temperature``): these torch operations are a launch each.
     """
+    if _fused(entropy):
+        from .triton.temperature import beta_from_entropy as fused
+
+        return fused(entropy, poly, threshold)
+    return beta_from_entropy_torch(entropy, poly, threshold)
+
+
+def _fused(entropy: torch.Tensor) -> bool:
+    """Whether the Triton kernel computes the temperature: float32 contiguous statistics on a GPU
+    with Triton installed and not interpreting, or in the launcher's stub mode (which measures a
+    GPU's host path on the CPU)."""
+    if entropy.dtype != torch.float32 or not entropy.is_contiguous() or torch.compiler.is_compiling():
+        return False
+    if entropy.device.type != "cuda":
+        from .triton.direct import stub_arch  # imports no Triton
+
+        return stub_arch() is not None
+    from .triton.interpreter import interpreting
+
+    return _triton_installed() and not interpreting()
+
+
+_installed: list = []
+
+
+def _triton_installed() -> bool:
+    if not _installed:
+        import importlib.util
+
+        _installed.append(importlib.util.find_spec("triton") is not None)
+    return _installed[0]
+
+
+def beta_from_entropy_torch(entropy: torch.Tensor, poly: Sequence[float], threshold: float):
+    """:func:`beta_from_entropy` in torch operations (the definition)."""
     p = polyval(poly, entropy)
     active = (entropy > threshold) & (p > 1.0)
     beta = torch.where(active, p, torch.ones_like(p))

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not measure: print the tables (and plots unless --no-plots) of an existing results file")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown (for docs/benchmarks.md)")
     p.add_argument("--quiet", action="store_true", help="no per-row progress lines")
+    p.add_argument("--host", action="store_true",
+                   help="measure the host path instead (ssa_flash/bench/host.py): host time of one call per "
+                        "function, feature, backend and pass, beside SDPA's; without a GPU the launches are "
+                        "stubbed (sets TRITON_INTERPRET=1); writes <date>-<device>-host.json")
+    p.add_argument("--host-reps", type=int, default=200, help="calls timed per --host row (default 200)")
     return p
 
 
@@ -120,6 +125,17 @@ def main(argv=None) -> int:
 
     # Decide the device before anything imports Triton: the interpreter must be chosen first.
     import torch
+
+    if args.host:
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+        from .host import render, run
+
+        results = run(args.out or os.path.join("bench", "results"), reps=args.host_reps, quiet=args.quiet)
+        if args.quiet:
+            print(render(results))
+        print(f"wrote {results['path']}")
+        return 0
 
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():

@@ -680,15 +680,25 @@ def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:
     return "tf32" if tf32_allowed() else "ieee"
 
 
+_common: dict = {}
+
+
 def _common_consts(q, spec: AttentionSpec, ssa: bool, mask_kind, dv=None):
+    """The constexprs every attention kernel takes (a new dict each call: callers add theirs),
+    kept per what decides them."""
     d = q.shape[-1]
-    even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
     arch = _device_arch(q.device)
-    return dict(
-        SSA=ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
-        BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
-    )
+    tf32 = q.dtype == torch.float32 and tf32_allowed()
+    key = (q.dtype, q.device.type, arch, d, dv, ssa, spec.causal, mask_kind, tf32, interpreting())
+    consts = _common.get(key)
+    if consts is None:
+        even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
+        consts = _common[key] = dict(
+            SSA=ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
+            BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
+        )
+    return dict(consts)
 
 
 def _stat_tensor(q):

@@ -1,0 +1,142 @@
+"""Direct launches of kept compiled kernels (ssa_flash/triton/direct.py) and the launcher's stub
+mode: the specialisation key, when a kept kernel is reused and when a call goes through Triton,
+the arguments a direct launch passes, and the fused temperature kernel against its definition."""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from ssa_flash import temperature  # noqa: E402
+from ssa_flash.backends.spec import AttentionSpec  # noqa: E402
+from ssa_flash.triton import direct, launch  # noqa: E402
+
+
+def test_spec_key_keys_what_triton_specialises_on():
+    base = torch.zeros(64)
+    key = direct.spec_key((base, 1, 16, 17, (base, 2**40), None, 0.5, True))
+    assert key == direct.spec_key((torch.ones(64), 1, 16, 17, (torch.ones(64), 2**40), None, 0.5, True))
+    # a pointer off 16-byte alignment, another dtype, another integer: other keys
+    assert direct.spec_key((base[1:],)) != direct.spec_key((base,))
+    assert direct.spec_key((base.half(),)) != direct.spec_key((base,))
+    assert direct.spec_key((1,)) != direct.spec_key((2,))
+    assert direct.spec_key(((base, 16),)) != direct.spec_key(((base[1:], 16),))
+    with pytest.raises(direct.Unspecialisable):
+        direct.spec_key(([1, 2],))
+
+
+def _kernel_fn(X, n, pair, A: tl.constexpr, B: tl.constexpr = 7):
+    pass
+
+
+class FakeCompiled:
+    """A compiled kernel's launch surface: records what ``run`` receives."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeJIT:
+    """A JIT function: ``kernel[grid](...)`` counts Triton launches and returns one compiled kernel."""
+
+    fn = staticmethod(_kernel_fn)
+
+    def __init__(self):
+        self.compiled = FakeCompiled()
+        self.jit_calls = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.jit_calls += 1
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def fake_gpu_launcher(monkeypatch):
+    launcher = direct.Launcher()
+    monkeypatch.setattr(launcher, "_current_stream", lambda device: 42)
+    monkeypatch.setattr(direct, "_hooks", lambda: (None, None))
+    monkeypatch.delenv(direct.ENV, raising=False)
+    return launcher
+
+
+def test_a_kept_kernel_is_launched_directly(fake_gpu_launcher):
+    kernel, gpu = FakeJIT(), torch.device("cuda", 0)
+    x = torch.zeros(32)
+    args = (x, 5, (x, 16))
+    for _ in range(3):
+        fake_gpu_launcher.run(kernel, (4, 2), args, {"A": 3}, {"num_warps": 4}, gpu)
+    assert kernel.jit_calls == 1  # the first call compiled (through Triton), the others went direct
+    assert len(kernel.compiled.runs) == 2
+    grid0, grid1, grid2, stream, function, meta, launch_meta, enter, leave, *rest = kernel.compiled.runs[0]
+    assert (grid0, grid1, grid2, stream, function, meta) == (4, 2, 1, 42, "function", "metadata")
+    assert launch_meta is None and enter is None and leave is None
+    assert tuple(rest[:3]) == args and rest[3:] == [3, 7]  # every argument, constexprs (defaults too) last
+    # another specialisation (a misaligned pointer, other constexprs): through Triton again
+    fake_gpu_launcher.run(kernel, (4,), (x[1:], 5, (x, 16)), {"A": 3}, {"num_warps": 4}, gpu)
+    fake_gpu_launcher.run(kernel, (4,), args, {"A": 4}, {"num_warps": 4}, gpu)
+    assert kernel.jit_calls == 3
+
+
+def test_direct_launches_can_be_turned_off(fake_gpu_launcher, monkeypatch):
+    monkeypatch.setenv(direct.ENV, "0")
+    kernel = FakeJIT()
+    for _ in range(3):
+        fake_gpu_launcher.run(kernel, (1,), (torch.zeros(4), 1, (1, 2)), {"A": 1}, {}, torch.device("cuda", 0))
+    assert kernel.jit_calls == 3 and not kernel.compiled.runs
+
+
+def test_a_stand_in_that_is_no_compiled_kernel_is_never_kept(fake_gpu_launcher):
+    calls = []
+
+    class StandIn:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(1)
+
+    for _ in range(3):
+        fake_gpu_launcher.run(StandIn(), (1,), (1,), {}, {}, torch.device("cuda", 0))
+    assert len(calls) == 3
+
+
+def test_stub_mode_plans_as_on_a_gpu_and_launches_nothing(monkeypatch):
+    """Under ``direct.stub`` the launcher chooses sm_90 tiles and keeps its choice, the kernels
+    never run (their outputs stay as allocated), and leaving the mode forgets the stubs."""
+    class Refusing:
+        fn = getattr(launch.attention_fwd_kernel, "fn", launch.attention_fwd_kernel)
+
+        def __getitem__(self, grid):
+            raise AssertionError("a kernel ran in stub mode")
+
+    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setattr(launch, "attention_fwd_kernel", Refusing())
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    spec = AttentionSpec(scale=0.125, causal=True)
+    with direct.stub(90):
+        for _ in range(2):
+            out, lse = launch.forward(q, q, q, None, None, None, None, spec)
+        assert out.shape == q.shape and lse.shape == q.shape[:-1]
+        chosen = [blk for key, blk in launch._chosen_blocks.items() if key[0] == "fwd"]
+        assert chosen and chosen[0] == launch.block_candidates(90, 64, torch.float16, "fwd")[0]
+        assert direct.LAUNCHER._kept
+    assert not direct.LAUNCHER._kept and direct.stub_arch() is None
+
+
+@pytest.mark.parametrize("poly,threshold", [(temperature.DEFAULT_POLY, 0.5), ((2.0,), 0.0), ((0.5, 1.0), 1.0)])
+def test_fused_temperature_matches_its_definition(poly, threshold):
+    from ssa_flash.triton import temperature as fused
+    from ssa_flash.triton.interpreter import interpreting
+
+    if not (torch.cuda.is_available() or interpreting()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ent = torch.linspace(0.0, 6.0, 1500, device=device).reshape(3, 500)
+    beta, dbeta = fused.beta_from_entropy(ent, poly, threshold)
+    ref_beta, ref_dbeta = temperature.beta_from_entropy_torch(ent, poly, threshold)
+    torch.testing.assert_close(beta, ref_beta, atol=0, rtol=1e-6)
+    torch.testing.assert_close(dbeta, ref_dbeta, atol=0, rtol=1e-6)
