@@ -151,10 +151,10 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[device]
 
 
-# (launch name, device, head block, dtype, constexprs, deterministic, size bucket) -> Blocks
+# (launch name, device, arch, head block, dtype, constexprs, deterministic, size bucket) -> Blocks;
+# and ((launch name, device, arch, head block, dtype, constexprs), "candidates") -> the pruned
+# candidate list (one table: clearing it forgets both)
 _chosen_blocks: dict = {}
-# (launch name, device, head block, dtype, constexprs) -> the pruned candidate list
-_candidate_lists: dict = {}
 _capture: Optional[list] = None
 _capture_arch: Optional[int] = None
 
@@ -419,16 +419,17 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype,
     every process (outputs depend on the tiles in their last bits). So does a CUDA-graph capture
     without a remembered choice (no timing during capture)."""
     arch = _device_arch(device)
-    spec_key = (name, device, head_block, dtype, tuple(consts.items()))
-    cands = _candidate_lists.get(spec_key)
-    if cands is None:
-        cands = _candidate_lists[spec_key] = _candidates(name, arch, head_block, dtype, consts)
-    if _capture is not None:
+    if _capture is not None:  # fresh: the audit replaces block_candidates between captures
+        cands = _candidates(name, arch, head_block, dtype, consts)
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
         _capture.append(KernelLaunch(name, kernel, grid, tuple(args(blk)),
                                      dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
         return blk
+    spec_key = (name, device, arch, head_block, dtype, tuple(consts.items()))
+    cands = _chosen_blocks.get((spec_key, "candidates"))
+    if cands is None:
+        cands = _chosen_blocks[(spec_key, "candidates")] = _candidates(name, arch, head_block, dtype, consts)
     key = spec_key + (bool(deterministic), _bucket(grid_fn(cands[0])[0], sizes))
     with _on_device(device):
         blk = _chosen_blocks.get(key)
