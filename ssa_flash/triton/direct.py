@@ -56,6 +56,42 @@ def _spec(x):
     raise Unspecialisable(t)
 
 
+def _layout(args: tuple) -> tuple:
+    """Where the tensors are in ``args``: per argument True (a tensor), None (a value: a number,
+    None, or a tuple of them) or, for a tuple holding tensors, the same for its elements. Fixed
+    for a kernel and its constexprs (an optional argument is None or a tuple according to its
+    switch), so :class:`Launcher` works it out once per specialisation."""
+    out = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            out.append(True)
+        elif type(a) is tuple:
+            inner = _layout(a)
+            out.append(inner if any(x is not None for x in inner) else None)
+        else:
+            _spec(a)  # raises for a type that cannot be keyed
+            out.append(None)
+    return tuple(out)
+
+
+def _keyed(args: tuple, layout: tuple) -> tuple:
+    """:func:`spec_key` along a :func:`_layout`: values as they are, tensors by dtype and
+    alignment. A tensor where the layout has a value raises ``ValueError`` (the caller then
+    launches through Triton); tuples of values are taken whole (the layout is fixed by the
+    constexprs, see :func:`_layout`)."""
+    out = []
+    for a, where in zip(args, layout):
+        if where is None:
+            if isinstance(a, _Tensor):
+                raise ValueError("the arguments' layout changed")
+            out.append(a)
+        elif where is True:
+            out.append((a.dtype, a.data_ptr() & 15 == 0))
+        else:
+            out.append(_keyed(a, where))
+    return tuple(out)
+
+
 def spec_key(args: tuple) -> tuple:
     """A key at least as fine as what Triton specialises a compiled kernel on, for the runtime
     arguments ``args``: tensors by dtype and 16-byte alignment, numbers by value (shapes and
@@ -98,11 +134,13 @@ class Launcher:
 
     def __init__(self):
         self._kept: dict = {}
+        self._layouts: dict = {}
         self._signatures: dict = {}
         self._stream = None
 
     def clear(self) -> None:
         self._kept.clear()
+        self._layouts.clear()
 
     def _signature(self, kernel) -> _Signature:
         sig = self._signatures.get(kernel)
@@ -123,9 +161,13 @@ class Launcher:
         if not (stub or enabled()) or device.type != "cuda" and not stub:
             kernel[grid](*args, **consts, **options)
             return
+        space = (kernel, tuple(consts.items()), tuple(options.items()))
         try:
-            key = (kernel, tuple(consts.items()), tuple(options.items()), spec_key(args))
-        except Unspecialisable:
+            layout = self._layouts.get(space)
+            if layout is None:
+                layout = self._layouts[space] = _layout(args)
+            key = (space, _keyed(args, layout))
+        except (Unspecialisable, TypeError, ValueError):
             kernel[grid](*args, **consts, **options)
             return
         kept = self._kept.get(key)

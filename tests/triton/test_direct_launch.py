@@ -140,3 +140,20 @@ def test_fused_temperature_matches_its_definition(poly, threshold):
     ref_beta, ref_dbeta = temperature.beta_from_entropy_torch(ent, poly, threshold)
     torch.testing.assert_close(beta, ref_beta, atol=0, rtol=1e-6)
     torch.testing.assert_close(dbeta, ref_dbeta, atol=0, rtol=1e-6)
+
+
+def test_keys_follow_the_layout_of_the_arguments(fake_gpu_launcher):
+    """Keys are worked out along where the tensors are (once per specialisation); a tensor where a
+    value was goes through Triton rather than being keyed by identity."""
+    x = torch.zeros(32)
+    layout = direct._layout((x, 3, (1, 2), (x, 4), None))
+    assert layout == (True, None, None, (True, None), None)
+    assert direct._keyed((x, 3, (1, 2), (x, 4), None), layout) == \
+        direct.spec_key((x, 3, (1, 2), (x, 4), None))
+    with pytest.raises(ValueError):
+        direct._keyed((x, x, (1, 2), (x, 4), None), layout)
+    kernel = FakeJIT()
+    gpu = torch.device("cuda", 0)
+    fake_gpu_launcher.run(kernel, (1,), (x, 1, (x, 2)), {"A": 1}, {}, gpu)
+    fake_gpu_launcher.run(kernel, (1,), (x, x, (x, 2)), {"A": 1}, {}, gpu)
+    assert kernel.jit_calls == 2 and not kernel.compiled.runs
