@@ -375,23 +375,33 @@ def test_compile_fullgraph_every_backend(on_backend, count_backend_calls):
 # CUDA graphs
 
 
+def _variant_call(variant, q, k, v, b, n, **kw):
+    """One of the four variants; ``b``, ``n`` are used by the SSA ones only."""
+    adaptive = variant.endswith("adaptive")
+    if variant.startswith("ssa"):
+        return ssa_flash.ssa_attention(q, k, v, b=b, n=n, adaptive_temperature=adaptive, **kw)
+    if adaptive:
+        return ssa_flash.adaptive_temperature_attention(q, k, v, **kw)
+    return ssa_flash.softmax_attention(q, k, v, **kw)
+
+
 @needs_cuda
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_cuda_graph_capture_forward_backward(adaptive, backend):
+@pytest.mark.parametrize("variant", ["softmax", "ssa", "adaptive", "ssa_adaptive"])
+def test_cuda_graph_capture_forward_backward(variant, backend):
     """Forward and backward captured in one CUDA graph, replayed on new data == eager, bitwise."""
     if backend not in ssa_flash.available_backends("cuda"):
         pytest.skip(f"{backend} backend unavailable: {cuda_backend.unavailable_reason(torch.device('cuda'))}")
+    adaptive = variant.endswith("adaptive")
     dtype = {"triton": torch.float32 if adaptive else torch.float16, "cuda": torch.float16,
              "reference": torch.float32}[backend]
     q, k, v, b, n = _inputs("cuda", dtype, L=64, D=32)
     b, n = b.float().detach().requires_grad_(), n.float().detach().requires_grad_()
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
-    leaves = (q, k, v, b, n)
+    leaves = (q, k, v, b, n) if variant.startswith("ssa") else (q, k, v)
 
     def step():
-        out = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=b, n=n, adaptive_temperature=adaptive,
-                                      backend=backend)
+        out = _variant_call(variant, q, k, v, b, n, is_causal=True, backend=backend)
         out.backward(dout)
         return out
 
@@ -416,8 +426,8 @@ def test_cuda_graph_capture_forward_backward(adaptive, backend):
     captured = [static_out.clone()] + [t.grad.clone() for t in leaves]
 
     eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    out = ssa_flash.ssa_attention(*eager_leaves[:3], is_causal=True, b=eager_leaves[3], n=eager_leaves[4],
-                                  adaptive_temperature=adaptive, backend=backend)
+    eb, en = (eager_leaves[3], eager_leaves[4]) if len(eager_leaves) == 5 else (b, n)
+    out = _variant_call(variant, *eager_leaves[:3], eb, en, is_causal=True, backend=backend)
     out.backward(dout)
     expected = [out] + [t.grad for t in eager_leaves]
     for name, c, e in zip(["out", "dq", "dk", "dv", "db", "dn"], captured, expected):
@@ -425,14 +435,17 @@ def test_cuda_graph_capture_forward_backward(adaptive, backend):
 
 
 @needs_cuda
-def test_cuda_graph_dropout_draws_anew_on_replay():
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_graph_dropout_draws_anew_on_replay(backend):
     """Dropout inside a captured graph: the (seed, offset) draw is a captured generator op, so each
     replay uses fresh bits (outputs differ between replays); outputs and gradients stay finite."""
+    if backend not in ssa_flash.available_backends("cuda"):
+        pytest.skip(f"{backend} backend unavailable: {cuda_backend.unavailable_reason(torch.device('cuda'))}")
     q, k, v, b, n = _inputs("cuda", torch.float16, L=64, D=32)
     b, n = b.float().detach().requires_grad_(), n.float().detach().requires_grad_()
 
     def step():
-        out = ssa_flash.ssa_attention(q, k, v, dropout_p=0.5, b=b, n=n, backend="triton")
+        out = ssa_flash.ssa_attention(q, k, v, dropout_p=0.5, b=b, n=n, backend=backend)
         out.float().sum().backward()
         return out
 
