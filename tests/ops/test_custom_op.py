@@ -400,8 +400,11 @@ def test_cuda_graph_capture_forward_backward(variant, backend):
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     leaves = (q, k, v, b, n) if variant.startswith("ssa") else (q, k, v)
 
+    # bitwise: the CUDA backward's default accumulates dQ with atomics, deterministic=True does not
+    det = backend == "cuda"
+
     def step():
-        out = _variant_call(variant, q, k, v, b, n, is_causal=True, backend=backend)
+        out = _variant_call(variant, q, k, v, b, n, is_causal=True, backend=backend, deterministic=det)
         out.backward(dout)
         return out
 
@@ -427,7 +430,7 @@ def test_cuda_graph_capture_forward_backward(variant, backend):
 
     eager_leaves = [t.detach().clone().requires_grad_() for t in leaves]
     eb, en = (eager_leaves[3], eager_leaves[4]) if len(eager_leaves) == 5 else (b, n)
-    out = _variant_call(variant, *eager_leaves[:3], eb, en, is_causal=True, backend=backend)
+    out = _variant_call(variant, *eager_leaves[:3], eb, en, is_causal=True, backend=backend, deterministic=det)
     out.backward(dout)
     expected = [out] + [t.grad for t in eager_leaves]
     for name, c, e in zip(["out", "dq", "dk", "dv", "db", "dn"], captured, expected):
