@@ -1,153 +1,229 @@
 #!/usr/bin/env bash
-# One command for a GPU session (no network needed): the smoke tier, the test suite on the GPU,
-# the benchmark, the self-check.
+# One prepared command for a GPU session (no network needed): a verdict on every CUDA C++ kernel
+# family first, then the GPU test suite resumed from the ledger, the self-check, and (second call)
+# the benchmark.
 #
-#   bash bench/run_gpu.sh [BUDGET_SECONDS]        # default 540: fits a 10-minute call
+# WHAT THE NEXT GPU SESSION RUNS, IN ORDER (15 minutes of device time in all, machine start included)
 #
-# Steps, in order, each time-limited:
-#   1. the CUDA extension's build starts in the background (minutes of nvcc; torch's build lock
-#      makes any test that loads the extension meanwhile wait for it, then load the result);
-#   2. while it builds, the Triton half: first the tests of RECHECK (default bench/gpu_recheck.txt,
-#      one pytest node id per line: what failed on the last GPU run, so that the next one begins
-#      with their tracebacks), then the GPU smoke tier without the CUDA backend
-#      (`pytest -m gpu_smoke -k "not cuda"`: tests/gpu_smoke/test_gpu_smoke.py, every kernel family
-#      once at small odd shapes against the float64 reference with FlashAttention's rule), then
-#      the GPU suite's other tests that do not touch the CUDA backend (SUITE below);
-#   3. once the build is done (or BUILD_WAIT seconds into the run): the CUDA half, the smoke tier's
-#      CUDA tests and then the suite's;
-#   4. the benchmark (saves partial results every ~20 s, so whatever was measured before a limit
-#      is kept); 5. the self-check (python -m ssa_flash).
-# pytest runs with pytest-xdist workers (-n JOBS, default 8) where xdist is installed: nearly all
-# of a first GPU run is kernel compilation, which the workers share out.
-# Writes under $OUT (default bench/results): <date>-<gpu>.json (the results file of docs/design.md
-# §4.2, with the suite's test counts folded in), its PNG plots, the test counts <step>-tests.json
-# (smoke-triton, suite-triton, smoke-cuda, suite-cuda; written as the tests run) and gpu-tests.json
-# (their sum), and the logs cuda-build.log, <step>.log, bench.log, selfcheck.log.
-# Environment knobs:
-#   OUT, PYTHON (default python), RECHECK (file of node ids) / RECHECK_LIMIT (seconds, default 90) /
-#   RUN_RECHECK=0, JOBS (xdist workers; 0: none), SUITE (test paths of the GPU suite: default every
-#   test directory that runs kernels; the CPU-only compiles and audits, packaging, docs and the
-#   distributed gloo tests are left to the CPU CI), BUILD_WAIT (default 300), SMOKE_LIMIT /
-#   SUITE_LIMIT (seconds for each Triton step, default 120 / 150; the CUDA steps get half, or
-#   CUDA_SMOKE_LIMIT / CUDA_SUITE_LIMIT: the CUDA C++ backend has not yet been checked on a GPU),
-#   BENCH_ARGS (extra benchmark options), RUN_SMOKE=0 / RUN_TESTS=0 / RUN_CUDA=0 /
-#   RUN_BENCH=0 / RUN_SELFCHECK=0 to skip those steps (e.g. a second call spent on the benchmark, with
-#   BENCH_ARGS="--headdims 128" and the like).
+#   0. Here, on the CPU, before any device call (no device time):
+#        python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
+#      csrc/*.cu compiled for sm_90a into build/cuda-objects/ (they do not include torch): ~10-15 min
+#      of a shared 2-core machine (fwd_fp16.cu alone: 151 s), ~25-30 MiB: it fits the device
+#      tool's 64 MiB carry. Skip it when short of CPU time: the script then JIT-builds on the GPU.
+#   1. Call 1, "verdict" (carry ["build/cuda-objects"], timeout_s 600):
+#        OUT=$OUT bash bench/run_gpu.sh 540
+#      minute by minute on an H200 (from bench/results/2026-11-26-nvidia-h200-logs):
+#        0:00-0:15  versions, the device's architecture, the ledger's kernel hash;
+#        0:15-1:15  the CUDA extension: the carried objects linked with the binding (api.cpp
+#                   against torch, ~30-60 s; estimated, not yet measured), or without them the JIT
+#                   build of sm_90a alone (150-195 s, until ~3:30); meanwhile, niced, the Triton half
+#                   of the smoke tier (13 tests, 28 s with 8 workers in the first session);
+#        1:15-2:45  the CUDA verdict matrix (tests/cuda/test_cuda_matrix.py, 210 cases: forward, row
+#                   entropy, fused and two-kernel backward, wgmma (D 64/128) and mma.sync (32, 80,
+#                   256), fp16 and bf16, masks, causal, GQA, dropout, window, sinks, soft-capping)
+#                   and the CUDA half of the smoke tier: limit 150 s, expected well under 2 min;
+#        2:45-3:30  python -m ssa_flash --backends cuda (the self-check of the CUDA kernels; each
+#                   Triton-free check takes a fraction of a second once the extension is loaded);
+#        3:30-8:50  the tests of bench/gpu_recheck.txt with long tracebacks (limit 60 s), then the GPU
+#                   suite: only what the ledger (bench/results/gpu-ledger.json) does not hold as
+#                   passed at these kernels, failures and never-run tests first, autotuning off,
+#                   one xdist worker per core; cut by the budget, it resumes next session;
+#        8:50-9:00  the ledger and the counts written under $OUT.
+#      Afterwards, here: cp <files_at>/gpu-ledger.json bench/results/ and commit it (with the logs
+#      worth keeping); give_back unless call 2 follows at once.
+#   2. Call 2, "benchmark", on the same warm machine if >= 4 minutes of device time are left
+#      (the extension and Triton's cache are still there):
+#        OUT=$OUT RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 RUN_BENCH=1 bash bench/run_gpu.sh 300
+#      the rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
+#      sdpa.cudnn, then FlexAttention's SSA, each compiled per shape, longest first), partial
+#      results saved every ~20 s.
+#
+# Steps (each time-limited, each writing $OUT/<step>.log and $OUT/<step>-tests.json, the counts,
+# failure texts and every test id's outcome; each merged into the ledger $OUT/gpu-ledger.json as
+# soon as it ends):
+#   build         the CUDA extension for this GPU's architecture only (TORCH_CUDA_ARCH_LIST pinned:
+#                 the image's list would multiply the build time), from CUDA_OBJECTS when they
+#                 match csrc/ (ssa_flash/backends/_cuda_build.py check / link), else the JIT build;
+#                 in the background, while smoke-triton runs niced with fewer workers
+#   smoke-triton  pytest -m gpu_smoke -k "not cuda" tests/gpu_smoke
+#   cuda-matrix   tests/cuda/test_cuda_matrix.py, every case (SSA_FLASH_REQUIRE_CUDA=1: a test skipped
+#                 as "CUDA backend unavailable" fails; a matrix with nothing passed is a failure)
+#   smoke-cuda    pytest -m gpu_smoke -k cuda tests/gpu_smoke
+#   selfcheck     python -m ssa_flash --backends cuda --no-timing (SELFCHECK_ARGS)
+#   recheck       the node ids of RECHECK (bench/gpu_recheck.txt), --tb=long
+#   suite         SUITE's tests that the ledger does not hold as passed at these kernels
+#   bench         python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
+# pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
+# block configuration that fits: correctness runs need no timing), --max-worker-restart; a worker
+# that meets a CUDA error ends after reporting it (tests/conftest.py) and xdist replaces it.
+#
+# Environment knobs: OUT (default bench/results/gpu-run), PYTHON (default python), JOBS, CUDA_OBJECTS
+# (default build/cuda-objects), LEDGER (default $OUT/gpu-ledger.json, started from
+# bench/results/gpu-ledger.json), SUITE (test paths), RECHECK, limits BUILD_LIMIT (300) /
+# SMOKE_LIMIT (90) / MATRIX_LIMIT (150) / SELFCHECK_LIMIT (90) / RECHECK_LIMIT (60) / SUITE_LIMIT
+# (the rest, less SUITE_RESERVE 15 s), MATRIX_ARGS / SMOKE_TRITON_ARGS / SMOKE_ARGS (pytest
+# selections of the matrix and the two smoke halves), SELFCHECK_ARGS,
+# BENCH_ARGS (default --subset targets), RUN_BUILD / RUN_SMOKE / RUN_MATRIX / RUN_SELFCHECK /
+# RUN_RECHECK / RUN_TESTS = 0 to skip a step, RUN_BENCH=1 to add the benchmark.
+#
+# DRY_RUN=1: the rehearsal without a GPU (tests/bench/test_run_gpu.py): Triton's interpreter and the
+# CUDA kernels' CPU emulator stand in, nothing is built (a CUDA_OBJECTS directory is only checked),
+# the ledger starts empty unless LEDGER exists, the device is recorded as "cpu (dry run)".
 set -u
 BUDGET=${1:-${BUDGET:-540}}
 START=$(date +%s)
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
+OUT=${OUT:-bench/results/gpu-run}
 PY=${PYTHON:-python}
+DRY=${DRY_RUN:-0}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1
+export SSA_FLASH_AUTOTUNE=0
+if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
 
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
 log() { echo "[run_gpu $(elapsed)s/${BUDGET}s] $*"; }
-cap() { local want=$1 most=$(( $(left) - ${2:-0} )); [ "$want" -gt "$most" ] && want=$most; [ "$want" -lt 20 ] && want=20; echo "$want"; }
+# cap WANT [RESERVE]: WANT seconds, at most what is left less RESERVE, at least 5
+cap() { local want=$1 most=$(( $(left) - ${2:-0} )); [ "$want" -gt "$most" ] && want=$most; [ "$want" -lt 5 ] && want=5; echo "$want"; }
 
-log "repo $(git rev-parse --short HEAD 2>/dev/null || echo '?'), out $OUT"
-nvidia-smi -L 2>/dev/null || log "nvidia-smi unavailable"
-$PY - <<'PY' || { log "python/torch/triton import failed"; exit 1; }
+log "repo $(git rev-parse --short HEAD 2>/dev/null || echo '?'), out $OUT, dry run $DRY"
+[ "$DRY" = "1" ] || nvidia-smi -L 2>/dev/null || log "nvidia-smi unavailable"
+INFO=$($PY - <<'PY'
 import sys, torch
 try:
     import triton; tv = triton.__version__
 except Exception as e:
     tv = f"missing ({e})"
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}, "
-      f"cuda {torch.version.cuda}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE'}")
+cuda = torch.cuda.is_available()
+cap = torch.cuda.get_device_capability() if cuda else None
+arch = f"{cap[0]}{cap[1]}{'a' if cap == (9, 0) else ''}" if cuda else ""
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}, cuda {torch.version.cuda}, "
+      f"device {torch.cuda.get_device_name() if cuda else 'NONE'}", file=sys.stderr)
+print(arch)
+print(torch.cuda.get_device_name() if cuda else "")
 PY
-
-XDIST=()
-JOBS=${JOBS:-8}
-if [ "$JOBS" != "0" ] && $PY -c 'import xdist' 2>/dev/null; then XDIST=(-n "$JOBS"); fi
-SUITE=${SUITE:-"tests/test_features.py tests/triton tests/ops tests/nn tests/reference tests/integrations tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_features.py tests/cuda/test_cuda_sinks_softcap.py"}
-
-# 1. the CUDA extension, built once in the background
-BUILD_PID=""
-if [ "${RUN_CUDA:-1}" != "0" ]; then
-  log "building the CUDA extension in the background (cuda-build.log)"
-  ( t0=$(date +%s); $PY - > "$OUT/cuda-build.log" 2>&1 <<'PY'
-import torch, ssa_flash
-if "cuda" not in ssa_flash.available_backends("cuda"):
-    from ssa_flash import cuda as c
-    print("CUDA backend unavailable:", c.unavailable_reason(torch.device("cuda")))
-    raise SystemExit(3)
-q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-ssa_flash.ssa_attention(q, q, q, backend="cuda")
-torch.cuda.synchronize()
-print("CUDA backend built and ran")
-PY
-    rc=$?; echo "build + first call: $(( $(date +%s) - t0 )) s wall, rc $rc" >> "$OUT/cuda-build.log"; exit $rc
-  ) &
-  BUILD_PID=$!
+) || { log "python/torch import failed"; exit 1; }
+ARCH=$(echo "$INFO" | sed -n 1p)
+DEVICE=$(echo "$INFO" | sed -n 2p)
+if [ "$DRY" = "1" ]; then DEVICE="cpu (dry run)"; ARCH=${DRY_ARCH:-90a}; fi
+if [ -z "$DEVICE" ]; then log "no CUDA device (DRY_RUN=1 rehearses without one)"; exit 1; fi
+KH=$($PY ssa_flash/bench/ledger.py hash) || { log "kernel hash failed"; exit 1; }
+export SSA_FLASH_KERNEL_HASH=$KH
+COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+LEDGER=${LEDGER:-$OUT/gpu-ledger.json}
+if [ ! -f "$LEDGER" ] && [ "$DRY" != "1" ] && [ -f bench/results/gpu-ledger.json ]; then
+  cp bench/results/gpu-ledger.json "$LEDGER"
 fi
+log "device '$DEVICE' (sm_$ARCH), kernel hash ${KH:0:12}, commit ${COMMIT:0:12}, ledger $LEDGER: $($PY ssa_flash/bench/ledger.py summary --ledger "$LEDGER")"
 
-# one pytest step: name, limit, pytest arguments; counts in $OUT/<name>-tests.json
+NPROC=$(nproc 2>/dev/null || echo 2)
+JOBS=${JOBS:-$NPROC}
+XDIST_OK=0
+[ "$JOBS" != "0" ] && $PY -c 'import xdist' 2>/dev/null && XDIST_OK=1
+xdist_args() {  # xdist_args N: the pytest options for N workers
+  local n=$1
+  # worksteal: an idle worker takes tests queued behind a slow (or hung) one
+  if [ "$XDIST_OK" = "1" ] && [ "$n" -gt 0 ]; then echo "-n $n --dist worksteal --max-worker-restart $(( 4 * n + 4 ))"; fi
+}
+
+# one pytest step: name, limit, pytest arguments. Counts and outcomes in $OUT/<name>-tests.json,
+# merged into the ledger right away.
 STEPS=()
 step() {
   local name=$1 limit=$2; shift 2
   log "$name: pytest $* (limit ${limit}s)"
   rm -f "$OUT/$name-tests.json"
+  local t0; t0=$(date +%s)
+  # shellcheck disable=SC2046
   SSA_FLASH_TESTS_JSON="$OUT/$name-tests.json" timeout --signal=TERM --kill-after=10 "$limit" \
-    $PY -m pytest -p ssa_flash.bench.pytest_summary -q -rfEs -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "$@" \
-    > "$OUT/$name.log" 2>&1
+    ${NICE:-} $PY -m pytest -p ssa_flash.bench.pytest_summary -p ssa_flash.bench.ledger -q -rfEs \
+    -p no:cacheprovider $(xdist_args "${STEP_JOBS:-$JOBS}") "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   [ -f "$OUT/$name-tests.json" ] || echo '{"passed": null, "failed": null, "skipped": null}' > "$OUT/$name-tests.json"
-  log "$name rc $rc$([ $rc -eq 124 ] && echo ' (time limit)'): $(tail -n 1 "$OUT/$name.log")"
+  log "$name rc $rc$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo ' (time limit)') in $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/$name.log")"
   grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | head -n 30
+  $PY ssa_flash/bench/ledger.py merge "$OUT/$name-tests.json" --ledger "$LEDGER" --device "$DEVICE" \
+    --commit "$COMMIT" --kernel-hash "$KH" | tail -n 1
   STEPS+=("$name")
+  return $rc
 }
 
-# 2. the Triton half, while nvcc works; first what failed last time (node ids; '#' comments)
+# 1. the CUDA extension for this GPU only, in the background
+CUDA_OBJECTS=${CUDA_OBJECTS:-build/cuda-objects}
+BUILD_PID=""
+CUDA_OK=0
+if [ "${RUN_BUILD:-1}" != "0" ]; then
+  log "build: the CUDA extension for sm_$ARCH in the background (build.log)"
+  ( timeout --kill-after=10 "$(cap "${BUILD_LIMIT:-300}" 60)" $PY ssa_flash/backends/_cuda_build.py build \
+      --out "$CUDA_OBJECTS" --arch "$ARCH" $([ "$DRY" = "1" ] && echo --dry) > "$OUT/build.log" 2>&1 ) &
+  BUILD_PID=$!
+fi
+
+# 2. while it builds: the Triton half of the smoke tier, niced, on the cores nvcc leaves
+if [ "${RUN_SMOKE:-1}" != "0" ]; then
+  # shellcheck disable=SC2086
+  STEP_JOBS=$(( NPROC > 6 ? NPROC - 5 : (JOBS < 1 ? 0 : 1) )) NICE="nice -n 5" \
+    eval "step smoke-triton $(cap "${SMOKE_LIMIT:-90}" 60) ${SMOKE_TRITON_ARGS:-"-m gpu_smoke -k 'not cuda' tests/gpu_smoke"}"
+fi
+
+if [ -n "$BUILD_PID" ]; then
+  wait "$BUILD_PID"; rc=$?
+  log "build rc $rc$([ $rc -eq 124 ] && echo ' (time limit)'): $(tail -n 2 "$OUT/build.log" | tr '\n' ' ')"
+  [ "$rc" -eq 0 ] && CUDA_OK=1
+elif [ "$DRY" = "1" ] || [ "${RUN_BUILD:-1}" = "0" ]; then
+  CUDA_OK=1  # dry run: the emulator; RUN_BUILD=0: built by an earlier call
+fi
+if [ "$CUDA_OK" = "1" ] && [ "$DRY" != "1" ]; then export SSA_FLASH_REQUIRE_CUDA=1; fi
+
+# 3. the CUDA verdict: the matrix, the CUDA half of the smoke tier, the self-check of the CUDA kernels
+if [ "$CUDA_OK" = "1" ]; then
+  if [ "${RUN_MATRIX:-1}" != "0" ]; then
+    # shellcheck disable=SC2086
+    eval "step cuda-matrix $(cap "${MATRIX_LIMIT:-150}" 30) ${MATRIX_ARGS:-tests/cuda/test_cuda_matrix.py}"
+    passed=$($PY -c 'import json,sys; print(json.load(open(sys.argv[1])).get("passed") or 0)' "$OUT/cuda-matrix-tests.json")
+    [ "$passed" -gt 0 ] || [ "$DRY" = "1" ] || log "FAILURE: the CUDA matrix passed nothing (built, but nothing ran?)"
+  fi
+  if [ "${RUN_SMOKE:-1}" != "0" ]; then
+    # shellcheck disable=SC2086
+    eval "step smoke-cuda $(cap "${SMOKE_LIMIT:-90}" 30) ${SMOKE_ARGS:-"-m gpu_smoke -k cuda tests/gpu_smoke"}"
+  fi
+  if [ "${RUN_SELFCHECK:-1}" != "0" ]; then
+    SC_LIMIT=$(cap "${SELFCHECK_LIMIT:-90}" 30)
+    log "selfcheck: python -m ssa_flash ${SELFCHECK_ARGS:---backends cuda --no-timing} (limit ${SC_LIMIT}s)"
+    # shellcheck disable=SC2086
+    timeout --kill-after=5 "$SC_LIMIT" $PY -m ssa_flash ${SELFCHECK_ARGS:---backends cuda --no-timing} \
+      $([ "$DRY" = "1" ] && echo --cpu) > "$OUT/selfcheck.log" 2>&1
+    log "selfcheck rc $?: $(tail -n 1 "$OUT/selfcheck.log")"
+  fi
+else
+  log "FAILURE: the CUDA extension is not usable (build.log): CUDA steps skipped"
+fi
+
+# 4. what failed before, with its tracebacks; then the suite, resumed from the ledger
+SUITE=${SUITE:-"tests/test_features.py tests/triton tests/ops tests/nn tests/reference tests/integrations tests/cuda/test_cuda_backend.py tests/cuda/test_cuda_features.py tests/cuda/test_cuda_sinks_softcap.py tests/cuda/test_cuda_matrix.py"}
 RECHECK=${RECHECK:-bench/gpu_recheck.txt}
-if [ -f "$RECHECK" ] && [ "${RUN_RECHECK:-1}" != "0" ]; then
+if [ -f "$RECHECK" ] && [ "${RUN_RECHECK:-1}" != "0" ] && [ "${RUN_TESTS:-1}" != "0" ]; then
   mapfile -t RECHECK_IDS < <(grep -v '^\s*\(#\|$\)' "$RECHECK")
   if [ ${#RECHECK_IDS[@]} -gt 0 ]; then
-    step recheck "$(cap "${RECHECK_LIMIT:-90}" 300)" --tb=long "${RECHECK_IDS[@]}"
+    step recheck "$(cap "${RECHECK_LIMIT:-60}" 60)" --tb=long "${RECHECK_IDS[@]}"
   fi
 fi
-if [ "${RUN_SMOKE:-1}" != "0" ]; then step smoke-triton "$(cap "${SMOKE_LIMIT:-120}" 200)" -m gpu_smoke -k "not cuda" tests/gpu_smoke; fi
-# shellcheck disable=SC2086
-if [ "${RUN_TESTS:-1}" != "0" ]; then step suite-triton "$(cap "${SUITE_LIMIT:-150}" 200)" -m "not gpu_smoke" -k "not cuda" $SUITE; fi
-
-# 3. the CUDA half
-EXTRA_IMPLS=""
-if [ -n "$BUILD_PID" ]; then
-  while kill -0 "$BUILD_PID" 2>/dev/null && [ "$(elapsed)" -lt "${BUILD_WAIT:-300}" ]; do sleep 2; done
-  if kill -0 "$BUILD_PID" 2>/dev/null; then
-    log "CUDA build still running after ${BUILD_WAIT:-300}s: stopped; CUDA steps and benchmark rows skipped"
-    kill -- "$BUILD_PID" 2>/dev/null; pkill -f "ssa_flash_cuda_ext" 2>/dev/null
-    rc=124
-  else
-    wait "$BUILD_PID"; rc=$?
-  fi
-  tail -n 3 "$OUT/cuda-build.log"
-  # what a fresh process (as each test worker is) says of the backend now
-  $PY -c 'import torch; from ssa_flash import cuda; print("unavailable_reason in a new process:", cuda.unavailable_reason(torch.device("cuda")))' \
-    >> "$OUT/cuda-build.log" 2>&1
-  tail -n 1 "$OUT/cuda-build.log"
-  if [ "$rc" -eq 0 ]; then
-    if [ "${RUN_SMOKE:-1}" != "0" ]; then step smoke-cuda "$(cap "${CUDA_SMOKE_LIMIT:-$(( ${SMOKE_LIMIT:-120} / 2 ))}" 150)" -m gpu_smoke -k cuda tests/gpu_smoke; fi
-    # shellcheck disable=SC2086
-    if [ "${RUN_TESTS:-1}" != "0" ]; then step suite-cuda "$(cap "${CUDA_SUITE_LIMIT:-$(( ${SUITE_LIMIT:-150} / 2 ))}" 150)" -m "not gpu_smoke" -k cuda $SUITE; fi
-  else
-    log "CUDA backend not usable (rc $rc): benchmarking without ssa_flash.cuda"
-    EXTRA_IMPLS="--impls ssa_flash.triton,sdpa.flash,sdpa.cudnn,sdpa.efficient,sdpa.math,flex,reference"
-  fi
+if [ "${RUN_TESTS:-1}" != "0" ]; then
+  # shellcheck disable=SC2086
+  SSA_FLASH_LEDGER="$LEDGER" step suite "$(cap "${SUITE_LIMIT:-100000}" "${SUITE_RESERVE:-15}")" -m "not gpu_smoke" $SUITE
 fi
 
-# the steps' counts summed into gpu-tests.json, for the results file (the recheck step's tests are
-# in the suite steps too: kept under "steps", not added to the totals)
+# the steps' counts summed into gpu-tests.json (the recheck step's are kept under "steps" only)
 $PY - "$OUT" ${STEPS[@]+"${STEPS[@]}"} <<'PY'
 import json, os, sys
 out, steps = sys.argv[1], sys.argv[2:]
 total = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "incomplete": False, "steps": {}}
 for name in steps:
     d = json.load(open(os.path.join(out, f"{name}-tests.json")))
+    d.pop("tests", None)
     total["steps"][name] = d
     if name == "recheck":
         continue
@@ -160,35 +236,22 @@ if not steps:
 json.dump(total, open(os.path.join(out, "gpu-tests.json"), "w"))
 print("gpu tests:", {k: v for k, v in total.items() if k != "steps"})
 PY
+log "ledger after this run: $($PY ssa_flash/bench/ledger.py summary --ledger "$LEDGER")"
 
-# 4. the benchmark, with what is left (minus a margin for the self-check, plots and copying back)
-SELF_CHECK_RESERVE=${SELF_CHECK_RESERVE:-60}
-[ "${RUN_SELFCHECK:-1}" = "0" ] && SELF_CHECK_RESERVE=0
-if [ "${RUN_BENCH:-1}" = "0" ]; then
-  log "benchmark skipped (RUN_BENCH=0)"
-else
-  BENCH_BUDGET=$(( $(left) - SELF_CHECK_RESERVE - 40 ))
-  [ $BENCH_BUDGET -lt 30 ] && BENCH_BUDGET=30
+# 5. the benchmark (RUN_BENCH=1), with what is left
+if [ "${RUN_BENCH:-0}" = "1" ]; then
+  BENCH_BUDGET=$(( $(left) - 40 ))
+  [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20
+  IMPLS=""
+  [ "$CUDA_OK" = "1" ] || IMPLS="--impls ssa_flash.triton,sdpa.flash,sdpa.cudnn,flex"
   log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"
   # shellcheck disable=SC2086
-  timeout --signal=INT --kill-after=20 $(( BENCH_BUDGET + 30 )) \
+  SSA_FLASH_AUTOTUNE=1 timeout --signal=INT --kill-after=15 $(( BENCH_BUDGET + 25 )) \
     $PY -m ssa_flash.bench --out "$OUT" --gpu-tests-json "$OUT/gpu-tests.json" \
-    --time-budget "$BENCH_BUDGET" --warmup-ms 10 --rep-ms 40 $EXTRA_IMPLS ${BENCH_ARGS:-} \
+    --time-budget "$BENCH_BUDGET" --warmup-ms 10 --rep-ms 40 ${BENCH_ARGS:---subset targets} $IMPLS \
     > "$OUT/bench.log" 2>&1
   log "benchmark rc $?"
   grep -v '^\[ *[0-9]*/' "$OUT/bench.log" | tail -n 40
-fi
-
-# 5. the self-check, with whatever time remains
-SC_LIMIT=$(( $(left) - 5 ))
-if [ "${RUN_SELFCHECK:-1}" = "0" ]; then
-  log "self-check skipped (RUN_SELFCHECK=0)"
-elif [ $SC_LIMIT -gt 20 ]; then
-  log "python -m ssa_flash (limit ${SC_LIMIT}s)"
-  timeout --kill-after=5 "$SC_LIMIT" $PY -m ssa_flash > "$OUT/selfcheck.log" 2>&1
-  log "self-check rc $?: $(tail -n 1 "$OUT/selfcheck.log")"
-else
-  log "no time left for the self-check"
 fi
 ls -la "$OUT"
 log "done"

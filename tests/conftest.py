@@ -12,17 +12,15 @@
   need in the background; those modules run last (in the order of
   ``RUN_LAST``), so that every other module's interpreter tests run while they build. Modules
   using ``emulation.build_emulator`` get the emulator started the same way (one build for all).
-* GPU runs (bench/run_gpu.sh): a test that meets a CUDA error (a device-side assert, an illegal
-  address: the process's CUDA context is unusable afterwards) ends its process once its reports
-  are sent, so that pytest-xdist starts a fresh worker instead of every later test on it failing
-  (without xdist the session stops there). With ``SSA_FLASH_REQUIRE_CUDA=1`` (set once the CUDA
-  extension is built) a test skipped because the CUDA backend is "unavailable" fails instead.
+* GPU runs (bench/run_gpu.sh): the guards of ``ssa_flash.bench.pytest_summary``, loaded here in
+  every session: a test that meets a CUDA error (a device-side assert, an illegal address: the
+  process's CUDA context is unusable afterwards) ends its process once its reports are sent, so
+  that pytest-xdist starts a fresh worker instead of every later test on it failing (without
+  xdist the session stops there); with ``SSA_FLASH_REQUIRE_CUDA=1`` (set once the CUDA extension
+  is built) a test skipped because the CUDA backend is "unavailable" fails instead.
 """
 import os
-import re
-import sys
 
-import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -78,6 +76,8 @@ SLOW_TESTS = {
     "test_matches_reference_one_feature", "test_masks_with_sinks_and_softcap", "test_dropout_and_window",
     "test_packed_batch", "test_kvcache_split_kv_decode", "test_gradcheck_with_sinks_and_softcap",
     "test_kernel_sinks_minus_inf_is_no_sink", "test_large_softcap_is_no_softcap",
+    # bench/run_gpu.sh's rehearsal without a GPU (a minute and a half of subprocesses)
+    "test_dry_run_rehearsal",
 }
 
 
@@ -132,53 +132,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # -------------------------------------------------------------------------------------------
-# GPU runs: a CUDA error ends the worker; "CUDA backend unavailable" is a failure once it is built
-
-# what torch's CUDA errors say (AcceleratorError / RuntimeError texts): after these the context
-# of the process is unusable (sticky errors)
-CUDA_ERROR = re.compile(r"CUDA error|device-side assert|illegal memory access|illegal instruction|"
-                        r"unspecified launch failure|misaligned address|cudaError|CUBLAS_STATUS_EXECUTION_FAILED")
-# skip reasons that mean "the CUDA backend did not load" (tests/cuda, gpu_smoke, emulation.py)
-CUDA_UNAVAILABLE = re.compile(r"CUDA backend unavailable|CUDA extension|backend='cuda' is unavailable")
+# GPU runs: ssa_flash.bench.pytest_summary's guards (a CUDA error ends the xdist worker; "CUDA
+# backend unavailable" fails under SSA_FLASH_REQUIRE_CUDA=1) in every session, not only in
+# bench/run_gpu.sh's (which loads the plugin with -p); its counts file is written only when
+# SSA_FLASH_TESTS_JSON is set.
 
 
-def is_cuda_error(exc) -> bool:
-    """Whether ``exc`` is a CUDA runtime error of the kind that poisons the process's context."""
-    accel = getattr(torch, "AcceleratorError", None)
-    return (accel is not None and isinstance(exc, accel)) or bool(CUDA_ERROR.search(f"{type(exc).__name__}: {exc}"))
-
-
-def _skip_reason(report) -> str:
-    longrepr = report.longrepr
-    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-
-
-_POISONED = pytest.StashKey[str]()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if call.excinfo is not None and torch.cuda.is_available() and is_cuda_error(call.excinfo.value):
-        item.config.stash.setdefault(_POISONED, f"{item.nodeid} ({call.when}): {call.excinfo.value}"[:500])
-    if (report.skipped and os.environ.get("SSA_FLASH_REQUIRE_CUDA", "0") == "1"
-            and CUDA_UNAVAILABLE.search(_skip_reason(report))):
-        report.outcome = "failed"
-        report.longrepr = (f"SSA_FLASH_REQUIRE_CUDA=1 (the CUDA extension was built for this run) but the test "
-                           f"skipped: {_skip_reason(report)}")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    yield
-    why = item.config.stash.get(_POISONED, None)
-    if why is None:
-        return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        sys.stderr.write(f"\nconftest: CUDA error in {why}\nthis worker's CUDA context is unusable: it ends "
-                         "here (pytest-xdist starts another)\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(3)
-    item.session.shouldstop = f"CUDA error in {why}: the CUDA context is unusable, later tests would fail"
+def pytest_configure(config):
+    config.pluginmanager.import_plugin("ssa_flash.bench.pytest_summary")

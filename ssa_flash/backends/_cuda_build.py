@@ -280,7 +280,9 @@ def _main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, text in (("objects", "compile csrc/*.cu for one architecture (no GPU needed)"),
                        ("check", "exit 0 when the objects match csrc/ and the architecture"),
-                       ("link", "build ssa_flash/_C from the objects and csrc/api.cpp (GPU machine)")):
+                       ("link", "build ssa_flash/_C from the objects and csrc/api.cpp (GPU machine)"),
+                       ("build", "make the CUDA backend usable on this GPU: link the objects when they "
+                                 "match, else JIT-build for --arch only; then one call (GPU machine)")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--out", default=os.path.join(root, "build", "cuda-objects"))
         s.add_argument("--arch", default="90a", help="e.g. 90a, 80")
@@ -288,7 +290,11 @@ def _main(argv=None) -> int:
     sub.choices["objects"].add_argument("--nvcc", default="nvcc")
     sub.choices["objects"].add_argument("--std", default="c++17")
     sub.choices["objects"].add_argument("--jobs", type=int, default=2)
+    sub.choices["build"].add_argument("--dry", action="store_true",
+                                      help="no GPU (a rehearsal): check the objects, build nothing")
     args = p.parse_args(argv)
+    if args.cmd == "build":
+        return _build(args, root)
     if args.cmd == "objects":
         m = compile_objects(args.csrc, args.out, args.arch, args.nvcc, args.std, args.jobs)
         print(f"{args.out}: {sum(m['objects'].values()) / 2**20:.1f} MiB in {len(m['objects'])} objects, "
@@ -303,6 +309,54 @@ def _main(argv=None) -> int:
         return 1
     print(link_extension(args.csrc, args.out, os.path.join(root, "ssa_flash")))
     return 0
+
+
+def _build(args, root) -> int:
+    """The ``build`` command: see :func:`_main`."""
+    import os
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    if os.path.isdir(args.out):
+        why = objects_reason(args.csrc, args.out, args.arch)
+        if why is None and args.dry:
+            print(f"dry run: the objects in {args.out} match csrc/ and sm_{args.arch} (not linked)")
+            return 0
+        if why is None:
+            try:
+                print(f"linked {link_extension(args.csrc, args.out, os.path.join(root, 'ssa_flash'))} "
+                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+            except Exception as err:  # noqa: BLE001 - any failure: the JIT build instead
+                print(f"linking the objects failed ({type(err).__name__}: {str(err)[-2000:]}): JIT build instead",
+                      flush=True)
+        else:
+            print(f"objects in {args.out} not used: {why}", flush=True)
+    else:
+        print(f"no objects in {args.out}: JIT build", flush=True)
+    if args.dry:
+        print("dry run: nothing built (the CPU emulator stands in)")
+        return 0
+    major, minor, suffix = args.arch[0], args.arch[1:2], args.arch[2:]
+    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}{suffix}"  # this GPU only, not the image's list
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)  # run as a script: the package's directory must not shadow top-level modules
+    sys.path.insert(0, root)
+    import torch
+
+    import ssa_flash
+    from ssa_flash.backends import cuda_backend
+
+    print(f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']}; "
+          f"{'prebuilt ssa_flash._C' if cuda_backend.ready() else 'JIT build'}", flush=True)
+    ext = cuda_backend.load_extension()
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    ssa_flash.ssa_attention(q, q, q, backend="cuda")
+    torch.cuda.synchronize()
+    print(f"CUDA backend loaded and ran: {getattr(ext, '__file__', ext)} ({time.monotonic() - t0:.0f} s)")
+    why = cuda_backend.unavailable_reason(torch.device("cuda"))
+    print(f"unavailable_reason: {why!r}")
+    return 1 if why else 0
 
 
 if __name__ == "__main__":

@@ -67,6 +67,12 @@ def kernel_hash(root=None) -> str:
     return h.hexdigest()
 
 
+def session_hash() -> str:
+    """``SSA_FLASH_KERNEL_HASH`` when set (bench/run_gpu.sh computes the hash once, at its start:
+    sources edited during a run do not split it), else :func:`kernel_hash` of this checkout."""
+    return os.environ.get("SSA_FLASH_KERNEL_HASH") or kernel_hash()
+
+
 def empty() -> dict:
     return {"schema": SCHEMA, "kernel_hash": "", "tests": {}}
 
@@ -139,9 +145,9 @@ def _rank(entry: Optional[Mapping], current: str) -> Optional[int]:
 
 def pending(ledger: Mapping, node_ids: Iterable[str], current_hash: Optional[str] = None) -> List[str]:
     """Of ``node_ids``, those the ledger does not hold as passed (or skipped) at ``current_hash``
-    (default: :func:`kernel_hash` of this checkout), in run order: failed / error, never run,
+    (default: :func:`session_hash`), in run order: failed / error, never run,
     stale; the given order within each group."""
-    current = kernel_hash() if current_hash is None else current_hash
+    current = session_hash() if current_hash is None else current_hash
     tests = ledger.get("tests", {})
     ranked = [(r, i, n) for i, n in enumerate(node_ids) if (r := _rank(tests.get(n), current)) is not None]
     return [n for _, _, n in sorted(ranked)]
@@ -150,7 +156,7 @@ def pending(ledger: Mapping, node_ids: Iterable[str], current_hash: Optional[str
 def summary(ledger: Mapping, current_hash: Optional[str] = None) -> Dict[str, int]:
     """Counts of the ledger's entries: outcome at the current kernels, and ``stale`` (any
     outcome at other kernels)."""
-    current = kernel_hash() if current_hash is None else current_hash
+    current = session_hash() if current_hash is None else current_hash
     out = {k: 0 for k in (*OUTCOMES, "stale")}
     for entry in ledger.get("tests", {}).values():
         out["stale" if entry.get("kernel_hash") != current else entry.get("outcome", "failed")] += 1
@@ -175,7 +181,7 @@ def pytest_collection_modifyitems(session, config, items):
     if not path:
         return
     ledger = load(path)
-    current = os.environ.get("SSA_FLASH_KERNEL_HASH") or kernel_hash()
+    current = session_hash()
     order = {n: i for i, n in enumerate(pending(ledger, [it.nodeid for it in items], current))}
     keep_all = os.environ.get("SSA_FLASH_LEDGER_ALL", "0") not in ("", "0")
     selected = [it for it in items if it.nodeid in order]
@@ -192,7 +198,7 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_report_header(config):
     path = os.environ.get("SSA_FLASH_LEDGER")
     if path:
-        return f"ssa_flash ledger: {path} (running only tests not passed at kernel hash {kernel_hash()[:12]})"
+        return f"ssa_flash ledger: {path} (running only tests not passed at kernel hash {session_hash()[:12]})"
     return None
 
 
@@ -239,7 +245,7 @@ def main(argv=None) -> int:
                     results.update(json.load(f).get("tests", {}))
             except (OSError, ValueError) as err:
                 print(f"ledger: skipping {path}: {err}", file=sys.stderr)
-        merge(ledger, results, commit=args.commit or git_commit(), kernel_hash=args.kernel_hash or kernel_hash(),
+        merge(ledger, results, commit=args.commit or git_commit(), kernel_hash=args.kernel_hash or session_hash(),
               device=args.device or _device_name(), date=args.date)
         save(ledger, args.ledger)
         print(f"ledger {args.ledger}: {len(results)} outcomes merged; at these kernels: {summary(ledger)}")

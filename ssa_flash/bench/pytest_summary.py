@@ -14,13 +14,27 @@ end, pytest-xdist's tracebacks too); ``skip_reasons``: reason -> count; ``tests`
 so far (a failure in setup or teardown is "error" unless the test itself failed; the GPU ledger,
 :mod:`ssa_flash.bench.ledger`, merges these). The file is rewritten at most every
 ``WRITE_EVERY_S`` seconds while tests run (and on SIGTERM, as ``timeout`` sends, and at the end).
+
+Guards for GPU runs (tests/conftest.py loads this plugin in every session):
+
+* A test that meets a CUDA error (:func:`is_cuda_error`: a device-side assert, an illegal
+  address; the process's CUDA context is unusable afterwards) ends its process once its reports
+  are sent, under pytest-xdist (which then starts a fresh worker and reports the test as
+  crashed, besides its own failure) instead of every later test on that worker failing; without
+  xdist the session stops after it. On a GPU, or with ``SSA_FLASH_CUDA_ERRORS_END_WORKERS=1``.
+* ``SSA_FLASH_REQUIRE_CUDA=1`` (bench/run_gpu.sh sets it once the CUDA extension is built): a
+  test skipped because the CUDA backend is unavailable (:data:`CUDA_UNAVAILABLE`) fails instead.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sys
 import time
+
+import pytest
 
 MAX_FAILURES = 50
 MAX_ERROR_CHARS = 3000
@@ -57,16 +71,23 @@ def _write(force: bool = True) -> None:
     os.replace(tmp, path)
 
 
+_running: dict = {}  # node id -> its entry until its teardown is reported
+
+
 def _record(report) -> None:
-    """The test's outcome over its phases: a failed call is "failed", a failed setup or teardown
-    "error" (unless the call failed), a skip "skipped", else "passed"; durations add up."""
-    entry = _counts["tests"].setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
+    """The test's outcome over its phases, entered in ``tests`` when its teardown is reported (a
+    test stopped by a time limit mid-call is not entered: never run): a failed call is "failed",
+    a failed setup or teardown "error" (unless the call failed), a skip "skipped", else "passed";
+    durations add up. xdist's report of a crashed worker (no phase) enters its test as failed."""
+    entry = _running.setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
     entry["duration_s"] = round(entry["duration_s"] + float(getattr(report, "duration", 0.0) or 0.0), 3)
     if report.failed:
-        if report.when == "call" or entry["outcome"] != "failed":
-            entry["outcome"] = "failed" if report.when == "call" else "error"
+        if report.when != "teardown" or entry["outcome"] != "failed":
+            entry["outcome"] = "error" if report.when in ("setup", "teardown") else "failed"
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
+    if report.when not in ("setup", "call"):
+        _counts["tests"][report.nodeid] = _running.pop(report.nodeid)
 
 
 def pytest_configure(config):
@@ -120,3 +141,65 @@ def pytest_sessionfinish(session, exitstatus):
     _counts["incomplete"] = False
     _counts["exitstatus"] = int(exitstatus)
     _write()
+
+
+# --------------------------------------------------------------------------------------------
+# Guards for GPU runs
+
+# what torch's CUDA errors say (AcceleratorError / RuntimeError texts): after these the context
+# of the process is unusable (sticky errors)
+CUDA_ERROR = re.compile(r"CUDA error|device-side assert|illegal memory access|illegal instruction|"
+                        r"unspecified launch failure|misaligned address|cudaError|CUBLAS_STATUS_EXECUTION_FAILED")
+# skip reasons that mean "the CUDA backend did not load" (tests/cuda, tests/gpu_smoke, emulation.py)
+CUDA_UNAVAILABLE = re.compile(r"CUDA backend unavailable|CUDA extension|backend='cuda' is unavailable")
+_POISONED = pytest.StashKey[str]()
+
+
+def is_cuda_error(exc) -> bool:
+    """Whether ``exc`` is a CUDA runtime error of the kind that poisons the process's context."""
+    torch = sys.modules.get("torch")
+    accel = getattr(torch, "AcceleratorError", None) if torch is not None else None
+    return (accel is not None and isinstance(exc, accel)) or bool(CUDA_ERROR.search(f"{type(exc).__name__}: {exc}"))
+
+
+def _errors_end_workers() -> bool:
+    if os.environ.get("SSA_FLASH_CUDA_ERRORS_END_WORKERS", "0") == "1":
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _skip_text(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and is_cuda_error(call.excinfo.value) and _errors_end_workers():
+        item.config.stash.setdefault(_POISONED, f"{item.nodeid} ({call.when}): {call.excinfo.value}"[:500])
+    if (report.skipped and os.environ.get("SSA_FLASH_REQUIRE_CUDA", "0") == "1"
+            and CUDA_UNAVAILABLE.search(_skip_text(report))):
+        report.outcome = "failed"
+        report.longrepr = ("SSA_FLASH_REQUIRE_CUDA=1 (the CUDA extension was built for this run) but the test "
+                           f"skipped: {_skip_text(report)}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    why = item.config.stash.get(_POISONED, None)
+    if why is None:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(f"\npytest_summary: CUDA error in {why}\nthis worker's CUDA context is unusable: it "
+                         "ends here (pytest-xdist starts another)\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(3)
+    item.session.shouldstop = f"CUDA error in {why}: the CUDA context is unusable, later tests would fail"

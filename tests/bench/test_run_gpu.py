@@ -1,8 +1,17 @@
-"""bench/run_gpu.sh, the one command of a GPU session: it parses, and the tests it re-runs first
-(bench/gpu_recheck.txt) still exist under those names (a renamed test would silently drop out)."""
+"""bench/run_gpu.sh, the one command of a GPU session: it parses, the tests it re-runs first
+(bench/gpu_recheck.txt) still exist under those names (a renamed test would silently drop out), and
+a rehearsal without a GPU (``DRY_RUN=1``: Triton's interpreter and the CUDA emulator stand in)
+takes every step's plumbing end to end: the build step, the CUDA matrix collected and recorded,
+the ledger written and used (tests passed in one step are not run again; failures first), a CUDA
+error that ends an xdist worker while the others go on, time limits honoured."""
+import json
 import os
 import subprocess
 import sys
+import textwrap
+import time
+
+from ssa_flash.bench import ledger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,3 +29,112 @@ def test_recheck_ids_are_collected():
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"{len(ids)} test" in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+SAMPLE = textwrap.dedent("""
+    import time
+
+    def test_a():
+        pass
+
+    def test_b():
+        pass
+
+    def test_c():
+        pass
+
+    def test_cuda_error():
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def test_d():
+        pass
+
+    def test_e():
+        pass
+
+    def test_f():
+        pass
+
+    def test_slow():
+        time.sleep(600)
+""")
+
+
+def test_dry_run_rehearsal(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(SAMPLE)
+    (tmp_path / "recheck.txt").write_text(f"# what failed last time\n{sample}::test_c\n")
+    out = tmp_path / "out"
+    budget, suite_limit = 150, 25
+    env = dict(os.environ, DRY_RUN="1", OUT=str(out), PYTHON=sys.executable, JOBS="2",
+               SSA_FLASH_CUDA_ERRORS_END_WORKERS="1", CUDA_OBJECTS=str(tmp_path / "no-objects"),
+               SMOKE_TRITON_ARGS=f"{sample} -k test_a",
+               MATRIX_ARGS="tests/cuda/test_cuda_matrix.py -k 'bf16 and d256'",  # collected, skipped here
+               SMOKE_ARGS=f"{sample} -k 'test_b'", SELFCHECK_ARGS="--help",
+               RECHECK=str(tmp_path / "recheck.txt"), SUITE=str(sample), SUITE_LIMIT=str(suite_limit))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("SSA_FLASH_TESTS_JSON", None)
+    t0 = time.monotonic()
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "run_gpu.sh"), str(budget)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=budget + 120)
+    wall = time.monotonic() - t0
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert wall < budget + 30, log[-3000:]
+    assert "dry run: nothing built" in (out / "build.log").read_text()
+    for name in ("smoke-triton", "cuda-matrix", "smoke-cuda", "recheck", "suite"):
+        assert (out / f"{name}-tests.json").exists() and (out / f"{name}.log").exists(), name
+    assert "usage: python -m ssa_flash" in (out / "selfcheck.log").read_text()
+
+    # the CUDA matrix: collected and recorded (on the CPU these rows skip: GPU only)
+    matrix = json.loads((out / "cuda-matrix-tests.json").read_text())["tests"]  # d256 bf16: 7 x 2 + 1 entropy
+    assert len(matrix) == 15 and all(v["outcome"] == "skipped" for v in matrix.values()), matrix
+
+    # the ledger: every step's outcomes, at this run's kernel hash, device and commit
+    led = ledger.load(out / "gpu-ledger.json")
+    tests = {k.split("::")[-1]: v for k, v in led["tests"].items()}
+    assert led["kernel_hash"] == tests["test_a"]["kernel_hash"] and len(led["kernel_hash"]) == 64
+    assert {tests[t]["outcome"] for t in ("test_a", "test_b", "test_c")} == {"passed"}
+    after = [t for t in ("test_d", "test_e", "test_f") if t in tests]  # (work stealing: normally all three)
+    assert len(after) >= 2 and {tests[t]["outcome"] for t in after} == {"passed"}, tests
+    assert tests["test_cuda_error"]["outcome"] == "failed"
+    assert "test_slow" not in tests  # killed by the suite's limit: never run, first next time
+    assert tests["test_a"]["device"] == "cpu (dry run)" and tests["test_a"]["commit"] != "unknown"
+
+    # the suite ran only what the ledger did not hold as passed (a, b, c passed in earlier steps)
+    suite_log = (out / "suite.log").read_text()
+    suite = json.loads((out / "suite-tests.json").read_text())
+    ran = {k.split("::")[-1] for k in suite["tests"]}
+    assert "test_cuda_error" in ran and not {"test_a", "test_b", "test_c"} & ran, ran
+    # the CUDA error ended its worker (xdist replaced it: d, e, f still passed), the limit cut the sleeper
+    assert "CUDA error in" in suite_log or "crashed" in suite_log, suite_log[-3000:]
+    assert "suite rc 124 (time limit)" in log, log[-3000:]
+    gpu_tests = json.loads((out / "gpu-tests.json").read_text())
+    assert gpu_tests["incomplete"] is True and set(gpu_tests["steps"]) >= {"cuda-matrix", "suite"}
+
+
+def test_cuda_objects_plumbing(tmp_path):
+    """The objects compiled off the GPU: nvcc's flags are the extension's, one object per unit for
+    the one architecture, and a manifest that must match csrc/ and the GPU before they are used."""
+    from ssa_flash.backends import _cuda_build as cb
+    from ssa_flash.backends import cuda_backend
+
+    assert cb.NVCC_FLAGS == cuda_backend.NVCC_FLAGS
+    csrc = os.path.join(ROOT, "csrc")
+    assert sorted(cb.CU_UNITS) == sorted(os.path.basename(p) for p in os.listdir(csrc) if p.endswith(".cu"))
+    cmds = cb.object_commands(csrc, tmp_path, "90a", nvcc="nvcc")
+    assert len(cmds) == len(cb.CU_UNITS)
+    assert all("arch=compute_90a,code=sm_90a" in c and "-fPIC" in c and c[-1].endswith(".o") for c in cmds)
+    assert "no readable manifest.json" in cb.objects_reason(csrc, tmp_path, "90a")
+    manifest = {"arch": "90a", "csrc_hash": cb.csrc_hash(csrc), "objects": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert "objects missing" in cb.objects_reason(csrc, tmp_path, "90a")
+    for unit in cb.CU_UNITS:
+        (tmp_path / (unit[:-3] + ".o")).write_bytes(b"")
+    assert cb.objects_reason(csrc, tmp_path, "90a") is None
+    assert "this GPU needs sm_80" in cb.objects_reason(csrc, tmp_path, "80")
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(manifest, csrc_hash="old")))
+    assert "kernels changed" in cb.objects_reason(csrc, tmp_path, "90a")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "ssa_flash", "backends", "_cuda_build.py"), "build",
+                          "--dry", "--out", str(tmp_path), "--arch", "90a"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "not used: the objects were compiled from other csrc/" in run.stdout, run.stdout

@@ -19,6 +19,8 @@ The matrix: head dim x dtype x bundle x variant.
 * variants: all four at head dims 64 and 128, two (one of softmax scores, one of SSA's, rotating)
   elsewhere.
 
+``SMOKE_ROWS`` are in the GPU smoke tier too (``-m gpu_smoke``).
+
 Without a GPU the rows marked ``CPU_ROWS`` run through the CPU emulation of the kernels
 (``emulation.py``: float16, head dims up to 32, smaller shapes), so that the matrix's own code is
 checked here before a GPU session depends on it; the others skip ("GPU only").
@@ -77,6 +79,12 @@ CPU_ROWS = {
 }
 
 
+# also in the GPU smoke tier (`pytest -m gpu_smoke tests`: tests/gpu_smoke's dense cases all take the
+# two-kernel backward at padded head dim 64): the fused backward at head dim 128 in bfloat16 (on an
+# H100 / H200 the wgmma kernels), with and without sinks and soft-capping
+SMOKE_ROWS = {(128, "bf16", "fused-causal-gqa-boolmask"), (128, "bf16", "fused-sinks-softcap-causal")}
+
+
 def _rows():
     rows = []
     for d in HEAD_DIMS:
@@ -86,7 +94,8 @@ def _rows():
                 if BUNDLES[name].entropy:  # no variant: plain or SSA logits
                     modes = ["softmax", "ssa"] if d in WGMMA_DIMS else [modes[0]]
                     modes = ["ssa" if "ssa" in m else "softmax" for m in modes]
-                rows += [pytest.param(d, dt, name, m, id=f"d{d}-{dt}-{name}-{m}") for m in modes]
+                marks = [pytest.mark.gpu_smoke] if (d, dt, name) in SMOKE_ROWS else []
+                rows += [pytest.param(d, dt, name, m, id=f"d{d}-{dt}-{name}-{m}", marks=marks) for m in modes]
     return rows
 
 
@@ -134,9 +143,10 @@ def _inputs(d, dtype, bundle: Bundle):
 
 
 @pytest.mark.parametrize("d,dt,bundle,mode", ROWS)
-def test_cuda_matrix(runs_on, d, dt, bundle, mode):
+def test_cuda_matrix(request, d, dt, bundle, mode):
     if not CUDA and (d, dt, bundle, mode) not in CPU_ROWS:
         pytest.skip("GPU only (without a GPU, CPU_ROWS run through the emulator)")
+    runs_on = request.getfixturevalue("runs_on")  # (after the skip: the emulator is not built for it)
     dtype = TORCH_DTYPES[dt]
     if CUDA and dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("bfloat16 needs sm_80")
