@@ -104,12 +104,17 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv},
       f"device {torch.cuda.get_device_name() if cuda else 'NONE'}", file=sys.stderr)
 print(arch)
 print(torch.cuda.get_device_name() if cuda else "")
+print(f"{cap[0]}.{cap[1]}{'a' if cap == (9, 0) else ''}" if cuda else "")
 PY
 ) || { log "python/torch import failed"; exit 1; }
 ARCH=$(echo "$INFO" | sed -n 1p)
 DEVICE=$(echo "$INFO" | sed -n 2p)
+ARCH_LIST=$(echo "$INFO" | sed -n 3p)
 if [ "$DRY" = "1" ]; then DEVICE="cpu (dry run)"; ARCH=${DRY_ARCH:-90a}; fi
 if [ -z "$DEVICE" ]; then log "no CUDA device (DRY_RUN=1 rehearses without one)"; exit 1; fi
+# every process of this run builds (or finds torch's JIT build) for this GPU only: a test process
+# with the image's own TORCH_CUDA_ARCH_LIST would rebuild the extension for all of its architectures
+[ "$DRY" = "1" ] || export TORCH_CUDA_ARCH_LIST="$ARCH_LIST"
 KH=$($PY ssa_flash/bench/ledger.py hash) || { log "kernel hash failed"; exit 1; }
 export SSA_FLASH_KERNEL_HASH=$KH
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}

@@ -324,9 +324,19 @@ def _build(args, root) -> int:
             print(f"dry run: the objects in {args.out} match csrc/ and sm_{args.arch} (not linked)")
             return 0
         if why is None:
+            import subprocess
+
             try:
-                print(f"linked {link_extension(args.csrc, args.out, os.path.join(root, 'ssa_flash'))} "
-                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                so = link_extension(args.csrc, args.out, os.path.join(root, "ssa_flash"))
+                print(f"linked {so} ({time.monotonic() - t0:.0f} s)", flush=True)
+                # a fresh process must import it (an unresolved symbol would make every test
+                # process fail its import and JIT-build): else it goes, and the JIT build runs
+                check = subprocess.run([sys.executable, "-c", "import ssa_flash._C as m; print(m.__file__)"],
+                                       cwd=root, capture_output=True, text=True, timeout=120)
+                if check.returncode != 0:
+                    os.remove(so)
+                    print(f"the linked extension does not import ({check.stderr.strip()[-1500:]}): removed, "
+                          "JIT build instead", flush=True)
             except Exception as err:  # noqa: BLE001 - any failure: the JIT build instead
                 print(f"linking the objects failed ({type(err).__name__}: {str(err)[-2000:]}): JIT build instead",
                       flush=True)
@@ -337,8 +347,13 @@ def _build(args, root) -> int:
     if args.dry:
         print("dry run: nothing built (the CPU emulator stands in)")
         return 0
-    major, minor, suffix = args.arch[0], args.arch[1:2], args.arch[2:]
-    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}{suffix}"  # this GPU only, not the image's list
+    import re
+
+    m = re.fullmatch(r"(\d+)(\d)([a-z]?)", args.arch)
+    if m is None:
+        print(f"--arch {args.arch!r}: expected e.g. 90a, 80, 100a")
+        return 2
+    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{m[1]}.{m[2]}{m[3]}"  # this GPU only, not the image's list
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # run as a script: the package's directory must not shadow top-level modules
     sys.path.insert(0, root)
