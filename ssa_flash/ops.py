@@ -303,6 +303,8 @@ def _check_sinks(sinks, heads: int, like: Tensor) -> Optional[Tensor]:
 
 
 def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:
+    if poly is DEFAULT_POLY and threshold is DEFAULT_THRESHOLD:  # the defaults, checked cheaply
+        return poly, threshold
     if isinstance(poly, (str, bytes)) or not isinstance(poly, Sequence) or len(poly) == 0:
         raise TypeError("poly must be a non-empty sequence of coefficients, highest degree first")
     poly = tuple(_check_number(f"poly[{i}]", c) for i, c in enumerate(poly))

@@ -9,9 +9,20 @@ def interpreting() -> bool:
     """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter now, read as the installed
     Triton reads it: through ``triton.knobs`` from 3.4 on (``1``, ``true``, ``on``, ``yes``, any
     case), as exactly ``"1"`` before. Only the current setting: whether Triton's functions were
-    made under it is ``ssa_flash.backends.triton_backend.unavailable_reason``'s question."""
-    try:
-        from triton import knobs
-    except Exception:  # no Triton, or one older than 3.4
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return bool(knobs.runtime.interpret)
+    made under it is ``ssa_flash.backends.triton_backend.unavailable_reason``'s question. The
+    answer is kept per value of the variable (the hot path asks on every call); a knob set in code
+    rather than through the environment is not seen."""
+    raw = os.environ.get("TRITON_INTERPRET")
+    answer = _answers.get(raw)
+    if answer is None:  # the knob's reading of this value of the variable, once per value
+        try:
+            from triton import knobs
+        except Exception:  # no Triton, or one older than 3.4
+            answer = raw == "1"
+        else:
+            answer = bool(knobs.runtime.interpret)
+        _answers[raw] = answer
+    return answer
+
+
+_answers: dict = {}

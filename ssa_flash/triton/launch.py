@@ -188,7 +188,7 @@ def _device_arch(device: torch.device) -> Optional[int]:
     pretended = _pretended_arch()
     if pretended is not None:
         return pretended
-    if device.type != "cuda" or interpreting():
+    if device.type != "cuda" or interpreting():  # (the device type first: no knob read on the CPU)
         return None
     arch = _archs.get(device)
     if arch is None:
@@ -504,6 +504,8 @@ def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dty
 def _check_offsets(*tensors):
     """Kernels index (batch, head) slices with int64 and positions inside one slice with int32."""
     for t in tensors:
+        if t.is_contiguous() and t.numel() < 2**31:  # then no slice spans 2^31 (the common case, cheap)
+            continue
         span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
         if span >= 2**31:
             raise ValueError(f"ssa_flash: one (batch, head) slice of a tensor of shape {tuple(t.shape)} "
@@ -655,9 +657,9 @@ def _poly_exp2_degree(q, ssa: bool, head_block: int, kernel: str) -> int:
     measurement should decide."""
     if FORCE_POLY_EXP2 is not None:
         return FORCE_POLY_EXP2
-    if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
+    if not (ssa and head_block <= 64 and _fast_math(q)):
         return 0
-    if not (_fast_math(q) and ssa and head_block <= 64):
+    if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
         return 0
     return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
 
@@ -690,7 +692,8 @@ def _common_consts(q, spec: AttentionSpec, ssa: bool, mask_kind, dv=None):
     d = q.shape[-1]
     arch = _device_arch(q.device)
     tf32 = q.dtype == torch.float32 and tf32_allowed()
-    key = (q.dtype, q.device.type, arch, d, dv, ssa, spec.causal, mask_kind, tf32, interpreting())
+    # arch decides FAST_MATH too: None exactly where the interpreter runs (see _fast_math)
+    key = (q.dtype, q.device.type, arch, d, dv, ssa, spec.causal, mask_kind, tf32)
     consts = _common.get(key)
     if consts is None:
         even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
