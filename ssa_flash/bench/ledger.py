@@ -98,8 +98,8 @@ def save(ledger: dict, path=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tests = ledger.get("tests", {})
     lines = [f"  {json.dumps(k)}: {json.dumps(tests[k], sort_keys=True)}" for k in sorted(tests)]
-    text = ('{"schema": %d, "kernel_hash": %s, "tests": {\n%s\n}}\n'
-            % (SCHEMA, json.dumps(ledger.get("kernel_hash", "")), ",\n".join(lines)))
+    body = "{\n" + ",\n".join(lines) + "\n}" if lines else "{}"
+    text = '{"schema": %d, "kernel_hash": %s, "tests": %s}\n' % (SCHEMA, json.dumps(ledger.get("kernel_hash", "")), body)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
