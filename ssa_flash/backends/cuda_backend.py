@@ -582,7 +582,9 @@ def _finish_dq(dq: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
     (csrc/set_params.h, bwd_buffers), cropped, scaled and converted here; ``scale`` is the
     caller's (signed: -q was run for a negative one)."""
     if dq.dtype == torch.float32 and q.dtype != torch.float32:
-        return (dq[:, :, : q.shape[2], : q.shape[3]] * scale).to(q.dtype)
+        # crop, scale and cast in one operation (one launch, not two)
+        return torch.mul(dq[:, :, : q.shape[2], : q.shape[3]], scale,
+                         out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
     return -dq if scale < 0 else dq
 
 
