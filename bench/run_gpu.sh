@@ -7,15 +7,20 @@
 #
 #   0. Here, on the CPU, before any device call (no device time):
 #        python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
-#      csrc/*.cu compiled for sm_90a into build/cuda-objects/ (they do not include torch): ~10-15 min
-#      of a shared 2-core machine (fwd_fp16.cu alone: 151 s), ~25-30 MiB: it fits the device
-#      tool's 64 MiB carry. Skip it when short of CPU time: the script then JIT-builds on the GPU.
+#      csrc/*.cu compiled for sm_90a into build/cuda-objects/ (they do not include torch; a
+#      manifest.json records the hash of csrc/): measured on a shared 2-core machine, one unit at
+#      a time, fwd_fp16 151 s, fwd_bf16 175 s, bwd_fp16 665 s, bwd_bf16 496 s (~25 min; --jobs 2
+#      on idle cores: ~12-15 min); 22.4 MiB in all, which fits the device tool's 64 MiB carry.
+#      The binding compiled against (CPU) torch and linked with these objects and libcudart
+#      imported here (96 s for api.cpp on that machine). Skip this step when short of CPU time:
+#      the script then JIT-builds on the GPU (~2.5 min more device time).
 #   1. Call 1, "verdict" (carry ["build/cuda-objects"], timeout_s 600):
 #        OUT=$OUT bash bench/run_gpu.sh 540
 #      minute by minute on an H200 (from bench/results/2026-11-26-nvidia-h200-logs):
 #        0:00-0:15  versions, the device's architecture, the ledger's kernel hash;
 #        0:15-1:15  the CUDA extension: the carried objects linked with the binding (api.cpp
-#                   against torch, ~30-60 s; estimated, not yet measured), or without them the JIT
+#                   against torch: 96 s on the 2-core CPU machine, ~30-60 s expected on the
+#                   device's host; not yet measured there), or without them the JIT
 #                   build of sm_90a alone (150-195 s, until ~3:30); meanwhile, niced, the Triton half
 #                   of the smoke tier (13 tests, 28 s with 8 workers in the first session);
 #        1:15-2:45  the CUDA verdict matrix (tests/cuda/test_cuda_matrix.py, 210 cases: forward, row
@@ -29,11 +34,13 @@
 #                   passed at these kernels, failures and never-run tests first, autotuning off,
 #                   one xdist worker per core; cut by the budget, it resumes next session;
 #        8:50-9:00  the ledger and the counts written under $OUT.
-#      Afterwards, here: cp <files_at>/gpu-ledger.json bench/results/ and commit it (with the logs
-#      worth keeping); give_back unless call 2 follows at once.
+#      Afterwards, here: cp <files_at>/gpu-ledger.json bench/results/, regenerate docs/verified.md
+#      (python -m ssa_flash.bench.verified) and commit both (with the logs worth keeping);
+#      give_back unless call 2 follows at once.
 #   2. Call 2, "benchmark", on the same warm machine if >= 4 minutes of device time are left
 #      (the extension and Triton's cache are still there):
-#        OUT=$OUT RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 RUN_BENCH=1 bash bench/run_gpu.sh 300
+#        OUT=$OUT RUN_BUILD=0 RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 RUN_BENCH=1 \
+#          bash bench/run_gpu.sh 300
 #      the rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
 #      sdpa.cudnn, then FlexAttention's SSA, each compiled per shape, longest first), partial
 #      results saved every ~20 s.

@@ -288,7 +288,8 @@ def _main(argv=None) -> int:
         s.add_argument("--arch", default="90a", help="e.g. 90a, 80")
         s.add_argument("--csrc", default=os.path.join(root, "csrc"))
     sub.choices["objects"].add_argument("--nvcc", default="nvcc")
-    sub.choices["objects"].add_argument("--std", default="c++17")
+    sub.choices["objects"].add_argument("--std", default="c++20",
+                                        help="C++ standard (torch's extension builds use C++20 from torch 2.10 on)")
     sub.choices["objects"].add_argument("--jobs", type=int, default=2)
     sub.choices["build"].add_argument("--dry", action="store_true",
                                       help="no GPU (a rehearsal): check the objects, build nothing")
@@ -323,7 +324,12 @@ def _build(args, root) -> int:
         if why is None and args.dry:
             print(f"dry run: the objects in {args.out} match csrc/ and sm_{args.arch} (not linked)")
             return 0
-        if why is None:
+        import glob
+
+        linked = glob.glob(os.path.join(root, "ssa_flash", "_C*.so"))
+        if why is None and linked and os.path.getmtime(linked[0]) > os.path.getmtime(os.path.join(args.out, MANIFEST)):
+            print(f"already linked from these objects: {linked[0]}", flush=True)
+        elif why is None:
             import subprocess
 
             try:
