@@ -134,11 +134,14 @@ log "device '$DEVICE' (sm_$ARCH), kernel hash ${KH:0:12}, commit ${COMMIT:0:12},
 NPROC=$(nproc 2>/dev/null || echo 2)
 JOBS=${JOBS:-$NPROC}
 XDIST_OK=0
+DIST=load
 [ "$JOBS" != "0" ] && $PY -c 'import xdist' 2>/dev/null && XDIST_OK=1
+# worksteal (pytest-xdist >= 3.2): an idle worker takes tests queued behind a slow (or hung) one
+$PY -c 'import sys, xdist; sys.exit(tuple(int(x) for x in xdist.__version__.split(".")[:2]) < (3, 2))' 2>/dev/null \
+  && DIST=worksteal
 xdist_args() {  # xdist_args N: the pytest options for N workers
   local n=$1
-  # worksteal: an idle worker takes tests queued behind a slow (or hung) one
-  if [ "$XDIST_OK" = "1" ] && [ "$n" -gt 0 ]; then echo "-n $n --dist worksteal --max-worker-restart $(( 4 * n + 4 ))"; fi
+  if [ "$XDIST_OK" = "1" ] && [ "$n" -gt 0 ]; then echo "-n $n --dist $DIST --max-worker-restart $(( 4 * n + 4 ))"; fi
 }
 
 # one pytest step: name, limit, pytest arguments. Counts and outcomes in $OUT/<name>-tests.json,

@@ -449,7 +449,9 @@ def main(argv=None) -> int:
         triton_version = triton.__version__
     except Exception:
         triton_version = "not installed"
-    backends = [b for b in ssa_flash.available_backends(device) if b != "reference"]
+    # the CUDA C++ backend first: its checks need no Triton compiles, and it is the one least often
+    # run on a GPU
+    backends = sorted((b for b in ssa_flash.available_backends(device) if b != "reference"), key=lambda b: b != "cuda")
     if args.backends:
         wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
         missing = [b for b in wanted if b not in backends]

@@ -138,3 +138,24 @@ def test_cuda_objects_plumbing(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(ROOT, "ssa_flash", "backends", "_cuda_build.py"), "build",
                           "--dry", "--out", str(tmp_path), "--arch", "90a"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "not used: the objects were compiled from other csrc/" in run.stdout, run.stdout
+
+
+def test_compile_objects_writes_a_manifest(tmp_path):
+    """`_cuda_build.py objects` (here with a stand-in nvcc that writes its -o file): one object per
+    unit, a manifest that objects_reason accepts."""
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Cuda compilation tools, release 13.0'; exit 0; fi\n"
+                    "while [ $# -gt 0 ]; do if [ \"$1\" = -o ]; then printf 0123456789 > \"$2\"; fi; shift; done\n")
+    fake.chmod(0o755)
+    out = tmp_path / "objs"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "ssa_flash", "backends", "_cuda_build.py"), "objects",
+                          "--out", str(out), "--arch", "90a", "--nvcc", str(fake)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["arch"] == "90a" and manifest["nvcc"].endswith("release 13.0") and manifest["std"] == "c++20"
+    assert sorted(manifest["objects"]) == sorted(u[:-3] + ".o" for u in ("fwd_fp16.cu", "fwd_bf16.cu", "bwd_fp16.cu",
+                                                                         "bwd_bf16.cu"))
+    assert set(manifest["objects"].values()) == {10}
+    from ssa_flash.backends import _cuda_build as cb
+    assert cb.objects_reason(os.path.join(ROOT, "csrc"), out, "90a") is None
