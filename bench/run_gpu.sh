@@ -39,9 +39,10 @@
 #      give_back unless call 2 follows at once.
 #   2. Call 2, "benchmark", on the same warm machine if >= 4 minutes of device time are left
 #      (the extension and Triton's cache are still there):
-#        OUT=$OUT RUN_BUILD=0 RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 RUN_BENCH=1 \
+#        OUT=$OUT RUN_BUILD=0 RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 RUN_HOST=1 RUN_BENCH=1 \
 #          bash bench/run_gpu.sh 300
-#      the rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
+#      first the host path (RUN_HOST=1, HOST_LIMIT 150 s: host time per call beside SDPA's, and
+#      which target-shape rows are host-bound), then the benchmark: the rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
 #      sdpa.cudnn, then FlexAttention's SSA, each compiled per shape, longest first), partial
 #      results saved every ~20 s.
 #
@@ -59,6 +60,7 @@
 #   selfcheck     python -m ssa_flash --backends cuda --no-timing (SELFCHECK_ARGS)
 #   recheck       the node ids of RECHECK (bench/gpu_recheck.txt), --tb=long
 #   suite         SUITE's tests that the ledger does not hold as passed at these kernels
+#   host          python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
 #   bench         python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
 # pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
 # block configuration that fits: correctness runs need no timing), --max-worker-restart; a worker
@@ -71,7 +73,8 @@
 # (the rest, less SUITE_RESERVE 15 s), MATRIX_ARGS / SMOKE_TRITON_ARGS / SMOKE_ARGS (pytest
 # selections of the matrix and the two smoke halves), SELFCHECK_ARGS,
 # BENCH_ARGS (default --subset targets), RUN_BUILD / RUN_SMOKE / RUN_MATRIX / RUN_SELFCHECK /
-# RUN_RECHECK / RUN_TESTS = 0 to skip a step, RUN_BENCH=1 to add the benchmark.
+# RUN_RECHECK / RUN_TESTS = 0 to skip a step, RUN_HOST=1 / RUN_BENCH=1 to add the host path (HOST_ARGS,
+# HOST_LIMIT) / the benchmark.
 #
 # DRY_RUN=1: the rehearsal without a GPU (tests/bench/test_run_gpu.py): Triton's interpreter and the
 # CUDA kernels' CPU emulator stand in, nothing is built (a CUDA_OBJECTS directory is only checked),
@@ -253,7 +256,19 @@ print("gpu tests:", {k: v for k, v in total.items() if k != "steps"})
 PY
 log "ledger after this run: $($PY ssa_flash/bench/ledger.py summary --ledger "$LEDGER")"
 
-# 5. the benchmark (RUN_BENCH=1), with what is left
+# 5. the host path (RUN_HOST=1): host time per call beside SDPA's, and the profiler's split of a call
+#    at the targets' shape into kernel time and end-to-end time (docs/benchmarks.md, Host path)
+if [ "${RUN_HOST:-0}" = "1" ]; then
+  log "host path: python -m ssa_flash.bench --host (limit ${HOST_LIMIT:-150}s)"
+  # shellcheck disable=SC2086
+  SSA_FLASH_AUTOTUNE=0 timeout --signal=INT --kill-after=10 "${HOST_LIMIT:-150}" \
+    $PY -m ssa_flash.bench --host --out "$OUT" --host-reps 50 ${HOST_ARGS:---host-features plain,mask,dropout,kvcache} \
+    > "$OUT/host.log" 2>&1
+  log "host path rc $?"
+  tail -n 60 "$OUT/host.log"
+fi
+
+# 6. the benchmark (RUN_BENCH=1), with what is left
 if [ "${RUN_BENCH:-0}" = "1" ]; then
   BENCH_BUDGET=$(( $(left) - 40 ))
   [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20

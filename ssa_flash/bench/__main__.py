@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "function, feature, backend and pass, beside SDPA's; without a GPU the launches are "
                         "stubbed (sets TRITON_INTERPRET=1); writes <date>-<device>-host.json")
     p.add_argument("--host-reps", type=int, default=200, help="calls timed per --host row (default 200)")
+    p.add_argument("--host-features", type=_names(("plain", "mask", "dropout", "window", "varlen", "kvcache")),
+                   default=None, help="--host: comma list of plain,mask,dropout,window,varlen,kvcache (default all); "
+                                      "--ops narrows the functions")
     return p
 
 
@@ -129,9 +132,10 @@ def main(argv=None) -> int:
     if args.host:
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
-        from .host import render, run
+        from .host import FEATURES, OPS, render, run
 
-        results = run(args.out or os.path.join("bench", "results"), reps=args.host_reps, quiet=args.quiet)
+        results = run(args.out or os.path.join("bench", "results"), reps=args.host_reps, quiet=args.quiet,
+                      ops=tuple(args.ops or OPS), features=tuple(args.host_features or FEATURES))
         if args.quiet:
             print(render(results))
         print(f"wrote {results['path']}")

@@ -247,11 +247,27 @@ def _sdpa_key(case: Case) -> tuple:
 
 def run(out_dir: Optional[str] = None, reps: int = 200, backends=("triton", "cuda"), ops=OPS,
         features=FEATURES, passes=("fwd", "fwd_bwd"), quiet: bool = False, split: bool = True) -> dict:
-    """Measures every case; returns (and writes, when ``out_dir`` is given) the results."""
+    """Measures every case; returns the results and, when ``out_dir`` is given, writes them after
+    every row (a run cut by a time limit keeps what it measured)."""
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float16  # float16: the CPU path then converts nothing
     B, H, L, D = (1, 2, 128, 64) if gpu else (1, 2, 64, 16)
+    results = {"device": torch.cuda.get_device_name() if gpu else "cpu (launches stubbed)",
+               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+               "triton": _triton_version(), "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": str(dtype)},
+               "reps": reps, "rows": []}
+    path = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        name = results["device"].split(" (")[0].lower().replace(" ", "-")
+        path = os.path.join(out_dir, f"{results['date']}-{name}-host.json")
+
+    def save():
+        if path:
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
+
     with ExitStack() as stack:
         if not gpu:
             torch.set_num_threads(1)
@@ -261,7 +277,7 @@ def run(out_dir: Optional[str] = None, reps: int = 200, backends=("triton", "cud
 
             if "cuda" not in ssa_flash.available_backends("cuda"):
                 backends = tuple(b for b in backends if b != "cuda")
-        rows, sdpa = [], {}
+        rows, sdpa = results["rows"], {}
         for case in cases(device, dtype, B, H, L, D, backends, ops, features, passes):
             try:
                 us = host_time_us(case.fn, device, reps=reps)
@@ -278,20 +294,13 @@ def run(out_dir: Optional[str] = None, reps: int = 200, backends=("triton", "cud
             if note:
                 row["note"] = note
             rows.append(row)
+            save()
             if not quiet:
                 print(_line(row), flush=True)
-        results = {"device": torch.cuda.get_device_name() if gpu else "cpu (launches stubbed)",
-                   "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                   "triton": _triton_version(), "shape": {"B": B, "H": H, "L": L, "D": D, "dtype": str(dtype)},
-                   "reps": reps, "rows": rows}
         if gpu and split:
             results["split"] = _splits(backends, ops, quiet)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        name = results["device"].split(" (")[0].lower().replace(" ", "-")
-        path = os.path.join(out_dir, f"{results['date']}-{name}-host.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+            save()
+    if path:
         results["path"] = path
     return results
 
