@@ -24,6 +24,7 @@ launch is a no-op, so that the host path's cost can be measured on a machine wit
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from typing import Optional
 
@@ -33,9 +34,14 @@ ENV = "SSA_FLASH_DIRECT_LAUNCH"
 MAX_KEPT = 4096
 
 
+_broken: Optional[str] = None  # why a direct launch failed in this process, if one did
+logger = logging.getLogger("ssa_flash")
+
+
 def enabled() -> bool:
-    """Whether kept compiled kernels are launched directly (the default)."""
-    return os.environ.get(ENV, "1") not in ("", "0")
+    """Whether kept compiled kernels are launched directly (the default; off after a direct launch
+    failed in this process)."""
+    return _broken is None and os.environ.get(ENV, "1") not in ("", "0")
 
 
 class Unspecialisable(Exception):
@@ -192,9 +198,21 @@ class Launcher:
             stream, hooks = 0, (None, None)
         else:
             stream, hooks = self._current_stream(device), _hooks()
-        meta = None if hooks[0] is None else compiled.launch_metadata(grid, stream, *args, *tail)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, meta, hooks[0], hooks[1], *args, *tail)
+        try:
+            meta = None if hooks[0] is None else compiled.launch_metadata(grid, stream, *args, *tail)
+            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                         compiled.function, compiled.packed_metadata, meta, hooks[0], hooks[1], *args, *tail)
+        except Exception as err:
+            if stub:
+                raise
+            # A Triton whose launch convention differs from the one read in 3.4-3.9: launch through
+            # Triton from now on (an error of the launch itself then recurs there and is raised)
+            global _broken
+            _broken = f"{type(err).__name__}: {err}"
+            logger.warning("ssa_flash: direct launches of compiled Triton kernels are off for this process "
+                           "(%s); launching through Triton instead", _broken)
+            self.clear()
+            kernel[grid](*args, **consts, **options)
 
     def _current_stream(self, device: torch.device) -> int:
         if self._stream is None:

@@ -157,3 +157,21 @@ def test_keys_follow_the_layout_of_the_arguments(fake_gpu_launcher):
     fake_gpu_launcher.run(kernel, (1,), (x, 1, (x, 2)), {"A": 1}, {}, gpu)
     fake_gpu_launcher.run(kernel, (1,), (x, x, (x, 2)), {"A": 1}, {}, gpu)
     assert kernel.jit_calls == 2 and not kernel.compiled.runs
+
+
+def test_a_failing_direct_launch_falls_back_to_triton(fake_gpu_launcher, monkeypatch, caplog):
+    """Should a Triton's launch convention differ, the first direct launch fails, the call goes
+    through Triton, and direct launches stay off for the process."""
+    monkeypatch.setattr(direct, "_broken", None)
+    kernel = FakeJIT()
+
+    def refuse(*args):
+        raise TypeError("function takes 14 positional arguments")
+
+    kernel.compiled.run = refuse
+    gpu, args = torch.device("cuda", 0), (torch.zeros(4), 1, (1, 2))
+    with caplog.at_level("WARNING", logger="ssa_flash"):
+        for _ in range(3):
+            fake_gpu_launcher.run(kernel, (1,), args, {"A": 1}, {}, gpu)
+    assert kernel.jit_calls == 3 and not direct.enabled()
+    assert "direct launches of compiled Triton kernels are off" in caplog.text
