@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the host path instead (ssa_flash/bench/host.py): host time of one call per "
                         "function, feature, backend and pass, beside SDPA's; without a GPU the launches are "
                         "stubbed (sets TRITON_INTERPRET=1); writes <date>-<device>-host.json")
-    p.add_argument("--host-reps", type=int, default=200, help="calls timed per --host row (default 200)")
+    p.add_argument("--host-reps", type=int, default=100, help="calls timed per --host row (default 100)")
     p.add_argument("--host-features", type=_names(("plain", "mask", "dropout", "window", "varlen", "kvcache")),
                    default=None, help="--host: comma list of plain,mask,dropout,window,varlen,kvcache (default all); "
                                       "--ops narrows the functions")

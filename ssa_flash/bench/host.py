@@ -4,8 +4,8 @@ Per public function (softmax, SSA, adaptive temperature, SSA + adaptive) and fea
 boolean mask, dropout, a window, a packed variable-length batch, a KV cache), backend (Triton,
 CUDA C++) and pass (forward; forward + backward), the host time of one call: the median wall time
 from the call to its return, after warm-up, with the device idle before each call (so a GPU's
-queue never makes the host wait). SDPA's host time is measured the same way in the same run, on
-the same tensors, and every row gives the ratio to it (forward rows to SDPA's forward, forward +
+queue never makes the host wait). SDPA's host time is measured the same way beside every row, in
+interleaved blocks (so both see the same machine load), and every row gives the ratio to it (forward rows to SDPA's forward, forward +
 backward rows to SDPA's forward + backward; a feature SDPA has is compared with SDPA using it).
 
 * On a GPU the launches are real: tiny shapes, so each kernel is short. Then, at the targets'
@@ -198,21 +198,26 @@ def _layout_cases(feature, op, backend, kw, device, dtype, B, H, L, D, passes) -
                  lambda: ssa_flash.attention_with_kvcache(q, kc, vc, cache_seqlens=used, is_causal=True, **kw))]
 
 
-def host_time_us(fn: Callable[[], object], device, warmup: int = 5, reps: int = 200) -> float:
-    """Median wall time of ``fn()`` in microseconds, the device idle before each call."""
+def host_time_us(fns: List[Callable[[], object]], device, reps: int = 200, per: int = 10) -> List[float]:
+    """Median wall time of one call of each of ``fns`` in microseconds, measured in interleaved
+    blocks of ``per`` calls (``reps`` calls of each in all), the device idle before each block:
+    a row and its SDPA baseline see the same machine load."""
     cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        fn()
+    for fn in fns:
+        for _ in range(5):
+            fn()
+    samples: List[List[float]] = [[] for _ in fns]
+    for _ in range(max(1, reps // per)):
+        for i, fn in enumerate(fns):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(per):
+                fn()
+            samples[i].append((time.perf_counter() - start) / per)
     if cuda:
         torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if cuda:
-            torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return [statistics.median(s) * 1e6 for s in samples]
 
 
 def kernel_split_us(fn: Callable[[], object], reps: int = 10) -> dict:
@@ -245,7 +250,7 @@ def _sdpa_key(case: Case) -> tuple:
     return ("plain" if case.feature not in ("mask", "dropout") else case.feature, case.pass_)
 
 
-def run(out_dir: Optional[str] = None, reps: int = 200, backends=("triton", "cuda"), ops=OPS,
+def run(out_dir: Optional[str] = None, reps: int = 100, backends=("triton", "cuda"), ops=OPS,
         features=FEATURES, passes=("fwd", "fwd_bwd"), quiet: bool = False, split: bool = True) -> dict:
     """Measures every case; returns the results and, when ``out_dir`` is given, writes them after
     every row (a run cut by a time limit keeps what it measured)."""
@@ -279,16 +284,19 @@ def run(out_dir: Optional[str] = None, reps: int = 200, backends=("triton", "cud
                 backends = tuple(b for b in backends if b != "cuda")
         rows, sdpa = results["rows"], {}
         for case in cases(device, dtype, B, H, L, D, backends, ops, features, passes):
+            base_case = sdpa.get(_sdpa_key(case)) if case.impl != "sdpa" else None
+            note, base = None, None
             try:
-                us = host_time_us(case.fn, device, reps=reps)
-                note = None
+                if base_case is None:
+                    us = host_time_us([case.fn], device, reps=reps)[0]
+                else:  # measured beside its SDPA baseline, interleaved
+                    us, base = host_time_us([case.fn, base_case.fn], device, reps=reps)
             except Exception as err:  # keep the row, say why
                 us, note = None, f"{type(err).__name__}: {err}"[:200]
             row = {"op": case.op, "impl": case.impl, "feature": case.feature, "pass": case.pass_, "host_us": us}
             if case.impl == "sdpa":
-                sdpa[(case.feature, case.pass_)] = us
+                sdpa[(case.feature, case.pass_)] = case
             else:
-                base = sdpa.get(_sdpa_key(case))
                 row["sdpa_host_us"] = base
                 row["ratio_to_sdpa"] = None if (us is None or not base) else us / base
             if note:
