@@ -124,9 +124,9 @@ def cases(device, dtype, B: int, H: int, L: int, D: int, backends=("triton", "cu
     qg, kg, vg = _inputs(device, sdpa_dtype, B, H, L, D, True)
     grad = torch.randn(B, H, L, D, dtype=torch.float32).to(device=device, dtype=sdpa_dtype)
 
-    def fwd_bwd(call):
+    def fwd_bwd(call, q, k, v, grad):
         def run():
-            call(qg, kg, vg).backward(grad)
+            call(q, k, v).backward(grad)
         return run
 
     for feature in ("plain", "mask", "dropout"):
@@ -139,13 +139,14 @@ def cases(device, dtype, B: int, H: int, L: int, D: int, backends=("triton", "cu
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
 
         if "fwd" in passes:
-            out.append(Case("softmax", "sdpa", feature, "fwd", lambda sdpa=sdpa: sdpa(qf, kf, vf)))
+            out.append(Case("softmax", "sdpa", feature, "fwd", lambda sdpa=sdpa, t=(qf, kf, vf): sdpa(*t)))
         if "fwd_bwd" in passes:
-            out.append(Case("softmax", "sdpa", feature, "fwd_bwd", fwd_bwd(sdpa)))
+            out.append(Case("softmax", "sdpa", feature, "fwd_bwd", fwd_bwd(sdpa, qg, kg, vg, grad)))
 
-    qf, kf, vf = _inputs(device, dtype, B, H, L, D, False)
-    qg, kg, vg = _inputs(device, dtype, B, H, L, D, True)
-    grad = grad.to(dtype)
+    # ours in the benchmark's dtype (new names: the baselines above keep theirs)
+    xf, xk, xv = _inputs(device, dtype, B, H, L, D, False)
+    yq, yk, yv = _inputs(device, dtype, B, H, L, D, True)
+    ygrad = grad.to(dtype)
     for backend in backends:
         for feature in features:
             if backend == "cuda" and feature not in CUDA_FEATURES:
@@ -162,9 +163,9 @@ def cases(device, dtype, B: int, H: int, L: int, D: int, backends=("triton", "cu
                     return attend(q, k, v, is_causal=causal, **kw)
 
                 if "fwd" in passes:
-                    out.append(Case(op, f"ssa_flash.{backend}", feature, "fwd", lambda call=call: call(qf, kf, vf)))
+                    out.append(Case(op, f"ssa_flash.{backend}", feature, "fwd", lambda call=call: call(xf, xk, xv)))
                 if "fwd_bwd" in passes:
-                    out.append(Case(op, f"ssa_flash.{backend}", feature, "fwd_bwd", fwd_bwd(call)))
+                    out.append(Case(op, f"ssa_flash.{backend}", feature, "fwd_bwd", fwd_bwd(call, yq, yk, yv, ygrad)))
     return out
 
 

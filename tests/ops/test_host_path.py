@@ -133,3 +133,17 @@ def test_reduce_overhead_compile(variant):
             torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
             for a, r in zip(leaves, ref_leaves):
                 torch.testing.assert_close(a.grad, r.grad, atol=2e-3, rtol=2e-3)
+
+
+def test_host_benchmark_baseline_is_sdpa_in_float32_on_the_cpu(monkeypatch):
+    """On the CPU SDPA's baseline runs on float32 tensors (its float16 CPU kernels would hide its
+    host cost behind compute), whatever the rows after it use."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or real(q, k, v, **kw))
+    rows = host.cases("cpu", torch.float16, 1, 2, 16, 8, backends=(), features=("plain", "mask"))
+    for case in rows:
+        assert case.impl == "sdpa"
+        case.fn()
+    assert seen and set(seen) == {torch.float32}
