@@ -177,7 +177,7 @@ def main(argv=None) -> int:
             if progress:
                 progress(f"ssa_flash.audit: CUDA C++ kernels, {len(files)} nvcc units per architecture "
                          f"({', '.join(f.name for f in files)}{'; ' + ' '.join(flags) if flags else ''}); "
-                         "each takes minutes on a cold cache")
+                         "nvcc says every few seconds that it is still compiling")
             for arch in archs:
                 cuda_results[arch] = cuda_audit.audit(arch, progress=progress, dump_dir=args.dump_sass,
                                                      files=files, jobs=args.jobs, use_cache=not args.no_cache,
