@@ -79,7 +79,8 @@ MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 #     (9, 0): {"dtypes": ("float16", "bfloat16"),
 #              "evidence": "2025-01-31 H100 SXM, commit abc1234: test_cuda_backend 512 passed; "
 #                          "bench/results/2025-01-31-h100.json"},
-# and updates the table in docs/cuda.md. Nothing has been run on a GPU yet.
+# and updates the table in docs/cuda.md. No entry yet: no GPU run has checked the CUDA kernels
+# (docs/verified.md).
 VERIFIED_ARCHS: Dict[Tuple[int, int], Dict[str, object]] = {}
 
 # nvcc flags of the JIT build (keep in step with setup.py)
