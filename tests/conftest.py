@@ -21,6 +21,7 @@
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -140,3 +141,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_configure(config):
     config.pluginmanager.import_plugin("ssa_flash.bench.pytest_summary")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_answers():
+    """Backend availability is remembered per process (``ssa_flash.backends.forget``); tests
+    change what the probes see (fake GPUs, patched probes), so each test starts afresh."""
+    from ssa_flash import backends
+
+    backends.forget()
+    yield
+    backends.forget()
