@@ -167,7 +167,8 @@ class Launcher:
         if not (stub or enabled()) or device.type != "cuda" and not stub:
             kernel[grid](*args, **consts, **options)
             return
-        space = (kernel, tuple(consts.items()), tuple(options.items()))
+        # the device too: a compiled kernel's function handle belongs to one device's context
+        space = (kernel, device, tuple(consts.items()), tuple(options.items()))
         try:
             layout = self._layouts.get(space)
             if layout is None:

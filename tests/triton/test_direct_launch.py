@@ -175,3 +175,12 @@ def test_a_failing_direct_launch_falls_back_to_triton(fake_gpu_launcher, monkeyp
             fake_gpu_launcher.run(kernel, (1,), args, {"A": 1}, {}, gpu)
     assert kernel.jit_calls == 3 and not direct.enabled()
     assert "direct launches of compiled Triton kernels are off" in caplog.text
+
+
+def test_kept_kernels_are_per_device(fake_gpu_launcher):
+    """A compiled kernel is loaded into one device's context: another device's first launch goes
+    through Triton (which loads it there)."""
+    kernel, x = FakeJIT(), torch.zeros(8)
+    for device in ("cuda:0", "cuda:1", "cuda:0", "cuda:1"):
+        fake_gpu_launcher.run(kernel, (1,), (x, 3, (1, 2)), {"A": 1}, {}, torch.device(device))
+    assert kernel.jit_calls == 2 and len(kernel.compiled.runs) == 2
