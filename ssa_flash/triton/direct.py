@@ -164,7 +164,8 @@ class Launcher:
         ``consts`` (block sizes included), compile ``options`` (``num_warps``, ``num_stages``),
         on ``device``'s current stream (the caller made ``device`` current)."""
         stub = _stub_arch is not None
-        if not (stub or enabled()) or device.type != "cuda" and not stub:
+        if (not (stub or enabled()) or device.type != "cuda" and not stub
+                or torch._C._len_torch_dispatch_stack()):  # under a dispatch mode pointers mean nothing
             kernel[grid](*args, **consts, **options)
             return
         # the device too: a compiled kernel's function handle belongs to one device's context
