@@ -6,7 +6,8 @@ host time per launch. The first such call returns the ``CompiledKernel``; :class
 keeps it per specialisation and launches it again with ``CompiledKernel.run``, the call that
 Triton's ``JITFunction.run`` itself ends with (the same in Triton 3.4 to 3.9: grid, stream,
 function handle, packed metadata, launch metadata and the launch hooks, then every argument of
-the signature in order, constexprs included).
+the signature in order, constexprs included; tests/triton/test_direct_launch_binding.py checks the
+arguments against what Triton's own binder hands over, for 3.4, 3.6 and 3.9).
 
 A compiled kernel is only valid for arguments with the properties Triton specialised it on:
 each argument's type, integers equal to 1 (compiled in as constants), integers divisible by 16,
