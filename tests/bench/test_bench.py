@@ -135,10 +135,20 @@ def test_ratio_table_values_and_marks():
     line = dict(zip(headers, body[0]))
     assert line["SSA fwd vs sdpa.flash (>=1)"] == "0.50!"  # half the speed: misses the target
     assert line["SSA f+b vs sdpa.flash (>=0.9)"] == "1.00"
-    assert line["adaptive/softmax fwd (<=1.6)"] == "1.50"
+    assert line["adaptive/softmax fwd (<=1.4)"] == "1.50!"  # 1.5x our softmax: misses 1.4
     assert line["SSA fwd vs flex (>=1.5)"] == "-"  # flex has no time
     text = report.render_text(tables)
     assert "0.50!" in text
+
+
+def test_cudnn_target_applies_from_4k():
+    """SSA's forward against cuDNN's softmax is judged at L >= 4k only (docs/design.md §4.1)."""
+    rows = []
+    for L in (1024, 4096):
+        rows += [_row("ssa", "ssa_flash.triton", "fwd", 2.0, L), _row("softmax", "sdpa.cudnn", "fwd", 1.0, L)]
+    (title, headers, body, notes), = report.ratio_tables({"rows": rows, "device": "X"})
+    col = headers.index("SSA fwd vs sdpa.cudnn (>=1 at L>=4k)")
+    assert [line[col] for line in body] == ["0.50", "0.50!"]
 
 
 def test_time_budget_and_oom_rows_are_recorded(monkeypatch):
