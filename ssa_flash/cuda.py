@@ -8,7 +8,7 @@ imported by the package's own layers (so it may sit on top of them):
   :func:`load_extension`, :func:`source_dir`, :data:`VERIFIED_ARCHS`, :func:`emulated`;
 * :func:`preferred_backend`: measures whether the CUDA or the Triton backend is faster on a GPU;
 * :class:`CudaAttentionFunction`: the former autograd entry point, kept for callers such as
-  ``csrc/emu/harness.py``; it now runs through the package's custom ops.
+  ``tests/emu_harness.py``; it now runs through the package's custom ops.
 """
 from __future__ import annotations
 

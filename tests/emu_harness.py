@@ -3,9 +3,13 @@ library with the host C++ compiler and runs forward, statistics and backward pas
 tensors exactly as ssa_flash/cuda.py drives the extension (same layout preparation, same
 adaptive-temperature glue), returning what the CUDA backend would return.
 
-Used by tests/cuda/test_csrc_compile.py; also handy by hand:
+The emulator's C++ side stays in csrc/emu (csrc/arch.h includes emu_runtime.h when
+SSA_FLASH_EMULATE is set; emu_main.cpp is the C entry points over the same launch code); this
+Python side lives with its users, the tests: tests/emulation.py (the CUDA backend on CPU tensors)
+and tests/cuda/test_csrc_compile.py. Also handy by hand (from the repository root):
 
-    from harness import build, Emulator
+    import sys; sys.path.insert(0, "tests")
+    from emu_harness import build, Emulator
     emu = Emulator(build("/tmp/emu"))
     res = emu.attention(q, k, v, ...)
 """
@@ -20,8 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-CSRC = HERE.parent
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+EMU = CSRC / "emu"
 
 
 def cuda_include_dir() -> Optional[Path]:
@@ -73,7 +77,7 @@ def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str =
            *defs, *(["-DSSA_FLASH_EMULATE_SM75"] if sm75 else []),
            *(["-DSSA_FLASH_EMULATE_SM70"] if sm70 else []),
            *(["-DSSA_FLASH_EMULATE_SM90"] if sm90 else []),
-           "-I", str(CSRC), "-I", str(inc), str(HERE / "emu_main.cpp"), "-o", str(out)]
+           "-I", str(CSRC), "-I", str(inc), str(EMU / "emu_main.cpp"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"emulator build failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")

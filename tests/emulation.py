@@ -1,5 +1,6 @@
-"""The CPU emulation of the CUDA kernels (csrc/emu) as a stand-in for the CUDA extension, so that
-backend="cuda" (its Python glue, the custom ops, torch.compile) runs on CPU tensors in tests.
+"""The CPU emulation of the CUDA kernels (csrc/emu, built by emu_harness.py beside this file) as a
+stand-in for the CUDA extension, so that backend="cuda" (its Python glue, the custom ops,
+torch.compile) runs on CPU tensors in tests.
 
     emu = build_emulator(tmp_path)            # or pytest.skip if the CUDA headers are missing
     with ssa_flash.cuda.emulated(emu):
@@ -18,13 +19,12 @@ import pytest
 
 import background
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # head dims the emulator is compiled for (compile time grows with each); others up to 32 are padded
 HEAD_DIMS = (32,)
 
 
 def harness():
-    spec = importlib.util.spec_from_file_location("ssa_emu_harness_tests", CSRC / "emu" / "harness.py")
+    spec = importlib.util.spec_from_file_location("ssa_emu_harness_tests", Path(__file__).resolve().parent / "emu_harness.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

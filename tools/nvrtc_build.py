@@ -5,12 +5,12 @@ toolkit headers of ``nvidia-cuda-runtime-cu12`` (cuda_fp16.h, ...)::
 
     pip install "nvidia-cuda-nvrtc-cu12==12.9.*" "nvidia-cuda-nvcc-cu12==12.9.*" \\
                 "nvidia-cuda-runtime-cu12==12.9.*"
-    python csrc/tools/nvrtc_build.py --arch 70 [--head-dim 128] [--out DIR]
+    python tools/nvrtc_build.py --arch 70 [--head-dim 128] [--out DIR]
 
 It compiles one translation unit that explicitly instantiates every float16 kernel (bf16 needs
 sm_80) of the requested head dims, so ptxas checks every mma.m8n8k4 and every instantiation of
 the sm_70 code path, and reports registers and spills (``ptxas -v``). Used by
-tests/cuda/test_csrc_compile.py; ``csrc/tools/sass_count.py --arch 70`` uses it too.
+tests/cuda/test_csrc_compile.py (the sm_70 compile and spill checks).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-CSRC = Path(__file__).resolve().parent.parent
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 

@@ -34,7 +34,7 @@ thread and iteration, unless they say per element):
 
 Command line (compiles with the nvcc on PATH, disassembles with cuobjdump):
 
-    python csrc/tools/sass_count.py --arch 80 --head-dim 128 --dtype fp16 [--json out.json]
+    python tools/sass_count.py --arch 80 --head-dim 128 --dtype fp16 [--json out.json]
 
 prints one row per kernel: registers, spills, then the main loop's counts per score element.
 """
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-CSRC = Path(__file__).resolve().parent.parent
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 # ------------------------------------------------------------------------------------------
 # The counting function

@@ -23,7 +23,7 @@ GPU's major version, or PTX of an older architecture, ``_cuda_build``); elsewher
 :func:`supports` and :func:`unavailable_reason` say so rather than a launch failing.
 
 Testing without a GPU: inside ``with emulated(ext):`` CPU tensors run through ``ext``, any object
-with the extension's ``fwd``/``row_entropy``/``bwd`` (``csrc/emu/harness.py``'s ``Emulator``: the real
+with the extension's ``fwd``/``row_entropy``/``bwd`` (``tests/emu_harness.py``'s ``Emulator``: the real
 kernels compiled for the host against an emulation of the CUDA execution model), through this
 module's glue and the package's custom ops like CUDA tensors through the real extension.
 """
@@ -102,7 +102,7 @@ _emulators: list = []  # stack of the extensions that `emulated` installed for C
 @contextlib.contextmanager
 def emulated(ext):
     """Within the block, CPU tensors given to this backend run through ``ext`` (an object with the
-    extension's ``fwd``, ``row_entropy`` and ``bwd``, e.g. ``csrc/emu``'s ``Emulator``), and
+    extension's ``fwd``, ``row_entropy`` and ``bwd``, e.g. ``tests/emu_harness.py``'s ``Emulator``), and
     ``backend="cuda"`` is available for CPU tensors. ``ext=None`` changes nothing. The custom ops'
     autograd formula re-enters the emulator of the forward for the backward, so a backward run
     after the block ends still uses it. Never chosen by ``backend="auto"``."""

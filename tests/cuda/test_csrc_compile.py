@@ -44,6 +44,7 @@ from attn_testing import rotating_modes
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
+TOOLS = ROOT / "tools"  # nvrtc_build.py, sass_count.py
 CU_FILES = csrc_objects.CU_FILES
 NVCC = shutil.which("nvcc")
 ARCHS = csrc_objects.ARCHS
@@ -77,9 +78,9 @@ def _nvcc(args, cwd=CSRC):
 
 
 def _nvrtc_sm70(out_dir, head_dim):
-    """(rc, output, seconds) of csrc/tools/nvrtc_build.py for sm_70 and one head dim, or None
+    """(rc, output, seconds) of tools/nvrtc_build.py for sm_70 and one head dim, or None
     when the CUDA 12 wheels are not installed."""
-    tool = CSRC / "tools" / "nvrtc_build.py"
+    tool = TOOLS / "nvrtc_build.py"
     check = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import nvrtc_build; "
                             "print(nvrtc_build.missing_reason() or '')", str(tool.parent)],
                            capture_output=True, text=True)
@@ -219,7 +220,7 @@ def cu_results(jobs):
 def _emu_harness():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ssa_emu_harness", CSRC / "emu" / "harness.py")
+    spec = importlib.util.spec_from_file_location("ssa_emu_harness", ROOT / "tests" / "emu_harness.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -696,7 +697,7 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
 
 
 def test_emulated_call_struct_layout(emu_lib):
-    """csrc/emu/harness.py's ctypes mirrors of AttnCall, Operand, BwdPlan and BwdBuffers
+    """tests/emu_harness.py's ctypes mirrors of AttnCall, Operand, BwdPlan and BwdBuffers
     (csrc/set_params.h, launch.h) against the emulator's sizeof / offsetof of each: a field added,
     removed, reordered or retyped on one side only fails here instead of misreading memory."""
     import ctypes
@@ -822,7 +823,7 @@ def test_known_sm75_spills_still_spill(cu_results):
 # does not have). Since windows (the band's query-block range and bounds): SSA adaptive 32 / 48
 # bytes (stores in the prologue; per query-block step, 3 four-byte reloads in one step loop of
 # ~2,700 instructions and 4 in the other of ~1,800), softmax adaptive 4 / 4 (cuobjdump -sass of
-# csrc/tools/nvrtc_build.py's cubin, 2026-11-25). (Which instantiations spill moves with unrelated
+# tools/nvrtc_build.py's cubin, 2026-11-25). (Which instantiations spill moves with unrelated
 # changes: with the head loop of csrc/bwd_kernel.h counting head indices, as the fused kernel's
 # does, there were five.)
 KNOWN_SM70_SPILLS = {
@@ -900,12 +901,12 @@ def test_tile_table_matches_python(tmp_path):
 
 
 def test_sass_count_loop_counts():
-    """csrc/tools/sass_count.py's counting function on a hand-written SASS listing: the main loop
+    """tools/sass_count.py's counting function on a hand-written SASS listing: the main loop
     is the innermost backward-branch loop with tensor-core instructions (ties: the smallest), and
     its instructions are counted per score element, MUFU by kind, LDSM per HMMA."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ssa_flash_sass_count", CSRC / "tools" / "sass_count.py")
+    spec = importlib.util.spec_from_file_location("ssa_flash_sass_count", TOOLS / "sass_count.py")
     sc = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = sc  # (dataclasses look their module up)
     spec.loader.exec_module(sc)

@@ -415,7 +415,7 @@ def test_emulated_cuda_refuses_what_the_kernels_do_not_run(emulator):
 
 
 def test_former_entry_point_runs_through_the_ops(emulator, monkeypatch):
-    """ssa_flash.cuda.CudaAttentionFunction.apply(..., ext) (csrc/emu/harness.py's entry point)
+    """ssa_flash.cuda.CudaAttentionFunction.apply(..., ext) (tests/emu_harness.py's entry point)
     goes through ssa_flash.autograd (the eager path's autograd.Function), and its backward, run
     after the call returned, still uses the emulator it was given."""
     q, k, v, b, n = _half_case("ssa_adaptive", D=32, Dv=32)

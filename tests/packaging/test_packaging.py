@@ -91,9 +91,10 @@ def test_sdist_has_what_the_tests_need(sdist):
     _, members, _ = sdist
     must = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in", "ssa_flash/py.typed",
             "csrc/api.cpp", "tests/conftest.py", "tests/attn_testing.py", "tests/emulation.py",
-            "tests/dist_harness.py", "examples/make_tables.py"}
+            "tests/dist_harness.py", "tests/emu_harness.py", "examples/make_tables.py",
+            "tools/nvrtc_build.py"}
     assert must <= members, sorted(must - members)
-    for folder in ("tests", "docs", "examples", "csrc"):
+    for folder in ("tests", "docs", "examples", "csrc", "tools"):
         missing = _tracked(folder) - members
         assert not missing, f"{folder}/ files missing from the sdist: {sorted(missing)[:20]}"
     assert not [m for m in members if "__pycache__" in m or m.endswith((".pyc", ".so", ".o"))]
