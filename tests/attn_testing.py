@@ -156,3 +156,16 @@ def fake(shape, dtype=torch.float16, device="cuda"):
     answers for a GPU can be checked without one."""
     from types import SimpleNamespace
     return SimpleNamespace(shape=torch.Size(shape), dtype=dtype, device=torch.device(device))
+
+
+def compiled_kernels_env(triton_dir=None) -> dict:
+    """Environment of a subprocess that compiles real Triton kernels (no interpreter): ``triton_dir``
+    (another Triton install, which must win over this one) and this checkout first on the path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    paths = ([triton_dir] if triton_dir else []) + [root]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env

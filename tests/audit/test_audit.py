@@ -46,6 +46,7 @@ if __name__ == "__main__":
 
 from ssa_flash.audit import analyse, ir, model, report, resources, sass, specs
 import background  # noqa: E402  (tests/background.py)
+from attn_testing import compiled_kernels_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,13 +147,7 @@ FAMILY_KNOWN_FAILURES: set = set()
 def _audit_env(triton_dir=None):
     """Environment of an audit subprocess: no interpreter; ``triton_dir`` (another Triton, which must
     win over the installed one) and this checkout first on the path."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    paths = ([triton_dir] if triton_dir else []) + [str(ROOT)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
+    return compiled_kernels_env(triton_dir)
 
 
 def _run_cli(variants, out_dir: Path, extra_path=None, extra_args=(), timeout=1800):

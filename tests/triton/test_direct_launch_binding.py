@@ -7,13 +7,12 @@ subprocess without the interpreter (the kernels must be JIT functions)."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[2]
+from attn_testing import compiled_kernels_env  # noqa: E402
 
 SCRIPT = r'''
 import torch
@@ -56,22 +55,12 @@ print("checked", checked, "launches with triton", triton.__version__)
 '''
 
 
-def _env(triton_dir=None):
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    paths = ([triton_dir] if triton_dir else []) + [str(ROOT)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
 OTHER_TRITONS = [p for p in os.environ.get("SSA_FLASH_AUDIT_TRITON", "").split(os.pathsep) if p]
 
 
 @pytest.mark.parametrize("triton_dir", [None] + OTHER_TRITONS)
 def test_direct_launch_arguments_are_tritons_own(triton_dir):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=_env(triton_dir), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=compiled_kernels_env(triton_dir), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "checked 4 launches" in proc.stdout, proc.stdout
