@@ -114,8 +114,6 @@ def cases(device, dtype, B: int, H: int, L: int, D: int, backends=("triton", "cu
     """The rows, SDPA's first (per feature SDPA has: none, a mask, dropout)."""
     import torch.nn.functional as F
 
-    import ssa_flash
-
     out: List[Case] = []
     # SDPA on the CPU in float32: its float16 CPU kernels compute slowly enough to hide its host
     # cost, which float32 at these sizes shows (the harder baseline)
