@@ -225,15 +225,9 @@ def kernel_split_us(fn: Callable[[], object], reps: int = 10) -> dict:
     calls ran, per call), in microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    e2e = start.elapsed_time(end) * 1e3 / reps
+    from ..backends import _time_ms  # warm-up, then CUDA events around back-to-back calls
+
+    e2e = _time_ms(fn, reps) * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
