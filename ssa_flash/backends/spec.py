@@ -29,8 +29,13 @@ Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
   Backends that do not implement a layout say so in ``supports``.
 * ``mask``: None, or a bool (True = attend) / floating (added to the logit row) tensor expanded,
   as a view with zero strides where broadcast, to ``(B, Hq, Lq, Lk)``.
-* ``b``, ``n``: None for softmax logits, or ``(Hq,)`` contiguous tensors in the accumulation dtype
-  (float64 for float64 inputs, else float32) for SSA logits ``phi(z) = n sgn(z) log1p(b|z|)``.
+* ``params``: the score function's per-head parameters (``ssa_flash.scores``; the function is
+  ``spec.score``), a tuple with one ``(Hq,)`` contiguous tensor in the accumulation dtype (float64
+  for float64 inputs, else float32) per name in ``scores.get(spec.score).params``, in that order:
+  ``()`` for softmax, ``(b, n)`` for SSA's ``phi(z) = n sgn(z) log1p(b|z|)``, ``(s,)`` for the
+  logit scale ``phi(z) = s z``. A backend whose kernels do not implement ``spec.score`` says so in
+  ``supports``. Gradients come back the same way: ``dparams``, one ``(Hq,)`` tensor in the
+  accumulation dtype per parameter (``()`` for softmax).
 * ``sinks``: None, or an ``(Hq,)`` contiguous tensor in the accumulation dtype: the sink logit
   ``s_h`` appended, with a zero value vector, to every logit row of query head ``h``
   (docs/design.md §1.6). The row is then ``[l, s_h]``: its weights sum to ``1 - P_sink``, the LSE,
@@ -80,11 +85,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 class AttentionSpec:
     """What the backends compute, apart from the tensors (docs/design.md §1).
 
-    Whether the logits are SSA's or softmax's is not a field: it is whether ``b``/``n`` are given.
+    The score function's parameters are tensors, so they travel beside the spec (``params``), not in it.
     """
 
     scale: float
-    """multiplies ``q . k`` to give the logits ``z``"""
+    """multiplies ``q . k`` to give the scaled scores ``z``"""
+    score: str = "softmax"
+    """the score function ``phi`` (a name in ``ssa_flash.scores.SCORES``): logits ``phi(z) + mask``"""
     causal: bool = False
     """key ``j`` is visible to query ``i`` iff ``j <= i`` (top-left alignment)"""
     group: int = 1
@@ -211,30 +218,28 @@ class Backend(Protocol):
         ``sinks`` if not None), else why not. Reads shapes, dtypes and the device only (no
         synchronisation)."""
 
-    def row_entropy(self, q: Tensor, k: Tensor, mask: Optional[Tensor], b: Optional[Tensor],
-                    n: Optional[Tensor], sinks: Optional[Tensor], spec: AttentionSpec
-                    ) -> Tuple[Tensor, Tensor]:
+    def row_entropy(self, q: Tensor, k: Tensor, mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                    sinks: Optional[Tensor], spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
         """``(entropy, lse_l)`` of each row of ``P = softmax(l)``, ``l = phi(z) + mask`` (with the
         sink appended if ``sinks`` is given): natural-log entropy (0 for a row with no admissible
         entry) and log-sum-exp (-inf for such a row)."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], b: Optional[Tensor],
-                n: Optional[Tensor], sinks: Optional[Tensor], beta: Optional[Tensor],
-                spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                sinks: Optional[Tensor], beta: Optional[Tensor], spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
         """``(out (B, Hq, Lq, Dv), lse)``: ``out = softmax(beta * l) @ v`` (``beta`` is None, i.e. 1,
         unless ``spec.adaptive``; with ``sinks`` the softmax is over ``beta * [l, s_h]`` and the
         sink's zero value vector drops out) and the natural-log LSE of that row. Rows with no
         admissible entry: out 0, lse -inf."""
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
-                 n: Optional[Tensor], sinks: Optional[Tensor], temp: Optional[TemperatureState],
-                 spec: AttentionSpec
-                 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-        """``(dq, dk, dv, db, dn, dsinks)`` given the output gradient ``dout`` and the LSE gradient
+                 dlse: Optional[Tensor], mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                 sinks: Optional[Tensor], temp: Optional[TemperatureState], spec: AttentionSpec
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tuple[Tensor, ...], Optional[Tensor]]:
+        """``(dq, dk, dv, dparams, dsinks)`` given the output gradient ``dout`` and the LSE gradient
         ``dlse`` (or None): docs/design.md §1.2 and §1.3, with ``delta = rowsum(dout * out) - dlse``.
         ``out`` and ``lse`` are those ``forward`` returned (for a key shard: the global ones).
-        ``db``, ``dn`` are ``(Hq,)`` in the accumulation dtype, None for softmax; ``dsinks``
+        ``dparams``: one ``(Hq,)`` tensor in the accumulation dtype per parameter (``()`` for
+        softmax), ``dparam_h = sum_{b,i,j} dl_ij * dphi/dparam (z_ij)`` over head ``h``'s rows; ``dsinks``
         ``(Hq,)`` in the accumulation dtype (``sum_{b,i} dl_{i,sink}``, docs/maths.md §6), None
         without sinks; ``temp`` is given iff ``spec.adaptive``."""
 
@@ -257,8 +262,8 @@ class KeyShardTemperature(Protocol):
     """
 
     def row_dbeta(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  dlse: Optional[Tensor], mask: Optional[Tensor], b: Optional[Tensor],
-                  n: Optional[Tensor], temp: TemperatureState, spec: AttentionSpec) -> Tensor:
+                  dlse: Optional[Tensor], mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                  temp: TemperatureState, spec: AttentionSpec) -> Tensor:
         """``(B, Hq, Lq)``: ``sum_j dS'_ij (l_ij - lse^l_i)`` over the keys given (``l`` the
         temperature-free logit row, ``lse^l = temp.lse_l`` its whole row's LSE, ``dS' = P' *
         (dout . v_j - delta_i)`` with ``P'`` from the whole row's ``lse``); 0 on rows with no
@@ -268,9 +273,8 @@ class KeyShardTemperature(Protocol):
 
     def backward_given_g(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                          lse: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],
-                         b: Optional[Tensor], n: Optional[Tensor], temp: TemperatureState,
-                         g: Tensor, spec: AttentionSpec
-                         ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+                         params: Tuple[Tensor, ...], temp: TemperatureState, g: Tensor,
+                         spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor, Tuple[Tensor, ...]]:
         """:meth:`Backend.backward` with the temperature gradient ``g (B, Hq, Lq)`` (accumulation
-        dtype) given instead of computed from the keys given: the shard's ``(dq, dk, dv, db, dn)``
+        dtype) given instead of computed from the keys given: the shard's ``(dq, dk, dv, dparams)``
         contributions, which sum over the shards to the whole backward's."""
