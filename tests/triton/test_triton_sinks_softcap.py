@@ -241,12 +241,12 @@ def _captured(sinks, softcap):
     b = torch.empty(4, device="meta", dtype=torch.float32)
     rows = torch.empty(1, 4, 64, device="meta", dtype=torch.float32)
     s = b if sinks else None
-    spec = AttentionSpec(scale=0.125, group=2, adaptive=True, softcap=softcap)
+    spec = AttentionSpec(scale=0.125, group=2, adaptive=True, softcap=softcap, score="ssa")
     temp = launch.TemperatureState(rows, rows, rows, rows)
     with launch.capture_launches(90) as cap:
-        launch.row_entropy(q, k, None, b, b, spec, sinks=s)
-        launch.forward(q, k, k, None, b, b, rows, spec, sinks=s)
-        launch.backward(q, q, k, k, q, rows, None, None, b, b, temp, spec, sinks=s)
+        launch.row_entropy(q, k, None, (b, b), spec, sinks=s)
+        launch.forward(q, k, k, None, (b, b), rows, spec, sinks=s)
+        launch.backward(q, q, k, k, q, rows, None, None, (b, b), temp, spec, sinks=s)
     return {kl.name: kl for kl in cap}
 
 
