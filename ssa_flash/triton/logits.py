@@ -75,6 +75,20 @@ def poly_exp2_pays(score: int) -> bool:
     return score == SSA.id
 
 
+#: The registry ids this module has the maths of (each helper below has its branch).
+IMPLEMENTED = (SOFTMAX.id, SSA.id, LOGIT_SCALE.id)
+
+
+@triton.constexpr_function
+def implemented(SCORE):
+    """``SCORE`` itself if this module has its maths; a compile error otherwise (a score function
+    added to the registry without its branches here must not compile as another one)."""
+    if int(SCORE) not in IMPLEMENTED:
+        raise NotImplementedError(f"ssa_flash: the Triton kernels have no maths for score function "
+                                  f"{get(int(SCORE)).name!r} (ssa_flash/triton/logits.py)")
+    return SCORE
+
+
 @triton.constexpr_function
 def num_params(SCORE):
     """How many per-head parameters (hence gradient partial sums) score function ``SCORE`` has."""
@@ -210,7 +224,7 @@ def head_coefficients(P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr, SOFTCAP:
     work for negative ``n`` or ``scale``). Under ``SOFTCAP`` the cap ``cap_c`` takes the place of
     ``|scale|`` (module docstring). ``P0, P1``: the parameters (SSA: ``b, n``; logit scale: ``s``)."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    if SCORE == SSA_ID:
+    if implemented(SCORE) == SSA_ID:
         n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
             cb = tl.load(P0 + off_h).to(ACC) * cap_c
@@ -239,7 +253,7 @@ def bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr, SOFT
     the cap ``cap_c`` replaces ``|scale|`` in ``cb`` and ``coef`` (module docstring); ``ds_scale``
     then also lacks the per-element ``1 - t^2``."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    if SCORE == SSA_ID:
+    if implemented(SCORE) == SSA_ID:
         b = tl.load(P0 + off_h).to(ACC)
         n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
