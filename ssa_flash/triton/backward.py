@@ -68,8 +68,8 @@ import triton.language as tl
 from .dropout import dropout_keep
 from .extents import (interior_end, key_block_rows, query_block_rows, query_rows, row_stat_base, rows_base, stage_range,
                       tile_ptrs, window_key_bounds, window_query_bounds)
-from .logits import (LN2, LOG2E, bwd_head_coefficients, dq_tile_terms, ds_scale_per_head, dscore_factor, num_params,
-                     param_grad_partials, safe_row_max, tile_logit_input_and_u)
+from .logits import (LN2, LOG2E, bwd_head_coefficients, dq_tile_terms, ds_scale_per_head, dscore_factor, safe_row_max,
+                     store_param_grads, tile_logit_input_and_u)
 from .masks import boundary_logits
 from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
 
@@ -187,7 +187,7 @@ def attention_bwd_dq_kernel(
     it, delta and the base-2 LSE written here for the dK/dV kernel) and their head stride;
     ``temperature = (BETA, LSE_L, ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
     ``score_params = (P0, P1)`` as in the forward, ``param_parts = (DP0_PART, DP1_PART)`` the
-    per-program partial sums of their gradients (``logits.param_grad_partials``; dummies where
+    per-program partial sums of their gradients (``logits.store_param_grads``; dummies where
     the score function has fewer parameters),
     ``seqlens = (CU_Q, CU_K)``; ``sinks = (SINK, DSINK_PART)`` the ``(Hq,)`` sink logits and the
     per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward.
@@ -302,11 +302,8 @@ def attention_bwd_dq_kernel(
             log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2) * LN2, 0.0)
             dsink -= tl.where(row_ok, g * p_sink_l * (log_p_sink + ent), 0.0)
         tl.store(DSINK_PART + bh * num_m_blocks + m_block, tl.sum(dsink, 0))
-    if num_params(SCORE) > 0:
-        dp0, dp1 = param_grad_partials(q, dq, acc0, acc1, P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
-        tl.store(DP0_PART + bh * num_m_blocks + m_block, dp0)
-        if num_params(SCORE) > 1:
-            tl.store(DP1_PART + bh * num_m_blocks + m_block, dp1)
+    store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, bh * num_m_blocks, m_block, off_h, scale,
+                      cap_c, SCORE, SOFTCAP, ACC)
     dq = dq * ds_scale
     tl.store(tile_ptrs(DQ, rows_base(dq_strides, batch, q_row0), dq_strides, off_h, offs_m, offs_d),
              dq.to(DQ.dtype.element_ty), mask=qd_ok)

@@ -6,7 +6,7 @@ Kernels are compiled for one score function, ``SCORE: tl.constexpr`` (its regist
 ``ssa_flash.scores``); every helper here branches on it statically, so a kernel contains only its
 score function's code. The kernels see per-head parameters as two pointers ``P0, P1`` (the
 parameters in registry order; dummies where a function has fewer) and write two per-program
-gradient partial sums (:func:`param_grad_partials`); what differs between score functions is all
+gradient partial sums (:func:`store_param_grads`); what differs between score functions is all
 in this module. A new score function with at most two parameters is a new branch in each
 ``@triton.jit`` helper below that tests ``SCORE`` (and :func:`poly_exp2_pays` if it is
 MUFU-heavy).
@@ -76,23 +76,18 @@ def poly_exp2_pays(score: int) -> bool:
 
 
 #: The registry ids this module has the maths of (each helper below has its branch).
-IMPLEMENTED = (SOFTMAX.id, SSA.id, LOGIT_SCALE.id)
+IMPLEMENTED = tl.constexpr((SOFTMAX.id, SSA.id, LOGIT_SCALE.id))
 
 
+# (constexpr functions may read only tl.constexpr globals: Triton hashes what they reference)
 @triton.constexpr_function
 def implemented(SCORE):
     """``SCORE`` itself if this module has its maths; a compile error otherwise (a score function
     added to the registry without its branches here must not compile as another one)."""
     if int(SCORE) not in IMPLEMENTED:
-        raise NotImplementedError(f"ssa_flash: the Triton kernels have no maths for score function "
-                                  f"{get(int(SCORE)).name!r} (ssa_flash/triton/logits.py)")
+        raise NotImplementedError(f"ssa_flash: the Triton kernels have no maths for score function id {int(SCORE)} "
+                                  "(ssa_flash/triton/logits.py)")
     return SCORE
-
-
-@triton.constexpr_function
-def num_params(SCORE):
-    """How many per-head parameters (hence gradient partial sums) score function ``SCORE`` has."""
-    return len(get(int(SCORE)).params)
 
 
 @triton.constexpr_function
@@ -100,7 +95,7 @@ def ds_scale_per_head(SCORE):
     """Whether ``dl/ds``'s per-head factor (``ds_scale`` of :func:`bwd_head_coefficients`) depends
     on the head's parameters, so that the dK/dV kernel, summing over a GQA group's heads, applies
     it per tile; softmax's is the scale alone, applied once to dK."""
-    return int(SCORE) != SOFTMAX.id
+    return int(SCORE) != SOFTMAX_ID
 
 
 @triton.jit
@@ -298,7 +293,7 @@ def dq_tile_terms(dl, ent_term, x, u, t, acc0, acc1, ent0, ent1, SCORE: tl.const
     per-head ``ds_scale`` (and ``ent_ds`` likewise of the entropy term ``ent_term``, ``ADAPTIVE``
     only), and the per-row partial sums of the parameters' gradients (``acc0, acc1``: of ``dl``
     times each parameter's per-element weight, ``ent0, ent1``: of ``ent_term`` times it), ``(ROWS,
-    COLS)`` tiles, ``(ROWS,)`` sums. Unscaled; :func:`param_grad_partials` applies the per-head
+    COLS)`` tiles, ``(ROWS,)`` sums. Unscaled; :func:`store_param_grads` applies the per-head
     factors.
 
     * SSA: ``dl/ds ~ 1 / u``; ``dn ~ sum dl x``; ``db`` from ``dQ`` (backward.py) except under
@@ -336,34 +331,32 @@ def dq_tile_terms(dl, ent_term, x, u, t, acc0, acc1, ent0, ent1, SCORE: tl.const
 
 
 @triton.jit
-def param_grad_partials(q, dq, acc0, acc1, P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr,
-                        SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """``(dP0, dP1)``: one dQ program's partial sums of the parameters' gradients, from its rows'
-    :func:`dq_tile_terms` sums (``acc0, acc1``, the temperature's terms already subtracted) and
-    its query tile ``q`` and unscaled ``dq`` (``sum_j dl_ij k_j``, before ``ds_scale``); rows past
-    ``Lq`` have ``q = 0`` and zero sums. Scalars; 0 where a parameter is absent.
+def store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, part_base, part, off_h, scale, cap_c,
+                      SCORE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """Stores one dQ program's partial sums of the parameters' gradients at ``DP0_PART + part_base
+    + part`` (``DP1_PART`` likewise), from its rows' :func:`dq_tile_terms` sums (``acc0, acc1``, the
+    temperature's terms already subtracted) and its query tile ``q`` and unscaled ``dq``
+    (``sum_j dl_ij k_j``, before ``ds_scale``); rows past ``Lq`` have ``q = 0`` and zero sums.
+    Nothing for a score function without parameters.
 
     SSA: ``db = n scale sum(dl s / u) = n scale sum_i q_i . dq_i``, under ``SOFTCAP``
     ``db = n c sgn(scale) sum(dl t / u)`` (``z' = c sgn(scale) t``); ``dn = sgn(scale) ln2 sum(dl x)``.
     Logit scale: ``d s_h = sum dl z' = scale sum_i q_i . dq_i``, under ``SOFTCAP``
     ``c sgn(scale) sum(dl t)``."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
-    dp0 = 0.0
-    dp1 = 0.0
     if SCORE == SSA_ID:
         n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
-            dp0 = tl.sum(acc0, 0) * (n * cap_c * scale_sign)
+            tl.store(DP0_PART + part_base + part, tl.sum(acc0, 0) * (n * cap_c * scale_sign))
         else:
             q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
-            dp0 = q_dq * (n * scale)
-        dp1 = tl.sum(acc1, 0) * (scale_sign * LN2)
+            tl.store(DP0_PART + part_base + part, q_dq * (n * scale))
+        tl.store(DP1_PART + part_base + part, tl.sum(acc1, 0) * (scale_sign * LN2))
     elif SCORE == LOGIT_SCALE_ID:
         if SOFTCAP:
-            dp0 = tl.sum(acc0, 0) * (cap_c * scale_sign)
+            tl.store(DP0_PART + part_base + part, tl.sum(acc0, 0) * (cap_c * scale_sign))
         else:
-            dp0 = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0) * scale
-    return dp0, dp1
+            tl.store(DP0_PART + part_base + part, tl.sum(tl.sum(q.to(ACC) * dq, 1), 0) * scale)
 
 
 @triton.jit

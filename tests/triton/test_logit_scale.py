@@ -234,6 +234,19 @@ def test_dropout_and_adaptive_match_the_reference():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_a_score_function_without_its_maths_does_not_compile(monkeypatch):
+    """A registry id that ``triton/logits.py`` has no branches for fails to compile (it must not run
+    as softmax, the helpers' default branch)."""
+    from ssa_flash.triton import logits
+
+    q, k, v, s = (x.detach() for x in _inputs(B=1, Hq=2, Hkv=2, Lq=8, Lk=8))
+    spec = _spec()
+    ssa_autograd.attention(q, k, v, (s,), None, "triton", spec)
+    monkeypatch.setattr(logits.IMPLEMENTED, "value", (scores.SOFTMAX.id, scores.SSA.id))
+    with pytest.raises(Exception, match="no maths for score function id 2"):
+        ssa_autograd.attention(q, k, v, (s,), None, "triton", spec)
+
+
 def test_kernels_are_compiled_per_score_function():
     """The launcher compiles the kernels for ``SCORE = score.id`` and passes the parameters as
     ``P0, P1`` (a dummy for the missing one); a wrong number of parameters is a ValueError."""
