@@ -302,7 +302,7 @@ def attention_bwd_dq_kernel(
             log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2) * LN2, 0.0)
             dsink -= tl.where(row_ok, g * p_sink_l * (log_p_sink + ent), 0.0)
         tl.store(DSINK_PART + bh * num_m_blocks + m_block, tl.sum(dsink, 0))
-    store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, bh * num_m_blocks, m_block, off_h, scale,
+    store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, (bh, num_m_blocks, m_block), off_h, scale,
                       cap_c, SCORE, SOFTCAP, ACC)
     dq = dq * ds_scale
     tl.store(tile_ptrs(DQ, rows_base(dq_strides, batch, q_row0), dq_strides, off_h, offs_m, offs_d),

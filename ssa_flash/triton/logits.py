@@ -331,10 +331,11 @@ def dq_tile_terms(dl, ent_term, x, u, t, acc0, acc1, ent0, ent1, SCORE: tl.const
 
 
 @triton.jit
-def store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, part_base, part, off_h, scale, cap_c,
+def store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, slot, off_h, scale, cap_c,
                       SCORE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
-    """Stores one dQ program's partial sums of the parameters' gradients at ``DP0_PART + part_base
-    + part`` (``DP1_PART`` likewise), from its rows' :func:`dq_tile_terms` sums (``acc0, acc1``, the
+    """Stores one dQ program's partial sums of the parameters' gradients in its slot of
+    ``DP0_PART`` (``DP1_PART``), ``bh * num_m_blocks + m_block`` with ``slot = (bh, num_m_blocks,
+    m_block)``, from its rows' :func:`dq_tile_terms` sums (``acc0, acc1``, the
     temperature's terms already subtracted) and its query tile ``q`` and unscaled ``dq``
     (``sum_j dl_ij k_j``, before ``ds_scale``); rows past ``Lq`` have ``q = 0`` and zero sums.
     Nothing for a score function without parameters.
@@ -343,20 +344,21 @@ def store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, part_base, 
     ``db = n c sgn(scale) sum(dl t / u)`` (``z' = c sgn(scale) t``); ``dn = sgn(scale) ln2 sum(dl x)``.
     Logit scale: ``d s_h = sum dl z' = scale sum_i q_i . dq_i``, under ``SOFTCAP``
     ``c sgn(scale) sum(dl t)``."""
+    bh, num_m_blocks, m_block = slot
     scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
     if SCORE == SSA_ID:
         n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
-            tl.store(DP0_PART + part_base + part, tl.sum(acc0, 0) * (n * cap_c * scale_sign))
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, tl.sum(acc0, 0) * (n * cap_c * scale_sign))
         else:
             q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
-            tl.store(DP0_PART + part_base + part, q_dq * (n * scale))
-        tl.store(DP1_PART + part_base + part, tl.sum(acc1, 0) * (scale_sign * LN2))
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
+        tl.store(DP1_PART + bh * num_m_blocks + m_block, tl.sum(acc1, 0) * (scale_sign * LN2))
     elif SCORE == LOGIT_SCALE_ID:
         if SOFTCAP:
-            tl.store(DP0_PART + part_base + part, tl.sum(acc0, 0) * (cap_c * scale_sign))
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, tl.sum(acc0, 0) * (cap_c * scale_sign))
         else:
-            tl.store(DP0_PART + part_base + part, tl.sum(tl.sum(q.to(ACC) * dq, 1), 0) * scale)
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, tl.sum(tl.sum(q.to(ACC) * dq, 1), 0) * scale)
 
 
 @triton.jit

@@ -183,7 +183,8 @@ def test_packed_batch():
     outs, lses = [], []
     for i in range(3):
         a, b, c, d = cu_q[i].item(), cu_q[i + 1].item(), cu_k[i].item(), cu_k[i + 1].item()
-        qi, ki, vi = (x[lo:hi].transpose(0, 1)[None] for x, lo, hi in ((pack[0], a, b), (pack[1], c, d), (pack[2], c, d)))
+        qi, ki, vi = (x[lo:hi].transpose(0, 1)[None]
+                      for x, lo, hi in ((pack[0], a, b), (pack[1], c, d), (pack[2], c, d)))
         # causality top-left within a sequence (docs of ssa_flash.reference.varlen_attention)
         o, l = _torch_attention(qi, ki, vi, s, 0.4, causal=True) if d > c else (
             torch.zeros_like(qi), torch.full(qi.shape[:-1], float("-inf"), dtype=F64, device=DEVICE))
