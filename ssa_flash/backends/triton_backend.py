@@ -4,9 +4,11 @@ Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRI
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
 packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts; dropout
 (Philox bits generated in the kernels, regenerated in the backward), windows, attention sinks and
-logit soft-capping (compile-time switches: calls without them run the kernels compiled without). No atomics
-(per-block partial sums of db/dn reduced in a fixed order); ``spec.deterministic`` fixes the block
-configurations, which are otherwise timed (see ``launch._launch``).
+logit soft-capping (compile-time switches: calls without them run the kernels compiled without);
+every score function of ``ssa_flash.scores`` (the kernels are compiled per score function,
+``triton/logits.py``). No atomics (per-block partial sums of the score parameters' gradients reduced
+in a fixed order); ``spec.deterministic`` fixes the block configurations, which are otherwise timed
+(see ``launch._launch``).
 Triton is imported on first use, so the package works without it.
 """
 from __future__ import annotations
