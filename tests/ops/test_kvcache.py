@@ -140,10 +140,10 @@ def test_split_statistics_merge():
     """The statistics pass split over programs: entropy and LSE of whole rows equal the unsplit pass."""
     q, k_cache, _, _ = cache_inputs(3, seed=2, q_scale=3.0)
     b, n = head_params(HQ, dtype=torch.float64)
-    spec = launch.AttentionSpec(scale=D ** -0.5, causal=True, group=2, adaptive=False)
+    spec = launch.AttentionSpec(scale=D ** -0.5, score="ssa", causal=True, group=2, adaptive=False)
     used = seqlens(41, 1, 0)
-    ent1, lse1 = launch.row_entropy(q, k_cache, None, b, n, spec, launch.KVCache(used, None, 1))
-    ent4, lse4 = launch.row_entropy(q, k_cache, None, b, n, spec, launch.KVCache(used, None, 4))
+    ent1, lse1 = launch.row_entropy(q, k_cache, None, (b, n), spec, launch.KVCache(used, None, 1))
+    ent4, lse4 = launch.row_entropy(q, k_cache, None, (b, n), spec, launch.KVCache(used, None, 4))
     torch.testing.assert_close(ent4, ent1, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse4, lse1, atol=1e-12, rtol=1e-12)
     assert (ent1[1] == 0).all() and (ent1[2] == 0).all() and (lse1[2] == float("-inf")).all()
@@ -221,9 +221,9 @@ def test_auto_splits_long_cache_at_small_batch():
         q = torch.empty(batch, 16, 1, 128, device="meta", dtype=torch.bfloat16)
         k = torch.empty(batch, 16, length, 128, device="meta", dtype=torch.bfloat16)
         used = torch.empty(batch, device="meta", dtype=torch.int32)
-        spec = launch.AttentionSpec(scale=0.1, causal=True, group=1, adaptive=False)
+        spec = launch.AttentionSpec(scale=0.1, score="ssa", causal=True, group=1, adaptive=False)
         with launch.capture_launches(90) as cap:
-            launch.forward(q, k, k, None, torch.empty(16, device="meta"), torch.empty(16, device="meta"), None,
+            launch.forward(q, k, k, None, (torch.empty(16, device="meta"), torch.empty(16, device="meta")), None,
                            spec, launch.KVCache(used))
         return [(kl.name, kl.grid, kl.constexprs["SPLIT"], kl.constexprs["VARLEN"]) for kl in cap]
 
