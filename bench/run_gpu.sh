@@ -61,7 +61,9 @@
 #   recheck       the node ids of RECHECK (bench/gpu_recheck.txt), --tb=long
 #   suite         SUITE's tests that the ledger does not hold as passed at these kernels
 #   host          python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
-#   bench         python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
+#   bench         python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
+#                 specialised form vs the table's choice, bf16 D 128, L 4k / 16k, SSA and softmax),
+#                 then python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
 # pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
 # block configuration that fits: correctness runs need no timing), --max-worker-restart; a worker
 # that meets a CUDA error ends after reporting it (tests/conftest.py) and xdist replaces it.
@@ -274,6 +276,15 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
   [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20
   IMPLS=""
   [ "$CUDA_OK" = "1" ] || IMPLS="--impls ssa_flash.triton,sdpa.flash,sdpa.cudnn,flex"
+  # the Triton forward's warp-specialised form against the table's choice (bf16 D 128, L 4k / 16k,
+  # SSA and softmax, non-causal; docs/design.md §4.4), at most 30 s
+  log "warp-specialised forward: python -m ssa_flash.bench.warp_specialize (limit 30s)"
+  timeout --signal=INT --kill-after=5 30 $PY -m ssa_flash.bench.warp_specialize --out "$OUT" \
+    > "$OUT/warp-specialize.log" 2>&1
+  log "warp-specialised forward rc $?"
+  tail -n 10 "$OUT/warp-specialize.log"
+  BENCH_BUDGET=$(( BENCH_BUDGET - 30 ))
+  [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20
   log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"
   # shellcheck disable=SC2086
   SSA_FLASH_AUTOTUNE=1 timeout --signal=INT --kill-after=15 $(( BENCH_BUDGET + 25 )) \

@@ -10,6 +10,7 @@ the loop's MMA instructions over the whole program, divided by ``BLOCK_M * BLOCK
 """
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional
 
 from . import ir, model, resources, sass
@@ -118,17 +119,35 @@ def assign_roles(loops: List[dict]) -> Optional[int]:
     return best
 
 
+def warp_specialisation(ptx: str, sass_text: str) -> dict:
+    """What makes a kernel warp-specialised (``tl.range(..., warp_specialize=True)``): its threads
+    per block (``.reqntid``; 0 if absent), the ``setmaxnreg`` register counts per warpgroup role
+    (``dec``: the producer's and the default partition's, ``inc``: the consumers'), the TMA loads
+    (``cp.async.bulk.tensor`` in the PTX, ``UTMALDG`` in the SASS) and the mbarrier waits."""
+    m = re.search(r"\.reqntid\s+(\d+)", ptx)
+    return {
+        "threads": int(m.group(1)) if m else 0,
+        "setmaxnreg_dec": sorted({int(x) for x in re.findall(r"setmaxnreg\.dec\S*\s+(\d+)", ptx)}),
+        "setmaxnreg_inc": sorted({int(x) for x in re.findall(r"setmaxnreg\.inc\S*\s+(\d+)", ptx)}),
+        "ptx_bulk_tensor_loads": ptx.count("cp.async.bulk.tensor"),
+        "sass_utmaldg": len(re.findall(r"\bUTMALDG\b", sass_text)),
+        "sass_mbarrier_waits": len(re.findall(r"SYNCS\.PHASECHK", sass_text)),
+    }
+
+
 def analyse_compiled(name: str, cubin_sass: str, res_text: str, ptxas_text: str, ttir: str, shared_bytes: int,
-                     block_m: int, block_n: int, warps: int, arch: int) -> dict:
+                     block_m: int, block_n: int, warps: int, arch: int, threads: Optional[int] = None) -> dict:
     """All figures of one compiled Triton kernel (the SASS, ``cuobjdump -res-usage`` and ptxas
-    texts already produced)."""
+    texts already produced). ``warps``: the warps that run the main loops over the
+    ``block_m x block_n`` tile (per element figures); ``threads``: the block's threads where
+    they are more (a warp-specialised kernel's producer), else ``warps * 32``."""
     am = model.arch_model(arch)
     funcs = [f for f in sass.parse(cubin_sass) if f.name == name] or sass.parse(cubin_sass)[:1]
     func = funcs[0]
     res = resources.parse_res_usage(res_text).get(name)
     log = resources.parse_ptxas_log(ptxas_text)
     plog = log.functions.get(name) or next(iter(log.functions.values()), resources.PtxasFunction())
-    threads = warps * 32
+    threads = threads or warps * 32
     registers = res.registers if res else (plog.registers or 0)
     sass_loops = sass.main_loops(func)
     ir_loops = ir.main_loops(ttir) if ttir else []

@@ -176,7 +176,7 @@ def _config_rows(lead, c, mark, all_loops):
     """Rows of one compiled configuration: one per main loop (or the gated one only)."""
     rows = []
     b = c["blocks"]
-    blk = f"{b['m']}x{b['n']}w{b['warps']}s{b['stages']}" + mark
+    blk = f"{b['m']}x{b['n']}w{b['warps']}s{b['stages']}" + ("ws" if b.get("ws") else "") + mark
     spill = c["spill_store_bytes"] + c["spill_load_bytes"] if c["spills"] else 0
     warn = ",".join(sorted({w["code"] or "W" for w in c["warnings"]})) or "-"
     res = [blk, str(c["registers"]), str(spill), f"{c['shared_bytes'] / 1024:.0f}/{c['shared_limit_bytes'] // 1024}",
@@ -238,7 +238,8 @@ def markdown_table(results: List[dict], arch: int) -> str:
             continue
         b, bd = c["blocks"], lp.get("bound") or {}
         ratio = lp.get("ratio_vs_softmax", {}).get("instructions")
-        cells = lead + [f"{b['m']}x{b['n']} w{b['warps']} s{b['stages']}", str(c["registers"]),
+        cells = lead + [f"{b['m']}x{b['n']} w{b['warps']} s{b['stages']}" + (" ws" if b.get("ws") else ""),
+                        str(c["registers"]),
                         str(c["spill_store_bytes"] + c["spill_load_bytes"]),
                         ",".join(sorted({w["code"] or "W" for w in c["warnings"]})) or "-",
                         "/".join(x.get("role", "?")[0] for x in c["loops"]),

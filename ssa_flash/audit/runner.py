@@ -72,9 +72,20 @@ def compile_and_analyse(kl, arch: int, dump_stem: Optional[str] = None) -> dict:
     c = comp.compile_launch(kl, arch)
     text = comp.disassemble(c.cubin)
     res = comp.res_usage(c.cubin)
+    ws = getattr(kl.blocks, "ws", False)
+    ws_figures = analyse.warp_specialisation(c.ptx, text) if ws else None
+    loop_warps, threads = kl.blocks.warps, None
+    if ws_figures and ws_figures["threads"]:
+        # the score loop runs in the consumer warpgroups, each over its share of the query rows;
+        # one warpgroup is the producer (setmaxnreg applies per warpgroup)
+        threads = ws_figures["threads"]
+        loop_warps = threads // 32 - 4
     r = analyse.analyse_compiled(c.name, text, res, c.ptxas_log, c.ttir, c.shared_bytes,
-                                 kl.blocks.m, kl.blocks.n, kl.blocks.warps, arch)
+                                 kl.blocks.m, kl.blocks.n, loop_warps, arch, threads)
     r["blocks"] = {"m": kl.blocks.m, "n": kl.blocks.n, "warps": kl.blocks.warps, "stages": kl.blocks.stages}
+    if ws:
+        r["blocks"]["ws"] = True
+        r["warp_specialized"] = ws_figures
     r["compile_s"] = round(c.compile_s, 2)
     r["ptxas_log_source"] = c.ptxas_log_source
     if dump_stem:

@@ -191,23 +191,20 @@ def capture(v: Variant, candidate: int = 0):
             return capture(Variant(**dict(asdict(v), dtype="fp32")), candidate)
         finally:
             torch.set_float32_matmul_precision(before)
-    originals = launch.block_candidates, launch._decode_candidates
+    original = launch._candidates
     if candidate:
-        def shifted(table, kernel):
-            def pick(arch, head_block, dtype, *args, **kwargs):
-                cands = launch.tiles.prune(table(arch, head_block, dtype, *args, **kwargs),
-                                           args[0] if args else kernel, head_block, dtype, arch)
-                if candidate >= len(cands):
-                    raise IndexError(f"{v.id}: the launcher has only {len(cands)} block configurations")
-                return cands[candidate:]
-            return pick
-        launch.block_candidates = shifted(originals[0], v.kernel)
-        launch._decode_candidates = shifted(originals[1], v.kernel + "_decode")
+        # the launcher's final list (the tables pruned, the warp-specialised forward added) shifted
+        def pick(*args, **kwargs):
+            cands = original(*args, **kwargs)
+            if candidate >= len(cands):
+                raise IndexError(f"{v.id}: the launcher has only {len(cands)} block configurations")
+            return cands[candidate:]
+        launch._candidates = pick
     try:
         with launch.capture_launches(v.arch) as cap:
             _call_host(v)
     finally:
-        launch.block_candidates, launch._decode_candidates = originals
+        launch._candidates = original
     found = [kl for kl in cap if kl.name in (v.kernel, v.kernel + "_decode")]
     if len(found) != 1:
         raise RuntimeError(f"{v.id}: expected one {v.kernel} launch, captured {[kl.name for kl in cap]}")
@@ -223,7 +220,7 @@ def describe_launch(kl) -> dict:
             return ["tuple", [arg(x) for x in a]]
         return repr(a)
     return {"name": kl.name, "constexprs": {k: repr(v) for k, v in sorted(kl.constexprs.items())},
-            "blocks": [kl.blocks.m, kl.blocks.n, kl.blocks.warps, kl.blocks.stages],
+            "blocks": [kl.blocks.m, kl.blocks.n, kl.blocks.warps, kl.blocks.stages] + ([True] if kl.blocks.ws else []),
             "args": [arg(a) for a in kl.args]}
 
 

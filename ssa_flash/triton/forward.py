@@ -26,7 +26,7 @@ from .fast_math import exp2_half_poly
 from .logits import LN2, LOG2E, head_coefficients, row_start, safe_row_max, tile_logit_input
 from .masks import boundary_logits
 from .prologue import dropout_scale, dropout_stream, logit_scales, signed_query_tile, window_edges
-from .tile_loads import load_rows
+from .tile_loads import load_block, row_descriptor
 
 
 @triton.jit
@@ -39,15 +39,17 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
                     BLOCK_M: tl.constexpr, POLY_EXP2: tl.constexpr,
                     win_left, win_right, drop, start_m, WINDOW: tl.constexpr, DROPOUT: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+                    SOFTCAP: tl.constexpr, k_desc, v_desc, WS: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block: updates and returns ``(acc, l_i, m_i)``.
     ``coef`` is per row (``(BLOCK_M,)``); ``m_i`` is the running max of base-2 logits. ``drop``
     is :func:`~.dropout.dropout_state`'s tuple and ``start_m`` the first query (unused without
-    DROPOUT)."""
-    for start_n in range(lo, hi, BLOCK_N):
+    DROPOUT). ``WS``: K and V through the tensor descriptors ``k_desc``, ``v_desc`` (``(BLOCK_N,
+    BLOCK_D)`` / ``(BLOCK_N, BLOCK_DV)`` tiles at row ``start_n``) and the loop warp-specialised by
+    Triton (a TMA producer warpgroup, two consumer warpgroups of 64 query rows each)."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
-        v = load_rows(v_ptrs, start_n, stride_vn, offs_n, Lk, DV, BLOCK_DV, BOUNDARY, EVEN_D)
+        k = load_block(k_desc, k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D, WS)
+        v = load_block(v_desc, v_ptrs, start_n, stride_vn, offs_n, Lk, DV, BLOCK_DV, BOUNDARY, EVEN_D, WS)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
         x = tile_logit_input(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
@@ -85,7 +87,8 @@ def attention_fwd_kernel(
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr = 0, VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False,
     DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
-    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    WS_FULL_BLOCKS: tl.constexpr = False,
 ):
     """Output and LSE of one query block (module docstring). Grouped arguments (tuples):
     ``dims = (H, Lq, Lk, D, DV, GROUP, num_m_blocks)`` the problem's sizes (query heads, lengths,
@@ -101,7 +104,13 @@ order (dummies where it has fewer; ``SCORE``: its registry id, ``logits.py``); e
     side: at least the sequence length), in the query positions the loops see (bottom-right for a
     KV cache); None without. ``sinks``: the ``(Hq,)`` sink logits (``SINKS``; with ``SPLIT`` split
     0 holds the sink, so that the merge counts it once); ``softcap = (hi, lo)``, the cap ``c``
-    split as the scale is (``SOFTCAP``); None without."""
+    split as the scale is (``SOFTCAP``); None without.
+
+    ``WARP_SPECIALIZE`` (sm_90, Triton >= 3.6; the launcher offers it for dense layouts, 16-bit
+    inputs, ``D = DV`` in {64, 128}, no mask, dropout, window, sinks or cap): Q, K, V (and beta)
+    through device-side tensor descriptors and one warp-specialised key loop (docs/design.md §4.4);
+    ``WS_FULL_BLOCKS``: that loop needs no index checks (not causal, ``Lk`` a multiple of
+    ``BLOCK_N``)."""
     H, Lq, Lk, D, DV, GROUP, num_m_blocks = dims
     # Where this program's rows lie (extents.py): its query block, sequence and statistics rows;
     # (KV cache) the bottom-right shift.
@@ -120,16 +129,33 @@ order (dummies where it has fewer; ``SCORE``: its registry id, ``logits.py``); e
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
     P0, P1 = score_params
     cb, coef_head, q_sign = head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
-    q = signed_query_tile(Q, q_base, q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
+    if WARP_SPECIALIZE:
+        # Triton (3.9) warp-specialises the loop only when Q too is a descriptor load; rows past
+        # Lq and columns past D read as zeros, as signed_query_tile's masks give
+        q_desc = row_descriptor(Q, q_base, q_strides, off_h, Lq, D, BLOCK_M, BLOCK_D)
+        q = (q_desc.load([m_block * BLOCK_M, 0]) * q_sign).to(Q.dtype.element_ty)
+    else:
+        q = signed_query_tile(Q, q_base, q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
     offs_nb = tl.arange(0, BLOCK_N)
     k_ptrs = tile_ptrs(K, k_base, k_strides, off_kv, offs_nb, offs_d)
     v_ptrs = tile_ptrs(V, v_base, v_strides, off_kv, offs_nb, offs_dv)
     mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
+    k_desc = 0
+    v_desc = 0
+    if WARP_SPECIALIZE:
+        k_desc = row_descriptor(K, k_base, k_strides, off_kv, Lk, D, BLOCK_N, BLOCK_D)
+        v_desc = row_descriptor(V, v_base, v_strides, off_kv, Lk, DV, BLOCK_N, BLOCK_DV)
 
     coef = tl.zeros((BLOCK_M,), dtype=ACC) + coef_head
     mask_scale = tl.zeros((BLOCK_M,), dtype=ACC) + LOG2E
     if ADAPTIVE:
-        beta = tl.load(BETA + row_base + offs_m, mask=row_ok, other=1.0).to(ACC)
+        if WARP_SPECIALIZE:
+            # a pointer load here fails Triton 3.9's warp specialisation ("unsupported load type
+            # for producer commit"); rows past Lq read as 0 and are never stored
+            beta_desc = tl.make_tensor_descriptor(BETA + row_base, shape=[Lq], strides=[1], block_shape=[BLOCK_M])
+            beta = beta_desc.load([m_block * BLOCK_M]).to(ACC)
+        else:
+            beta = tl.load(BETA + row_base + offs_m, mask=row_ok, other=1.0).to(ACC)
         coef = coef * beta
         mask_scale = mask_scale * beta
 
@@ -154,15 +180,22 @@ order (dummies where it has fewer; ``SCORE``: its registry id, ``logits.py``); e
         split = tl.program_id(1).to(tl.int64)
         o_base += split * stride_os
         row_out += split * stat_stride_s
+    # WARP_SPECIALIZE: one loop over every key block, each with the boundary stages' logits (the
+    # causal diagonal, the ragged end): Triton 3.9's warp specialisation fails on a kernel with
+    # a second loop, and drops silently with a branch inside the loop. WS_FULL_BLOCKS (the
+    # launcher's promise: not causal, Lk a multiple of BLOCK_N): every block is interior.
     for STAGE in tl.static_range(3):
-        if STAGE != 0 or WINDOW:
+        if (STAGE != 0 or WINDOW) and (STAGE == 1 or not WARP_SPECIALIZE):
             start, end = stage_range(STAGE, lo, a, mid, hi)
+            if WARP_SPECIALIZE:
+                start = lo
+                end = hi
             acc, l_i, m_i = _fwd_key_blocks(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, start, end,
                 k_strides[2], v_strides[2], mask_strides[2], mask_strides[3], pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
-                SCORE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
+                SCORE, CAUSAL, MASK_KIND, STAGE != 1 or (WARP_SPECIALIZE and not WS_FULL_BLOCKS), EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
                 FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0, win_left, win_right, drop, m_block * BLOCK_M,
-                WINDOW, DROPOUT, SOFTCAP)
+                WINDOW, DROPOUT, SOFTCAP, k_desc, v_desc, WARP_SPECIALIZE and STAGE == 1)
 
     empty = l_i == 0.0
     if DROPOUT:  # survivors scaled by 1 / (1 - p); l_i is the undropped row's sum

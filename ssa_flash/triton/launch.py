@@ -310,7 +310,7 @@ def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -
         parts = (f"gpu={_gpu_name(device)}", f"torch={torch.__version__}", f"triton={triton.__version__}",
                  f"ssa_flash={ours}", f"kernel={source}", f"name={name}", f"head_block={head_block}",
                  f"dtype={dtype}", f"bucket={bucket}", f"consts={sorted((k, repr(v)) for k, v in consts.items())}",
-                 f"candidates={[tuple(vars(c).values()) for c in cands]}")
+                 f"candidates={[tuple(_block_list(c)) for c in cands]}")
         return "\n".join(parts)
     except Exception as err:  # e.g. no device name: tune, but keep the choice in memory only
         logger.debug("ssa_flash: no autotuning cache key (%r)", err)
@@ -345,10 +345,15 @@ def _cache_load(key: Optional[str], cands) -> Optional[Blocks]:
         data = json.loads(_cache_path(key).read_text())
         if data.get("key") != key:
             return None
-        blk = Blocks(*(int(x) for x in data["blocks"]))
+        blk = Blocks(*(int(x) for x in data["blocks"][:4]), *(bool(x) for x in data["blocks"][4:5]))
     except Exception:
         return None
     return blk if blk in cands else None
+
+
+def _block_list(blk: Blocks) -> list:
+    """``blk`` as the cache files list it: ``[m, n, warps, stages]``, ``+ [1]`` if warp-specialised."""
+    return [blk.m, blk.n, blk.warps, blk.stages] + ([1] if blk.ws else [])
 
 
 def _cache_store(key: Optional[str], blk: Blocks, timings) -> None:
@@ -360,8 +365,7 @@ def _cache_store(key: Optional[str], blk: Blocks, timings) -> None:
     try:
         path = _cache_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"key": key, "blocks": [blk.m, blk.n, blk.warps, blk.stages],
-                "timings_ms": [[[c.m, c.n, c.warps, c.stages], ms] for c, ms in timings]}
+        data = {"key": key, "blocks": _block_list(blk), "timings_ms": [[_block_list(c), ms] for c, ms in timings]}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
@@ -375,9 +379,46 @@ def _cache_store(key: Optional[str], blk: Blocks, timings) -> None:
                 os.unlink(tmp)
 
 
-def _candidates(name: str, arch: Optional[int], head_block: int, dtype, consts: dict) -> list:
+WS_ENV = "SSA_FLASH_WARP_SPECIALIZE"
+
+
+def _triton_warp_specializes() -> bool:
+    """Whether this Triton warp-specialises the forward kernel's key loop (``tl.range(...,
+    warp_specialize=True)`` with device-side tensor descriptors): 3.6 and later (compiled for
+    sm_90 with 3.6 and 3.9, static audit)."""
+    try:
+        major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 6)
+
+
+def _tma_ready(*tensors) -> bool:
+    """Whether TMA can read each 4-D tensor's ``(rows, D)`` slices: unit column stride, every other
+    stride and the data pointer 16-byte aligned."""
+    for t in tensors:
+        e = t.element_size()
+        if t.stride(-1) != 1 or any(st * e % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _with_warp_specialized(cands: list, name: str, arch: Optional[int], head_block: int, dtype) -> list:
+    """``cands`` with the forward kernel's warp-specialised configuration (``tiles.warp_specialized_forward``)
+    where there is one: second by default, so that the autotuner times it against the tile table
+    and ``deterministic=True`` (the first candidate) never takes it; first with
+    ``SSA_FLASH_WARP_SPECIALIZE=1``, left out with ``=0`` (for measurement)."""
+    knob = os.environ.get(WS_ENV, "")
+    blk = tiles.warp_specialized_forward(arch, head_block, dtype)
+    if knob == "0" or blk is None or name != "fwd" or not _triton_warp_specializes():
+        return cands
+    return [blk] + cands if knob == "1" else cands[:1] + [blk] + cands[1:]
+
+
+def _candidates(name: str, arch: Optional[int], head_block: int, dtype, consts: dict, ws_ok: bool = False) -> list:
     """The configurations ``_launch`` may choose, best first, de-duplicated and pruned of what
-    cannot fit (never compiled)."""
+    cannot fit (never compiled); ``ws_ok``: the launch may take the warp-specialised forward
+    (:func:`_with_warp_specialized`)."""
     if name.endswith("_decode"):
         cands = _decode_candidates(arch, head_block, dtype)
     else:
@@ -389,6 +430,8 @@ def _candidates(name: str, arch: Optional[int], head_block: int, dtype, consts: 
         # the mask's bytes miscompile silently at 16-wide tiles (H200, Triton 3.6: wrong out / dQ /
         # dK at 16 x 16, right at 32 x 32 and above, right with an additive mask at 16 x 16)
         cands = [c for c in cands if min(c.m, c.n) > 16] or cands
+    if ws_ok:
+        cands = _with_warp_specialized(cands, name, arch, head_block, dtype)
     return list(dict.fromkeys(cands))
 
 
@@ -401,7 +444,7 @@ def _bucket(programs: int, sizes: tuple) -> tuple:
 
 
 def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype, deterministic: bool = False,
-            sizes: tuple = ()):
+            sizes: tuple = (), ws_ok: bool = False):
     """Launch ``kernel`` with the best block configuration for this GPU, on ``device`` (the
     tensors' device, made current: see :func:`_on_device`) and its current stream.
 
@@ -421,19 +464,23 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype,
     ``deterministic=True``, ``SSA_FLASH_AUTOTUNE=0``, stub mode and the interpreter take the first
     candidate that builds, without timing and without the cache: a fixed choice, the same in
     every process (outputs depend on the tiles in their last bits). So does a CUDA-graph capture
-    without a remembered choice (no timing during capture)."""
+    without a remembered choice (no timing during capture).
+
+    ``ws_ok``: the launch qualifies for the warp-specialised forward (dense layout, no mask,
+    dropout, window, sinks or cap, TMA-aligned tensors), one more candidate on sm_90
+    (:func:`_with_warp_specialized`)."""
     arch = _device_arch(device)
     if _capture is not None:  # fresh: the audit replaces block_candidates between captures
-        cands = _candidates(name, arch, head_block, dtype, consts)
+        cands = _candidates(name, arch, head_block, dtype, consts, ws_ok)
         blk = cands[0]
         grid, kconsts = _split_grid(grid_fn(blk), consts)
         _capture.append(KernelLaunch(name, kernel, grid, tuple(args(blk)),
-                                     dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), blk, tuple(cands)))
+                                     _block_consts(kconsts, blk), blk, tuple(cands)))
         return blk
-    spec_key = (name, device, arch, head_block, dtype, tuple(consts.items()))
+    spec_key = (name, device, arch, head_block, dtype, tuple(consts.items()), ws_ok)
     cands = _chosen_blocks.get((spec_key, "candidates"))
     if cands is None:
-        cands = _chosen_blocks[(spec_key, "candidates")] = _candidates(name, arch, head_block, dtype, consts)
+        cands = _chosen_blocks[(spec_key, "candidates")] = _candidates(name, arch, head_block, dtype, consts, ws_ok)
     key = spec_key + (bool(deterministic), _bucket(grid_fn(cands[0])[0], sizes))
     with _on_device(device):
         blk = _chosen_blocks.get(key)
@@ -444,13 +491,45 @@ def _launch(kernel, name: str, grid_fn, args, consts, device, head_block, dtype,
                                bool(deterministic), arch, cands, key)
 
 
+def _block_consts(consts: dict, blk: Blocks) -> dict:
+    """The constexprs of a launch in configuration ``blk``: the tile sizes, and ``WARP_SPECIALIZE``
+    only for the warp-specialised form (so that the others compile exactly as before it), with
+    its ``WS_FULL_BLOCKS`` where the forward set it in ``consts`` (dropped for the others)."""
+    if blk.ws:
+        return dict(consts, BLOCK_M=blk.m, BLOCK_N=blk.n, WARP_SPECIALIZE=True)
+    if "WS_FULL_BLOCKS" in consts:
+        consts = {k: v for k, v in consts.items() if k != "WS_FULL_BLOCKS"}
+    return dict(consts, BLOCK_M=blk.m, BLOCK_N=blk.n)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    # torch's caching allocator: stream-ordered reuse, no synchronisation, 512-byte alignment
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors live in global scratch memory that Triton asks an allocator
+    for at launch (``triton.set_allocator``): install one backed by torch's caching allocator,
+    unless the caller installed their own."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another Triton layout: install ours
+        pass
+    triton.set_allocator(_tma_scratch)
+
+
 def _run(kernel, blk: Blocks, grid_fn, args, consts, arch, device):
     """One launch of ``kernel`` in configuration ``blk``."""
     grid, kconsts = _split_grid(grid_fn(blk), consts)
     if grid[0] > _MAX_GRID or (len(grid) > 1 and grid[1] > 65535):
         raise ValueError(f"ssa_flash: problem too large for one launch ({grid} programs)")
     options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
-    direct.LAUNCHER.run(kernel, grid, args(blk), dict(kconsts, BLOCK_M=blk.m, BLOCK_N=blk.n), options, device)
+    if blk.ws:
+        _ensure_allocator()
+    direct.LAUNCHER.run(kernel, grid, args(blk), _block_consts(kconsts, blk), options, device)
 
 
 def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dtype, deterministic, arch, cands,
@@ -482,6 +561,14 @@ def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dty
         except _COMPILE_ERRORS as err:  # this configuration cannot be built for this GPU
             last_err = err
             logger.debug("ssa_flash: %s %s skipped: %s", name, blk, type(err).__name__)
+            continue
+        except RuntimeError as err:
+            # Triton's warp specialisation failing in its MLIR passes ("PassManager::run failed")
+            # on a specialisation the static audit did not compile: the other configurations remain
+            if not blk.ws:
+                raise
+            last_err = err
+            logger.debug("ssa_flash: %s %s (warp-specialised) skipped: %s", name, blk, err)
             continue
         if not tune:
             _chosen_blocks[key] = blk
@@ -926,8 +1013,20 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
     def grid(blk):
         return (_cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
 
+    # the warp-specialised form (WARP_SPECIALIZE) implements dense layouts with D = DV in {64, 128}
+    # and 16-bit inputs only, without mask, dropout, window, sinks or cap; it reads beta through a
+    # descriptor too, whose rows of each (batch, head) must start 16-byte aligned
+    ws_ok = (lay.varlen == VARLEN_NONE and mask_kind == MASK_NONE and D == DV and D in (64, 128)
+             and q.dtype in (torch.float16, torch.bfloat16) and not feat_consts["DROPOUT"]
+             and not feat_consts["WINDOW"] and not logit_consts and _tma_ready(q4, k4, v4)
+             and (not spec.adaptive or (lay.Lq % 4 == 0 and beta.is_contiguous() and beta.data_ptr() % 16 == 0)))
+    if ws_ok:
+        # no index checks in the warp-specialised loop where every key block is whole and none is
+        # cut by the diagonal (its key tiles are 64 or 128 wide: 128 divides both)
+        consts["WS_FULL_BLOCKS"] = not spec.causal and lay.Lk % 128 == 0
     _launch(attention_fwd_kernel, name, grid, args, dict(consts, SPLIT=None), q.device,
-            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H))
+            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H),
+            ws_ok)
     splits = state.get("splits", 1)
     if splits > 1 and _capture is None:
         o_part, lse_part = state["parts"]

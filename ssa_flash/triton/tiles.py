@@ -38,12 +38,15 @@ FAMILIES = tuple(sorted(FAMILY_SMEM))
 
 @dataclass(frozen=True)
 class Blocks:
-    """One launch configuration: query/key tile sizes, warps per program, pipeline stages."""
+    """One launch configuration: query/key tile sizes, warps per program, pipeline stages, and
+    whether the forward kernel runs its warp-specialised form (``WARP_SPECIALIZE``: ``warps``
+    is then each partition's, :func:`warp_specialized_forward`)."""
 
     m: int
     n: int
     warps: int
     stages: int
+    ws: bool = False
 
 
 def family(arch: int) -> int:
@@ -300,6 +303,21 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
         # split over N without spills; IEEE with 4 warps spilled 67 KB, with 8 warps 2.3 KB)
         cands = [Blocks(max(16, c.m // 2), max(16, c.n // 2), c.warps, c.stages) for c in cands] + cands
     return cands + [Blocks(32, 32, 4, 1), Blocks(16, 16, 4, 1)]
+
+
+def warp_specialized_forward(arch: Optional[int], head_block: int, dtype: torch.dtype) -> Optional[Blocks]:
+    """The forward kernel's warp-specialised configuration (``WARP_SPECIALIZE``) on compute
+    capability ``arch``, or None where there is none: sm_90, 16-bit inputs, head-dim tiles of 64
+    and 128. Triton 3.9 specialises only with 4 warps (it splits the 128 query rows over two
+    consumer warpgroups of 4 warps and adds a producer); 3 stages at D = 128 ask for more than
+    227 KB, 2 fit (static audit: 131 KB at D = 128 with 128 x 64 tiles)."""
+    if arch is None or family(arch) != 90 or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if head_block == 64:
+        return Blocks(128, 128, 4, 2, True)
+    if head_block == 128:
+        return Blocks(128, 64, 4, 2, True)
+    return None
 
 
 def decode_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype) -> List[Blocks]:
