@@ -43,10 +43,11 @@ def unavailable_reason(device) -> str:
     return _backend.unavailable_reason(torch.device(device)) or ""
 
 
-def supports(query, key, value, adaptive: bool = False) -> Optional[str]:
-    """None if the CUDA kernels can run these inputs on their device, else the reason (a
-    sentence). Looks at dtypes, shapes and the device only (no synchronisation)."""
-    return _backend.supports(query, key, value, AttentionSpec(scale=1.0, adaptive=adaptive))
+def supports(query, key, value, adaptive: bool = False, score: str = "softmax") -> Optional[str]:
+    """None if the CUDA kernels can run these inputs on their device with score function ``score``
+    (``ssa_flash.scores``), else the reason (a sentence). Looks at dtypes, shapes and the device only
+    (no synchronisation)."""
+    return _backend.supports(query, key, value, AttentionSpec(scale=1.0, adaptive=adaptive, score=score))
 
 
 class CudaAttentionFunction:

@@ -55,6 +55,10 @@ def missing_reason() -> Optional[str]:
     return f"CUDA 12 wheels not installed: {', '.join(what)}" if what else None
 
 
+# the score functions' policy types (csrc/logits.h; csrc/dispatch.h's Scores)
+SCORES = ("Softmax", "Ssa", "LogitScale")
+
+
 def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] = ()) -> str:
     """The translation unit: every float16 kernel of the given head dims without soft-capping and
     sinks, and for the head dims in ``extras`` also the instances with both (dispatch.h,
@@ -62,9 +66,9 @@ def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] =
     lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', "namespace ssa_flash {"]
     units = [(d, False) for d in head_dims] + [(d, True) for d in extras]
     for d, extra in units:
-        for ssa in ("false", "true"):
+        for ssa in SCORES:
             for ad in ("false", "true"):
-                # template arguments after (Ssa, Adaptive): the cap and the sink (dQ: the sink only
+                # template arguments after (Score, Adaptive): the cap and the sink (dQ: the sink only
                 # with the adaptive temperature; dK/dV: the cap only)
                 fwd, dq, dkdv = (", true, true", f", false, true, {ad}", ", true") if extra else ("", "", "")
                 lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}{fwd}>(const FwdParams);")
