@@ -4,12 +4,15 @@ softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_atten
     >>> import ssa_flash
     >>> out = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=1.0, n=1.5)
 
-``ssa_flash.reference`` holds the same functions written naively: the specification in code.
+``ssa_flash.attention(q, k, v, score=..., score_params=...)`` takes any score function of
+``ssa_flash.scores``. ``ssa_flash.reference`` holds the same functions written naively: the
+specification in code.
 """
-from . import cuda, nn, reference
+from . import cuda, nn, reference, scores
 from .errors import BackendUnavailableError
 from .ops import (
     adaptive_temperature_attention,
+    attention,
     attention_entropy,
     attention_with_kvcache,
     available_backends,
@@ -22,6 +25,7 @@ from .ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention",
     "ssa_attention",
     "softmax_attention",
     "adaptive_temperature_attention",
@@ -32,5 +36,6 @@ __all__ = [
     "available_backends",
     "BackendUnavailableError",
     "reference",
+    "scores",
     "nn",
 ]

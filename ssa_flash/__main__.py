@@ -1,7 +1,8 @@
 """``python -m ssa_flash``: check the kernels against the reference here, then time them.
 
-1. Self-check: each variant (softmax, SSA, adaptive, SSA+adaptive), forward and backward (q, k, v,
-   and b, n for SSA), on small inputs with masks, causality, ``Lq != Lk`` and GQA, on every kernel
+1. Self-check: each variant (every score function of ``ssa_flash.scores``, with and without the
+   adaptive temperature: softmax, adaptive, SSA, SSA+adaptive, logit scale, logit scale+adaptive),
+   forward and backward (q, k, v and the score function's parameters), on small inputs with masks, causality, ``Lq != Lk`` and GQA, on every kernel
    backend present. FlashAttention's rule: the error against a float64 reference must be at most
    twice the error of the naive reference run in the same dtype, plus a small floor.
    On CUDA: float16, bfloat16, float32. Without a GPU: the Triton kernels through Triton's CPU
@@ -35,7 +36,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-VARIANTS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
+from .scores import SCORES as _SCORES
+from .scores import VARIANTS as _VARIANTS
+
+VARIANTS = tuple(_VARIANTS)
 FLOORS = {"float64": 1e-9, "float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
@@ -79,7 +83,8 @@ def _setup_device(force_cpu: bool):
 
 
 def make_case_inputs(case: Case, device, seed: int = 0) -> Dict[str, object]:
-    """float64 inputs on ``device``: q, k, v, dout, b, n, and the mask (or None)."""
+    """float64 inputs on ``device``: q, k, v, dout, every score function's parameters by name
+    (``(Hq,)``, the registry's example value times [0.5, 1.5]), and the mask (or None)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -89,10 +94,11 @@ def make_case_inputs(case: Case, device, seed: int = 0) -> Dict[str, object]:
         "k": torch.randn(case.batch, case.hkv, case.lk, case.d, generator=g, dtype=f64),
         "v": torch.randn(case.batch, case.hkv, case.lk, case.d, generator=g, dtype=f64),
         "dout": torch.randn(case.batch, case.hq, case.lq, case.d, generator=g, dtype=f64),
-        "b": 0.5 + torch.rand(case.hq, generator=g, dtype=f64),
-        "n": 1.0 + 1.5 * torch.rand(case.hq, generator=g, dtype=f64),
         "mask": None,
     }
+    for score in _SCORES.values():
+        for name, example in zip(score.params, score.example):
+            t[name] = example * (0.5 + torch.rand(case.hq, generator=g, dtype=f64))
     if case.mask == "bool":
         m = torch.rand(case.batch, 1, case.lq, case.lk, generator=g) > 0.3
         m[..., 3, :] = False  # a row that can attend to nothing: output 0, gradients 0
@@ -104,34 +110,32 @@ def make_case_inputs(case: Case, device, seed: int = 0) -> Dict[str, object]:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
 
 
-def call_variant(variant: str, backend: str, q, k, v, b, n, mask, case: Case):
-    """One of the four variants through the public API with ``backend``."""
+def call_variant(variant: str, backend: str, q, k, v, params, mask, case: Case):
+    """A variant through the public API with ``backend``; ``params`` the score function's
+    parameters in the registry's order."""
     import ssa_flash
 
+    v_ = _VARIANTS[variant]
     kw = dict(attn_mask=mask, is_causal=case.causal, enable_gqa=case.hq != case.hkv, backend=backend)
-    if variant == "softmax":
-        return ssa_flash.softmax_attention(q, k, v, **kw)
-    if variant == "adaptive":
-        return ssa_flash.adaptive_temperature_attention(q, k, v, **kw)
-    return ssa_flash.ssa_attention(q, k, v, b=b, n=n, adaptive_temperature=variant == "ssa_adaptive", **kw)
+    return ssa_flash.attention(q, k, v, score=v_.score.name, score_params=tuple(params),
+                               adaptive_temperature=v_.adaptive, **kw)
 
 
 def _run(fn: Callable, variant: str, inputs: Dict[str, object], dtype, case: Case):
-    """Output and gradients of ``fn(q, k, v, b, n, mask)`` with inputs cast to ``dtype``."""
+    """Output and gradients of ``fn(q, k, v, params, mask)`` with inputs cast to ``dtype``."""
     import torch
 
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     q, k, v = (inputs[x].detach().to(dtype).requires_grad_() for x in "qkv")
-    ssa = variant in ("ssa", "ssa_adaptive")
-    b = inputs["b"].detach().to(acc).requires_grad_() if ssa else None
-    n = inputs["n"].detach().to(acc).requires_grad_() if ssa else None
+    names = _VARIANTS[variant].score.params
+    params = tuple(inputs[nm].detach().to(acc).requires_grad_() for nm in names)
     mask = inputs["mask"]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
-    out = fn(q, k, v, b, n, mask)
-    wrt = [q, k, v] + ([b, n] if ssa else [])
+    out = fn(q, k, v, params, mask)
+    wrt = [q, k, v, *params]
     grads = torch.autograd.grad(out, wrt, inputs["dout"].to(out.dtype))
-    names = ["dq", "dk", "dv", "db", "dn"][: len(wrt)]
+    names = ["dq", "dk", "dv"] + [f"d{nm}" for nm in names]
     res = {"out": out.detach()}
     res.update({nm: gr.detach() for nm, gr in zip(names, grads)})
     return res
@@ -151,18 +155,18 @@ class CheckResult:
 
 def check(variant: str, case: Case, dtype, device, backend: str,
           fn: Optional[Callable] = None, seed: int = 0) -> CheckResult:
-    """One self-check. ``fn(q, k, v, b, n, mask)`` overrides the backend call (the tests use it to
+    """One self-check. ``fn(q, k, v, params, mask)`` overrides the backend call (the tests use it to
     show that a wrong implementation is caught)."""
     import torch
 
     dname = str(dtype).replace("torch.", "")
     inputs = make_case_inputs(case, device, seed)
     if fn is None:
-        def fn(q, k, v, b, n, mask):
-            return call_variant(variant, backend, q, k, v, b, n, mask, case)
+        def fn(q, k, v, params, mask):
+            return call_variant(variant, backend, q, k, v, params, mask, case)
 
-    def ref(q, k, v, b, n, mask):
-        return call_variant(variant, "reference", q, k, v, b, n, mask, case)
+    def ref(q, k, v, params, mask):
+        return call_variant(variant, "reference", q, k, v, params, mask, case)
 
     try:
         gold = _run(ref, variant, inputs, torch.float64, case)
@@ -194,8 +198,8 @@ def support_reason(backend: str, variant: str, case: Case, dtype, device) -> Opt
         return None
     t = make_case_inputs(case, device)
     q, k, v = (t[x].to(dtype) for x in "qkv")
-    spec = AttentionSpec(scale=case.d ** -0.5, causal=case.causal, group=case.hq // case.hkv,
-                         adaptive=variant in ("adaptive", "ssa_adaptive"))
+    spec = AttentionSpec(scale=case.d ** -0.5, score=_VARIANTS[variant].score.name, causal=case.causal,
+                         group=case.hq // case.hkv, adaptive=_VARIANTS[variant].adaptive)
     try:
         return get(backend).supports(q, k, v, spec)
     except Exception:  # a probe that raises is a finding, not a skip: the check runs and reports it

@@ -3,24 +3,28 @@
 Three operators, each opaque to ``torch.compile`` (Dynamo records a call and never traces into a
 backend) and each with a fake (meta) implementation that only computes output shapes. ``SPEC`` is
 the fields of :class:`~ssa_flash.backends.spec.AttentionSpec`, generated from it (today
-``float scale, bool causal, int group, bool adaptive, float[] poly, float threshold,
+``float scale, str score, bool causal, int group, bool adaptive, float[] poly, float threshold,
 bool deterministic, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
 Tensor? seqused_k, Tensor? k_start, int num_splits, float dropout_p, int window_left, int window_right,
 Tensor? dropout_rng, float softcap``)::
 
-    ssa_flash::attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? b, Tensor? n, Tensor? sinks,
+    ssa_flash::attn_fwd(Tensor q, Tensor k, Tensor v, Tensor[] score_params, Tensor? sinks,
                         Tensor? mask, str backend, SPEC)
         -> (Tensor out, Tensor lse, Tensor beta, Tensor lse_l, Tensor entropy, Tensor dbeta_dh)
     ssa_flash::attn_bwd(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out,
-                        Tensor lse, Tensor? b, Tensor? n, Tensor? sinks, Tensor? mask,
+                        Tensor lse, Tensor[] score_params, Tensor? sinks, Tensor? mask,
                         Tensor? beta, Tensor? lse_l, Tensor? entropy, Tensor? dbeta_dh,
                         str backend, SPEC)
-        -> (Tensor dq, Tensor dk, Tensor dv, Tensor db, Tensor dn, Tensor dsinks)
-    ssa_flash::row_entropy(Tensor q, Tensor k, Tensor? b, Tensor? n, Tensor? sinks, Tensor? mask,
+        -> (Tensor dq, Tensor dk, Tensor dv, Tensor[] dscore_params, Tensor dsinks)
+    ssa_flash::row_entropy(Tensor q, Tensor k, Tensor[] score_params, Tensor? sinks, Tensor? mask,
                            str backend, SPEC) -> (Tensor entropy, Tensor lse_l)
 
-``sinks`` (``(Hq,)`` in the accumulation dtype, or None) is a tensor like ``b`` and ``n``: it
-may require grad, so it is an argument of the ops rather than a spec field (docs/design.md §1.6).
+``score_params`` are the per-head parameters of the score function ``spec.score``
+(``ssa_flash.scores``: ``[]`` for softmax, ``[b, n]`` for SSA, ``[s]`` for the logit scale), each
+``(Hq,)`` in the accumulation dtype; the gradients come back as one list of the same length, so a
+new score function needs no new op argument. ``sinks`` (``(Hq,)`` in the accumulation dtype, or
+None) may require grad too, so it is an argument of the ops rather than a spec field
+(docs/design.md §1.6).
 
 ``backend`` ("triton", "cuda" or "reference") is an argument of the ops rather than a part of
 their names: one schema, one fake implementation and one autograd formula serve every backend, so
@@ -33,8 +37,8 @@ a backend shows in a trace through its kernels' names anyway.)
 ``(0,)`` placeholders (a custom-op schema cannot return None). They are not differentiable and
 not returned to users. The temperature's host step (``beta`` from the entropy, between the
 statistics pass and the flash pass) is done here, once for all backends. ``attn_bwd`` returns
-``db``/``dn`` ``(Hq,)`` for SSA and empty ``(0,)`` for softmax, ``dsinks`` ``(Hq,)`` with sinks
-and empty ``(0,)`` without; ``dout`` or ``dlse`` may be None (an unused output).
+one ``(Hq,)`` gradient per score parameter, ``dsinks`` ``(Hq,)`` with sinks and empty ``(0,)``
+without; ``dout`` or ``dlse`` may be None (an unused output).
 
 ``attn_fwd``'s autograd formula (``register_autograd``) saves the inputs, ``out``, ``lse``, the
 statistics and the spec's tensors (``cu_seqlens_q``/``_k``, a KV cache's ``seqused_k``/``k_start``, the
@@ -45,7 +49,7 @@ user's mask and is passed on as is, never materialised.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -69,20 +73,21 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 # Forward
 
 
-def _forward(q, k, v, b, n, sinks, mask, backend: str, spec: AttentionSpec):
+def _forward(q, k, v, params, sinks, mask, backend: str, spec: AttentionSpec):
     """``(out, lse, temp)``: ``temp`` the adaptive temperature's :class:`TemperatureState`, or None."""
     be = get_backend(backend)
     if spec.adaptive:
-        ent, lse_l = be.row_entropy(q, k, mask, b, n, sinks, spec)
+        ent, lse_l = be.row_entropy(q, k, mask, params, sinks, spec)
         beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
-        out, lse = be.forward(q, k, v, mask, b, n, sinks, beta, spec)
+        out, lse = be.forward(q, k, v, mask, params, sinks, beta, spec)
         return out, lse, TemperatureState(beta, lse_l, ent, dbeta_dh)
-    out, lse = be.forward(q, k, v, mask, b, n, sinks, None, spec)
+    out, lse = be.forward(q, k, v, mask, params, sinks, None, spec)
     return out, lse, None
 
 
-def _attn_fwd(q, k, v, b, n, sinks, mask, backend, *spec_args):
-    out, lse, temp = _forward(q, k, v, b, n, sinks, mask, backend, AttentionSpec.from_op_args(spec_args))
+def _attn_fwd(q, k, v, score_params, sinks, mask, backend, *spec_args):
+    out, lse, temp = _forward(q, k, v, tuple(score_params), sinks, mask, backend,
+                              AttentionSpec.from_op_args(spec_args))
     if temp is not None:
         return out, lse, temp.beta, temp.lse_l, temp.entropy, temp.dbeta_dh
     return (out, lse, *(_empty(q, lse.dtype) for _ in range(4)))
@@ -95,7 +100,7 @@ def _row_shape(q, spec: AttentionSpec):
     return tuple(q.shape[:-1])
 
 
-def _attn_fwd_fake(q, k, v, b, n, sinks, mask, backend, *spec_args):
+def _attn_fwd_fake(q, k, v, score_params, sinks, mask, backend, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     acc = acc_dtype(q.dtype)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -106,7 +111,7 @@ def _attn_fwd_fake(q, k, v, b, n, sinks, mask, backend, *spec_args):
 
 attn_fwd = torch.library.custom_op(
     "ssa_flash::attn_fwd", _attn_fwd, mutates_args=(),
-    schema=(f"(Tensor q, Tensor k, Tensor v, Tensor? b, Tensor? n, Tensor? sinks, Tensor? mask, str backend, "
+    schema=(f"(Tensor q, Tensor k, Tensor v, Tensor[] score_params, Tensor? sinks, Tensor? mask, str backend, "
             f"{SPEC_SCHEMA}) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 attn_fwd.register_fake(_attn_fwd_fake)
@@ -116,45 +121,43 @@ attn_fwd.register_fake(_attn_fwd_fake)
 # Backward
 
 
-def _backward_impl(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, temp: Optional[TemperatureState],
+def _backward_impl(dout, dlse, q, k, v, out, lse, params, sinks, mask, temp: Optional[TemperatureState],
                    backend: str, spec: AttentionSpec):
-    """``(dq, dk, dv, db, dn, dsinks)`` through ``backend``; db/dn/dsinks None where not computed."""
+    """``(dq, dk, dv, dparams, dsinks)`` through ``backend``; dsinks None without sinks."""
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     if dlse is not None:
         dlse = dlse.contiguous()
-    return get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec)
+    return get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)
 
 
-def _attn_bwd(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, entropy, dbeta_dh, backend,
+def _attn_bwd(dout, dlse, q, k, v, out, lse, score_params, sinks, mask, beta, lse_l, entropy, dbeta_dh, backend,
               *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     temp = TemperatureState(beta, lse_l, entropy, dbeta_dh) if spec.adaptive else None
-    dq, dk, dv, db, dn, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, temp, backend,
-                                                spec)
-    if db is None:
-        db, dn = _empty(q, lse.dtype), _empty(q, lse.dtype)
+    dq, dk, dv, dparams, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, tuple(score_params), sinks, mask,
+                                                 temp, backend, spec)
     if dsinks is None:
         dsinks = _empty(q, lse.dtype)
-    return dq, dk, dv, db, dn, dsinks
+    return dq, dk, dv, list(dparams), dsinks
 
 
-def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, entropy, dbeta_dh,
+def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, score_params, sinks, mask, beta, lse_l, entropy, dbeta_dh,
                    backend, *spec_args):
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    heads = q.shape[1] if b is not None else 0  # Hq: dim 1 of dense and packed layouts
-    sink_heads = q.shape[1] if sinks is not None else 0
-    return (dq, dk, dv, q.new_empty((heads,), dtype=lse.dtype), q.new_empty((heads,), dtype=lse.dtype),
+    heads = q.shape[1]  # Hq: dim 1 of dense and packed layouts
+    sink_heads = heads if sinks is not None else 0
+    return (dq, dk, dv, [q.new_empty((heads,), dtype=lse.dtype) for _ in score_params],
             q.new_empty((sink_heads,), dtype=lse.dtype))
 
 
 attn_bwd = torch.library.custom_op(
     "ssa_flash::attn_bwd", _attn_bwd, mutates_args=(),
-    schema=("(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? b, "
-            "Tensor? n, Tensor? sinks, Tensor? mask, Tensor? beta, Tensor? lse_l, Tensor? entropy, "
-            f"Tensor? dbeta_dh, str backend, {SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+    schema=("(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor[] score_params, Tensor? sinks, Tensor? mask, Tensor? beta, Tensor? lse_l, Tensor? entropy, "
+            f"Tensor? dbeta_dh, str backend, {SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor[], Tensor)"))
 attn_bwd.register_fake(_attn_bwd_fake)
 
 
@@ -164,24 +167,25 @@ attn_bwd.register_fake(_attn_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, b, n, sinks, mask, backend, *spec_args = inputs
+    q, k, v, params, sinks, mask, backend, *spec_args = inputs
     out, lse, beta, lse_l, ent, dbeta_dh = output
     ctx.mark_non_differentiable(beta, lse_l, ent, dbeta_dh)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
     # tensor-valued spec fields go through save_for_backward, the rest are plain attributes
-    ctx.backend, ctx.has_b, ctx.has_sinks = backend, b is not None, sinks is not None
+    ctx.backend, ctx.n_params, ctx.has_sinks = backend, len(params), sinks is not None
     ctx.spec_args = tuple(None if i in TENSOR_FIELDS else a for i, a in enumerate(spec_args))
     # a CPU emulation of the CUDA kernels (tests) must serve the backward too, wherever it runs
     ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
-    ctx.save_for_backward(q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, ent, dbeta_dh,
-                          *(spec_args[i] for i in TENSOR_FIELDS))
+    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, beta, lse_l, ent, dbeta_dh,
+                          *(spec_args[i] for i in TENSOR_FIELDS), *params)
 
 
 def _backward(ctx, dout, dlse, *_stat_grads):
-    n_inputs = 8 + _N_SPEC
+    n_inputs = 7 + _N_SPEC
     if dout is None and dlse is None:
-        return (None,) * n_inputs
-    q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, ent, dbeta_dh, *spec_tensors = ctx.saved_tensors
+        return (None, None, None, [None] * ctx.n_params) + (None,) * (n_inputs - 4)
+    q, k, v, out, lse, sinks, mask, beta, lse_l, ent, dbeta_dh, *rest = ctx.saved_tensors
+    spec_tensors, params = rest[:len(TENSOR_FIELDS)], rest[len(TENSOR_FIELDS):]
     spec_args = list(ctx.spec_args)
     for i, t in zip(TENSOR_FIELDS, spec_tensors):
         spec_args[i] = t
@@ -191,14 +195,12 @@ def _backward(ctx, dout, dlse, *_stat_grads):
     if not spec.adaptive:
         beta = lse_l = ent = dbeta_dh = None
     with cuda_backend.emulated(ctx.emulator):
-        dq, dk, dv, db, dn, dsinks = torch.ops.ssa_flash.attn_bwd(
-            dout, dlse, q, k, v, out, lse, b, n, sinks, mask, beta, lse_l, ent, dbeta_dh, ctx.backend,
+        dq, dk, dv, dparams, dsinks = torch.ops.ssa_flash.attn_bwd(
+            dout, dlse, q, k, v, out, lse, params, sinks, mask, beta, lse_l, ent, dbeta_dh, ctx.backend,
             *spec_args)
-    if not ctx.has_b:
-        db = dn = None
     if not ctx.has_sinks:
         dsinks = None
-    return (dq, dk, dv, db, dn, dsinks) + (None,) * (n_inputs - 6)
+    return (dq, dk, dv, list(dparams), dsinks) + (None,) * (n_inputs - 5)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -212,25 +214,26 @@ class _EagerAttention(torch.autograd.Function):
     formula is the ops' (:func:`_backward_impl`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, b, n, sinks, mask, backend, spec):
-        out, lse, temp = _forward(q, k, v, b, n, sinks, mask, backend, spec)
+    def forward(ctx, q, k, v, sinks, mask, backend, spec, *params):
+        out, lse, temp = _forward(q, k, v, params, sinks, mask, backend, spec)
         ctx.set_materialize_grads(False)
         ctx.backend, ctx.spec, ctx.temp = backend, spec, temp  # not outputs: no reference cycle
         ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
-        ctx.save_for_backward(q, k, v, out, lse, b, n, sinks, mask)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, mask, *params)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks, mask, *params = ctx.saved_tensors
         if dout is None and dlse is None:
-            return (None,) * 9
+            return (None,) * (7 + len(params))
         if ctx.spec.kv_cache:
             raise RuntimeError("ssa_flash: attention over a KV cache (attention_with_kvcache) is forward only")
-        q, k, v, out, lse, b, n, sinks, mask = ctx.saved_tensors
         with cuda_backend.emulated(ctx.emulator):
-            grads = _backward_impl(dout, dlse, q, k, v, out, lse, b, n, sinks, mask, ctx.temp, ctx.backend, ctx.spec)
-        return grads + (None,) * 3
+            dq, dk, dv, dparams, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, tuple(params), sinks, mask,
+                                                         ctx.temp, ctx.backend, ctx.spec)
+        return (dq, dk, dv, dsinks, None, None, None, *dparams)
 
 
 def _through_ops(*tensors) -> bool:
@@ -246,13 +249,13 @@ def _through_ops(*tensors) -> bool:
 # Row statistics (not differentiable)
 
 
-def _row_entropy(q, k, b, n, sinks, mask, backend, *spec_args):
+def _row_entropy(q, k, score_params, sinks, mask, backend, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
-    ent, lse_l = get_backend(backend).row_entropy(q, k, mask, b, n, sinks, spec)
+    ent, lse_l = get_backend(backend).row_entropy(q, k, mask, tuple(score_params), sinks, spec)
     return ent, lse_l
 
 
-def _row_entropy_fake(q, k, b, n, sinks, mask, backend, *spec_args):
+def _row_entropy_fake(q, k, score_params, sinks, mask, backend, *spec_args):
     shape = _row_shape(q, AttentionSpec.from_op_args(spec_args))
     acc = acc_dtype(q.dtype)
     return q.new_empty(shape, dtype=acc), q.new_empty(shape, dtype=acc)
@@ -260,7 +263,7 @@ def _row_entropy_fake(q, k, b, n, sinks, mask, backend, *spec_args):
 
 row_entropy_op = torch.library.custom_op(
     "ssa_flash::row_entropy", _row_entropy, mutates_args=(),
-    schema=(f"(Tensor q, Tensor k, Tensor? b, Tensor? n, Tensor? sinks, Tensor? mask, str backend, {SPEC_SCHEMA}) "
+    schema=(f"(Tensor q, Tensor k, Tensor[] score_params, Tensor? sinks, Tensor? mask, str backend, {SPEC_SCHEMA}) "
             "-> (Tensor, Tensor)"))
 row_entropy_op.register_fake(_row_entropy_fake)
 
@@ -269,32 +272,32 @@ row_entropy_op.register_fake(_row_entropy_fake)
 # Entry points used by ssa_flash.ops
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+def attention(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...],
               mask: Optional[Tensor], backend: str, spec: AttentionSpec, sinks: Optional[Tensor] = None):
-    """``(out, lse)`` through ``backend``'s kernels, differentiable in q, k, v, b, n, sinks (and
-    through ``lse``). Tensors as in ``ssa_flash.backends.spec``: q ``(B, Hq, Lq, D)``, k ``(B, Hkv,
-    Lk, D)``, v ``(B, Hkv, Lk, Dv)``; b, n ``(Hq,)`` tensors in the accumulation dtype or None
-    (softmax); sinks ``(Hq,)`` in the accumulation dtype or None; mask None or expanded to
+    """``(out, lse)`` through ``backend``'s kernels, differentiable in q, k, v, the score
+    parameters, sinks (and through ``lse``). Tensors as in ``ssa_flash.backends.spec``: q ``(B, Hq,
+    Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``; ``params`` the score function's
+    ``(Hq,)`` parameters in the accumulation dtype (``()`` for softmax); sinks ``(Hq,)`` in the accumulation dtype or None; mask None or expanded to
     ``(B, Hq, Lq, Lk)``. Returns out ``(B, Hq, Lq, Dv)`` in q's dtype and
     lse ``(B, Hq, Lq)`` in the accumulation dtype. A packed batch (``spec.packed``): q, k, v
     ``(total, H, D)``, out ``(total_q, Hq, Dv)``, lse ``(Hq, total_q)``. A KV cache
     (``spec.kv_cache``): forward only (a backward raises)."""
     if _through_ops(q, k, v):
-        out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, sinks, mask, backend, *spec.op_args())
+        out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, list(params), sinks, mask, backend, *spec.op_args())
         return out, lse
     if torch.autograd._profiler_enabled():  # a name for the call in profiles, as the op would have
         with torch.profiler.record_function("ssa_flash::attention"):
-            return _EagerAttention.apply(q, k, v, b, n, sinks, mask, backend, spec)
-    return _EagerAttention.apply(q, k, v, b, n, sinks, mask, backend, spec)
+            return _EagerAttention.apply(q, k, v, sinks, mask, backend, spec, *params)
+    return _EagerAttention.apply(q, k, v, sinks, mask, backend, spec, *params)
 
 
-def row_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+def row_entropy(q: Tensor, k: Tensor, params: Tuple[Tensor, ...],
                 mask: Optional[Tensor], backend: str, spec: AttentionSpec,
                 sinks: Optional[Tensor] = None) -> Tensor:
     """Entropy ``(B, Hq, Lq)`` of each row's weights ``softmax(l)`` (no temperature; with
     ``sinks`` the row ``[l, s_h]``, sink included), through ``backend``; not differentiable."""
     if _through_ops(q, k):
-        ent, _ = torch.ops.ssa_flash.row_entropy(q, k, b, n, sinks, mask, backend, *spec.op_args())
+        ent, _ = torch.ops.ssa_flash.row_entropy(q, k, list(params), sinks, mask, backend, *spec.op_args())
     else:
-        ent, _ = get_backend(backend).row_entropy(q, k, mask, b, n, sinks, spec)
+        ent, _ = get_backend(backend).row_entropy(q, k, mask, params, sinks, spec)
     return ent

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import autograd, backends, reference
+from . import autograd, backends, reference, scores
 from .backends.spec import AttentionSpec, acc_dtype
 from .errors import BackendUnavailableError
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
@@ -29,6 +29,7 @@ _log = logging.getLogger("ssa_flash")
 _fallbacks_logged: set = set()
 
 __all__ = [
+    "attention",
     "ssa_attention",
     "softmax_attention",
     "adaptive_temperature_attention",
@@ -205,9 +206,10 @@ def _effective_window(window: Tuple[int, int], lq: int, lk: int, is_causal: bool
     return left, right
 
 
-def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
-    """``b`` or ``n``: a finite number or a tensor of shape () or (Hq,) of finite values, ``b > 0``
-    and ``n >= 0``, one rule for numbers and tensors. (``b <= 0`` leaves the maths' domain:
+def _check_head_param(name: str, x, heads: int, like: Tensor, rule: str) -> Tensor:
+    """A score function's parameter (``b``, ``n``, ...): a finite number or a tensor of shape () or
+    (Hq,) of finite values obeying ``rule`` (``"> 0"`` or ``">= 0"``, from ``ssa_flash.scores``;
+    SSA: ``b > 0`` and ``n >= 0``), one rule for numbers and tensors. (``b <= 0`` leaves the maths' domain:
     ``log1p(b |z|)`` is NaN for ``b |z| <= -1``. ``n = 0`` is the degenerate end of SSA, uniform
     weights over the admissible keys, which the kernels compute with finite gradients ``dn``, so
     a learnable ``n`` may pass through it; ``n < 0`` would rank keys backwards and is refused.
@@ -219,8 +221,7 @@ def _check_head_param(name: str, x, heads: int, like: Tensor) -> Tensor:
     require grad or not. CUDA tensors are not read (that would synchronise the device on every
     call), nor is anything while torch.compile traces (a data-dependent branch would break the
     graph): there, values outside the domain give NaN or meaningless weights, not an error."""
-    positive = name == "b"  # b > 0; n >= 0
-    rule = "> 0" if positive else ">= 0"
+    positive = rule == "> 0"
     acc = torch.float64 if like.dtype == torch.float64 else torch.float32
     if isinstance(x, Tensor):
         if not x.is_floating_point():
@@ -311,21 +312,57 @@ def _check_poly(poly, threshold) -> Tuple[Tuple[float, ...], float]:
     return poly, _check_number("threshold", threshold)
 
 
-def _check_variant(query: Tensor, ssa: bool, b, n, adaptive: bool, poly, threshold, sinks, softcap):
-    """The variant's parameters checked for ``query``'s heads: ``(b, n, poly, threshold, sinks,
-    softcap)`` with ``b``, ``n`` as (Hq,) tensors (None without SSA), the temperature polynomial
-    (the defaults without the adaptive temperature), ``sinks`` None or (Hq,), ``softcap`` a float."""
-    heads = query.shape[1]
-    if ssa:
-        b = _check_head_param("b", b, heads, query)
-        n = _check_head_param("n", n, heads, query)
+def _check_score(score, score_params, heads: int, like: Tensor) -> Tuple[scores.ScoreFunction, Tuple[Tensor, ...]]:
+    """``score`` (a name in ``ssa_flash.scores.SCORES``, or a ``ScoreFunction``) and its parameters
+    ``score_params`` (a mapping by parameter name, or a sequence in the registry's order; None for a
+    function without parameters), each checked by :func:`_check_head_param` against its rule.
+    Returns the function and its parameters as (Hq,) tensors in the accumulation dtype."""
+    if isinstance(score, scores.ScoreFunction):
+        f = score
+    elif isinstance(score, str):
+        f = scores.get(score)
     else:
-        b = n = None
+        raise TypeError(f"score must be a str (one of {tuple(scores.SCORES)}), got {_type_name(score)}")
+    if score_params is None:
+        score_params = ()
+    if isinstance(score_params, dict):
+        unknown = [name for name in score_params if name not in f.params]
+        missing = [name for name in f.params if name not in score_params]
+        if unknown or missing:
+            raise ValueError(f"score_params for score {f.name!r} must give {f.params}: "
+                             f"missing {tuple(missing)}, unknown {tuple(unknown)}")
+        values = tuple(score_params[name] for name in f.params)
+    elif isinstance(score_params, (tuple, list)):
+        if len(score_params) != len(f.params):
+            raise ValueError(f"score {f.name!r} takes {len(f.params)} parameter(s) {f.params}, "
+                             f"got {len(score_params)}")
+        values = tuple(score_params)
+    else:
+        raise TypeError(f"score_params must be a dict by parameter name or a sequence, got {_type_name(score_params)}")
+    return f, tuple(_check_head_param(name, x, heads, like, rule)
+                    for name, rule, x in zip(f.params, f.rules, values))
+
+
+def _legacy_score(score, score_params, ssa: bool, b, n) -> tuple:
+    """``(score, score_params)`` of a function that also takes ``ssa=``, ``b=``, ``n=``: ``score``
+    if given, else SSA with ``(b, n)`` or softmax."""
+    if score is not None:
+        return score, score_params
+    return (scores.SSA, (b, n)) if ssa else (scores.SOFTMAX, ())
+
+
+def _check_variant(query: Tensor, score, score_params, adaptive: bool, poly, threshold, sinks, softcap):
+    """The variant's parameters checked for ``query``'s heads: ``(score, params, poly, threshold,
+    sinks, softcap)``: the score function and its parameters as (Hq,) tensors
+    (:func:`_check_score`), the temperature polynomial (the defaults without the adaptive
+    temperature), ``sinks`` None or (Hq,), ``softcap`` a float."""
+    heads = query.shape[1]
+    score, params = _check_score(score, score_params, heads, query)
     if adaptive:
         poly, threshold = _check_poly(poly, threshold)
     else:
         poly, threshold = DEFAULT_POLY, DEFAULT_THRESHOLD
-    return b, n, poly, threshold, _check_sinks(sinks, heads, query), _check_softcap(softcap)
+    return score, params, poly, threshold, _check_sinks(sinks, heads, query), _check_softcap(softcap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,8 +451,8 @@ def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
     return reference.dropout_keep_mask(seed, offset, shape, dropout_p, rng.device)
 
 
-def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, b, n,
-               adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
+def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, score,
+               score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
                softcap):
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     deterministic = _check_bool("deterministic", deterministic)
@@ -436,11 +473,11 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     dropout_p = float(dropout_p)
     left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
-    b, n, poly, threshold, sinks, softcap = _check_variant(query, b is not None, b, n, adaptive, poly,
-                                                           threshold, sinks, softcap)
+    score, params, poly, threshold, sinks, softcap = _check_variant(query, score, score_params, adaptive, poly,
+                                                                    threshold, sinks, softcap)
     # dropout bits: a (seed, offset) drawn from torch's generator for the device, on the device
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
+    spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
                          threshold=threshold, deterministic=deterministic, dropout_p=dropout_p,
                          window_left=left, window_right=right, dropout_rng=rng, softcap=softcap)
     backend = _resolve_backend(backend, query, key, value, spec, sinks)
@@ -450,14 +487,49 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if rng is not None:
             keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
         out, lse = reference._attend(query, key, value, mask, dropout_p, is_causal, scale, group > 1, True,
-                                     b=b, n=n, adaptive=adaptive, poly=poly, threshold=threshold,
+                                     score=score, params=params, adaptive=adaptive, poly=poly, threshold=threshold,
                                      window_size=(left, right), dropout_mask=keep, sinks=sinks,
                                      softcap=softcap)
     else:
-        out, lse = autograd.attention(query, key, value, b, n, mask, backend, spec, **_sink_arg(sinks))
+        out, lse = autograd.attention(query, key, value, params, mask, backend, spec, **_sink_arg(sinks))
     if unbatched:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+              enable_gqa: bool = False, *, score: str = "softmax", score_params=None,
+              adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
+              threshold: float = DEFAULT_THRESHOLD, backend: str = "auto", return_lse: bool = False,
+              deterministic: bool = False, window_size: Tuple[int, int] = (-1, -1),
+              sinks: Optional[Scalar] = None, softcap: float = 0.0):
+    """Attention with any registered score function, a drop-in for ``F.scaled_dot_product_attention``.
+
+    Weights ``softmax(phi(z) + mask)`` of the logits ``z = scale * q.k`` (soft-capped first when
+    ``softcap > 0``), ``phi`` the score function ``score`` (``ssa_flash.scores.SCORES``):
+
+    * ``"softmax"``: ``phi(z) = z``, no parameters (= :func:`softmax_attention`);
+    * ``"ssa"``: ``phi(z) = n sgn(z) log1p(b|z|)``, parameters ``b > 0``, ``n >= 0``
+      (= :func:`ssa_attention`);
+    * ``"logit_scale"``: ``phi(z) = s z``, a learnable per-head logit scale ``s >= 0`` (``s = 0``:
+      uniform weights over the admissible keys).
+
+    Args:
+        score_params: the score function's per-head parameters, a dict by name
+            (``{"b": 0.7, "n": 2.0}``) or a sequence in the registry's order; each a number or a
+            tensor of shape () or (Hq,) (gradients flow to tensors), checked as ``b`` and ``n``
+            are in :func:`ssa_attention`. None for ``"softmax"``.
+        Everything else: as in :func:`ssa_attention` (``adaptive_temperature`` tempers
+        ``phi(z) + mask``).
+
+    Returns:
+        ``out (B, Hq, Lq, Dv)``, or ``(out, lse)`` with ``return_lse``.
+    """
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      score=score, score_params=score_params, adaptive=adaptive_temperature, poly=poly,
+                      threshold=threshold, backend=backend, return_lse=return_lse,
+                      deterministic=deterministic, window_size=window_size, sinks=sinks, softcap=softcap)
 
 
 def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
@@ -522,7 +594,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
         give 0 and zero gradients.
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      b=b, n=n, adaptive=adaptive_temperature, poly=poly, threshold=threshold,
+                      score=scores.SSA, score_params=(b, n), adaptive=adaptive_temperature, poly=poly,
+                      threshold=threshold,
                       backend=backend, return_lse=return_lse, deterministic=deterministic,
                       window_size=window_size, sinks=sinks, softcap=softcap)
 
@@ -536,7 +609,8 @@ def softmax_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opti
     except that a row with no admissible key gives 0 instead of NaN. Arguments as ``ssa_attention``
     (``softcap`` caps the logits ``z`` themselves)."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
+                      score=scores.SOFTMAX, score_params=(), adaptive=False, poly=DEFAULT_POLY,
+                      threshold=DEFAULT_THRESHOLD,
                       backend=backend, return_lse=return_lse, deterministic=deterministic,
                       window_size=window_size, sinks=sinks, softcap=softcap)
 
@@ -557,7 +631,7 @@ def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
     on the final weights ``softmax(beta * l)``. With ``sinks`` the row is ``[l, s_h]``: the sink
     counts in the entropy and ``beta`` scales it too."""
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      b=None, n=None, adaptive=True, poly=poly, threshold=threshold,
+                      score=scores.SOFTMAX, score_params=(), adaptive=True, poly=poly, threshold=threshold,
                       backend=backend, return_lse=return_lse, deterministic=deterministic,
                       window_size=window_size, sinks=sinks, softcap=softcap)
 
@@ -567,9 +641,10 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
                       enable_gqa: bool = False, *, b: Optional[Scalar] = None,
                       n: Optional[Scalar] = None, backend: str = "auto",
                       window_size: Tuple[int, int] = (-1, -1), sinks: Optional[Scalar] = None,
-                      softcap: float = 0.0) -> Tensor:
+                      softcap: float = 0.0, score: Optional[str] = None, score_params=None) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``, in O(L) memory:
     of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
+    or of ``score``'s with ``score_params`` (as in :func:`attention`) when ``score`` is given,
     over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
     admit. Rows with no admissible key have entropy 0. With ``sinks``, the entropy of the whole
     row ``softmax([l, s_h])``, sink entry included (what drives the adaptive temperature);
@@ -591,21 +666,24 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     mask = _check_mask(attn_mask, query, key)
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    if b is not None:
-        b = _check_head_param("b", b, query.shape[1], query)
-        n = _check_head_param("n", n, query.shape[1], query)
+    if score is not None and b is not None:
+        raise ValueError("attention_entropy: give either score (with score_params) or b and n, not both")
+    if score is None:
+        score, score_params = (scores.SSA, (b, n)) if b is not None else (scores.SOFTMAX, ())
+    score, params = _check_score(score, score_params, query.shape[1], query)
     sinks = _check_sinks(sinks, query.shape[1], query)
     softcap = _check_softcap(softcap)
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, window_left=left, window_right=right,
-                         softcap=softcap)
+    spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, window_left=left,
+                         window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, key, key, spec, sinks)
     with torch.no_grad():
         if backend == "reference" or _degenerate(query, key, key):
-            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, b=b, n=n,
-                                              window_size=(left, right), sinks=sinks, softcap=softcap)
+            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, score=score.name,
+                                              score_params=params, window_size=(left, right), sinks=sinks,
+                                              softcap=softcap)
             ent = ent.to(acc_dtype(query.dtype))
         else:
-            ent = autograd.row_entropy(query, key, b, n, mask, backend, spec, **_sink_arg(sinks))
+            ent = autograd.row_entropy(query, key, params, mask, backend, spec, **_sink_arg(sinks))
     return ent.squeeze(0) if unbatched else ent
 
 
@@ -675,7 +753,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
                      adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                      threshold: float = DEFAULT_THRESHOLD, window_size: Tuple[int, int] = (-1, -1),
                      return_lse: bool = False, backend: str = "auto", deterministic: bool = False,
-                     sinks: Optional[Scalar] = None, softcap: float = 0.0):
+                     sinks: Optional[Scalar] = None, softcap: float = 0.0, score: Optional[str] = None,
+                     score_params=None):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``varlen``
     layout): no padding, no mask.
 
@@ -703,6 +782,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             sinks, softcap: as in :func:`ssa_attention`; ``b``, ``n`` are used only with
             ``ssa=True``; a sink is per row (a sequence with no key puts its rows on the sink).
         ssa: SSA logits (True) or softmax logits (False).
+        score, score_params: any score function, as in :func:`attention`; when ``score`` is given,
+            ``ssa``, ``b`` and ``n`` are not used.
         backend: "auto", "triton" or "reference" ("cuda": the CUDA C++ backend does not implement
             packed batches; ``auto`` never picks it for them).
 
@@ -733,10 +814,10 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     dropout_p = float(dropout_p)
     # a side that excludes nothing in the longest sequences excludes nothing in any
     left, right = _effective_window(_check_window(window_size), max_seqlen_q, max_seqlen_k, is_causal)
-    b, n, poly, threshold, sinks, softcap = _check_variant(query, ssa, b, n, adaptive_temperature, poly,
-                                                           threshold, sinks, softcap)
+    score, params, poly, threshold, sinks, softcap = _check_variant(
+        query, *_legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks, softcap)
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
+    spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
@@ -748,10 +829,11 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             keep = _dropout_keep(rng, (cu_q.shape[0] - 1, query.shape[1], max_seqlen_q, max_seqlen_k), dropout_p)
         out, lse = reference.varlen_attention(
             query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, group > 1,
-            ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
-            window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks, softcap=softcap)
+            score=score.name, score_params=params, adaptive_temperature=adaptive_temperature, poly=poly,
+            threshold=threshold, window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks,
+            softcap=softcap)
     else:
-        out, lse = autograd.attention(query, key, value, b, n, None, backend, spec, **_sink_arg(sinks))
+        out, lse = autograd.attention(query, key, value, params, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 
@@ -802,7 +884,7 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
                            window_size: Tuple[int, int] = (-1, -1), return_lse: bool = False,
                            cache_leftpad: Optional[Tensor] = None, num_splits: int = 0,
                            backend: str = "auto", sinks: Optional[Scalar] = None,
-                           softcap: float = 0.0):
+                           softcap: float = 0.0, score: Optional[str] = None, score_params=None):
     """Attention of a few queries over a KV cache (decoding), with the keys split across programs.
 
     Batch element ``b`` of ``k_cache``/``v_cache`` holds ``cache_seqlens[b]`` valid rows. If ``key``
@@ -836,7 +918,7 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             i`` (-1: that side unbounded); key blocks outside it are skipped (Mistral-style decoding
             with a sliding window: ``is_causal=True, window_size=(W - 1, -1)``).
         is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold, sinks,
-            softcap: as in :func:`varlen_attention` (a batch element with no row to attend puts
+            softcap, score, score_params: as in :func:`varlen_attention` (a batch element with no row to attend puts
             its rows on the sink: output 0, ``lse = s_h``).
         backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
 
@@ -867,10 +949,10 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     left, right = _check_window(window_size)
     is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
-    b, n, poly, threshold, sinks, softcap = _check_variant(query, ssa, b, n, adaptive_temperature, poly,
-                                                           threshold, sinks, softcap)
+    score, params, poly, threshold, sinks, softcap = _check_variant(
+        query, *_legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks, softcap)
     used = seqlens if lnew == 0 else seqlens + lnew
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=group, adaptive=adaptive_temperature,
+    spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
                          num_splits=num_splits, window_left=left, window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, k_cache, v_cache, spec, sinks)
@@ -878,14 +960,14 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
             out, lse = reference.attention_with_kvcache(
                 query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
-                enable_gqa=group > 1, ssa=ssa, b=b, n=n, adaptive_temperature=adaptive_temperature,
+                enable_gqa=group > 1, score=score.name, score_params=params, adaptive_temperature=adaptive_temperature,
                 poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad,
                 window_size=(left, right), sinks=sinks, softcap=softcap)
         else:
             if key is not None:
                 _append_to_cache(k_cache, key, seqlens)
                 _append_to_cache(v_cache, value, seqlens)
-            out, lse = autograd.attention(query, k_cache, v_cache, b, n, None, backend, spec, **_sink_arg(sinks))
+            out, lse = autograd.attention(query, k_cache, v_cache, params, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 

@@ -10,8 +10,10 @@ Equations (see docs/maths.md):
 
 * logits        ``z = scale * q k^T``
 * soft-capping  ``softcap = c > 0``: ``z <- c * tanh(z / c)`` before anything else (0: off)
-* SSA           ``phi(z) = n * sgn(z) * log1p(b |z|)``, i.e. weights ``(1 + b|z|)^(sgn(z) n)``
-* logit row     ``l = phi(z) + mask``  (``phi = identity`` for softmax attention)
+* score         ``phi``, the score function (``ssa_flash.scores``, where each is defined):
+                softmax ``phi(z) = z``; SSA ``phi(z) = n * sgn(z) * log1p(b |z|)``, i.e. weights
+                ``(1 + b|z|)^(sgn(z) n)``; the logit scale ``phi(z) = s z``; per-head parameters
+* logit row     ``l = phi(z) + mask``
 * admissible    key ``j`` for query ``i``: ``j <= i`` if causal, ``i - left <= j <= i + right``
                 for ``window_size = (left, right)`` (-1: that side unbounded), the boolean mask
 * weights       ``P = softmax(l)``; a row with no admissible key gets ``P = 0``
@@ -39,11 +41,14 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from . import scores
+from .scores import ssa_logits
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD, polyval
 
 __all__ = [
     "dropout_keep_mask",
     "draw_dropout_rng",
+    "attention",
     "ssa_attention",
     "softmax_attention",
     "adaptive_temperature_attention",
@@ -57,14 +62,6 @@ __all__ = [
 
 
 Scalar = Union[float, Tensor]
-
-
-def ssa_logits(z: Tensor, b: Tensor, n: Tensor) -> Tensor:
-    """``phi(z) = n * sgn(z) * log1p(b|z|)``, written so that autograd's derivative at ``z = 0`` is
-    the continuous limit ``n * b`` (``sign(z) * log1p(b * abs(z))`` would give 0 there)."""
-    # each branch sees only its own sign (clamped), so the unused one cannot make 0 * inf = NaN
-    # in the backward (log1p(-b z) at b z = 1)
-    return n * torch.where(z >= 0, torch.log1p(b * z.clamp(min=0)), -torch.log1p(b * (-z).clamp(min=0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,10 +162,29 @@ def _check_softcap(softcap) -> float:
     return softcap
 
 
-def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=None,
+def _score_of(score, score_params, ssa=False, b=None, n=None):
+    """``(ScoreFunction, params)``: ``score`` (a name) with ``score_params`` (a mapping by
+    parameter name or a sequence in the registry's order), else SSA's ``(b, n)`` if ``ssa``, else
+    softmax."""
+    if score is None:
+        return (scores.SSA, (b, n)) if ssa else (scores.SOFTMAX, ())
+    f = scores.get(score)
+    given = score_params if score_params is not None else ()
+    if isinstance(given, dict):
+        missing = [p for p in f.params if p not in given]
+        if missing or len(given) != len(f.params):
+            raise ValueError(f"score {f.name!r} takes parameters {f.params}, got {tuple(given)}")
+        given = tuple(given[p] for p in f.params)
+    if len(given) != len(f.params):
+        raise ValueError(f"score {f.name!r} takes parameters {f.params}, got {len(given)} values")
+    return f, tuple(given)
+
+
+def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, score=scores.SOFTMAX, params=(),
                 window_size=(-1, -1), softcap=0.0):
     """The logit rows ``l = phi(cap(z)) + mask`` (B, Hq, Lq, Lk) and the admissible set as a
-    boolean; ``cap(z) = softcap * tanh(z / softcap)``, the identity for ``softcap = 0``."""
+    boolean; ``cap(z) = softcap * tanh(z / softcap)``, the identity for ``softcap = 0``; ``phi`` is
+    ``score``'s with ``params`` (numbers or tensors broadcastable to ``(Hq,)``)."""
     hq, hk = query.shape[-3], key.shape[-3]
     if enable_gqa and hq != hk:
         key = key.repeat_interleave(hq // hk, dim=-3)
@@ -177,7 +193,7 @@ def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b=None, n=N
     softcap = _check_softcap(softcap)
     if softcap > 0.0:
         z = softcap * torch.tanh(z / softcap)
-    logits = z if b is None else ssa_logits(z, _per_head(b, hq, z), _per_head(n, hq, z))
+    logits = score.phi(z, *(_per_head(p, hq, z) for p in params))
     lq, lk = z.shape[-2], z.shape[-1]
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device)
     if is_causal:
@@ -232,9 +248,9 @@ def _adaptive_beta(logits, allowed, poly, threshold):
 
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            b=None, n=None, adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
+            score=scores.SOFTMAX, params=(), adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
             window_size=(-1, -1), dropout_mask=None, sinks=None, softcap=0.0):
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, score, params,
                                   window_size, softcap)
     if sinks is not None:  # the sink is part of the row: of its entropy, temperature and LSE
         logits, allowed = _with_sink(logits, allowed, sinks)
@@ -285,6 +301,20 @@ def softmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
                    window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
 
 
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, *, score="softmax", score_params=None, adaptive_temperature=False,
+              poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD, return_lse=False, window_size=(-1, -1),
+              dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
+    """Attention with the score function ``score`` (a name in ``ssa_flash.scores.SCORES``) and its
+    per-head parameters ``score_params`` (a mapping by name, or a sequence in the registry's order;
+    numbers or tensors broadcastable to ``(Hq,)``)."""
+    f, params = _score_of(score, score_params)
+    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                   return_lse, score=f, params=params, adaptive=adaptive_temperature, poly=poly,
+                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
+                   sinks=sinks, softcap=softcap)
+
+
 def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False, *, b: Scalar = 1.0, n: Scalar = 1.5,
                   adaptive_temperature=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
@@ -292,7 +322,7 @@ def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   softcap=0.0, **_ignored):
     """SSA attention: weights ``(1 + b|z|)^(sgn(z) n)`` normalised over keys; ``b``, ``n`` per head."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   return_lse, b=b, n=n, adaptive=adaptive_temperature, poly=poly,
+                   return_lse, score=scores.SSA, params=(b, n), adaptive=adaptive_temperature, poly=poly,
                    threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
                    sinks=sinks, softcap=softcap)
 
@@ -310,20 +340,23 @@ def adaptive_temperature_attention(query, key, value, attn_mask=None, dropout_p=
 
 def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
                       *, b: Optional[Scalar] = None, n: Optional[Scalar] = None,
-                      window_size=(-1, -1), sinks=None, softcap=0.0) -> Tensor:
-    """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given.
+                      window_size=(-1, -1), sinks=None, softcap=0.0, score=None,
+                      score_params=None) -> Tensor:
+    """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given,
+    ``score`` / ``score_params`` as in :func:`attention` if given, else softmax.
     With ``sinks``, the entropy of the whole row ``softmax([l, s_h])``, sink entry included (the
     entropy that drives the adaptive temperature)."""
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, b, n,
+    f, params = _score_of(score, score_params, b is not None, b, n)
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, f, params,
                                   window_size, softcap)
     if sinks is not None:
         logits, allowed = _with_sink(logits, allowed, sinks)
     return _entropy(logits, allowed)
 
 
-def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, ssa, b, n, adaptive, poly, threshold,
+def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, score, params, adaptive, poly, threshold,
                   dropout_p=0.0, window_size=(-1, -1), dropout_mask=None, sinks=None, softcap=0.0):
     """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys; no key: 0, -inf
     (with sinks: 0 and the LSE of the sink-only row, through the ordinary path)."""
@@ -333,7 +366,7 @@ def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, ssa, b, n, adapti
         return out, torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _attend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, True,
-                   b=b if ssa else None, n=n if ssa else None, adaptive=adaptive, poly=poly,
+                   score=score, params=params, adaptive=adaptive, poly=poly,
                    threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
                    sinks=sinks, softcap=softcap)
 
@@ -342,11 +375,12 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                      dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, ssa=True,
                      b: Scalar = 1.0, n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
                      threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                     dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
+                     dropout_mask=None, sinks=None, softcap=0.0, score=None, score_params=None, **_ignored):
     """Packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``, ``value
     (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending
     to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule (causality top-left, as in
-    ``ssa_attention``) applied inside the sequence. ``ssa=False``: softmax logits. Returns ``out
+    ``ssa_attention``) applied inside the sequence. ``ssa=False``: softmax logits; ``score`` /
+    ``score_params`` (as in :func:`attention`) take precedence over ``ssa``, ``b``, ``n``. Returns ``out
     (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``. The ``max_seqlen_*`` are
     not needed here. Each sequence runs on its own (a loop), differentiably; ``window_size`` is
     top-left aligned inside each sequence. Dropout: sequence ``s`` is batch element ``s`` of the
@@ -354,6 +388,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     max_seqlen_q, max_seqlen_k)`` bool mask (None with ``dropout_p > 0``: the kernels' Philox mask
     for a freshly drawn ``(seed, offset)``). ``sinks``/``softcap``: per row, as in ``ssa_attention``
     (a sequence with no key puts its rows on the sink)."""
+    f, params = _score_of(score, score_params, ssa, b, n)
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if dropout_p > 0.0 and dropout_mask is None:
         seed, offset = draw_dropout_rng(query.device).tolist()
@@ -372,7 +407,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         keep = None
         if dropout_p > 0.0:
             keep = dropout_mask[s:s + 1, :, :q_s.shape[2], :k_s.shape[2]]
-        o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal, scale, enable_gqa, ssa, b, n,
+        o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal, scale, enable_gqa, f, params,
                                adaptive_temperature, poly, threshold, dropout_p, window_size, keep,
                                sinks, softcap)
         outs.append(o[0].transpose(0, 1))
@@ -387,7 +422,8 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
                            is_causal=False, scale=None, enable_gqa=False, ssa=True, b: Scalar = 1.0,
                            n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
                            threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                           cache_leftpad=None, sinks=None, softcap=0.0, **_ignored):
+                           cache_leftpad=None, sinks=None, softcap=0.0, score=None, score_params=None,
+                           **_ignored):
     """Attention of ``query (B, Hq, Lq, D)`` over a KV cache ``(B, Hkv, Lcache, D)`` of which batch
     element ``b`` holds ``cache_seqlens[b]`` valid rows. New ``key``/``value`` ``(B, Hkv, Lnew, D)``
     are first written into the caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew``
@@ -398,7 +434,9 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
     ``window_size = (left, right)`` is bottom-right aligned like ``is_causal``: query ``i`` sees
     rows ``j`` with ``pos_i - left <= j <= pos_i + right`` (-1: that side unbounded).
     ``sinks``/``softcap``: per row, as in ``ssa_attention`` (a batch element with no row to attend
-    puts its rows on the sink: output 0, lse ``s_h``)."""
+    puts its rows on the sink: output 0, lse ``s_h``). ``score`` / ``score_params``: as in
+    :func:`varlen_attention`."""
+    f, params = _score_of(score, score_params, ssa, b, n)
     lengths = [int(x) for x in cache_seqlens.tolist()]
     starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     if key is not None:
@@ -419,7 +457,7 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
             mask = mask & (j >= pos - window_size[0])
         if window_size[1] >= 0:
             mask = mask & (j <= pos + window_size[1])
-        o, lse = _one_sequence(query[i:i + 1], k_s, v_s, mask, False, scale, enable_gqa, ssa, b, n,
+        o, lse = _one_sequence(query[i:i + 1], k_s, v_s, mask, False, scale, enable_gqa, f, params,
                                adaptive_temperature, poly, threshold, sinks=sinks, softcap=softcap)
         outs.append(o)
         lses.append(lse)

@@ -38,13 +38,22 @@ def ssa_logits(z: Tensor, b: Tensor, n: Tensor) -> Tensor:
     return n * torch.where(z >= 0, torch.log1p(b * z.clamp(min=0)), -torch.log1p(b * (-z).clamp(min=0)))
 
 
+def _ssa_derivatives(z: Tensor, b: Tensor, n: Tensor):
+    u = 1.0 + b * z.abs()
+    return n * b / u, (n * z / u, torch.sign(z) * torch.log1p(b * z.abs()))
+
+
 @dataclass(frozen=True)
 class ScoreFunction:
     """One score function.
 
     ``phi(z, *params)``: the logits of the scaled (and soft-capped) scores ``z`` of shape
     ``(..., Hq, Lq, Lk)``, each parameter a ``(Hq, 1, 1)`` tensor in ``z``'s dtype; differentiable
-    (the reference's gradients of the parameters are autograd's)."""
+    (the reference's gradients of the parameters are autograd's). ``derivatives(z, *params)``:
+    ``(dphi/dz, (dphi/dparam, ...))`` element by element, the same shapes (what the explicit
+    backward of ``ssa_flash.backends.reference_backend`` uses, and what each kernel's form in
+    ``triton/logits.py`` and ``csrc/logits.h`` computes; tests/test_scores.py holds them to
+    autograd's derivatives of ``phi``)."""
 
     name: str
     """the registry key, ``AttentionSpec.score``"""
@@ -56,6 +65,8 @@ class ScoreFunction:
     """each parameter's domain, ``"> 0"`` or ``">= 0"`` (finite always)"""
     phi: Callable[..., Tensor]
     """the transform (the spec)"""
+    derivatives: Callable[..., tuple]
+    """``(dphi/dz, per-parameter dphi/dparam)``"""
     example: Tuple[float, ...]
     """typical parameter values (tests draw per-head values around them, benchmarks use them)"""
     summary: str
@@ -70,10 +81,12 @@ def _logit_scale(z: Tensor, s: Tensor) -> Tensor:
     return s * z
 
 
-SOFTMAX = ScoreFunction("softmax", 0, (), (), _identity, (), "phi(z) = z (softmax attention)")
-SSA = ScoreFunction("ssa", 1, ("b", "n"), ("> 0", ">= 0"), ssa_logits, (1.0, 1.5),
+SOFTMAX = ScoreFunction("softmax", 0, (), (), _identity, lambda z: (torch.ones_like(z), ()), (),
+                        "phi(z) = z (softmax attention)")
+SSA = ScoreFunction("ssa", 1, ("b", "n"), ("> 0", ">= 0"), ssa_logits, _ssa_derivatives, (1.0, 1.5),
                     "phi(z) = n sgn(z) log1p(b |z|) (Scaled Signed Averaging)")
-LOGIT_SCALE = ScoreFunction("logit_scale", 2, ("s",), (">= 0",), _logit_scale, (1.25,),
+LOGIT_SCALE = ScoreFunction("logit_scale", 2, ("s",), (">= 0",), _logit_scale,
+                            lambda z, s: (s.expand_as(z), (z,)), (1.25,),
                             "phi(z) = s z (a learnable per-head logit scale)")
 
 SCORES: Dict[str, ScoreFunction] = {f.name: f for f in (SOFTMAX, SSA, LOGIT_SCALE)}

@@ -11,9 +11,9 @@ Layers, each importing only the ones below it::
 ``backends.spec`` holds data types only and imports nothing above ``ssa_flash.temperature``.)
 
 Every backend module provides ``NAME``, ``unavailable_reason(device)``,
-``supports(q, k, v, spec, sinks=None)``, ``row_entropy(q, k, mask, b, n, sinks, spec)``,
-``forward(q, k, v, mask, b, n, sinks, beta, spec)`` and
-``backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec)`` (``spec.Backend``
+``supports(q, k, v, spec, sinks=None)``, ``row_entropy(q, k, mask, params, sinks, spec)``,
+``forward(q, k, v, mask, params, sinks, beta, spec)`` and
+``backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)`` (``spec.Backend``
 documents them). Code that needs attention pieces rather than the public functions (ring attention: partial
 attention over one key shard, ``ssa_flash.distributed.partial``) calls these directly; the adaptive
 temperature's backward over a key shard also needs ``row_dbeta`` and ``backward_given_g``
@@ -163,14 +163,14 @@ def _measure(device: torch.device) -> str:
     q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4))
     b = torch.full((8,), 1.0, device=device)
     n = torch.full((8,), 1.5, device=device)
-    spec = AttentionSpec(scale=64 ** -0.5, causal=True)
+    spec = AttentionSpec(scale=64 ** -0.5, score="ssa", causal=True)
     times = {}
     for name in ("cuda", "triton"):
         be = get(name)
 
         def step():
-            out, lse = be.forward(q, k, v, None, b, n, None, None, spec)
-            be.backward(dout, q, k, v, out, lse, None, None, b, n, None, None, spec)
+            out, lse = be.forward(q, k, v, None, (b, n), None, None, spec)
+            be.backward(dout, q, k, v, out, lse, None, None, (b, n), None, None, spec)
 
         try:
             times[name] = _time_ms(step)

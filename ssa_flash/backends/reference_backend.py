@@ -16,11 +16,13 @@ runs ``ssa_flash.reference`` under ordinary autograd (see ``ssa_flash.backends``
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .. import reference as spec_code
+from .. import scores
 from .spec import AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
@@ -37,7 +39,7 @@ def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
     return None
 
 
-def _rows(q, k, mask, b, n, sinks, spec: AttentionSpec):
+def _rows(q, k, mask, params, sinks, spec: AttentionSpec):
     """``(z, l, allowed)``: the scaled scores ``z = scale q k^T`` (before any soft-capping),
     ``(B, Hq, Lq, Lk)``, and the logit rows ``phi(cap(z)) + mask`` (-inf where not admissible)
     with the admissible set, ``(B, Hq, Lq, Lk)``, or ``(B, Hq, Lq, Lk + 1)`` with the sink as the
@@ -46,8 +48,9 @@ def _rows(q, k, mask, b, n, sinks, spec: AttentionSpec):
     qa, ka = q.to(acc), k.to(acc)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(acc)
-    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1, b, n,
-                                       (spec.window_left, spec.window_right), spec.softcap)
+    l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1,
+                                       scores.get(spec.score), params, (spec.window_left, spec.window_right),
+                                       spec.softcap)
     if sinks is not None:
         l, allowed = spec_code._with_sink(l, allowed, sinks.to(acc))
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
@@ -152,7 +155,7 @@ def _put(dst, spec: AttentionSpec, rows, value, stat: bool):
         dst[rows[1]:rows[1] + 1] = value
 
 
-def _layout_rows(q, k, mask, b, n, spec: AttentionSpec, fn, n_stats: int, out_dim=None):
+def _layout_rows(q, k, mask, params, spec: AttentionSpec, fn, n_stats: int, out_dim=None):
     """Runs ``fn(q_s, k_slice, mask_s, dense_spec, rows)`` per sequence and assembles its
     ``n_stats`` per-row statistics (and, with ``out_dim``, an output first). Every row belongs to
     exactly one sequence (packed: the cu_seqlens cover the tokens; KV cache: one per batch element)."""
@@ -177,22 +180,22 @@ def _empty_row_stats(q_s, acc):
     return torch.zeros(shape, dtype=acc, device=q_s.device), torch.full(shape, float("-inf"), dtype=acc, device=q_s.device)
 
 
-def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
+def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
     if spec.packed or spec.kv_cache:
         def fn(q_s, k_slice, m, dspec, rows):
             k_s = _keys(k, spec, rows, k_slice)
             if k_s.shape[2] == 0 and sinks is None:  # no key: entropy 0, lse -inf
                 return _empty_row_stats(q_s, acc_dtype(q.dtype))
-            return row_entropy(q_s, k_s, None if m is None else m.expand(1, q_s.shape[1], *m.shape), b, n,
+            return row_entropy(q_s, k_s, None if m is None else m.expand(1, q_s.shape[1], *m.shape), params,
                                sinks, dspec)
 
-        _, (ent, lse_l) = _layout_rows(q, k, mask, b, n, spec, fn, 2)
+        _, (ent, lse_l) = _layout_rows(q, k, mask, params, spec, fn, 2)
         return ent, lse_l
-    _, l, allowed = _rows(q, k, mask, b, n, sinks, spec)
+    _, l, allowed = _rows(q, k, mask, params, sinks, spec)
     return spec_code._entropy(l, allowed), _lse(l)
 
 
-def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
+def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     if spec.packed or spec.kv_cache:
         def fn(q_s, k_slice, m, dspec, rows):
             k_s, v_s = _keys(k, spec, rows, k_slice), _keys(v, spec, rows, k_slice)
@@ -200,11 +203,11 @@ def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
                 return (q_s.new_zeros((*q_s.shape[:-1], v.shape[-1])), _empty_row_stats(q_s, acc_dtype(q.dtype))[1])
             beta_s = _rows_of(beta, spec, rows, True) if spec.adaptive else None
             m4 = None if m is None else m.expand(1, q_s.shape[1], *m.shape)
-            return forward(q_s, k_s, v_s, m4, b, n, sinks, beta_s, dspec)
+            return forward(q_s, k_s, v_s, m4, params, sinks, beta_s, dspec)
 
-        out, (lse,) = _layout_rows(q, k, mask, b, n, spec, fn, 1, out_dim=v.shape[-1])
+        out, (lse,) = _layout_rows(q, k, mask, params, spec, fn, 1, out_dim=v.shape[-1])
         return out, lse
-    _, l, allowed = _rows(q, k, mask, b, n, sinks, spec)
+    _, l, allowed = _rows(q, k, mask, params, sinks, spec)
     s = _tempered(l, allowed, beta if spec.adaptive else None)
     p = spec_code._masked_softmax(s, allowed)
     if sinks is not None:
@@ -217,55 +220,60 @@ def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
     return (p @ vr).to(q.dtype), _lse(s)
 
 
-def _backward_packed(dout, q, k, v, out, lse, dlse, b, n, sinks, temp, spec: AttentionSpec):
+def _backward_packed(dout, q, k, v, out, lse, dlse, params, sinks, temp, spec: AttentionSpec):
     acc = acc_dtype(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    db = dn = dsinks = None
-    if b is not None:
-        db, dn = torch.zeros(q.shape[1], dtype=acc, device=q.device), torch.zeros(q.shape[1], dtype=acc, device=q.device)
-    if sinks is not None:
-        dsinks = torch.zeros(q.shape[1], dtype=acc, device=q.device)
+    dparams = [torch.zeros(q.shape[1], dtype=acc, device=q.device) for _ in params]
+    dsinks = None if sinks is None else torch.zeros(q.shape[1], dtype=acc, device=q.device)
     for rows, q_s, k_slice, _, dspec in _pieces(q, k, spec):
         k_s, v_s = _keys(k, spec, rows, k_slice), _keys(v, spec, rows, k_slice)
         if k_s.shape[2] == 0 and sinks is None:
             continue  # no key: zero gradients (with a sink, the sink still has one)
         sub = lambda x: None if x is None else _rows_of(x, spec, rows, x.dim() == 2)  # noqa: E731
         temp_s = TemperatureState(*(sub(t) for t in temp)) if spec.adaptive else None
-        g = backward(sub(dout), q_s, k_s, v_s, sub(out), sub(lse), sub(dlse), None, b, n, sinks, temp_s, dspec)
+        g = backward(sub(dout), q_s, k_s, v_s, sub(out), sub(lse), sub(dlse), None, params, sinks, temp_s, dspec)
         dq[rows[0]] = g[0][0].transpose(0, 1)
         dk[k_slice] = g[1][0].transpose(0, 1)
         dv[k_slice] = g[2][0].transpose(0, 1)
-        if b is not None:
-            db, dn = db + g[3], dn + g[4]
+        dparams = [a + b for a, b in zip(dparams, g[3])]
         if sinks is not None:
-            dsinks = dsinks + g[5]
-    return dq, dk, dv, db, dn, dsinks
+            dsinks = dsinks + g[4]
+    return dq, dk, dv, tuple(dparams), dsinks
 
 
-def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
+def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     if spec.kv_cache:
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if spec.packed:
-        return _backward_packed(dout, q, k, v, out, lse, dlse, b, n, sinks, temp, spec)
-    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec)
+        return _backward_packed(dout, q, k, v, out, lse, dlse, params, sinks, temp, spec)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys (no
 # sinks: a caller holding key shards adds the sink's terms once per row itself)
 
 
-def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
-    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, None, temp, spec, dbeta_only=True)
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, params, temp: TemperatureState, spec: AttentionSpec):
+    return _backward(dout, q, k, v, out, lse, dlse, mask, params, None, temp, spec, dbeta_only=True)
 
 
-def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, params, temp: TemperatureState, g,
                      spec: AttentionSpec):
-    return _backward(dout, q, k, v, out, lse, dlse, mask, b, n, None, temp, spec, g=g)[:5]
+    return _backward(dout, q, k, v, out, lse, dlse, mask, params, None, temp, spec, g=g)[:4]
 
 
-def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec, g=None, dbeta_only=False):
-    z, l, allowed = _rows(q, k, mask, b, n, sinks, spec)
+def _score_vjp(dl, zc, params, spec: AttentionSpec) -> Tuple[Tensor, Tuple[Tensor, ...]]:
+    """``(dz, dparams)``: the logit gradient ``dl`` pulled back through the score function,
+    ``dz = dl * dphi/dz`` and ``dparam_h = sum_{b,i,j} dl * dphi/dparam`` over head ``h``, with the
+    registry's derivatives (``scores.ScoreFunction.derivatives``). ``zc`` is the (capped) scaled
+    score; everything in the accumulation dtype."""
+    dphi_dz, dphi_dparams = scores.get(spec.score).derivatives(zc, *(p.to(zc.dtype).view(1, -1, 1, 1) for p in params))
+    return dl * dphi_dz, tuple((dl * d).sum(dim=(0, 2, 3)) for d in dphi_dparams)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=None, dbeta_only=False):
+    z, l, allowed = _rows(q, k, mask, params, sinks, spec)
     acc = z.dtype
     lk = z.shape[-1]  # keys; l, allowed have one more column (the sink) with sinks
     beta = temp.beta if spec.adaptive else None
@@ -311,22 +319,14 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp, spec, g=No
         dsinks = dl[..., lk].sum(dim=(0, 2))
         dl = dl[..., :lk]
     zc = z
-    if spec.softcap > 0:  # z -> c tanh(z / c): b, n see the capped score, dz gets 1 - tanh^2
+    if spec.softcap > 0:  # z -> c tanh(z / c): phi sees the capped score, dz gets 1 - tanh^2
         t = torch.tanh(z / spec.softcap)
         zc = spec.softcap * t
-    db = dn = None
-    if b is not None:
-        bh, nh = b.to(acc).view(1, -1, 1, 1), n.to(acc).view(1, -1, 1, 1)
-        denom = 1.0 + bh * zc.abs()
-        db = (dl * nh * zc / denom).sum(dim=(0, 2, 3))
-        dn = (dl * torch.sign(zc) * torch.log1p(bh * zc.abs())).sum(dim=(0, 2, 3))
-        dz = dl * (nh * bh / denom)
-    else:
-        dz = dl
+    dz, dparams = _score_vjp(dl, zc, params, spec)
     if spec.softcap > 0:
         dz = dz * (1.0 - t * t)
     ka = k.to(acc)
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
     dq = spec.scale * (dz @ kr)
     dk = _group_sum(spec.scale * (dz.transpose(-2, -1) @ q.to(acc)), spec.group)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), db, dn, dsinks
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams, dsinks

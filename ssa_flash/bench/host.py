@@ -34,24 +34,25 @@ from typing import Callable, List, Optional
 
 import torch
 
-OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
+from ..scores import VARIANTS
+
+OPS = tuple(VARIANTS)
 FEATURES = ("plain", "mask", "dropout", "window", "varlen", "kvcache")
 CUDA_FEATURES = ("plain", "mask", "dropout", "window")  # the CUDA C++ kernels' layouts are dense
 
 
 def _op_kwargs(op: str) -> dict:
-    kw = {}
-    if op in ("ssa", "ssa_adaptive"):
-        kw.update(b=1.0, n=1.5)
-    if op in ("adaptive", "ssa_adaptive"):
-        kw["adaptive_temperature"] = True
-    return kw
+    """The score function of variant ``op`` with its parameters as numbers (the registry's example
+    values: SSA's b = 1, n = 1.5), and the temperature switch."""
+    variant = VARIANTS[op]
+    return dict(score=variant.score.name, score_params=variant.score.example,
+                adaptive_temperature=variant.adaptive)
 
 
 def _attend(op: str):
     import ssa_flash
 
-    return ssa_flash.softmax_attention if op == "softmax" else ssa_flash.ssa_attention
+    return ssa_flash.attention
 
 
 class _StubExtension:
@@ -170,7 +171,7 @@ def cases(device, dtype, B: int, H: int, L: int, D: int, backends=("triton", "cu
 def _layout_cases(feature, op, backend, kw, device, dtype, B, H, L, D, passes) -> List[Case]:
     import ssa_flash
 
-    kw = dict(kw, backend=backend, ssa=op in ("ssa", "ssa_adaptive"))
+    kw = dict(kw, backend=backend)
     if feature == "varlen":
         total = B * L
         cu = torch.arange(0, total + 1, L, dtype=torch.int32, device=device)

@@ -1,7 +1,9 @@
 """What is benchmarked: the operations, the implementations, and how to build a call of one.
 
-Operations (docs/design.md §4.2 ``op``): ``softmax``, ``ssa``, ``adaptive`` (softmax with the adaptive
-temperature) and ``ssa_adaptive``. Implementations (``impl``):
+Operations (docs/design.md §4.2 ``op``): the variants of ``ssa_flash.scores`` (every score function
+with and without the adaptive temperature): ``softmax``, ``adaptive`` (softmax with the adaptive
+temperature), ``ssa``, ``ssa_adaptive``, ``logit_scale``, ``logit_scale_adaptive``.
+Implementations (``impl``):
 
 * ``ssa_flash.triton``, ``ssa_flash.cuda``: our backends, through the public functions.
 * ``sdpa.flash``, ``sdpa.efficient``, ``sdpa.cudnn``, ``sdpa.math``: PyTorch SDPA pinned to one
@@ -20,7 +22,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
+from ..scores import SSA, VARIANTS
+
+OPS = tuple(VARIANTS)
 IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
          "sdpa.math", "flex", "reference")
 PASSES = ("fwd", "bwd", "fwd_bwd")
@@ -35,7 +39,6 @@ IMPL_OPS = {
     **{name: ("softmax",) for name in SDPA_IMPLS},
 }
 
-SSA_B, SSA_N = 1.0, 1.5  # the paper's initialisation
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
@@ -72,11 +75,11 @@ class NotRunnable(Exception):
 
 
 def uses_ssa(op: str) -> bool:
-    return op in ("ssa", "ssa_adaptive")
+    return VARIANTS[op].score is SSA
 
 
 def uses_adaptive(op: str) -> bool:
-    return op in ("adaptive", "ssa_adaptive")
+    return VARIANTS[op].adaptive
 
 
 @dataclass
@@ -85,8 +88,9 @@ class Inputs:
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
-    b: Optional[torch.Tensor]
-    n: Optional[torch.Tensor]
+    params: Tuple[torch.Tensor, ...]
+    """the score function's per-head parameters, each ``(H,)`` at the registry's example value
+    (SSA: the paper's initialisation b = 1, n = 1.5), requiring grad"""
 
 
 def make_inputs(shape: Shape, device: torch.device, op: str, seed: int = 0) -> Inputs:
@@ -98,12 +102,10 @@ def make_inputs(shape: Shape, device: torch.device, op: str, seed: int = 0) -> I
         return x.requires_grad_(grad)
 
     q, k, v, dout = rnd(True), rnd(True), rnd(True), rnd(False)
-    b = n = None
-    if uses_ssa(op):
-        acc = torch.float64 if shape.dtype == torch.float64 else torch.float32
-        b = torch.full((shape.heads,), SSA_B, device=device, dtype=acc, requires_grad=True)
-        n = torch.full((shape.heads,), SSA_N, device=device, dtype=acc, requires_grad=True)
-    return Inputs(q, k, v, dout, b, n)
+    acc = torch.float64 if shape.dtype == torch.float64 else torch.float32
+    params = tuple(torch.full((shape.heads,), e, device=device, dtype=acc, requires_grad=True)
+                   for e in VARIANTS[op].score.example)
+    return Inputs(q, k, v, dout, params)
 
 
 def availability(impl: str, device: torch.device) -> Optional[str]:
@@ -206,25 +208,18 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
         raise NotRunnable(why)
     if op not in IMPL_OPS[impl]:
         raise NotRunnable(f"{impl} does not compute {op}")
-    q, k, v, b, n = inputs.q, inputs.k, inputs.v, inputs.b, inputs.n
+    q, k, v, params = inputs.q, inputs.k, inputs.v, inputs.params
     causal = shape.causal
-    grads = [q, k, v] + ([b, n] if uses_ssa(op) else [])
+    grads = [q, k, v, *params]
     nullctx = contextlib.nullcontext
 
     if impl in ("ssa_flash.triton", "ssa_flash.cuda", "reference"):
         backend = {"ssa_flash.triton": "triton", "ssa_flash.cuda": "cuda", "reference": "reference"}[impl]
-        if op == "softmax":
-            def fwd():
-                return ssa_flash.softmax_attention(q, k, v, is_causal=causal, backend=backend)
-        elif op == "adaptive":
-            def fwd():
-                return ssa_flash.adaptive_temperature_attention(q, k, v, is_causal=causal, backend=backend)
-        else:
-            adaptive = op == "ssa_adaptive"
+        variant = VARIANTS[op]
 
-            def fwd():
-                return ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=b, n=n,
-                                               adaptive_temperature=adaptive, backend=backend)
+        def fwd():
+            return ssa_flash.attention(q, k, v, is_causal=causal, score=variant.score.name, score_params=params,
+                                       adaptive_temperature=variant.adaptive, backend=backend)
         return Call(fwd, grads, nullctx)
 
     if impl in SDPA_IMPLS:
@@ -241,7 +236,7 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
     if impl == "flex":
         flex = _flex_fn()
         block_mask = _causal_block_mask(shape.seqlen, shape.seqlen, device) if causal else None
-        score_mod = ssa_score_mod(b, n)
+        score_mod = ssa_score_mod(*params)
 
         def fwd():
             return flex(q, k, v, score_mod=score_mod, block_mask=block_mask)

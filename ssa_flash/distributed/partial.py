@@ -134,11 +134,11 @@ def empty_row_stats(q: Tensor) -> RowStats:
                     torch.zeros((B, H, Lq), dtype=acc, device=q.device))
 
 
-def partial_entropy(q: Tensor, k: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+def partial_entropy(q: Tensor, k: Tensor, params: Tuple[Tensor, ...],
                     spec: AttentionSpec, backend: str) -> RowStats:
     """Entropy statistics of ``softmax(l)`` over the keys of ``k`` alone (``spec.causal``: the
     diagonal pair of a causal split). No temperature; ``spec.adaptive`` is ignored."""
-    ent, lse = backends.get(backend).row_entropy(q, k, None, b, n, None, spec)
+    ent, lse = backends.get(backend).row_entropy(q, k, None, params, None, spec)
     return RowStats(lse, ent)
 
 
@@ -163,14 +163,14 @@ def temperature_state(stats: RowStats, spec: AttentionSpec) -> TemperatureState:
     return TemperatureState(beta, stats.lse, stats.entropy, dbeta_dh)
 
 
-def partial_forward(q: Tensor, k: Tensor, v: Tensor, b: Optional[Tensor], n: Optional[Tensor],
+def partial_forward(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...],
                     beta: Optional[Tensor], spec: AttentionSpec, backend: str) -> Tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq))``: attention of ``q`` over the keys of
     ``k``/``v`` alone, i.e. ``softmax(beta * l)`` restricted to them (``beta``: the whole rows'
     temperature, given iff ``spec.adaptive``). Rows with no admissible key: out 0, lse -inf."""
     if spec.adaptive and beta is None:
         raise ValueError("partial_forward: spec.adaptive needs beta (temperature_state of the whole rows)")
-    return backends.get(backend).forward(q, k, v, None, b, n, None, _stat(beta) if spec.adaptive else None,
+    return backends.get(backend).forward(q, k, v, None, params, None, _stat(beta) if spec.adaptive else None,
                                          spec)
 
 
@@ -213,7 +213,7 @@ def merge_outputs_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor)
 
 
 def partial_dbeta(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  b: Optional[Tensor], n: Optional[Tensor], temp: TemperatureState,
+                  params: Tuple[Tensor, ...], temp: TemperatureState,
                   spec: AttentionSpec, backend: str, dlse: Optional[Tensor] = None) -> Tensor:
     """``(B, Hq, Lq)``: this key shard's part of ``dbeta_i = sum_j dS'_ij l_ij`` (adaptive only),
     centred: ``sum_j dS'_ij (l_ij - lse^l_i)`` with ``lse^l = temp.lse_l``. ``out``, ``lse``,
@@ -225,18 +225,18 @@ def partial_dbeta(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     be = backends.get(backend)
     if not _has_key_shard_temperature(be):
         raise BackendUnavailableError(f"backend={backend!r} has no row_dbeta (see resolve_backend)")
-    return be.row_dbeta(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, _temp(temp), spec)
+    return be.row_dbeta(dout, q, k, v, out, _stat(lse), _stat(dlse), None, params, _temp(temp), spec)
 
 
 def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     b: Optional[Tensor], n: Optional[Tensor], spec: AttentionSpec, backend: str,
+                     params: Tuple[Tensor, ...], spec: AttentionSpec, backend: str,
                      temp: Optional[TemperatureState] = None, g: Optional[Tensor] = None,
                      dlse: Optional[Tensor] = None
-                     ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """This (query shard, key shard) pair's contributions ``(dq, dk, dv, db, dn)`` to the
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tuple[Tensor, ...]]:
+    """This (query shard, key shard) pair's contributions ``(dq, dk, dv, dparams)`` to the
     gradients: ``dq`` ``(B, Hq, Lq, D)`` in q's dtype (sum over key shards), ``dk``, ``dv`` for
-    the shard's keys in k's dtype (sum over query shards), ``db``, ``dn`` ``(Hq,)`` in the
-    accumulation dtype or None for softmax (sum over all pairs).
+    the shard's keys in k's dtype (sum over query shards), ``dparams`` one ``(Hq,)`` tensor in the
+    accumulation dtype per score parameter (sum over all pairs).
 
     ``dout`` is the gradient of the whole rows' output; ``out``, ``lse`` and (adaptive) ``temp``
     are those of the whole rows, ``g = dbeta * temp.dbeta_dh`` the whole rows' temperature
@@ -248,9 +248,9 @@ def partial_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             raise ValueError("partial_backward: spec.adaptive needs temp and g of the whole rows")
         if not _has_key_shard_temperature(be):
             raise BackendUnavailableError(f"backend={backend!r} has no backward_given_g (see resolve_backend)")
-        return be.backward_given_g(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, _temp(temp),
+        return be.backward_given_g(dout, q, k, v, out, _stat(lse), _stat(dlse), None, params, _temp(temp),
                                    _stat(g), spec)
-    return be.backward(dout, q, k, v, out, _stat(lse), _stat(dlse), None, b, n, None, None, spec)[:5]
+    return be.backward(dout, q, k, v, out, _stat(lse), _stat(dlse), None, params, None, None, spec)[:4]
 
 
 # --------------------------------------------------------------------------------------------

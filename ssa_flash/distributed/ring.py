@@ -15,7 +15,7 @@ started before the computation). Partial results merge by LSE, which is exact.
   shard (in the accumulation dtype), each rank adding its queries' contributions, and one last
   transfer hands each shard's complete ``dk``/``dv`` back to its owner; ``dq`` stays local. With
   the adaptive temperature a pass over ``(k, v)`` first sums each row's ``dbeta`` (the
-  temperature gradient needs it over the whole row). ``db``/``dn`` (SSA) are all-reduced.
+  temperature gradient needs it over the whole row). the score parameters' gradients are all-reduced.
 * causal: each rank holds two chunks of the sequence cut in ``2W`` chunks, ``r`` and
   ``2W - 1 - r`` (zig-zag), so that every rank does the same work at every step: its own shard is
   the diagonal block (causal within the shard, whose two chunks are in order), a shard from a
@@ -205,7 +205,7 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
     return t[:, :, rows]
 
 
-def _ring_forward(cfg: _Config, q, k, v, b, n, sinks):
+def _ring_forward(cfg: _Config, q, k, v, params, sinks):
     """``(out in q's dtype, lse, temp or None)`` of this rank's queries over the whole sequence
     (and the sink, counted once per row: ``partial``'s module docstring)."""
     ring, spec, backend = cfg.ring, cfg.spec, cfg.backend
@@ -216,7 +216,7 @@ def _ring_forward(cfg: _Config, q, k, v, b, n, sinks):
 
         def visit_stats(src, shard):
             qs, ks, diag = _block(ring.rank, src, spec.causal, lq, lk)
-            part = P.partial_entropy(_rows(q, qs), _rows(shard[0], ks), b, n,
+            part = P.partial_entropy(_rows(q, qs), _rows(shard[0], ks), params,
                                      dataclasses.replace(spec, causal=diag), backend)
             merged = P.merge_entropy(P.RowStats(_rows(lse_l, qs), _rows(ent, qs)), part)
             _rows(lse_l, qs).copy_(merged.lse)
@@ -233,7 +233,7 @@ def _ring_forward(cfg: _Config, q, k, v, b, n, sinks):
     def visit(src, shard):
         qs, ks, diag = _block(ring.rank, src, spec.causal, lq, lk)
         beta = _rows(temp.beta, qs) if spec.adaptive else None
-        part_out, part_lse = P.partial_forward(_rows(q, qs), _rows(shard[0], ks), _rows(shard[1], ks), b, n,
+        part_out, part_lse = P.partial_forward(_rows(q, qs), _rows(shard[0], ks), _rows(shard[1], ks), params,
                                                beta, dataclasses.replace(spec, causal=diag), backend)
         P.merge_outputs_(_rows(out, qs), _rows(lse, qs), part_out, part_lse)
 
@@ -243,8 +243,8 @@ def _ring_forward(cfg: _Config, q, k, v, b, n, sinks):
     return out.to(q.dtype), lse, temp
 
 
-def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, sinks, temp: Optional[TemperatureState]):
-    """``(dq, dk, dv, db, dn, dsinks)`` of this rank's shards (``db``, ``dn``, ``dsinks``: this rank's
+def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, params, sinks, temp: Optional[TemperatureState]):
+    """``(dq, dk, dv, dparams, dsinks)`` of this rank's shards (``dparams``, ``dsinks``: this rank's
     queries' part)."""
     ring, spec, backend = cfg.ring, cfg.spec, cfg.backend
     lq, lk = q.shape[2], k.shape[2]
@@ -261,7 +261,7 @@ def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, sinks, temp: Opt
             qs, ks, diag = _block(ring.rank, src, spec.causal, lq, lk)
             _rows(dbeta, qs).add_(P.partial_dbeta(
                 _rows(dout, qs), _rows(q, qs), _rows(shard[0], ks), _rows(shard[1], ks), _rows(out, qs),
-                _rows(lse, qs), b, n, rows_temp(qs), dataclasses.replace(spec, causal=diag), backend))
+                _rows(lse, qs), params, rows_temp(qs), dataclasses.replace(spec, causal=diag), backend))
 
         ring.circulate([k, v], visit_dbeta)
         if sinks is not None:  # the sink's term, once per row
@@ -272,10 +272,7 @@ def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, sinks, temp: Opt
         dsinks = P.sink_backward(dout, out, lse, sinks, temp, g)
 
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    db = dn = None
-    if b is not None:
-        db = torch.zeros(q.shape[1], dtype=acc, device=q.device)
-        dn = torch.zeros_like(db)
+    dparams = [torch.zeros(q.shape[1], dtype=acc, device=q.device) for _ in params]
     shard = [k, v]
     dshard = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
     pending_shard = pending_grads = None
@@ -284,18 +281,17 @@ def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, sinks, temp: Opt
         if step < ring.world - 1:
             pending_shard = ring.shift(shard)
         qs, ks, diag = _block(ring.rank, src, spec.causal, lq, lk)
-        dq_p, dk_p, dv_p, db_p, dn_p = P.partial_backward(
+        dq_p, dk_p, dv_p, dparams_p = P.partial_backward(
             _rows(dout, qs), _rows(q, qs), _rows(shard[0], ks), _rows(shard[1], ks), _rows(out, qs),
-            _rows(lse, qs), b, n, dataclasses.replace(spec, causal=diag), backend,
+            _rows(lse, qs), params, dataclasses.replace(spec, causal=diag), backend,
             temp=rows_temp(qs) if spec.adaptive else None, g=_rows(g, qs) if spec.adaptive else None)
         if pending_grads is not None:  # this shard's dk/dv so far, from the ranks before us
             dshard = pending_grads.wait()
         _rows(dq, qs).add_(dq_p)
         _rows(dshard[0], ks).add_(dk_p)
         _rows(dshard[1], ks).add_(dv_p)
-        if b is not None:
-            db += db_p
-            dn += dn_p
+        for acc_p, part in zip(dparams, dparams_p):
+            acc_p += part
         if ring.world > 1:  # on with the shard's dk/dv (after the last step: home to its owner)
             pending_grads = ring.shift(dshard)
         if pending_shard is not None:
@@ -303,36 +299,37 @@ def _ring_backward(cfg: _Config, dout, q, k, v, out, lse, b, n, sinks, temp: Opt
             pending_shard = None
     if pending_grads is not None:
         dshard = pending_grads.wait()
-    return dq.to(q.dtype), dshard[0].to(k.dtype), dshard[1].to(v.dtype), db, dn, dsinks
+    return dq.to(q.dtype), dshard[0].to(k.dtype), dshard[1].to(v.dtype), dparams, dsinks
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention of local shards; differentiable in q, k, v, b, n, sinks."""
+    """Ring attention of local shards; differentiable in q, k, v, sinks and the score parameters."""
 
     @staticmethod
-    def forward(ctx, q, k, v, b, n, sinks, cfg: _Config):
-        out, lse, temp = _ring_forward(cfg, q, k, v, b, n, sinks)
+    def forward(ctx, q, k, v, sinks, cfg: _Config, *params):
+        out, lse, temp = _ring_forward(cfg, q, k, v, params, sinks)
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, lse, b, n, sinks, *(temp if temp is not None else ()))
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *(temp if temp is not None else ()), *params)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         cfg: _Config = ctx.cfg
-        q, k, v, out, lse, b, n, sinks, *temp = ctx.saved_tensors
-        temp = TemperatureState(*temp) if cfg.spec.adaptive else None
-        dq, dk, dv, db, dn, dsinks = _ring_backward(cfg, dout, q, k, v, out, lse, b, n, sinks, temp)
-        # whether or not b, n, sinks need gradients here: every rank must make the same collective
-        # calls
+        q, k, v, out, lse, sinks, *rest = ctx.saved_tensors
+        n_temp = len(TemperatureState._fields) if cfg.spec.adaptive else 0
+        temp = TemperatureState(*rest[:n_temp]) if cfg.spec.adaptive else None
+        params = tuple(rest[n_temp:])
+        dq, dk, dv, dparams, dsinks = _ring_backward(cfg, dout, q, k, v, out, lse, params, sinks, temp)
+        # whether or not the parameters and sinks need gradients here: every rank must make the
+        # same collective calls
         if cfg.reduce_param_grads and cfg.ring.world > 1:
-            params = [t for t in (db, dn, dsinks) if t is not None]
-            if params:
-                both = torch.stack(params)
+            grads = list(dparams) + ([dsinks] if dsinks is not None else [])
+            if grads:
+                both = torch.stack(grads)
                 dist.all_reduce(both, group=cfg.ring.group)  # the same sum on every rank
-                it = iter(both)
-                db, dn = (next(it), next(it)) if db is not None else (None, None)
-                dsinks = next(it) if dsinks is not None else None
-        return dq, dk, dv, db, dn, dsinks, None
+                dparams = list(both[:len(dparams)])
+                dsinks = both[len(dparams)] if dsinks is not None else None
+        return (dq, dk, dv, dsinks, None, *dparams)
 
 
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_causal: bool = False,
@@ -340,7 +337,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
                    b=1.0, n=1.5, adaptive_temperature: bool = False,
                    poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
                    backend: str = "auto", reduce_param_grads: bool = True, sinks=None,
-                   softcap: float = 0.0) -> Tensor:
+                   softcap: float = 0.0, score: Optional[str] = None, score_params=None) -> Tensor:
     """Attention of a sequence sharded over the ranks of ``group``; each rank passes its shards
     and gets its shard of the output. Equals the unsharded attention of the whole tensors
     (:func:`ssa_flash.ssa_attention`, ``softmax_attention``, ``adaptive_temperature_attention``),
@@ -369,6 +366,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
             default). False: each rank gets its own queries' part; for a data-parallel wrapper
             (DDP, FSDP) reducing parameter gradients over these ranks itself
             (``RingSSAttention``'s default).
+        score, score_params: any score function, as in :func:`ssa_flash.attention` (the same on
+            every rank); when ``score`` is given, ``ssa``, ``b`` and ``n`` are not used.
         sinks, softcap: as in :func:`ssa_flash.ssa_attention` (``sinks`` the same on every rank).
             The sink is one entry of each row, counted once per row (not once per key shard):
             the key shards run without it and it joins the merged rows.
@@ -399,10 +398,11 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
     if is_causal and (lq != lk or lq % 2 != 0):
         raise ValueError(f"is_causal: the query and key shards must have one even length (two zig-zag "
                          f"chunks, see shard_sequence), got query length {lq}, key length {lk}")
-    b, n, poly, threshold, sinks, softcap = ops._check_variant(query, ssa, b, n, adaptive_temperature, poly,
-                                                               threshold, sinks, softcap)
-    spec = AttentionSpec(scale=scale, causal=is_causal, group=gqa, adaptive=adaptive_temperature,
+    score, params, poly, threshold, sinks, softcap = ops._check_variant(
+        query, *ops._legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks,
+        softcap)
+    spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=gqa, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, softcap=softcap)
     name = P.resolve_backend(backend, query, key, value, spec)  # the shards run without the sink
     cfg = _Config(_Ring(group), spec, name, reduce_param_grads)
-    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), b, n, sinks, cfg)
+    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), sinks, cfg, *params)

@@ -17,8 +17,8 @@ CASE = selfcheck.CASES[2]  # GQA + a boolean mask with a fully masked row
 
 
 def _reference_fn(variant, case):
-    def fn(q, k, v, b, n, mask):
-        return selfcheck.call_variant(variant, "reference", q, k, v, b, n, mask, case)
+    def fn(q, k, v, params, mask):
+        return selfcheck.call_variant(variant, "reference", q, k, v, params, mask, case)
 
     return fn
 
@@ -54,8 +54,8 @@ def test_check_accepts_the_naive_reference(variant):
 def test_check_rejects_a_slightly_wrong_output(variant):
     ref = _reference_fn(variant, CASE)
 
-    def wrong(q, k, v, b, n, mask):
-        return ref(q, k, v, b, n, mask) * 1.001  # 0.1 % off: far above float32 rounding
+    def wrong(q, k, v, params, mask):
+        return ref(q, k, v, params, mask) * 1.001  # 0.1 % off: far above float32 rounding
 
     r = selfcheck.check(variant, CASE, torch.float32, DEVICE, "test", fn=wrong)
     assert not r.ok and r.worst.startswith(("out", "d")), r
@@ -73,8 +73,8 @@ def test_check_rejects_a_wrong_gradient_only():
         def backward(ctx, g):
             return g * 1.01
 
-    def wrong_grad(q, k, v, b, n, mask):
-        return ref(Skew.apply(q), k, v, b, n, mask)
+    def wrong_grad(q, k, v, params, mask):
+        return ref(Skew.apply(q), k, v, params, mask)
 
     r = selfcheck.check("ssa", CASE, torch.float64, DEVICE, "test", fn=wrong_grad)
     assert not r.ok and r.worst.startswith("dq"), r
@@ -83,8 +83,8 @@ def test_check_rejects_a_wrong_gradient_only():
 def test_check_reports_nan_and_errors_as_failures():
     ref = _reference_fn("softmax", CASE)
 
-    def nan(q, k, v, b, n, mask):
-        out = ref(q, k, v, b, n, mask)
+    def nan(q, k, v, params, mask):
+        out = ref(q, k, v, params, mask)
         return out + torch.where(torch.arange(out.numel()).view(out.shape) == 5, float("nan"), 0.0)
 
     assert not selfcheck.check("softmax", CASE, torch.float32, DEVICE, "test", fn=nan).ok

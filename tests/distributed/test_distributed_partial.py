@@ -40,14 +40,19 @@ def _inputs(mode, dtype, L=24, Hq=2, Hkv=1, D=16, seed=0):
     return q, k, v, dout, b, n
 
 
+def _params(b, n) -> tuple:
+    return () if b is None else (b, n)
+
+
 def _unsharded(be, q, k, v, dout, b, n, spec, dlse=None):
     temp = beta = None
     if spec.adaptive:
-        ent, lse_l = be.row_entropy(q, k, None, b, n, None, spec)
+        ent, lse_l = be.row_entropy(q, k, None, _params(b, n), None, spec)
         beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
         temp = backends.TemperatureState(beta, lse_l, ent, dbeta_dh)
-    out, lse = be.forward(q, k, v, None, b, n, None, beta, spec)
-    grads = be.backward(dout, q, k, v, out, lse, dlse, None, b, n, None, temp, spec)[:5]
+    out, lse = be.forward(q, k, v, None, _params(b, n), None, beta, spec)
+    dq, dk, dv, dparams, _ = be.backward(dout, q, k, v, out, lse, dlse, None, _params(b, n), None, temp, spec)
+    grads = (dq, dk, dv, *dparams)
     return out, lse, temp, grads
 
 
@@ -76,7 +81,7 @@ def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_fu
     if spec.adaptive:
         stats = P.empty_row_stats(q)
         for qs, ks, diag in pairs:
-            part = P.partial_entropy(rows(q, qs), rows(k, ks), b, n, sp(diag), name)
+            part = P.partial_entropy(rows(q, qs), rows(k, ks), _params(b, n), sp(diag), name)
             merged = P.merge_entropy(P.RowStats(rows(stats.lse, qs), rows(stats.entropy, qs)), part)
             rows(stats.lse, qs).copy_(merged.lse)
             rows(stats.entropy, qs).copy_(merged.entropy)
@@ -84,7 +89,7 @@ def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_fu
     out, lse = P.empty_output(q, v.shape[-1])
     for qs, ks, diag in pairs:
         beta = rows(temp.beta, qs) if spec.adaptive else None
-        o, l = P.partial_forward(rows(q, qs), rows(k, ks), rows(v, ks), b, n, beta, sp(diag), name)
+        o, l = P.partial_forward(rows(q, qs), rows(k, ks), rows(v, ks), _params(b, n), beta, sp(diag), name)
         mo, ml = P.merge_outputs(rows(out, qs), rows(lse, qs), o, l)
         rows(out, qs).copy_(mo)
         rows(lse, qs).copy_(ml)
@@ -97,7 +102,7 @@ def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_fu
         dbeta = torch.zeros_like(lse_full)
         for qs, ks, diag in pairs:
             rows(dbeta, qs).add_(P.partial_dbeta(rows(dout, qs), rows(q, qs), rows(k, ks), rows(v, ks),
-                                                 rows(out_full, qs), rows(lse_full, qs), b, n, temp_rows(qs),
+                                                 rows(out_full, qs), rows(lse_full, qs), _params(b, n), temp_rows(qs),
                                                  sp(diag), name, dlse=None if dlse is None else rows(dlse, qs)))
         if dlse is not None:  # the shards' parts are centred at lse_l: its term once per row
             lse_l = temp_full.lse_l
@@ -107,15 +112,16 @@ def _sharded(name, q, k, v, dout, b, n, spec, pairs, out_full, lse_full, temp_fu
     dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
     db = dn = 0.0
     for qs, ks, diag in pairs:
-        pq, pk, pv, pb, pn = P.partial_backward(
-            rows(dout, qs), rows(q, qs), rows(k, ks), rows(v, ks), rows(out_full, qs), rows(lse_full, qs), b, n,
+        pq, pk, pv, pparams = P.partial_backward(
+            rows(dout, qs), rows(q, qs), rows(k, ks), rows(v, ks), rows(out_full, qs), rows(lse_full, qs),
+            _params(b, n),
             sp(diag), name, temp=temp_rows(qs) if spec.adaptive else None,
             g=rows(g, qs) if spec.adaptive else None, dlse=None if dlse is None else rows(dlse, qs))
         rows(dq, qs).add_(pq)
         rows(dk, ks).add_(pk)
         rows(dv, ks).add_(pv)
         if b is not None:
-            db, dn = db + pb, dn + pn
+            db, dn = db + pparams[0], dn + pparams[1]
     return out.to(q.dtype), lse, temp, (dq, dk, dv, db, dn) if b is not None else (dq, dk, dv)
 
 
@@ -127,7 +133,8 @@ def _close(name, ours, ref, tol):
 
 def _check(name, mode, causal, dtype, cuts, L, with_dlse=False):
     q, k, v, dout, b, n = _inputs(mode, dtype, L=L)
-    spec = AttentionSpec(scale=0.3, causal=causal, group=q.shape[1] // k.shape[1], adaptive="adaptive" in mode)
+    spec = AttentionSpec(scale=0.3, score="ssa" if b is not None else "softmax", causal=causal,
+                         group=q.shape[1] // k.shape[1], adaptive="adaptive" in mode)
     be = backends.get(name)
     dlse = None
     if with_dlse:
@@ -249,10 +256,10 @@ def test_key_shard_interface_and_backend_resolution():
     q = torch.zeros(1, 2, 4, 8)
     spec = AttentionSpec(scale=1.0, adaptive=True)
     with pytest.raises(ValueError, match="needs beta"):
-        P.partial_forward(q, q, q, None, None, None, spec, "reference")
+        P.partial_forward(q, q, q, (), None, spec, "reference")
     with pytest.raises(ValueError, match="needs temp and g"):
-        P.partial_backward(q, q, q, q, q, q[..., 0], None, None, spec, "reference")
+        P.partial_backward(q, q, q, q, q, q[..., 0], (), spec, "reference")
     with pytest.raises(ValueError, match="adaptive temperature"):
-        P.partial_dbeta(q, q, q, q, q, q[..., 0], None, None, None, AttentionSpec(scale=1.0), "reference")
+        P.partial_dbeta(q, q, q, q, q, q[..., 0], (), None, AttentionSpec(scale=1.0), "reference")
     with pytest.raises(backends.BackendUnavailableError, match="row_dbeta"):
-        P.partial_dbeta(q, q, q, q, q, q[..., 0], None, None, None, spec, "cuda")
+        P.partial_dbeta(q, q, q, q, q, q[..., 0], (), None, spec, "cuda")

@@ -10,6 +10,7 @@ the table's row (``_capability`` patched).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -19,6 +20,7 @@ import torch
 from attn_testing import fake
 
 import ssa_flash
+from ssa_flash import scores
 from ssa_flash.backends import cuda_backend
 from ssa_flash.backends import get
 from ssa_flash.backends import triton_backend
@@ -154,6 +156,8 @@ def accepts(name: str, feature: str, device="cuda") -> bool:
     if feature.startswith("adaptive temperature over key shards"):
         return all(callable(getattr(mod, f, None)) for f in ("row_dbeta", "backward_given_g"))
     q, k, v, spec = _case(feature, device=device)
+    if feature.startswith("score functions"):  # every function of the registry
+        return all(mod.supports(q, k, v, dataclasses.replace(spec, score=f)) is None for f in scores.SCORES)
     ok = mod.supports(q, k, v, spec, _sinks(feature)) is None
     if feature.startswith("boolean mask"):
         ok = ok and _mask_kind_ok(name, torch.bool)
@@ -163,7 +167,7 @@ def accepts(name: str, feature: str, device="cuda") -> bool:
 
 
 FEATURES = (
-    "softmax and SSA logits (softmax_attention, ssa_attention)",
+    "score functions: softmax, SSA, logit scale (attention(score=...), softmax_attention, ssa_attention)",
     "adaptive temperature (adaptive_temperature_attention, adaptive_temperature=True)",
     "boolean mask (attn_mask, True = attend)",
     "float mask (added to the logits)",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ssa_flash
-from ssa_flash import autograd, backends, errors, reference
+from ssa_flash import autograd, scores, backends, errors, reference
 from ssa_flash.backends import cuda_backend
 from ssa_flash.backends.spec import AttentionSpec, Backend
 
@@ -165,6 +165,14 @@ def _leaves(q, k, v, b, n):
     return [t for t in (q, k, v, b, n) if t is not None]
 
 
+def _score(b) -> str:
+    return "softmax" if b is None else "ssa"
+
+
+def _params(b, n) -> tuple:
+    return () if b is None else (b, n)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
 def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
@@ -174,9 +182,10 @@ def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
     B, Hq, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     full = None if mask is None else mask.expand(B, Hq, Lq, Lk)
     adaptive = "adaptive" in mode
-    spec = AttentionSpec(scale=q.shape[-1] ** -0.5, causal=True, group=2, adaptive=adaptive)
-    out, lse = autograd.attention(q, k, v, b, n, full, "reference", spec)
-    ref_out, ref_lse = reference._attend(q, k, v, full, 0.0, True, None, True, True, b=b, n=n, adaptive=adaptive)
+    spec = AttentionSpec(scale=q.shape[-1] ** -0.5, score=_score(b), causal=True, group=2, adaptive=adaptive)
+    out, lse = autograd.attention(q, k, v, _params(b, n), full, "reference", spec)
+    ref_out, ref_lse = reference._attend(q, k, v, full, 0.0, True, None, True, True, score=scores.get(_score(b)),
+                                         params=_params(b, n), adaptive=adaptive)
     torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
     g = torch.Generator().manual_seed(3)
@@ -191,7 +200,7 @@ def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
     for name, a, e in zip("qkvbn", ours, ref):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-10, msg=lambda m: f"d{name}: {m}")
-    ent = autograd.row_entropy(q.detach(), k.detach(), b, n, full, "reference", spec)
+    ent = autograd.row_entropy(q.detach(), k.detach(), _params(b, n), full, "reference", spec)
     torch.testing.assert_close(ent, reference.attention_entropy(q.detach(), k.detach(), full, True, None, True,
                                                                 b=b, n=n), atol=1e-12, rtol=1e-12)
 
@@ -199,12 +208,11 @@ def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
 @pytest.mark.parametrize("mode", MODES)
 def test_reference_backend_gradcheck(mode):
     q, k, v, b, n, mask = _case(mode, "bool", B=1, Hq=2, Hkv=1, Lq=4, Lk=3, D=2, Dv=2)
-    spec = AttentionSpec(scale=0.7, causal=False, group=2, adaptive="adaptive" in mode)
+    spec = AttentionSpec(scale=0.7, score=_score(b), causal=False, group=2, adaptive="adaptive" in mode)
     full = mask.expand(1, 2, 4, 3)
 
     def f(*args):
-        args = list(args) + [None, None]
-        out, lse = autograd.attention(*args[:3], args[3], args[4], full, "reference", spec)
+        out, lse = autograd.attention(*args[:3], tuple(args[3:]), full, "reference", spec)
         return out, torch.where(torch.isfinite(lse), lse, 0)
 
     assert torch.autograd.gradcheck(f, _leaves(q, k, v, b, n), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -212,8 +220,8 @@ def test_reference_backend_gradcheck(mode):
 
 def test_reference_backend_low_precision_accumulates_in_float32():
     q, k, v, b, n, _ = _case("ssa", None, dtype=torch.float16)
-    spec = AttentionSpec(scale=0.4, group=2)
-    out, lse = autograd.attention(q, k, v, b, n, None, "reference", spec)
+    spec = AttentionSpec(scale=0.4, score="ssa", group=2)
+    out, lse = autograd.attention(q, k, v, (b, n), None, "reference", spec)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     gold = reference.ssa_attention(*(t.detach().double() for t in (q, k, v)), scale=0.4, enable_gqa=True,
                                    b=b.detach().double(), n=n.detach().double())

@@ -81,7 +81,7 @@ def count_launches(monkeypatch):
 
 def test_schema_carries_the_spec():
     """Every op ends with the backend name and the AttentionSpec fields, in field order."""
-    spec_args = ["scale", "causal", "group", "adaptive", "poly", "threshold", "deterministic",
+    spec_args = ["scale", "score", "causal", "group", "adaptive", "poly", "threshold", "deterministic",
                  "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_k", "k_start",
                  "num_splits", "dropout_p", "window_left", "window_right", "dropout_rng", "softcap"]
     for op in (torch.ops.ssa_flash.attn_fwd, torch.ops.ssa_flash.attn_bwd, torch.ops.ssa_flash.row_entropy):
@@ -89,8 +89,9 @@ def test_schema_carries_the_spec():
         assert names[-len(spec_args) - 1:] == ["backend"] + spec_args, names
         types = {a.name: str(a.type) for a in op.default._schema.arguments}
         assert types["cu_seqlens_q"] == types["seqused_k"] == "Optional[Tensor]", types
+        assert types["score_params"] == "List[Tensor]" and types["score"] == "str", types
     spec = AttentionSpec(scale=0.25, causal=True, group=2, adaptive=True, poly=(1, 2.5), threshold=0.1)
-    assert spec.op_args() == (0.25, True, 2, True, [1.0, 2.5], 0.1, False, None, None, 0, 0, None, None, 0, 0.0, -1, -1,
+    assert spec.op_args() == (0.25, "softmax", True, 2, True, [1.0, 2.5], 0.1, False, None, None, 0, 0, None, None, 0, 0.0, -1, -1,
                               None, 0.0)
     assert AttentionSpec.from_op_args(spec.op_args()) == spec
     cu = torch.tensor([0, 3], dtype=torch.int32)
@@ -105,16 +106,18 @@ def test_schema_carries_the_spec():
 def _fwd_args(variant, dtype, backend):
     q, k, v, b, n = _inputs(DEVICE, dtype, Hq=4, Hkv=2, D=24)
     if variant == "softmax":
-        return (q, k, v, None, None, None, None, backend, *AttentionSpec(scale=0.3, group=2).op_args())
+        return (q, k, v, [], None, None, backend, *AttentionSpec(scale=0.3, group=2).op_args())
     if variant == "ssa_dropout_window":  # a tensor-valued spec field (the dropout seed)
-        spec = AttentionSpec(scale=0.3, group=2, dropout_p=0.25, window_left=5, window_right=2,
+        spec = AttentionSpec(scale=0.3, score="ssa", group=2, dropout_p=0.25, window_left=5, window_right=2,
                              dropout_rng=torch.tensor([123, 45], device=q.device))
-        return (q, k, v, b.to(spec_dtype(dtype)), n.to(spec_dtype(dtype)), None, None, backend, *spec.op_args())
+        return (q, k, v, [b.to(spec_dtype(dtype)), n.to(spec_dtype(dtype))], None, None, backend, *spec.op_args())
     g = torch.Generator().manual_seed(1)
     mask = (torch.rand(1, 1, 16, 16, generator=g) > 0.2).to(q.device).expand(1, 4, 16, 16)
-    spec = AttentionSpec(scale=0.3, causal=True, group=2, adaptive=True)
-    return (q, k, v, b.float() if dtype != torch.float64 else b, n.float() if dtype != torch.float64 else n,
-            None, mask, backend, *spec.op_args())
+    if variant == "logit_scale_adaptive_mask":  # a score function with one parameter
+        spec = AttentionSpec(scale=0.3, score="logit_scale", causal=True, group=2, adaptive=True)
+        return (q, k, v, [b.to(spec_dtype(dtype))], None, mask, backend, *spec.op_args())
+    spec = AttentionSpec(scale=0.3, score="ssa", causal=True, group=2, adaptive=True)
+    return (q, k, v, [b.to(spec_dtype(dtype)), n.to(spec_dtype(dtype))], None, mask, backend, *spec.op_args())
 
 
 def spec_dtype(dtype):
@@ -122,7 +125,7 @@ def spec_dtype(dtype):
 
 
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
-@pytest.mark.parametrize("variant", ["ssa_adaptive_mask", "softmax", "ssa_dropout_window"])
+@pytest.mark.parametrize("variant", ["ssa_adaptive_mask", "softmax", "ssa_dropout_window", "logit_scale_adaptive_mask"])
 def test_opcheck_forward(variant, on_backend):
     """Schema, fake (meta) implementation, autograd registration, AOT dispatch (static and dynamic)."""
     backend, dtype, context = on_backend
@@ -133,47 +136,49 @@ def test_opcheck_forward(variant, on_backend):
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
 def test_opcheck_backward(on_backend):
     backend, dtype, context = on_backend
-    q, k, v, b, n, _, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
-    q, k, v, b, n = (t.detach() for t in (q, k, v, b, n))
+    q, k, v, params, _, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
+    q, k, v = (t.detach() for t in (q, k, v))
+    params = [t.detach() for t in params]
     with context:
-        out, lse, beta, lse_l, ent, dbeta_dh = torch.ops.ssa_flash.attn_fwd(q, k, v, b, n, None, mask, backend,
+        out, lse, beta, lse_l, ent, dbeta_dh = torch.ops.ssa_flash.attn_fwd(q, k, v, params, None, mask, backend,
                                                                             *spec_args)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         torch.library.opcheck(torch.ops.ssa_flash.attn_bwd.default,
-                              (dout, dlse, q, k, v, out, lse, b, n, None, mask, beta, lse_l, ent, dbeta_dh,
+                              (dout, dlse, q, k, v, out, lse, params, None, mask, beta, lse_l, ent, dbeta_dh,
                                backend, *spec_args))
 
 
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
 def test_opcheck_row_entropy(on_backend):
     backend, dtype, context = on_backend
-    q, k, v, b, n, _, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
+    q, k, v, params, _, mask, _, *spec_args = _fwd_args("ssa_adaptive_mask", dtype, backend)
     with context:
         torch.library.opcheck(torch.ops.ssa_flash.row_entropy.default,
-                              (q.detach(), k.detach(), b.detach(), n.detach(), None, mask, backend, *spec_args))
+                              (q.detach(), k.detach(), [t.detach() for t in params], None, mask, backend, *spec_args))
 
 
 def test_fake_shapes_without_data():
     """The fake implementation gives the real op's shapes and dtypes (GQA, Dv != D)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    spec = AttentionSpec(scale=0.3, group=2, adaptive=True).op_args()
+    spec = AttentionSpec(scale=0.3, score="ssa", group=2, adaptive=True).op_args()
     with FakeTensorMode():
         q = torch.empty(2, 4, 5, 8, dtype=torch.float16)
         k = torch.empty(2, 2, 7, 8, dtype=torch.float16)
         v = torch.empty(2, 2, 7, 3, dtype=torch.float16)
         bn = torch.empty(4)
-        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, bn, bn, None, None, "cuda", *spec)
+        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, [bn, bn], None, None, "cuda", *spec)
         assert out.shape == (2, 4, 5, 3) and out.dtype == torch.float16
         assert lse.shape == beta.shape == (2, 4, 5) and lse.dtype == torch.float32
-        dq, dk, dv, db, dn, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, bn, bn, None, None,
-                                                                  beta, beta, beta, beta, "triton", *spec)
-        assert (dq.shape, dk.shape, dv.shape, db.shape) == (q.shape, k.shape, v.shape, (4,))
+        dq, dk, dv, dparams, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, [bn, bn], None,
+                                                                   None, beta, beta, beta, beta, "triton", *spec)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        assert [d.shape for d in dparams] == [(4,), (4,)]
         assert dsinks.shape == (0,)
-        *_, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, None, None, bn, None,
-                                                  beta, beta, beta, beta, "reference", *spec)
-        assert dsinks.shape == (4,) and dsinks.dtype == torch.float32
-        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, None, None, None, None, "reference", *spec)
+        *_, dparams, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, [], bn, None,
+                                                           beta, beta, beta, beta, "reference", *spec)
+        assert dparams == [] and dsinks.shape == (4,) and dsinks.dtype == torch.float32
+        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, [], None, None, "reference", *spec)
         assert ent.shape == lse_l.shape == (2, 4, 5) and ent.dtype == torch.float32
 
 
@@ -199,9 +204,9 @@ def test_lse_only_gradient(on_backend):
     backend, dtype, context = on_backend
     q, k, v, b, n = _inputs(DEVICE, dtype)
     b, n = (t.detach().float().requires_grad_() if dtype != torch.float64 else t for t in (b, n))
-    spec = AttentionSpec(scale=8 ** -0.5, causal=True)
+    spec = AttentionSpec(scale=8 ** -0.5, score="ssa", causal=True)
     with context:
-        _, lse = ssa_autograd.attention(q, k, v, b, n, None, backend, spec)
+        _, lse = ssa_autograd.attention(q, k, v, (b, n), None, backend, spec)
         ours = torch.autograd.grad(lse.sum(), (q, k, b, n))
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, b, n)]
     _, lse_ref = ssa_flash.reference.ssa_attention(*leaves[:3], is_causal=True, b=leaves[3], n=leaves[4],

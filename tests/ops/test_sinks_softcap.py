@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ssa_flash
+from ssa_flash import scores
 from ssa_flash import autograd as ssa_autograd
 from ssa_flash import reference
 from ssa_flash.backends import cuda_backend, get, reference_backend, triton_backend
@@ -75,7 +76,8 @@ def test_ops_gradcheck_reference_backend(mode, layout):
     b, n, s = _heads(4)
     with torch.no_grad():
         s[1] = float("-inf")
-    spec_kw = dict(scale=0.45, group=2, adaptive=adaptive, threshold=threshold, softcap=1.3)
+    spec_kw = dict(scale=0.45, score="ssa" if ssa else "softmax", group=2, adaptive=adaptive, threshold=threshold,
+                   softcap=1.3)
     mask = None
     if layout == "dense_mask_window":
         mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(3)) > 0.3
@@ -93,8 +95,7 @@ def test_ops_gradcheck_reference_backend(mode, layout):
                              max_seqlen_k=3, **spec_kw)
 
     def fn(q, k, v, b, n, s):
-        out, lse = ssa_autograd.attention(q, k, v, b if ssa else None, n if ssa else None, mask,
-                                          "reference", spec, sinks=s)
+        out, lse = ssa_autograd.attention(q, k, v, (b, n) if ssa else (), mask, "reference", spec, sinks=s)
         return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
     # full Jacobians for SSA + adaptive (every path, through beta), random projections otherwise
@@ -103,7 +104,8 @@ def test_ops_gradcheck_reference_backend(mode, layout):
         out, lse = fn(q, k, v, b, n, s)
         window = (spec.window_left, spec.window_right)
         ref_out, ref_lse = reference._attend(q, k, v, mask, 0.0, spec.causal, spec.scale, True, True,
-                                             b=b if ssa else None, n=n if ssa else None, adaptive=adaptive,
+                                             score=scores.SSA if ssa else scores.SOFTMAX,
+                                             params=(b, n) if ssa else (), adaptive=adaptive,
                                              threshold=threshold, window_size=window, sinks=s, softcap=1.3)
         torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse, torch.where(torch.isfinite(ref_lse), ref_lse, torch.zeros_like(ref_lse)))
@@ -116,12 +118,12 @@ def test_ops_gradcheck_reference_backend(mode, layout):
 def test_ops_without_sinks_return_no_sink_gradient():
     q, k, v = _qkv()
     spec = AttentionSpec(scale=0.4, group=2)
-    out, lse = ssa_autograd.attention(q, k, v, None, None, None, "reference", spec)
+    out, lse = ssa_autograd.attention(q, k, v, (), None, "reference", spec)
     out.sum().backward()
-    dq, dk, dv, db, dn, dsinks = reference_backend.backward(
-        torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, None, None, None, None,
-        None, None, spec)
-    assert db is None and dn is None and dsinks is None
+    dq, dk, dv, dparams, dsinks = reference_backend.backward(
+        torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, None, None, (), None,
+        None, spec)
+    assert dparams == () and dsinks is None
     torch.testing.assert_close(dq, q.grad)
 
 
@@ -316,19 +318,20 @@ def test_key_shards_with_the_sink_once_per_row(mode):
     q, k, v = (x.detach() for x in _qkv(B=2, Lk=8))
     b, n, s = (x.detach() for x in _heads(4))
     s[2] = float("-inf")
-    b, n = (b, n) if ssa else (None, None)
-    spec = AttentionSpec(scale=0.5, group=2, adaptive=adaptive, threshold=0.2, softcap=2.0)
+    params = (b, n) if ssa else ()
+    spec = AttentionSpec(scale=0.5, score="ssa" if ssa else "softmax", group=2, adaptive=adaptive, threshold=0.2,
+                         softcap=2.0)
     be = get("reference")
     dout = torch.randn(2, 4, 6, 3, generator=torch.Generator().manual_seed(9), dtype=F64)
 
     # unsharded, with the sink
     temp = beta = None
     if adaptive:
-        ent, lse_l = be.row_entropy(q, k, None, b, n, s, spec)
+        ent, lse_l = be.row_entropy(q, k, None, params, s, spec)
         beta, dbeta_dh = beta_from_entropy(ent, spec.poly, spec.threshold)
         temp = TemperatureState(beta, lse_l, ent, dbeta_dh)
-    out_ref, lse_ref = be.forward(q, k, v, None, b, n, s, beta, spec)
-    grads_ref = be.backward(dout, q, k, v, out_ref, lse_ref, None, None, b, n, s, temp, spec)
+    out_ref, lse_ref = be.forward(q, k, v, None, params, s, beta, spec)
+    grads_ref = be.backward(dout, q, k, v, out_ref, lse_ref, None, None, params, s, temp, spec)
 
     shards = [slice(0, 3), slice(3, 8)]
     ks = [(k[:, :, sl], v[:, :, sl]) for sl in shards]
@@ -336,11 +339,11 @@ def test_key_shards_with_the_sink_once_per_row(mode):
     if adaptive:
         stats = P.empty_row_stats(q)
         for kk, _ in ks:
-            stats = P.merge_entropy(stats, P.partial_entropy(q, kk, b, n, spec, "reference"))
+            stats = P.merge_entropy(stats, P.partial_entropy(q, kk, params, spec, "reference"))
         stemp = P.temperature_state(P.merge_entropy(stats, P.sink_stats(s, stats.lse)), spec)
     out, lse = P.empty_output(q, v.shape[-1])
     for kk, vv in ks:
-        P.merge_outputs_(out, lse, *P.partial_forward(q, kk, vv, b, n, stemp.beta if adaptive else None, spec,
+        P.merge_outputs_(out, lse, *P.partial_forward(q, kk, vv, params, stemp.beta if adaptive else None, spec,
                                                       "reference"))
     P.add_sink(out, lse, s, stemp.beta if adaptive else None)
     torch.testing.assert_close(out, out_ref.to(out.dtype))
@@ -348,18 +351,18 @@ def test_key_shards_with_the_sink_once_per_row(mode):
 
     g = None
     if adaptive:
-        dbeta = sum(P.partial_dbeta(dout, q, kk, vv, out, lse, b, n, stemp, spec, "reference") for kk, vv in ks)
+        dbeta = sum(P.partial_dbeta(dout, q, kk, vv, out, lse, params, stemp, spec, "reference") for kk, vv in ks)
         g = (dbeta + P.sink_dbeta(dout, out, lse, s, stemp)) * stemp.dbeta_dh
-    parts = [P.partial_backward(dout, q, kk, vv, out, lse, b, n, spec, "reference", temp=stemp, g=g)
+    parts = [P.partial_backward(dout, q, kk, vv, out, lse, params, spec, "reference", temp=stemp, g=g)
              for kk, vv in ks]
     dsinks = P.sink_backward(dout, out, lse, s, stemp, g)
     torch.testing.assert_close(parts[0][0] + parts[1][0], grads_ref[0])
     torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]], 2), grads_ref[1])
     torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]], 2), grads_ref[2])
-    if ssa:
-        torch.testing.assert_close(parts[0][3] + parts[1][3], grads_ref[3])
-        torch.testing.assert_close(parts[0][4] + parts[1][4], grads_ref[4])
-    torch.testing.assert_close(dsinks, grads_ref[5])
+    assert len(grads_ref[3]) == len(params)
+    for a, b_, ref in zip(parts[0][3], parts[1][3], grads_ref[3]):
+        torch.testing.assert_close(a + b_, ref)
+    torch.testing.assert_close(dsinks, grads_ref[4])
     assert dsinks[2] == 0 and (dsinks[[0, 1, 3]] != 0).all()
 
 

@@ -294,9 +294,9 @@ def test_cuda_backend_refuses_packed_batches():
 def _op_args(backend="triton"):
     q, k, v = packed_inputs([3, 0, 2], [2, 1, 2], Hq=4, Hkv=2, D=8)
     b, n = head_params(4, dtype=torch.float64)
-    spec = AttentionSpec(scale=0.3, causal=True, group=2, adaptive=True, cu_seqlens_q=cu([3, 0, 2]),
+    spec = AttentionSpec(scale=0.3, score="ssa", causal=True, group=2, adaptive=True, cu_seqlens_q=cu([3, 0, 2]),
                          cu_seqlens_k=cu([2, 1, 2]), max_seqlen_q=3, max_seqlen_k=2)
-    return (q, k, v, b, n, None, None, backend, *spec.op_args())
+    return (q, k, v, [b, n], None, None, backend, *spec.op_args())
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -315,9 +315,9 @@ def test_fake_shapes_packed():
         q = torch.empty(5, 4, 8)
         k = torch.empty(7, 2, 8)
         v = torch.empty(7, 2, 3)
-        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, None, None, None, None, "triton", *spec.op_args())
+        out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, [], None, None, "triton", *spec.op_args())
         assert out.shape == (5, 4, 3) and lse.shape == beta.shape == (4, 5)
-        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, None, None, None, None, "triton", *spec.op_args())
+        ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, [], None, None, "triton", *spec.op_args())
         assert ent.shape == (4, 5)
 
 
