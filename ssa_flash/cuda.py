@@ -63,10 +63,10 @@ class CudaAttentionFunction:
               poly: Sequence[float], threshold: float, ext=None):
         from .autograd import attention  # the op layer sits above the backends
 
-        spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group),
-                             adaptive=bool(adaptive), poly=tuple(poly), threshold=float(threshold))
+        spec = AttentionSpec(scale=float(scale), score="softmax" if b is None else "ssa", causal=bool(causal),
+                             group=int(group), adaptive=bool(adaptive), poly=tuple(poly), threshold=float(threshold))
         with emulated(ext):
             why = _backend.supports(q, k, v, spec)
             if why is not None:
                 raise _backend.BackendUnavailableError(f"backend='cuda' cannot run these inputs: {why}")
-            return attention(q, k, v, b, n, mask, "cuda", spec)
+            return attention(q, k, v, () if b is None else (b, n), mask, "cuda", spec)

@@ -489,6 +489,32 @@ def test_emulated_sm90_path(emu_lib_sm90, mode, D):
     assert harness.Emulator(lib).wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
 
 
+def _logit_scale_tests():
+    """tests/cuda/test_cuda_logit_scale.py (its torch lines and case runner) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ssa_logit_scale_tests", Path(__file__).with_name("test_cuda_logit_scale.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("path", ["sm90", "sm75", "sm70"])
+def test_emulated_logit_scale_paths(request, path):
+    """The logit scale (csrc/logits.h, LogitScale) on the sm_90a (wgmma), sm_75 and sm_70 code
+    paths at D = 64: causal, a boolean mask, GQA, fixed (fused backward) and adaptive temperature
+    (two-kernel backward), against the torch lines of tests/cuda/test_cuda_logit_scale.py, which
+    runs every feature on the sm_80 path."""
+    harness, lib = request.getfixturevalue(f"emu_lib_{path}")
+    ls = _logit_scale_tests()
+    emu = harness.Emulator(lib, lazy_copies=True)
+    before = emu.wgmma_issued()
+    for adaptive in (False, True):
+        ls._case(emu, D=64, causal=True, mask=ls._bool_mask(70, 90), adaptive=adaptive, deterministic=adaptive)
+    if path == "sm90":
+        assert emu.wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
+
+
 def test_emulated_sm90_schedule_independent(emu_lib, emu_lib_sm90):
     """sm_90a: other thread and block orders, cp.async and wgmma completing at issue or at their
     waits, give bitwise the same results (the deterministic backward); the default emulation

@@ -110,7 +110,9 @@ def _case(emu, *, dtype=torch.float16, B=2, Hq=4, Hkv=2, Lq=70, Lk=90, D=32, s_v
     for name in names:
         o = ours[name]
         assert torch.isfinite(o).all(), f"{name} has non-finite entries"
-        fl = floor * (math.sqrt(Lq * Lk) if name in ("ds", "dsinks") else (1 if name in ("out", "lse") else 4))
+        # (ds sums Lq Lk terms per head: relative to its size, the kernels' error stays below 1e-3
+        # where the naive run's reaches 1e-2, so the plain floor holds it to about 0.5 % in float16)
+        fl = floor * (1 if name in ("out", "lse", "ds", "dsinks") else 4)
         fa_tolerance_check(name, o, naive[name], gold[name], fl)
     return ours, gold
 
