@@ -278,8 +278,8 @@ class Emulator:
         ops run it (row entropy, beta from the entropy, forward). ``mask`` expanded to
         (B, Hq, Lq, Lk) or None. The score function: ``score`` (a registry name) with ``params``, or
         SSA when ``b`` and ``n`` are given, else softmax. Returns a dict: out, lse, and (backward)
-        dq, dk, dv, dparams (a tuple), each parameter's gradient by ``d<name>`` (db, dn, ds) and
-        dsinks (with sinks)."""
+        dq, dk, dv, each parameter's gradient by ``d<name>`` (db, dn, ds) and dsinks (with sinks):
+        tensors only."""
         from ssa_flash import scores, temperature
         from ssa_flash.backends import cuda_backend as backend
         from ssa_flash.backends.spec import AttentionSpec, TemperatureState
@@ -313,7 +313,7 @@ class Emulator:
             dl = None if dlse is None else torch.where(torch.isfinite(lse), dlse.float(), 0.0)
             dq, dk, dv, dparams, dsinks = backend.backward(dout, q, k, v, out, lse, dl, mask, params, sinks, temp,
                                                            spec)
-        res.update(dq=dq, dk=dk, dv=dv, dparams=dparams)
+        res.update(dq=dq, dk=dk, dv=dv)
         res.update({f"d{name}": g for name, g in zip(fn.params, dparams)})
         if dsinks is not None:
             res["dsinks"] = dsinks

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,8 +56,15 @@ def missing_reason() -> Optional[str]:
     return f"CUDA 12 wheels not installed: {', '.join(what)}" if what else None
 
 
-# the score functions' policy types (csrc/logits.h; csrc/dispatch.h's Scores)
-SCORES = ("Softmax", "Ssa", "LogitScale")
+def score_policies(csrc: Path = CSRC) -> tuple:
+    """The score functions' policy types (csrc/logits.h), as csrc/dispatch.h lists them (Scores)."""
+    m = re.search(r"using\s+Scores\s*=\s*ScoreList<([^>]*)>", (csrc / "dispatch.h").read_text())
+    if m is None:
+        raise RuntimeError("csrc/dispatch.h: no `using Scores = ScoreList<...>`")
+    return tuple(t.strip() for t in m.group(1).split(",") if t.strip())
+
+
+SCORES = score_policies()
 
 
 def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] = ()) -> str:

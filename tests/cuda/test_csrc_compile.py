@@ -724,6 +724,31 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
     assert not any(emu70.plan(D, D, 100, 130, "ssa", False, False, False)["fused"] for D in (96, 128))
 
 
+def test_kernel_scores_match_the_policies():
+    """The score functions the CUDA backend accepts (cuda_backend.KERNEL_SCORES) are those of
+    csrc/dispatch.h's list, each policy's kId (csrc/logits.h) the registry's id of that name and
+    kParams its parameter count."""
+    from ssa_flash import scores
+    from ssa_flash.backends import cuda_backend
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import nvrtc_build
+    finally:
+        sys.path.remove(str(TOOLS))
+    logits = (CSRC / "logits.h").read_text()
+    found = []
+    for policy in nvrtc_build.score_policies():
+        body = re.search(r"struct " + policy + r" \{(.*?)\n\};", logits, re.S)
+        assert body, f"csrc/logits.h has no policy {policy}"
+        kid = int(re.search(r"kId = (\d+);", body.group(1)).group(1))
+        nparams = int(re.search(r"kParams = (\d+);", body.group(1)).group(1))
+        fn = scores.get(kid)
+        assert len(fn.params) == nparams, (policy, fn.name)
+        found.append(fn.name)
+    assert sorted(found) == sorted(cuda_backend.KERNEL_SCORES)
+
+
 def test_emulated_call_struct_layout(emu_lib):
     """tests/emu_harness.py's ctypes mirrors of AttnCall, Operand, BwdPlan and BwdBuffers
     (csrc/set_params.h, launch.h) against the emulator's sizeof / offsetof of each: a field added,
