@@ -105,7 +105,7 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     # the score function's policy type (csrc/logits.h) comes first, as a (substituted) nested name
     # (N9ssa_flash3SsaE, NS_3SsaE; before the policies, a bool kSSA): the audit's tables have
     # softmax and SSA, read as that bool; logit-scale kernels are left out of them
-    sm = re.match(r"N(?:9ssa_flash|S\d*_)(\d+)", symbol[tm.end():])
+    sm = re.match(r"E?N(?:9ssa_flash|S\d*_)(\d+)", symbol[tm.end():])
     if sm:
         score = symbol[tm.end() + sm.end(): tm.end() + sm.end() + int(sm.group(1))]
         if score not in ("Softmax", "Ssa"):
