@@ -378,6 +378,14 @@ def interior(row: dict) -> Optional[dict]:
     return min(loops, key=lambda lp: lp["per_element"]["total"])
 
 
+#: The op (as the Triton audit names it) of a CUDA C++ kernel by its ``(ssa, adaptive)`` flags
+#: (:func:`describe_ssa_flash`): the variants the CUDA C++ kernels are audited for, a subset of
+#: ``specs.OPS`` until their symbols name the other score functions.
+_CUDA_OPS = {(False, False): "softmax", (True, False): "ssa", (False, True): "adaptive",
+             (True, True): "ssa_adaptive"}
+OPS = tuple(_CUDA_OPS.values())
+
+
 def kernel_rows(result: dict) -> Dict[tuple, dict]:
     """The kernels of an :func:`audit` result by ``(kernel, op, head_dim, dtype)`` (``op`` as the
     Triton audit names it: softmax, ssa, adaptive, ssa_adaptive); the fused backward's pre-pass is
@@ -393,8 +401,7 @@ def kernel_rows(result: dict) -> Dict[tuple, dict]:
             continue  # DkdvTraitsSm75
         if d.get("softcap") or d.get("sinks"):
             continue
-        op = {(False, False): "softmax", (True, False): "ssa", (False, True): "adaptive",
-              (True, True): "ssa_adaptive"}[(bool(d["ssa"]), bool(d["adaptive"]))]
+        op = _CUDA_OPS[(bool(d["ssa"]), bool(d["adaptive"]))]
         kernel = "bwd_prep" if d.get("prep") else d["kernel"]
         out[(kernel, op, d["head_dim"], d["dtype"])] = row
     return out

@@ -30,7 +30,7 @@ DEFINITIONS = {
               "per SM (H100 sm_90: 128, 16, 2048 bf16/fp16 MACs; A100 sm_80: 128, 16, 1024); "
               "binding = the largest term; tflops = the source's matmul FLOPs per element over that time, "
               "at 132 SMs x 1.83 GHz (989 TFLOP/s) or 108 x 1.41 GHz (312 TFLOP/s)."),
-    "ratio_vs_softmax": "SSA variant / the same specialisation with softmax, interior (or main) loop",
+    "ratio_vs_softmax": "score function (SSA, ...) / the same specialisation with softmax, interior (or main) loop",
 }
 
 
@@ -62,13 +62,15 @@ def gated_loop(config: Optional[dict]) -> Optional[dict]:
 
 
 def add_ratios(results: List[dict]) -> None:
-    """Set ``ratio_vs_softmax`` on the gated loop of every SSA result whose softmax twin is present."""
+    """Set ``ratio_vs_softmax`` on the gated loop of every result of a score function other than
+    softmax whose softmax twin is present."""
+    from .. import scores
     from .specs import Variant
 
     by_id = {r["id"]: r for r in results}
     for r in results:
         v = Variant(**r["variant"])
-        if not v.ssa:
+        if v.score is scores.SOFTMAX:
             continue
         twin = by_id.get(v.softmax_twin().id)
         a, b = gated_loop(chosen_config(r)), gated_loop(chosen_config(twin) if twin else None)
@@ -216,7 +218,7 @@ def text_report(results: List[dict], arch: int, all_loops: bool = True) -> str:
             "not fit; ~ = a candidate the launcher would not use, --all-candidates); spill = bytes stored+loaded; "
             "mufu ex2/lg2/rcp per element; mma/el = tensor MACs per element; "
             "rep = tensor work / source matmuls; bound = binding term (issue / mufu / tensor); TF/s = matmul "
-            "TFLOP/s the bound allows; xsoftmax = SSA instructions / softmax instructions (interior loop).")
+            "TFLOP/s the bound allows; xsoftmax = the score function's instructions / softmax's (interior loop).")
     return head + "\n" + format_table(table_rows(mine, all_loops))
 
 

@@ -1,6 +1,7 @@
 """The kernel specialisations the Triton launcher can choose, and the launches that compile them.
 
-A :class:`Variant` names one: kernel x operation (softmax / SSA x fixed / adaptive temperature) x
+A :class:`Variant` names one: kernel x operation (a score function of ``ssa_flash.scores`` x fixed /
+adaptive temperature: ``scores.variants()``, named as :attr:`ssa_flash.scores.Variant.name`) x
 causal x mask kind x head dim x dtype x target (x a feature switch: dropout, a local window, a
 packed variable-length batch or a decoding step on a KV cache). :func:`capture` calls the launcher's host
 functions (``ssa_flash.triton.launch``) with ``meta`` tensors inside ``capture_launches``, so that
@@ -18,8 +19,10 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 
+from .. import scores
+
 KERNELS = ("fwd", "row_entropy", "bwd_dq", "bwd_dkdv")
-OPS = ("softmax", "ssa", "adaptive", "ssa_adaptive")
+OPS = tuple(sv.name for sv in scores.variants())
 MASKS = ("none", "bool", "additive")
 #: Feature switches that change what the launcher compiles (and its tile choice): none; dropout
 #: (p = 0.1); a sliding window of 256 keys (causal) or 256 either side; a packed variable-length
@@ -53,12 +56,17 @@ class Variant:
         return frozenset(self.feature.split("+")) - {"none"}
 
     @property
+    def score(self) -> scores.ScoreFunction:
+        """The score function of :attr:`op`."""
+        return scores.VARIANTS[self.op].score
+
+    @property
     def ssa(self) -> bool:
-        return self.op in ("ssa", "ssa_adaptive")
+        return self.score is scores.SSA
 
     @property
     def adaptive(self) -> bool:
-        return self.op in ("adaptive", "ssa_adaptive")
+        return scores.VARIANTS[self.op].adaptive
 
     @property
     def id(self) -> str:
@@ -74,8 +82,9 @@ class Variant:
         return "-".join(parts)
 
     def softmax_twin(self) -> "Variant":
-        """The same specialisation without SSA (the baseline of the SSA/softmax ratios)."""
-        op = {"ssa": "softmax", "ssa_adaptive": "adaptive"}.get(self.op, self.op)
+        """The same specialisation with softmax's score function (the baseline of the
+        score function / softmax ratios)."""
+        op = scores.Variant(scores.SOFTMAX, self.adaptive).name
         return Variant(**dict(asdict(self), op=op))
 
     def to_dict(self) -> dict:
@@ -91,7 +100,7 @@ def runs(kernel: str, op: str, feature: str = "none", mask: str = "none") -> boo
     unknown = fs - set(FEATURES)
     if unknown:
         raise ValueError(f"unknown feature {sorted(unknown)}; choose from {FEATURES}")
-    if kernel == "row_entropy" and op not in ("adaptive", "ssa_adaptive"):
+    if kernel == "row_entropy" and not scores.VARIANTS[op].adaptive:
         return False
     if fs & {"varlen", "decode"} and mask != "none":
         return False
@@ -134,8 +143,7 @@ def _call_host(v: Variant):
         mask = meta(1, 1, L, L, dtype=torch.bool).expand(B, H, L, L)
     elif v.mask == "additive":
         mask = meta(1, 1, L, L).expand(B, H, L, L)
-    b = meta(H, dtype=acc) if v.ssa else None
-    n = meta(H, dtype=acc) if v.ssa else None
+    params = tuple(meta(H, dtype=acc) for _ in v.score.params)
     fs = v.features
     feat = {}
     if "dropout" in fs:
@@ -146,7 +154,7 @@ def _call_host(v: Variant):
         feat.update(softcap=30.0)
     sinks = meta(H, dtype=acc) if "sinks" in fs else None
     spec = launch.AttentionSpec(scale=D ** -0.5, causal=v.causal, group=v.group, adaptive=v.adaptive,
-                                **feat)
+                                score=v.score.name, **feat)
     layout = None
     Lq = L
     if "varlen" in fs:  # B sequences of at most L rows, packed: (B * L, H, D)
@@ -159,14 +167,14 @@ def _call_host(v: Variant):
         layout = launch.KVCache(meta(B, dtype=torch.int32))
     rows = (H, B * L) if "varlen" in fs else (B, H, Lq)
     if v.kernel == "row_entropy":
-        launch.row_entropy(q, k, mask, b, n, spec, layout, sinks=sinks)
+        launch.row_entropy(q, k, mask, params, spec, layout, sinks=sinks)
     elif v.kernel == "fwd":
         beta = meta(*rows, dtype=acc) if v.adaptive else None
-        launch.forward(q, k, val, mask, b, n, beta, spec, layout, sinks=sinks)
+        launch.forward(q, k, val, mask, params, beta, spec, layout, sinks=sinks)
     else:
         o, lse = meta(*q.shape), meta(*rows, dtype=acc)
         temp = launch.TemperatureState(*(meta(*rows, dtype=acc) for _ in range(4))) if v.adaptive else None
-        launch.backward(o, q, k, val, o, lse, None, mask, b, n, temp, spec, layout, sinks=sinks)
+        launch.backward(o, q, k, val, o, lse, None, mask, params, temp, spec, layout, sinks=sinks)
 
 
 def capture(v: Variant, candidate: int = 0):

@@ -4,9 +4,11 @@ Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRI
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
 packed variable-length (``spec.packed``) and KV-cache (``spec.kv_cache``, split-KV) layouts; dropout
 (Philox bits generated in the kernels, regenerated in the backward), windows, attention sinks and
-logit soft-capping (compile-time switches: calls without them run the kernels compiled without). No atomics
-(per-block partial sums of db/dn reduced in a fixed order); ``spec.deterministic`` fixes the block
-configurations, which are otherwise timed (see ``launch._launch``).
+logit soft-capping (compile-time switches: calls without them run the kernels compiled without);
+every score function of ``ssa_flash.scores`` (the kernels are compiled per score function,
+``triton/logits.py``). No atomics (per-block partial sums of the score parameters' gradients reduced
+in a fixed order); ``spec.deterministic`` fixes the block configurations, which are otherwise timed
+(see ``launch._launch``).
 Triton is imported on first use, so the package works without it.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from .. import scores
 from ..triton.interpreter import interpreting
 from .spec import AttentionSpec, TemperatureState
 
@@ -99,6 +102,10 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
+    try:  # every score function of the registry (ssa_flash/triton/logits.py has each one's maths)
+        scores.get(spec.score)
+    except ValueError as err:
+        return str(err)
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return (f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {q.shape[-1]}, "
                 f"value {v.shape[-1]}")
@@ -138,53 +145,53 @@ def _bf16(x):
     return None if x is None else x.to(torch.bfloat16)
 
 
-def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
+def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
     launch = _launch()
     if _emulate_bf16(q):
         q, k, mask = _f32(q), _f32(k), _f32(mask)
-    return launch.row_entropy(q, k, mask, b, n, spec, _layout(launch, spec), sinks=sinks)
+    return launch.row_entropy(q, k, mask, params, spec, _layout(launch, spec), sinks=sinks)
 
 
-def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
+def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     launch = _launch()
     if _emulate_bf16(q):
-        o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), b, n, sinks, beta, spec)
+        o, lse = forward(_f32(q), _f32(k), _f32(v), _f32(mask), params, sinks, beta, spec)
         return _bf16(o), lse
-    return launch.forward(q, k, v, mask, b, n, beta if spec.adaptive else None, spec,
+    return launch.forward(q, k, v, mask, params, beta if spec.adaptive else None, spec,
                           _layout(launch, spec), sinks=sinks)
 
 
-def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
+def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     launch = _launch()
     if _emulate_bf16(q):
-        dq, dk, dv, db, dn, dsinks = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n,
-                                              sinks, temp, spec)
-        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn, dsinks
-    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp if spec.adaptive else None, spec,
+        dq, dk, dv, dparams, dsinks = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), params,
+                                               sinks, temp, spec)
+        return _bf16(dq), _bf16(dk), _bf16(dv), dparams, dsinks
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, params, temp if spec.adaptive else None, spec,
                            _layout(launch, spec), sinks=sinks)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys
 
 
-def row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+def row_dbeta(dout, q, k, v, out, lse, dlse, mask, params, temp: TemperatureState, spec: AttentionSpec):
     launch = _launch()
     if _emulate_bf16(q):
         dout, q, k, v, out, mask = map(_f32, (dout, q, k, v, out, mask))
-    return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, b, n, temp,
+    return launch.row_dbeta(dout, q, k, v, out, lse, dlse, mask, params, temp,
                             spec)
 
 
-def backward_given_g(dout, q, k, v, out, lse, dlse, mask, b, n, temp: TemperatureState, g,
+def backward_given_g(dout, q, k, v, out, lse, dlse, mask, params, temp: TemperatureState, g,
                      spec: AttentionSpec):
     launch = _launch()
     if _emulate_bf16(q):
-        dq, dk, dv, db, dn = backward_given_g(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), b, n,
-                                              temp, g, spec)
-        return _bf16(dq), _bf16(dk), _bf16(dv), db, dn
-    return launch.backward(dout, q, k, v, out, lse, dlse, mask, b, n, temp,
-                           spec, g=g)[:5]
+        dq, dk, dv, dparams = backward_given_g(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), params,
+                                               temp, g, spec)
+        return _bf16(dq), _bf16(dk), _bf16(dv), dparams
+    return launch.backward(dout, q, k, v, out, lse, dlse, mask, params, temp,
+                           spec, g=g)[:4]
 
 
 def dropout_mask(rng, shape, dropout_p: float):

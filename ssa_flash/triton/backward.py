@@ -2,7 +2,8 @@
 
 1. ``attention_bwd_dq_kernel``, one program per query block: ``delta = rowsum(dO * O) - dlse`` and the
    LSE in base 2 (both stored for kernel 2), ``dQ``, the
-   per-row temperature gradient ``g`` (adaptive) and per-block partial sums of ``db``, ``dn`` (SSA).
+   per-row temperature gradient ``g`` (adaptive) and per-block partial sums of the score
+   function's parameter gradients (``db``, ``dn`` for SSA, ``d s_h`` for the logit scale).
 2. ``attention_bwd_dkdv_kernel``, one program per key block of a key/value head: ``dK``, ``dV``,
    summing over the query heads of its GQA group in registers. Its tiles are transposed
    (keys x queries: ``S^T = K Q^T``) so that all three of its matmuls have the key block as their
@@ -14,9 +15,13 @@ the output weights:
 
     dS'  = P' * (dO V^T - delta)                        (FlashAttention-2's dS, on S')
     dl   = beta * dS' - g * P * (log P + H)              (g = 0 and beta = 1 without ADAPTIVE)
-    ds   = dl * dl/ds,  dl/ds = scale (softmax),  n b scale / (1 + b|z|) (SSA)
+    ds   = dl * dl/ds,  dl/ds = scale (softmax),  n b scale / (1 + b|z|) (SSA),  s_h scale (logit scale)
     dQ   = ds K,   dK = ds^T Q,   dV = P'^T dO
     db   = sum dl * n z / (1 + b|z|) = (1/b) sum_i q_i . dQ_i,   dn = sum dl * sgn(z) log1p(b|z|)
+    d s_h = sum dl * z = (1/s_h) sum_i q_i . dQ_i  (logit scale)
+
+The score function's part of each step (its ``x``, ``dl/ds``, the parameters' gradient terms) is
+in ``logits.py``, selected by the ``SCORE`` constexpr.
 
 Dropout (``DROPOUT``, docs/design.md §1.5): with ``M`` the keep mask (regenerated, see
 ``dropout.dropout_keep``) and ``r = 1 / (1 - p)`` the output is ``(r M * P') V``, so
@@ -27,7 +32,7 @@ Under ``WINDOW`` the loops skip blocks outside the band and treat the blocks its
 boundary blocks, as in the forward.
 
 The identity for ``db`` holds because the logits depend on ``b`` and ``q`` only through
-``b z`` and ``sgn(z)``: scaling ``b`` is scaling ``q``. So ``db`` costs no work per element; the
+``b z`` and ``sgn(z)``: scaling ``b`` is scaling ``q`` (likewise ``s_h z``). So ``db`` costs no work per element; the
 dQ kernel takes it from its dQ accumulator once per row (``n scale sum_d q dQ_unscaled``, no
 division by ``b``).
 
@@ -63,7 +68,8 @@ import triton.language as tl
 from .dropout import dropout_keep
 from .extents import (interior_end, key_block_rows, query_block_rows, query_rows, row_stat_base, rows_base, stage_range,
                       tile_ptrs, window_key_bounds, window_query_bounds)
-from .logits import LN2, LOG2E, safe_row_max, ssa_reciprocal, tile_logit_input_and_u
+from .logits import (LN2, LOG2E, bwd_head_coefficients, dq_tile_terms, ds_scale_per_head, dscore_factor, safe_row_max,
+                     store_param_grads, tile_logit_input_and_u)
 from .masks import boundary_logits
 from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
 
@@ -75,38 +81,9 @@ def _masked_lse2(lse):
 
 
 @triton.jit
-def _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SOFTCAP: tl.constexpr,
-                        ACC: tl.constexpr):
-    """``(cb, coef, ds_scale)`` of one head: ``cb = |scale| b``; ``coef`` turns ``x`` into base-2
-    logits with its sign (``n sgn(scale)`` for SSA, ``scale log2(e)`` for softmax);
-    ``ds_scale = dl/ds`` without the ``1 / (1 + b|z|)`` factor (``n b scale``, or ``scale``).
-    Under ``SOFTCAP`` the cap ``cap_c`` replaces ``|scale|`` in ``cb`` and ``coef`` (logits.py);
-    ``ds_scale`` then also lacks the per-element ``1 - t^2``."""
-    scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    if SSA:
-        b = tl.load(B_SSA + off_h).to(ACC)
-        n = tl.load(N_SSA + off_h).to(ACC)
-        if SOFTCAP:
-            cb = b * cap_c
-        else:
-            cb = b * (scale * scale_sign)
-        coef = n * scale_sign
-        ds_scale = n * b * scale
-    else:
-        cb = scale * scale_sign
-        if SOFTCAP:
-            cb = cap_c
-        coef = scale * LOG2E
-        if SOFTCAP:
-            coef = cap_c * scale_sign * LOG2E
-        ds_scale = scale
-    return cb, coef, ds_scale
-
-
-@triton.jit
-def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
+def _dq_key_blocks(dq, dq_ent, acc1, ent1, dbeta, acc0, ent0,
                    q, do, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi, row_strides, sizes, coefs, rows,
-                   SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
+                   SCORE: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                    MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -116,12 +93,12 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
     ``row_strides = (K, V, mask row, mask column)`` strides, ``sizes = (Lq, Lk, D, DV)``,
     ``coefs = (cb, coef, cap_a)``, the rows' ``rows = (lse2, delta, beta, lse_l2, ent)``,
     ``window = (left, right)``, ``dropout_args = (drop, drop_scale, start_m)``. Accumulates (unscaled):
-    ``dq += (dl / u) K`` (``u = 1 + b|z|``, 1 for softmax) and ``dn_acc += rowsum(dl x)``; with
-    ADAPTIVE also ``dbeta`` (centred: ``rowsum(dl (l2 - lse_l2))``) and the entropy-term sums.
-    With DROPOUT ``dP' = r M (dO V^T)`` (``drop``: ``dropout.dropout_state``'s tuple,
-    ``drop_scale = r``, ``start_m`` the first query).
-    SSA with ``SOFTCAP`` also ``db_acc += rowsum(dl t / u)`` (and ``db_ent``): the cap breaks the
-    identity that gives ``db`` from ``dQ``."""
+    ``dq += ds K`` and the parameters' per-row gradient sums ``acc0, acc1`` (``logits.dq_tile_terms``:
+    SSA ``ds = dl / u``, ``acc1 = rowsum(dl x)`` (dn), ``acc0 = rowsum(dl t / u)`` (db, ``SOFTCAP``
+    only: the cap breaks the identity that gives ``db`` from ``dQ``)); with ADAPTIVE also
+    ``dbeta`` (centred: ``rowsum(dl (l2 - lse_l2))``) and the entropy-term sums (``dq_ent``,
+    ``ent0``, ``ent1``). With DROPOUT ``dP' = r M (dO V^T)`` (``drop``:
+    ``dropout.dropout_state``'s tuple, ``drop_scale = r``, ``start_m`` the first query)."""
     stride_kn, stride_vn, stride_mask_m, stride_mask_n = row_strides
     Lq, Lk, D, DV = sizes
     cb, coef, cap_a = coefs
@@ -145,7 +122,7 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
             k = tl.load(k_ptrs + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
             v = tl.load(v_ptrs + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x, u, t = tile_logit_input_and_u(s, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
+        x, u, t = tile_logit_input_and_u(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
@@ -179,39 +156,23 @@ def _dq_key_blocks(dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent,
                 dbeta += tl.sum(dl * log_p2, 1)
                 ent_term = tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None])
             dl = dl * beta[:, None]
-        if SSA:
-            r = ssa_reciprocal(u, x, BLOCK_M, BLOCK_N, FAST_MATH, POLY_EXP2)
-            r_t = r
-            if SOFTCAP:  # dz'/dz = 1 - t^2; db sees the capped score
-                r_t = r * t
-                db_acc += tl.sum(dl * r_t, 1)
-                r = r * (1.0 - t * t)
-            ds = dl * r
-            dn_acc += tl.sum(dl * x, 1)
-            if ADAPTIVE:
-                dn_ent += tl.sum(ent_term * x, 1)
-                if SOFTCAP:
-                    db_ent += tl.sum(ent_term * r_t, 1)
-                dq_ent += tl.dot((ent_term * r).to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
-        else:
-            ds = dl
-            if SOFTCAP:
-                ds = dl * (1.0 - t * t)
-            if ADAPTIVE:
-                ent_ds = ent_term
-                if SOFTCAP:
-                    ent_ds = ent_term * (1.0 - t * t)
-                dq_ent += tl.dot(ent_ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
+        ent_term_in = dl
+        if ADAPTIVE:
+            ent_term_in = ent_term
+        ds, ent_ds, acc0, acc1, ent0, ent1 = dq_tile_terms(dl, ent_term_in, x, u, t, acc0, acc1, ent0, ent1, SCORE,
+                                                           ADAPTIVE, SOFTCAP, BLOCK_M, BLOCK_N, FAST_MATH, POLY_EXP2)
+        if ADAPTIVE:
+            dq_ent += tl.dot(ent_ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION, out_dtype=ACC)
-    return dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent
+    return dq, dq_ent, acc1, ent1, dbeta, acc0, ent0
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, O, DO, DQ, row_stats, temperature, ssa_coefs, ssa_parts, MASK,
+    Q, K, V, O, DO, DQ, row_stats, temperature, score_params, param_parts, MASK,
     q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, mask_strides,
     dims, scale, seqlens, dropout, window, sinks, softcap,
-    SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    SCORE: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -219,12 +180,15 @@ def attention_bwd_dq_kernel(
     G_GIVEN: tl.constexpr = False, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
     SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False, DBETA_PART: tl.constexpr = False,
 ):
-    """dQ of one query block, with (SSA) its share of dB, dN and (adaptive) the temperature terms.
+    """dQ of one query block, with its share of the score function's parameter gradients and
+    (adaptive) the temperature terms.
     Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``row_stats = (LSE, DLSE,
     DELTA, LSE2, stat_stride_h)`` the per-row statistics (the forward's LSE, the gradient reaching
     it, delta and the base-2 LSE written here for the dK/dV kernel) and their head stride;
     ``temperature = (BETA, LSE_L, ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
-    ``ssa_parts = (DB_PART, DN_PART)`` the per-program partial sums of dB and dN,
+    ``score_params = (P0, P1)`` as in the forward, ``param_parts = (DP0_PART, DP1_PART)`` the
+    per-program partial sums of their gradients (``logits.store_param_grads``; dummies where
+    the score function has fewer parameters),
     ``seqlens = (CU_Q, CU_K)``; ``sinks = (SINK, DSINK_PART)`` the ``(Hq,)`` sink logits and the
     per-program partial sums of their gradient (``SINKS``), ``softcap`` as in the forward.
     ``DBETA_PART``: the keys are a shard of the rows' (:func:`~.launch.row_dbeta`), whose ``dbeta``
@@ -232,7 +196,7 @@ def attention_bwd_dq_kernel(
     H, Lq, Lk, D, DV, GROUP, num_m_blocks = dims
     LSE, DLSE, DELTA, LSE2, stat_stride_h = row_stats
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
-    DB_PART, DN_PART = ssa_parts
+    DP0_PART, DP1_PART = param_parts
 
     # where this program's rows lie (extents.py: dense or packed); q, dO, O and dQ share the
     # query rows, K and V the key rows
@@ -260,13 +224,13 @@ def attention_bwd_dq_kernel(
     tl.store(LSE2 + row_stat, lse2, mask=row_ok)  # for the dK/dV kernel, ready to use
 
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
-    B_SSA, N_SSA = ssa_coefs
-    cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
+    P0, P1 = score_params
+    cb, coef, ds_scale = bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
     zero_row = tl.zeros((BLOCK_M,), dtype=ACC)
-    db_acc = zero_row
-    db_ent = zero_row
-    dn_acc = zero_row
-    dn_ent = zero_row
+    acc0 = zero_row
+    ent0 = zero_row
+    acc1 = zero_row
+    ent1 = zero_row
     dbeta = zero_row
     beta = zero_row + 1.0
     lse_l2 = zero_row
@@ -297,10 +261,10 @@ def attention_bwd_dq_kernel(
     for STAGE in tl.static_range(3):
         if STAGE != 0 or WINDOW:
             start, end = stage_range(STAGE, lo, a, mid, hi)
-            dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent = _dq_key_blocks(
-                dq, dq_ent, dn_acc, dn_ent, dbeta, db_acc, db_ent, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
+            dq, dq_ent, acc1, ent1, dbeta, acc0, ent0 = _dq_key_blocks(
+                dq, dq_ent, acc1, ent1, dbeta, acc0, ent0, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
                 start, end, (k_strides[2], v_strides[2], mask_strides[2], mask_strides[3]), (Lq, Lk, D, DV),
-                (cb, coef, cap_a), (lse2, delta, beta, lse_l2, ent), SSA, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1,
+                (cb, coef, cap_a), (lse2, delta, beta, lse_l2, ent), SCORE, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1,
                 EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M,
                 POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, m_block * BLOCK_M),
                 WINDOW, DROPOUT, SOFTCAP)
@@ -327,9 +291,8 @@ def attention_bwd_dq_kernel(
             g = dbeta * LN2 * tl.load(DBETA_DH + row_stat, mask=row_ok, other=0.0).to(ACC)
             tl.store(G + row_stat, g, mask=row_ok)
         dq = dq - g[:, None] * dq_ent
-        dn_acc = dn_acc - g * dn_ent
-        if SOFTCAP:
-            db_acc = db_acc - g * db_ent
+        acc1 = acc1 - g * ent1
+        acc0 = acc0 - g * ent0
     if SINKS:
         # d s_h = sum_i [beta_i dS'_i,sink - g_i P_i,sink (log P_i,sink + H_i)] (the second term:
         # the entropy path, adaptive only; P_sink temperature-free), one partial sum per program
@@ -339,17 +302,8 @@ def attention_bwd_dq_kernel(
             log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2) * LN2, 0.0)
             dsink -= tl.where(row_ok, g * p_sink_l * (log_p_sink + ent), 0.0)
         tl.store(DSINK_PART + bh * num_m_blocks + m_block, tl.sum(dsink, 0))
-    if SSA:
-        # db = n scale sum(dl s / u) = n scale sum_i q_i . dq_i (unscaled dq: sum_j (dl/u)_ij k_j);
-        # dn = sgn(scale) ln2 sum(dl x). Rows past Lq have q = 0 and dl = 0.
-        scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
-        n = tl.load(N_SSA + off_h).to(ACC)
-        if SOFTCAP:  # db = n c sgn(scale) sum(dl t / u): z' = c sgn(scale) t
-            tl.store(DB_PART + bh * num_m_blocks + m_block, tl.sum(db_acc, 0) * (n * cap_c * scale_sign))
-        else:
-            q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
-            tl.store(DB_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
-        tl.store(DN_PART + bh * num_m_blocks + m_block, tl.sum(dn_acc, 0) * (scale_sign * LN2))
+    store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, (bh, num_m_blocks, m_block), off_h, scale,
+                      cap_c, SCORE, SOFTCAP, ACC)
     dq = dq * ds_scale
     tl.store(tile_ptrs(DQ, rows_base(dq_strides, batch, q_row0), dq_strides, off_h, offs_m, offs_d),
              dq.to(DQ.dtype.element_ty), mask=qd_ok)
@@ -358,7 +312,7 @@ def attention_bwd_dq_kernel(
 @triton.jit
 def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, lo, hi,
                        row_strides, sizes, coefs, row_ptrs,
-                       SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
+                       SCORE: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr,
                        MASK_KIND: tl.constexpr, BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -399,7 +353,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             lse2 = tl.load(LSE2 + row_stat)
             delta = tl.load(DELTA + row_stat)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x, u, t = tile_logit_input_and_u(st, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
+        x, u, t = tile_logit_input_and_u(st, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
@@ -442,7 +396,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             else:
                 dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
             ds = dl * ds_scale
-        elif SSA:
+        elif ds_scale_per_head(SCORE):
             # ds_scale folded into the subtraction: one multiply-add instead of an add
             if DROPOUT:
                 ds = pt * (dpt * (ds_scale * drop_scale) - (delta * ds_scale)[None, :])
@@ -453,20 +407,17 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                 ds = pt * (dpt * drop_scale - delta[None, :])
             else:
                 ds = pt * (dpt - delta[None, :])  # times scale, once, at the end
-        if SSA:
-            ds = ds * ssa_reciprocal(u, x, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
-        if SOFTCAP:  # dz'/dz
-            ds = ds * (1.0 - t * t)
+        ds = dscore_factor(ds, u, x, t, SCORE, SOFTCAP, BLOCK_N, BLOCK_M, FAST_MATH, POLY_EXP2)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION, out_dtype=ACC)
     return dk, dv
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV_OUT, row_stats, temperature, ssa_coefs, MASK,
+    Q, K, V, DO, DK, DV_OUT, row_stats, temperature, score_params, MASK,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, mask_strides,
     dims, scale, seqlens, dropout, window, softcap,
-    SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    SCORE: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr, VARLEN: tl.constexpr = 0, DROPOUT: tl.constexpr = False, WINDOW: tl.constexpr = False,
@@ -496,7 +447,7 @@ def attention_bwd_dkdv_kernel(
     k = tl.load(tile_ptrs(K, k_base, k_strides, off_kv, offs_n, offs_d), mask=kd_ok, other=0.0)
     v = tl.load(tile_ptrs(V, v_base, v_strides, off_kv, offs_n, offs_dv), mask=vd_ok, other=0.0)
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
-    B_SSA, N_SSA = ssa_coefs
+    P0, P1 = score_params
 
     # Query blocks: [lo, diag_end) boundary (causal diagonal), [diag_end, int_end) interior,
     # [int_end, Lq) boundary (ragged end). A ragged key block makes every tile a boundary one.
@@ -521,7 +472,7 @@ def attention_bwd_dkdv_kernel(
     for g_idx in range(0, GROUP):
         off_h = off_kv * GROUP + g_idx
         row_base = row_stat_base(off_b * H + off_h, off_h, q_row0, Lq, stat_stride_h, VARLEN)
-        cb, coef, ds_scale = _bwd_head_constants(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
+        cb, coef, ds_scale = bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
         q_ptrs = tile_ptrs(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_mb, offs_d)
         do_ptrs = tile_ptrs(DO, rows_base(do_strides, batch, q_row0), do_strides, off_h, offs_mb, offs_dv)
         mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
@@ -533,12 +484,12 @@ def attention_bwd_dkdv_kernel(
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, start, end,
                 (q_strides[2], do_strides[2], mask_strides[2], mask_strides[3]), (Lq, Lk, D, DV),
-                (cb, coef, ds_scale, cap_a), (LSE2, DELTA, BETA, LSE_L, ENT, G), SSA, ADAPTIVE, CAUSAL, MASK_KIND,
+                (cb, coef, ds_scale, cap_a), (LSE2, DELTA, BETA, LSE_L, ENT, G), SCORE, ADAPTIVE, CAUSAL, MASK_KIND,
                 STAGE != 1, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N,
                 POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, start_n),
                 WINDOW, DROPOUT, SOFTCAP)
 
-    if not SSA and not ADAPTIVE:
+    if not ds_scale_per_head(SCORE) and not ADAPTIVE:
         dk = dk * scale
     if DROPOUT:
         dv = dv * drop_scale

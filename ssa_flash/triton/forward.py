@@ -1,5 +1,6 @@
 """Forward kernel: FlashAttention-2 style streaming over keys with online rescaling on the logit
-row ``l2`` (softmax or SSA log-weights, optionally multiplied by a per-row temperature ``beta``).
+row ``l2`` (the score function's logits, ``logits.py``, optionally multiplied by a per-row
+temperature ``beta``).
 
 One program handles BLOCK_M queries of one (batch element or packed sequence, query head), or
 with ``SPLIT`` (split-KV decoding) a share of their keys (``VARLEN``: see ``extents.py``). It
@@ -32,7 +33,7 @@ from .tile_loads import load_rows
 def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
                     stride_kn, stride_vn, stride_mask_m, stride_mask_n,
                     Lq, Lk, D, DV, cb, coef, mask_scale, cap_a,
-                    SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                    SCORE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                     BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -48,7 +49,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
         k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
         v = load_rows(v_ptrs, start_n, stride_vn, offs_n, Lk, DV, BLOCK_DV, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x = tile_logit_input(s, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
+        x = tile_logit_input(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef[:, None], offs_m, offs_n, Lq, Lk, mask_base,
                                  stride_mask_m, stride_mask_n, mask_scale[:, None],
@@ -76,10 +77,10 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, O, LSE, BETA, ssa_coefs, MASK,
+    Q, K, V, O, LSE, BETA, score_params, MASK,
     q_strides, k_strides, v_strides, o_strides, mask_strides,
     dims, scale, seqlens, stat_stride_h, split_strides, dropout, window, sinks, softcap,
-    SSA: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    SCORE: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     POLY_EXP2: tl.constexpr = 0, VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False,
@@ -89,7 +90,8 @@ def attention_fwd_kernel(
     """Output and LSE of one query block (module docstring). Grouped arguments (tuples):
     ``dims = (H, Lq, Lk, D, DV, GROUP, num_m_blocks)`` the problem's sizes (query heads, lengths,
     head dims, query heads per key/value head) and the query blocks per (batch, head);
-    ``ssa_coefs = (B_SSA, N_SSA)`` the SSA coefficients ``(Hq,)`` (dummies for softmax); each
+    ``score_params = (P0, P1)`` the score function's per-head parameters ``(Hq,)`` in registry
+order (dummies where it has fewer; ``SCORE``: its registry id, ``logits.py``); each
     ``*_strides`` a 4-D tensor's ``(batch, head, row, column)`` strides; ``scale = (hi, lo)``, the
     softmax scale as float32 head + remainder; ``seqlens = (CU_Q, CU_K, SEQUSED_K)`` (extents.py);
     ``split_strides = (output, statistics)`` strides between split slots (``SPLIT``). Dropout:
@@ -116,8 +118,8 @@ def attention_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
-    B_SSA, N_SSA = ssa_coefs
-    cb, coef_head, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
+    P0, P1 = score_params
+    cb, coef_head, q_sign = head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
     q = signed_query_tile(Q, q_base, q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
     offs_nb = tl.arange(0, BLOCK_N)
     k_ptrs = tile_ptrs(K, k_base, k_strides, off_kv, offs_nb, offs_d)
@@ -158,7 +160,7 @@ def attention_fwd_kernel(
             acc, l_i, m_i = _fwd_key_blocks(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, pos_m, start, end,
                 k_strides[2], v_strides[2], mask_strides[2], mask_strides[3], pos_end, Lk, D, DV, cb, coef, mask_scale, cap_a,
-                SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
+                SCORE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION,
                 FAST_MATH, BLOCK_M, POLY_EXP2 if STAGE == 1 else 0, win_left, win_right, drop, m_block * BLOCK_M,
                 WINDOW, DROPOUT, SOFTCAP)
 

@@ -2,8 +2,10 @@
 
 Tensors arrive already validated (see ``ssa_flash.ops``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
 ``v (B, Hkv, Lk, Dv)`` with any strides; ``mask`` is None or a boolean / floating tensor already
-expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``b``, ``n`` are None (softmax) or contiguous
-``(Hq,)`` tensors in the accumulation dtype (SSA logits iff ``b`` is given). Per-row statistics are
+expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``params`` is the score function's
+(``spec.score``, ``ssa_flash.scores``) tuple of per-head parameters, one contiguous ``(Hq,)`` tensor
+in the accumulation dtype per name in its ``params`` (``()`` for softmax; SSA ``(b, n)``, the logit
+scale ``(s,)``); the kernels are compiled for ``SCORE = score.id``. Per-row statistics are
 contiguous ``(B, Hq, Lq)``. ``spec`` is the backends' one :class:`~ssa_flash.backends.spec.AttentionSpec`
 (``spec.softcap`` turns on the kernels' ``SOFTCAP``; the sink logits, an ``(Hq,)`` tensor in the
 accumulation dtype, arrive as ``sinks=`` and turn on ``SINKS``; the layout fields reach these
@@ -43,6 +45,7 @@ import triton.language as tl
 # The one spec type of every backend. The backends' interface module depends on nothing above
 # ssa_flash.temperature and imports no backend, so this import (the kernels' host side reading the
 # interface's data types) makes no cycle: tests/ops/test_backends.py checks the import graph.
+from .. import scores
 from ..backends.spec import AttentionSpec, TemperatureState
 from ..reference import dropout_keep_threshold
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
@@ -51,6 +54,7 @@ from .row_entropy import row_entropy_kernel
 from .extents import VARLEN_CACHE, VARLEN_CACHE_START, VARLEN_NONE, VARLEN_PACKED
 from .forward import attention_fwd_kernel
 from .interpreter import interpreting
+from .logits import kernel_params, poly_exp2_pays
 from .masks import MASK_ADD, MASK_BOOL, MASK_NONE
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 # The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
@@ -640,7 +644,7 @@ def _logit_args(spec: AttentionSpec, sinks: Optional[torch.Tensor], acc: torch.d
 FORCE_POLY_EXP2: Optional[int] = None
 
 
-def _poly_exp2_degree(q, ssa: bool, head_block: int, kernel: str) -> int:
+def _poly_exp2_degree(q, score: int, head_block: int, kernel: str) -> int:
     """Degree of the polynomial ``exp2`` (``fast_math.exp2_poly``) that computes half of the interior
     tiles' MUFU work on the FMA pipe, or 0 for none: in the forward half of the weights' exp2, in
     the dK/dV kernel half of SSA's reciprocals ``1 / (1 + b|z|) = 2^-|x|``. Only where the
@@ -654,10 +658,10 @@ def _poly_exp2_degree(q, ssa: bool, head_block: int, kernel: str) -> int:
     ``SSA_FLASH_POLY_EXP2=1``: there the polynomial lowers the bound (forward D=64 bf16 sm_90:
     0.127 -> 0.102 clock per element) but raises SSA's instructions per element past the audit's
     gates (1.5x softmax's in the forward, 2.0x in the backward; bench/NOTES.md). A GPU
-    measurement should decide."""
+    measurement should decide. Which score functions qualify: ``logits.poly_exp2_pays``."""
     if FORCE_POLY_EXP2 is not None:
         return FORCE_POLY_EXP2
-    if not (ssa and head_block <= 64 and _fast_math(q)):
+    if not (poly_exp2_pays(score) and head_block <= 64 and _fast_math(q)):
         return 0
     if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
         return 0
@@ -686,19 +690,19 @@ def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:
 _common: dict = {}
 
 
-def _common_consts(q, spec: AttentionSpec, ssa: bool, mask_kind, dv=None):
+def _common_consts(q, spec: AttentionSpec, score: int, mask_kind, dv=None):
     """The constexprs every attention kernel takes (a new dict each call: callers add theirs),
     kept per what decides them."""
     d = q.shape[-1]
     arch = _device_arch(q.device)
     tf32 = q.dtype == torch.float32 and tf32_allowed()
     # arch decides FAST_MATH too: None exactly where the interpreter runs (see _fast_math)
-    key = (q.dtype, q.device.type, arch, d, dv, ssa, spec.causal, mask_kind, tf32)
+    key = (q.dtype, q.device.type, arch, d, dv, score, spec.causal, mask_kind, tf32)
     consts = _common.get(key)
     if consts is None:
         even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
         consts = _common[key] = dict(
-            SSA=ssa, CAUSAL=spec.causal, MASK_KIND=mask_kind,
+            SCORE=score, CAUSAL=spec.causal, MASK_KIND=mask_kind,
             BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
         )
@@ -811,20 +815,26 @@ def _pad_head(x):
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None, sinks=None):
+def _score_id(spec: AttentionSpec) -> int:
+    """The registry id of ``spec.score`` (``ValueError`` for an unknown name)."""
+    return scores.get(spec.score).id
+
+
+def row_entropy(q, k, mask, params, spec: AttentionSpec, layout=None, sinks=None):
     """Entropy and log-sum-exp of ``softmax(l)`` per row (the sink an entry of the row if
-    ``sinks``), each ``(B, Hq, Lq)`` (packed: ``(Hq, total_q)``), O(L) memory."""
+    ``sinks``), each ``(B, Hq, Lq)`` (packed: ``(Hq, total_q)``), O(L) memory. ``params``: the
+    score function's per-head parameters (module docstring)."""
     if _unaligned(layout, q):
-        return row_entropy(_pad_head(q), _pad_head(k), mask, b, n, spec, layout, sinks)
+        return row_entropy(_pad_head(q), _pad_head(k), mask, params, spec, layout, sinks)
     lay = _resolve_layout(q, k, None, layout)
     q4, k4 = lay.q, lay.k
     _, H, _, D = q4.shape
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     ent, lse_l = _stat_for(lay, q, H), _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    ssa_b = b if b is not None else q  # dummies for softmax
-    ssa_n = n if b is not None else q
-    consts = _common_consts(q4, spec, b is not None, mask_kind)
+    score = _score_id(spec)
+    score_params = kernel_params(score, params, q)  # q: a dummy for absent parameters
+    consts = _common_consts(q4, spec, score, mask_kind)
     consts.update(VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts["WINDOW"] = feat_consts["WINDOW"]  # dropout acts after the statistics
@@ -842,7 +852,7 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None, sinks=None):
             state["parts"] = ent_out, lse_out = (torch.empty(shape, device=q.device, dtype=acc_torch),
                                                  torch.empty(shape, device=q.device, dtype=acc_torch))
         return _positional(
-            "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, ssa_coefs=(ssa_b, ssa_n), **mask_args,
+            "row_entropy", Q=q4, K=k4, ENT=ent_out, LSE=lse_out, score_params=score_params, **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4),
             dims=(H, lay.Lq, lay.Lk, D, spec.group, _cdiv(lay.Lq, blk.m)),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
@@ -863,11 +873,12 @@ def row_entropy(q, k, mask, b, n, spec: AttentionSpec, layout=None, sinks=None):
     return ent, lse_l
 
 
-def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=None):
+def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks=None):
     """Output ``(B, Hq, Lq, Dv)`` in q's dtype and natural-log LSE ``(B, Hq, Lq)`` of ``beta * l``
-    (packed: ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``); with ``sinks`` of ``beta * [l, s_h]``."""
+    (packed: ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``); with ``sinks`` of ``beta * [l, s_h]``.
+    ``params``: the score function's per-head parameters (module docstring)."""
     if _unaligned(layout, q, v):
-        o, lse = forward(_pad_head(q), _pad_head(k), _pad_head(v), mask, b, n, beta, spec, layout, sinks)
+        o, lse = forward(_pad_head(q), _pad_head(k), _pad_head(v), mask, params, beta, spec, layout, sinks)
         return o[..., :v.shape[-1]].contiguous(), lse
     lay = _resolve_layout(q, k, v, layout)
     q4, k4, v4 = lay.q, lay.k, lay.v
@@ -881,9 +892,11 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=N
         o = o4 = torch.empty((q.shape[0], H, q.shape[2], DV), device=q.device, dtype=q.dtype)
     lse = _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    consts = _common_consts(q4, spec, b is not None, mask_kind, DV)
+    score = _score_id(spec)
+    score_params = kernel_params(score, params, q)
+    consts = _common_consts(q4, spec, score, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen,
-                  POLY_EXP2=_poly_exp2_degree(q, b is not None, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
+                  POLY_EXP2=_poly_exp2_degree(q, score, max(consts["BLOCK_D"], _head_block(DV)), "fwd"))
     name = _kernel_name("fwd", lay)
     state = {}
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
@@ -903,7 +916,7 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=N
             o_out = o_out.select(0, 0)
         return _positional(
             "fwd", Q=q4, K=k4, V=v4, O=o_out, LSE=lse_out, BETA=beta if spec.adaptive else q,
-            ssa_coefs=(b if b is not None else q, n if b is not None else q), **mask_args,
+            score_params=score_params, **mask_args,
             q_strides=_strides(q4), k_strides=_strides(k4), v_strides=_strides(v4), o_strides=_strides(o_out),
             dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, _cdiv(lay.Lq, blk.m)),
             **_scale_args(spec.scale), seqlens=(lay.cu_q, lay.cu_k, lay.seqused_k),
@@ -926,11 +939,12 @@ def forward(q, k, v, mask, b, n, beta, spec: AttentionSpec, layout=None, sinks=N
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureState],
+def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[TemperatureState],
              spec: AttentionSpec, layout=None, *, g: Optional[torch.Tensor] = None,
              dbeta_only: bool = False, sinks: Optional[torch.Tensor] = None):
-    """Gradients ``(dq, dk, dv, db, dn, dsinks)``; ``db``, ``dn`` are ``(Hq,)`` or None for softmax,
-    ``dsinks`` ``(Hq,)`` or None without ``sinks``.
+    """Gradients ``(dq, dk, dv, dparams, dsinks)``; ``dparams`` is a tuple with one ``(Hq,)``
+    tensor (accumulation dtype) per entry of ``params`` (``()`` for softmax), ``dsinks`` ``(Hq,)``
+    or None without ``sinks``.
 
     ``dlse`` (or None) is the gradient reaching the returned LSE: since ``d lse_i / d S'_ij = P'_ij``
     it only shifts ``delta`` (``delta_i = rowsum(dO_i * O_i) - dlse_i``). ``layout``: None (dense) or
@@ -946,12 +960,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if _unaligned(layout, q, v):
         res = backward(_pad_head(do), _pad_head(q), _pad_head(k), _pad_head(v), _pad_head(o), lse, dlse, mask,
-                       b, n, temp, spec, layout, g=g, dbeta_only=dbeta_only, sinks=sinks)
+                       params, temp, spec, layout, g=g, dbeta_only=dbeta_only, sinks=sinks)
         if dbeta_only:
             return res
-        dq, dk, dv, db, dn, dsinks = res
+        dq, dk, dv, dparams, dsinks = res
         D, DV = q.shape[-1], v.shape[-1]
-        return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), db, dn, dsinks
+        return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), dparams, dsinks
     lay = _resolve_layout(q, k, v, layout)
     packed = lay.varlen == VARLEN_PACKED
     q4, k4, v4 = lay.q, lay.k, lay.v
@@ -971,12 +985,15 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
     lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
     mask_args, mask_kind = _mask_args(mask, q4)
-    consts = _common_consts(q4, spec, b is not None, mask_kind, DV)
+    score = _score_id(spec)
+    score_params = kernel_params(score, params, q)
+    n_params = len(tuple(params))
+    consts = _common_consts(q4, spec, score, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen)
     feat_args, feat_consts = _feature_args(q, lay.Lq, lay.Lk, spec)
     consts.update(feat_consts)
     head_block = max(consts["BLOCK_D"], consts["BLOCK_DV"])
-    consts.update(POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dkdv"))
+    consts.update(POLY_EXP2=_poly_exp2_degree(q, score, head_block, "bwd_dkdv"))
     logit_args, logit_consts = _logit_args(spec, sinks, acc_torch)
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
@@ -987,9 +1004,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         if g is not None or dbeta_only:
             raise ValueError("g and dbeta_only are for the adaptive temperature only")
         beta = lse_l = ent = dbeta_dh = g = q
-    ssa_b = b if b is not None else q  # dummies for softmax
-    ssa_n = n if b is not None else q
-    common_args = dict(ssa_coefs=(ssa_b, ssa_n), **mask_args, q_strides=_strides(q4), k_strides=_strides(k4),
+    common_args = dict(score_params=score_params, **mask_args, q_strides=_strides(q4), k_strides=_strides(k4),
                        v_strides=_strides(v4), do_strides=_strides(do4), **_scale_args(spec.scale),
                        seqlens=(lay.cu_q, lay.cu_k), **feat_args)
     B = lay.batch
@@ -997,26 +1012,25 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
 
     def dq_args(blk):
         num_m = _cdiv(lay.Lq, blk.m)
-        if b is not None:  # packed: programs past their sequence's end write no partial sum
-            alloc = torch.zeros if packed else torch.empty
-            parts["db"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
-            parts["dn"] = alloc((B * H * num_m,), device=q.device, dtype=acc_torch)
+        # one partial sum per program and parameter; packed: programs past their sequence's end
+        # write none
+        alloc = torch.zeros if packed else torch.empty
+        parts["dparams"] = [alloc((B * H * num_m,), device=q.device, dtype=acc_torch) for _ in range(n_params)]
         sink_args = None
         if sinks is not None:
             parts["dsinks"] = (torch.zeros if packed else torch.empty)((B * H * num_m,), device=q.device,
                                                                      dtype=acc_torch)
             sink_args = (logit_args["sinks"], parts["dsinks"])
-        db_part = parts.get("db", q)
-        dn_part = parts.get("dn", q)
+        param_parts = kernel_params(score, parts["dparams"], q)
         return _positional(
             "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, DQ=dq4,
             row_stats=(lse, dlse if dlse is not None else q, delta, lse2, lay.stat_stride_h),
             temperature=(beta, lse_l, ent, dbeta_dh, g),
-            ssa_parts=(db_part, dn_part), **common_args, o_strides=_strides(o4), dq_strides=_strides(dq4),
+            param_parts=param_parts, **common_args, o_strides=_strides(o4), dq_strides=_strides(dq4),
             dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, num_m), sinks=sink_args, softcap=logit_args["softcap"])
 
     dq_consts = dict(consts, **logit_consts, HAS_DLSE=dlse is not None,
-                     POLY_EXP2=_poly_exp2_degree(q, b is not None, head_block, "bwd_dq"))
+                     POLY_EXP2=_poly_exp2_degree(q, score, head_block, "bwd_dq"))
     if g_given:  # only then: the default specialisations' constexprs stay as they were
         dq_consts["G_GIVEN"] = True
     if dbeta_only and dlse is not None:  # a shard's dbeta: the caller adds lse_l * dlse once per row
@@ -1038,16 +1052,15 @@ def backward(do, q, k, v, o, lse, dlse, mask, b, n, temp: Optional[TemperatureSt
         dkdv_consts["SOFTCAP"] = True
     _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (_cdiv(lay.Lk, blk.n) * B * HKV,),
             dkdv_args, dkdv_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
-    db = dn = dsinks = None
-    if b is not None:
-        db = parts["db"].view(B, H, -1).sum(dim=(0, 2))
-        dn = parts["dn"].view(B, H, -1).sum(dim=(0, 2))
-    if sinks is not None:  # per-program partial sums added in a fixed order; per query head
+    dsinks = None
+    # per-program partial sums added in a fixed order; per query head
+    dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts["dparams"])
+    if sinks is not None:
         dsinks = parts["dsinks"].view(B, H, -1).sum(dim=(0, 2))
-    return dq, dk, dv, db, dn, dsinks
+    return dq, dk, dv, dparams, dsinks
 
 
-def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spec: AttentionSpec):
+def row_dbeta(do, q, k, v, o, lse, dlse, mask, params, temp: TemperatureState, spec: AttentionSpec):
     """This shard's centred part of ``dbeta_i``, ``sum_j dS'_ij (l_ij - lse^l_i)`` ``(B, Hq, Lq)``
     over the keys given (adaptive only; the contract of
     :meth:`ssa_flash.backends.spec.KeyShardTemperature.row_dbeta`): ``o``, ``lse`` and ``temp``
@@ -1056,7 +1069,7 @@ def row_dbeta(do, q, k, v, o, lse, dlse, mask, b, n, temp: TemperatureState, spe
     if not spec.adaptive:
         raise ValueError("row_dbeta is for the adaptive temperature only")
     ones = TemperatureState(temp.beta, temp.lse_l, temp.entropy, torch.ones_like(temp.dbeta_dh))
-    return backward(do, q, k, v, o, lse, dlse, mask, b, n, ones, spec, dbeta_only=True)
+    return backward(do, q, k, v, o, lse, dlse, mask, params, ones, spec, dbeta_only=True)
 
 
 def dropout_mask(rng: torch.Tensor, shape, dropout_p: float) -> torch.Tensor:

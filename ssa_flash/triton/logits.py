@@ -1,5 +1,15 @@
-"""The logit transform: from the raw dot products of a tile to base-2 logits, and the per-head
-coefficients it needs.
+"""The score functions in the kernels: from the raw dot products of a tile to base-2 logits, the
+per-head coefficients this needs, the derivative of the logit with respect to the score and each
+per-head parameter's gradient terms.
+
+Kernels are compiled for one score function, ``SCORE: tl.constexpr`` (its registry id,
+``ssa_flash.scores``); every helper here branches on it statically, so a kernel contains only its
+score function's code. The kernels see per-head parameters as two pointers ``P0, P1`` (the
+parameters in registry order; dummies where a function has fewer) and write two per-program
+gradient partial sums (:func:`store_param_grads`); what differs between score functions is all
+in this module. A new score function with at most two parameters is a new branch in each
+``@triton.jit`` helper below that tests ``SCORE`` (and :func:`poly_exp2_pays` if it is
+MUFU-heavy).
 
 Logits are kept in base-2 units (``l2 = l * log2(e)``) so that the exponentials are ``exp2``, and
 each tile is built from the raw dot products ``s = q . k`` (the softmax scale is folded into
@@ -9,6 +19,8 @@ per-row coefficients, never applied element by element):
 * SSA:      ``x = sgn(s) * log2(1 + scale * b * |s|)``     ``l2 = x * n``
   (= ``phi(z) * log2(e)`` with ``z = scale * s``; ``(1 + b|z|)^n`` is never formed, so large
   ``n`` or ``|z|`` cannot overflow)
+* logit scale: ``x = s``                                   ``l2 = x * (s_h * scale * log2(e))``
+  (softmax's ``x`` with the head's ``s_h >= 0`` in the coefficient; ``s_h = 0``: every logit 0)
 
 With the adaptive temperature the row's ``beta`` multiplies the coefficient too, so an interior
 tile turns ``x`` into its weights with one fused multiply-add and one ``exp2`` per element:
@@ -28,10 +40,62 @@ Attention sinks (``SINKS``, §6.2): a row starts from its sink logit instead of 
 import triton
 import triton.language as tl
 
+from ..scores import LOGIT_SCALE, SOFTMAX, SSA, get
 from .fast_math import copy_sign, exp2_poly, fast_recip, fast_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+# the registry ids the kernels' SCORE constexpr takes
+SOFTMAX_ID = tl.constexpr(SOFTMAX.id)
+SSA_ID = tl.constexpr(SSA.id)
+LOGIT_SCALE_ID = tl.constexpr(LOGIT_SCALE.id)
+
+#: Per-head parameters the kernels take (``P0, P1``) and whose gradients they sum (``dP0, dP1``).
+MAX_PARAMS = 2
+
+
+def kernel_params(score: int, params, dummy) -> tuple:
+    """``(P0, P1)``: the score function's per-head parameter tensors in registry order, ``dummy``
+    (any tensor, never read) for those it lacks. ``ValueError`` for a wrong count."""
+    f = get(score)
+    params = tuple(params)
+    if len(params) != len(f.params):
+        raise ValueError(f"ssa_flash: score function {f.name!r} takes {len(f.params)} parameter(s) "
+                         f"{f.params}, got {len(params)}")
+    if len(params) > MAX_PARAMS:
+        raise ValueError(f"ssa_flash: the Triton kernels take at most {MAX_PARAMS} per-head parameters, "
+                         f"{f.name!r} has {len(params)}")
+    return params + (dummy,) * (MAX_PARAMS - len(params))
+
+
+def poly_exp2_pays(score: int) -> bool:
+    """Whether the score function's tiles are MUFU-bound enough at small head dims for the
+    polynomial ``exp2`` (``launch._poly_exp2_degree``): SSA's ``log2`` and reciprocal."""
+    return score == SSA.id
+
+
+#: The registry ids this module has the maths of (each helper below has its branch).
+IMPLEMENTED = tl.constexpr((SOFTMAX.id, SSA.id, LOGIT_SCALE.id))
+
+
+# (constexpr functions may read only tl.constexpr globals: Triton hashes what they reference)
+@triton.constexpr_function
+def implemented(SCORE):
+    """``SCORE`` itself if this module has its maths; a compile error otherwise (a score function
+    added to the registry without its branches here must not compile as another one)."""
+    if int(SCORE) not in IMPLEMENTED:
+        raise NotImplementedError(f"ssa_flash: the Triton kernels have no maths for score function id {int(SCORE)} "
+                                  "(ssa_flash/triton/logits.py)")
+    return SCORE
+
+
+@triton.constexpr_function
+def ds_scale_per_head(SCORE):
+    """Whether ``dl/ds``'s per-head factor (``ds_scale`` of :func:`bwd_head_coefficients`) depends
+    on the head's parameters, so that the dK/dV kernel, summing over a GQA group's heads, applies
+    it per tile; softmax's is the scale alone, applied once to dK."""
+    return int(SCORE) != SOFTMAX_ID
 
 
 @triton.jit
@@ -71,12 +135,13 @@ def capped_score(s, cap_a, SOFTCAP: tl.constexpr, ACC: tl.constexpr, FAST_MATH: 
 
 
 @triton.jit
-def tile_logit_input(s, cb, cap_a, SSA: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+def tile_logit_input(s, cb, cap_a, SCORE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
                      FAST_MATH: tl.constexpr):
-    """``x``, the per-element input of the logit (``l2 = x * coef``): ``s`` for softmax, SSA's
-    signed ``log2(1 + cb|s|)`` otherwise; ``s`` soft-capped first under ``SOFTCAP``."""
+    """``x``, the per-element input of the logit (``l2 = x * coef``): SSA's signed
+    ``log2(1 + cb|s|)``, ``s`` itself for softmax and the logit scale; ``s`` soft-capped first
+    under ``SOFTCAP``."""
     s = capped_score(s, cap_a, SOFTCAP, ACC, FAST_MATH)
-    if SSA:
+    if SCORE == SSA_ID:
         x, _ = ssa_log_weight(s, cb, ACC, FAST_MATH)
         return x
     else:
@@ -84,14 +149,14 @@ def tile_logit_input(s, cb, cap_a, SSA: tl.constexpr, SOFTCAP: tl.constexpr, ACC
 
 
 @triton.jit
-def tile_logit_input_and_u(s, cb, cap_a, SSA: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+def tile_logit_input_and_u(s, cb, cap_a, SCORE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
                            FAST_MATH: tl.constexpr):
     """The backward's form of :func:`tile_logit_input`: ``(x, u, t)`` with SSA's ``u = 1 + cb|t|``
-    (``dx/dt = cb / (u ln 2)`` up to the sign, see :func:`ssa_reciprocal`; softmax's ``x = t``
-    has ``dx/dt = 1`` and ``u`` is unused, 1) and ``t`` the capped score (``s`` without
-    ``SOFTCAP``), whose ``dt/ds = cap_a (1 - t^2)``."""
+    (``dx/dt = cb / (u ln 2)`` up to the sign, see :func:`ssa_reciprocal`; softmax's and the logit
+    scale's ``x = t`` have ``dx/dt = 1`` and ``u`` is unused, 1) and ``t`` the capped score (``s``
+    without ``SOFTCAP``), whose ``dt/ds = cap_a (1 - t^2)``."""
     t = capped_score(s, cap_a, SOFTCAP, ACC, FAST_MATH)
-    if SSA:
+    if SCORE == SSA_ID:
         x, u = ssa_log_weight(t, cb, ACC, FAST_MATH)
     else:
         x = t
@@ -143,22 +208,23 @@ def combine_scale(scale_hi, scale_lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SOFTCAP: tl.constexpr,
+def head_coefficients(P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr, SOFTCAP: tl.constexpr,
                       ACC: tl.constexpr):
-    """``(cb, coef, q_sign)`` of one head. ``cb = |scale| * b`` is SSA's argument scale (unused for
-    softmax); ``coef >= 0`` is the factor from ``x`` to base-2 logits (``|n|`` for SSA,
-    ``|scale| * log2(e)`` for softmax); ``q_sign`` (+1 or -1) is the sign of ``n * scale`` (SSA)
-    or ``scale`` (softmax). Kernels multiply the queries by ``q_sign`` once per program, so that
-    the logits are ``x * coef`` with ``coef >= 0`` and a tile's row maximum is that of ``x``
-    times ``coef`` (no per-element sign work for negative ``n`` or ``scale``). Under ``SOFTCAP``
-    the cap ``cap_c`` takes the place of ``|scale|`` (module docstring)."""
+    """``(cb, coef, q_sign)`` of one head (forward and statistics pass). ``cb = |scale| * b`` is
+    SSA's argument scale (unused otherwise); ``coef >= 0`` is the factor from ``x`` to base-2
+    logits (``|n|`` for SSA, ``|scale| * log2(e)`` for softmax, times ``s_h`` for the logit
+    scale); ``q_sign`` (+1 or -1) is the sign of ``n * scale`` (SSA) or ``scale``. Kernels
+    multiply the queries by ``q_sign`` once per program, so that the logits are ``x * coef`` with
+    ``coef >= 0`` and a tile's row maximum is that of ``x`` times ``coef`` (no per-element sign
+    work for negative ``n`` or ``scale``). Under ``SOFTCAP`` the cap ``cap_c`` takes the place of
+    ``|scale|`` (module docstring). ``P0, P1``: the parameters (SSA: ``b, n``; logit scale: ``s``)."""
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    if SSA:
-        n = tl.load(N_SSA + off_h).to(ACC)
+    if implemented(SCORE) == SSA_ID:
+        n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
-            cb = tl.load(B_SSA + off_h).to(ACC) * cap_c
+            cb = tl.load(P0 + off_h).to(ACC) * cap_c
         else:
-            cb = tl.load(B_SSA + off_h).to(ACC) * (scale * scale_sign)
+            cb = tl.load(P0 + off_h).to(ACC) * (scale * scale_sign)
         coef = tl.abs(n)
         q_sign = tl.where(n < 0, -scale_sign, scale_sign)
     else:
@@ -166,8 +232,133 @@ def head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA: tl.constexpr, SOFT
         if SOFTCAP:
             cb = cap_c
         coef = cb * LOG2E
+        if SCORE == LOGIT_SCALE_ID:  # s_h >= 0 (ssa_flash.scores): coef stays >= 0
+            coef = coef * tl.load(P0 + off_h).to(ACC)
         q_sign = scale_sign
     return cb, coef, q_sign
+
+
+@triton.jit
+def bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr, SOFTCAP: tl.constexpr,
+                          ACC: tl.constexpr):
+    """The backward's ``(cb, coef, ds_scale)`` of one head: ``cb = |scale| b``; ``coef`` turns
+    ``x`` into base-2 logits with its sign (``n sgn(scale)`` for SSA, ``scale log2(e)`` for
+    softmax, times ``s_h`` for the logit scale); ``ds_scale = dl/ds`` without the per-element
+    factor of :func:`dscore_factor` (``n b scale``, ``scale``, ``s_h scale``). Under ``SOFTCAP``
+    the cap ``cap_c`` replaces ``|scale|`` in ``cb`` and ``coef`` (module docstring); ``ds_scale``
+    then also lacks the per-element ``1 - t^2``."""
+    scale_sign = tl.where(scale < 0, -1.0, 1.0)
+    if implemented(SCORE) == SSA_ID:
+        b = tl.load(P0 + off_h).to(ACC)
+        n = tl.load(P1 + off_h).to(ACC)
+        if SOFTCAP:
+            cb = b * cap_c
+        else:
+            cb = b * (scale * scale_sign)
+        coef = n * scale_sign
+        ds_scale = n * b * scale
+    else:
+        cb = scale * scale_sign
+        if SOFTCAP:
+            cb = cap_c
+        coef = scale * LOG2E
+        if SOFTCAP:
+            coef = cap_c * scale_sign * LOG2E
+        ds_scale = scale
+        if SCORE == LOGIT_SCALE_ID:
+            s_h = tl.load(P0 + off_h).to(ACC)
+            coef = coef * s_h
+            ds_scale = scale * s_h
+    return cb, coef, ds_scale
+
+
+@triton.jit
+def dscore_factor(ds, u, x, t, SCORE: tl.constexpr, SOFTCAP: tl.constexpr, ROWS: tl.constexpr,
+                  COLS: tl.constexpr, FAST_MATH: tl.constexpr, POLY_EXP2: tl.constexpr):
+    """``ds`` times the per-element part of ``dl/ds`` (the dK/dV kernel's tiles, ``(ROWS, COLS)``):
+    SSA's ``1 / u``; ``dz'/dz = 1 - t^2`` under ``SOFTCAP``; nothing else for softmax and the
+    logit scale (their ``dl/ds`` is per head)."""
+    if SCORE == SSA_ID:
+        ds = ds * ssa_reciprocal(u, x, ROWS, COLS, FAST_MATH, POLY_EXP2)
+    if SOFTCAP:  # dz'/dz
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
+def dq_tile_terms(dl, ent_term, x, u, t, acc0, acc1, ent0, ent1, SCORE: tl.constexpr,
+                  ADAPTIVE: tl.constexpr, SOFTCAP: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  FAST_MATH: tl.constexpr, POLY_EXP2: tl.constexpr):
+    """One dQ tile's ``(ds, ent_ds, acc0, acc1, ent0, ent1)``: ``ds = dl * (dl/ds)`` up to the
+    per-head ``ds_scale`` (and ``ent_ds`` likewise of the entropy term ``ent_term``, ``ADAPTIVE``
+    only), and the per-row partial sums of the parameters' gradients (``acc0, acc1``: of ``dl``
+    times each parameter's per-element weight, ``ent0, ent1``: of ``ent_term`` times it), ``(ROWS,
+    COLS)`` tiles, ``(ROWS,)`` sums. Unscaled; :func:`store_param_grads` applies the per-head
+    factors.
+
+    * SSA: ``dl/ds ~ 1 / u``; ``dn ~ sum dl x``; ``db`` from ``dQ`` (backward.py) except under
+      ``SOFTCAP``: ``db ~ sum dl t / u``.
+    * logit scale: ``d s_h ~ sum dl t``, from ``dQ`` as SSA's ``db`` except under ``SOFTCAP``.
+    """
+    ent_ds = ent_term
+    if SCORE == SSA_ID:
+        r = ssa_reciprocal(u, x, ROWS, COLS, FAST_MATH, POLY_EXP2)
+        r_t = r
+        if SOFTCAP:  # dz'/dz = 1 - t^2; db sees the capped score
+            r_t = r * t
+            acc0 += tl.sum(dl * r_t, 1)
+            r = r * (1.0 - t * t)
+        ds = dl * r
+        acc1 += tl.sum(dl * x, 1)
+        if ADAPTIVE:
+            ent1 += tl.sum(ent_term * x, 1)
+            if SOFTCAP:
+                ent0 += tl.sum(ent_term * r_t, 1)
+            ent_ds = ent_term * r
+    else:
+        if SCORE == LOGIT_SCALE_ID:
+            if SOFTCAP:  # z' = c sgn(scale) t
+                acc0 += tl.sum(dl * t, 1)
+                if ADAPTIVE:
+                    ent0 += tl.sum(ent_term * t, 1)
+        ds = dl
+        if SOFTCAP:
+            ds = dl * (1.0 - t * t)
+        if ADAPTIVE:
+            if SOFTCAP:
+                ent_ds = ent_term * (1.0 - t * t)
+    return ds, ent_ds, acc0, acc1, ent0, ent1
+
+
+@triton.jit
+def store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, slot, off_h, scale, cap_c,
+                      SCORE: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr):
+    """Stores one dQ program's partial sums of the parameters' gradients in its slot of
+    ``DP0_PART`` (``DP1_PART``), ``bh * num_m_blocks + m_block`` with ``slot = (bh, num_m_blocks,
+    m_block)``, from its rows' :func:`dq_tile_terms` sums (``acc0, acc1``, the
+    temperature's terms already subtracted) and its query tile ``q`` and unscaled ``dq``
+    (``sum_j dl_ij k_j``, before ``ds_scale``); rows past ``Lq`` have ``q = 0`` and zero sums.
+    Nothing for a score function without parameters.
+
+    SSA: ``db = n scale sum(dl s / u) = n scale sum_i q_i . dq_i``, under ``SOFTCAP``
+    ``db = n c sgn(scale) sum(dl t / u)`` (``z' = c sgn(scale) t``); ``dn = sgn(scale) ln2 sum(dl x)``.
+    Logit scale: ``d s_h = sum dl z' = scale sum_i q_i . dq_i``, under ``SOFTCAP``
+    ``c sgn(scale) sum(dl t)``."""
+    bh, num_m_blocks, m_block = slot
+    scale_sign = tl.where(scale < 0, -1.0, 1.0).to(ACC)  # (a float32 literal otherwise)
+    if SCORE == SSA_ID:
+        n = tl.load(P1 + off_h).to(ACC)
+        if SOFTCAP:
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, tl.sum(acc0, 0) * (n * cap_c * scale_sign))
+        else:
+            q_dq = tl.sum(tl.sum(q.to(ACC) * dq, 1), 0)
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, q_dq * (n * scale))
+        tl.store(DP1_PART + bh * num_m_blocks + m_block, tl.sum(acc1, 0) * (scale_sign * LN2))
+    elif SCORE == LOGIT_SCALE_ID:
+        if SOFTCAP:
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, tl.sum(acc0, 0) * (cap_c * scale_sign))
+        else:
+            tl.store(DP0_PART + bh * num_m_blocks + m_block, tl.sum(tl.sum(q.to(ACC) * dq, 1), 0) * scale)
 
 
 @triton.jit

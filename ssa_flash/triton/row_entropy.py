@@ -26,7 +26,7 @@ from .tile_loads import load_rows
 @triton.jit
 def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
                       stride_kn, stride_mask_m, stride_mask_n, Lq, Lk, D, cb, coef, cap_a,
-                      SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                      SCORE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                       BOUNDARY: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -35,7 +35,7 @@ def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_rows(k_ptrs, start_n, stride_kn, offs_n, Lk, D, BLOCK_D, BOUNDARY, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-        x = tile_logit_input(s, cb, cap_a, SSA, SOFTCAP, ACC, FAST_MATH)
+        x = tile_logit_input(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
         if BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base,
                                  stride_mask_m, stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
@@ -59,9 +59,9 @@ def _row_entropy_key_blocks(m_i, lam, kc, q, k_ptrs, mask_base, offs_m, lo, hi,
 
 @triton.jit
 def row_entropy_kernel(
-    Q, K, ENT, LSE, ssa_coefs, MASK, q_strides, k_strides, mask_strides,
+    Q, K, ENT, LSE, score_params, MASK, q_strides, k_strides, mask_strides,
     dims, scale, seqlens, stat_stride_h, stat_stride_s, window, sinks, softcap,
-    SSA: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    SCORE: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, ACC: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     VARLEN: tl.constexpr = 0, SPLIT: tl.constexpr = False, WINDOW: tl.constexpr = False,
@@ -78,8 +78,8 @@ def row_entropy_kernel(
         return
     row_base, offs_m, offs_d, row_ok = query_rows(m_block, bh, off_h, q_row0, Lq, stat_stride_h, BLOCK_M, BLOCK_D, VARLEN)
     scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
-    B_SSA, N_SSA = ssa_coefs
-    cb, coef, q_sign = head_coefficients(B_SSA, N_SSA, off_h, scale, cap_c, SSA, SOFTCAP, ACC)
+    P0, P1 = score_params
+    cb, coef, q_sign = head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
     q = signed_query_tile(Q, rows_base(q_strides, batch, q_row0), q_strides, off_h, offs_m, offs_d, row_ok, D, q_sign)
     k_ptrs = tile_ptrs(K, rows_base(k_strides, batch, k_row0), k_strides, off_kv, tl.arange(0, BLOCK_N), offs_d)
     mask_base = MASK + off_b * mask_strides[0] + off_h * mask_strides[1]
@@ -103,7 +103,7 @@ def row_entropy_kernel(
             start, end = stage_range(STAGE, lo, a, mid, hi)
             m_i, lam, kc = _row_entropy_key_blocks(
                 m_i, lam, kc, q, k_ptrs, mask_base, pos_m, start, end, k_strides[2], mask_strides[2], mask_strides[3],
-                pos_end, Lk, D, cb, coef, cap_a, SSA, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
+                pos_end, Lk, D, cb, coef, cap_a, SCORE, CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC,
                 DOT_PRECISION, FAST_MATH, win_left, win_right, WINDOW, SOFTCAP)
 
     empty = lam == 0.0

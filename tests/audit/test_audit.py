@@ -44,6 +44,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (tests/: background)
 
+from ssa_flash import scores
 from ssa_flash.audit import analyse, ir, model, report, resources, sass, specs
 import background  # noqa: E402  (tests/background.py)
 from attn_testing import compiled_kernels_env  # noqa: E402
@@ -107,6 +108,9 @@ def _ci_variants():
               for k in ("fwd", "bwd_dq", "bwd_dkdv") for op in ("softmax", "ssa")]
     cover.append(specs.Variant("row_entropy", "adaptive", False, "none", 64, "bf16", 90))
     cover.append(specs.Variant("row_entropy", "ssa_adaptive", True, "none", 128, "bf16", 80))
+    # every other score function of the registry, each kernel once, untempered and tempered
+    cover += [specs.Variant(k, sv.name, True, "none", 64, "bf16", 90) for sv in scores.variants()
+              if sv.score not in (scores.SOFTMAX, scores.SSA) for k in specs.KERNELS if specs.runs(k, sv.name)]
     return gated + cover
 
 
@@ -583,12 +587,17 @@ def test_variant_enumeration():
     vs = specs.variants()
     # statistics pass only for the adaptive operations
     assert not [v for v in vs if v.kernel == "row_entropy" and not v.adaptive]
-    per_target = len(specs.MASKS) * len(specs.HEAD_DIMS) * len(specs.DTYPES) * 2 * (3 * 4 + 2)
+    tempered = sum(sv.adaptive for sv in scores.variants())
+    per_target = len(specs.MASKS) * len(specs.HEAD_DIMS) * len(specs.DTYPES) * 2 * (3 * len(specs.OPS) + tempered)
     assert len(vs) == per_target * len(specs.ARCHS)
     assert len({v.id for v in vs}) == len(vs)
     v = specs.Variant("bwd_dq", "ssa_adaptive", True, "bool", 59, "fp16", 80)
     assert v.id == "sm80-bwd_dq-ssa_adaptive-causal-bool-d59-fp16"
     assert v.softmax_twin().op == "adaptive"
+    assert specs.OPS == tuple(sv.name for sv in scores.variants()) and "logit_scale_adaptive" in specs.OPS
+    w = specs.Variant("fwd", "logit_scale_adaptive", False, "none", 64, "bf16", 90)
+    assert w.score is scores.LOGIT_SCALE and w.adaptive and not w.ssa
+    assert w.softmax_twin().op == "adaptive"
     # every kernel x switch value is compiled by CI at least once
     for kernel in specs.KERNELS:
         mine = [v for v in CI_VARIANTS if v.kernel == kernel]

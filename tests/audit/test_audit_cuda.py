@@ -220,7 +220,7 @@ def test_every_head_dim_is_audited(cuda_results, arch):
     assert set(GATED_DIMS) <= set(_dims(arch, "bf16")) and set(_dims(arch, "fp16")) == set(HEAD_DIMS)
     for dtype in ("bf16", "fp16"):
         for d in _dims(arch, dtype):
-            for op in specs.OPS:
+            for op in cuda_audit.OPS:
                 for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
                     assert (kernel, op, d, dtype) in rows, (kernel, op, d, dtype)
                 if d <= 128:  # the fused backward: D <= 128, every variant (csrc/traits.h)
@@ -240,7 +240,7 @@ def _rows_params():
 @pytest.mark.parametrize("arch,d", _rows_params())
 def test_forward_rows_per_warp(cuda_results, arch, d):
     rows = cuda_audit.kernel_rows(cuda_results[arch])
-    for op in specs.OPS:
+    for op in cuda_audit.OPS:
         desc = rows[("fwd", op, d, "fp16")]["describe"]
         per_warp = desc["block_m"] // desc["warps"]
         assert per_warp >= THRESHOLDS["fwd_rows_per_warp"], \

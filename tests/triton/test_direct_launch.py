@@ -119,7 +119,7 @@ def test_stub_mode_plans_as_on_a_gpu_and_launches_nothing(monkeypatch):
     spec = AttentionSpec(scale=0.125, causal=True)
     with direct.stub(90):
         for _ in range(2):
-            out, lse = launch.forward(q, q, q, None, None, None, None, spec)
+            out, lse = launch.forward(q, q, q, None, (), None, spec)
         assert out.shape == q.shape and lse.shape == q.shape[:-1]
         chosen = [blk for key, blk in launch._chosen_blocks.items() if key[0] == "fwd"]
         assert chosen and chosen[0] == launch.block_candidates(90, 64, torch.float16, "fwd")[0]

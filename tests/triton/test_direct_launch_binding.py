@@ -29,13 +29,13 @@ q, k, v = (torch.empty(2, 4, 96, 64, **meta) for _ in range(3))
 b = n = torch.empty(4, device="meta")
 rng = torch.empty(2, device="meta", dtype=torch.int64)
 spec = AttentionSpec(scale=0.125, causal=True, adaptive=True, dropout_p=0.1, dropout_rng=rng,
-                     window_left=20, window_right=-1, softcap=30.0)
+                     window_left=20, window_right=-1, softcap=30.0, score="ssa")
 stat = torch.empty(2, 4, 96, device="meta")
 temp = TemperatureState(stat, stat, stat, stat)
 with launch.capture_launches(90) as cap:
-    launch.row_entropy(q, k, None, b, n, spec, sinks=b)
-    o, lse = launch.forward(q, k, v, None, b, n, stat, spec, sinks=b)
-    launch.backward(o, q, k, v, o, lse, lse, None, b, n, temp, spec, sinks=b)
+    launch.row_entropy(q, k, None, (b, n), spec, sinks=b)
+    o, lse = launch.forward(q, k, v, None, (b, n), stat, spec, sinks=b)
+    launch.backward(o, q, k, v, o, lse, lse, None, (b, n), temp, spec, sinks=b)
 checked = 0
 for kl in cap:
     binder = create_function_from_signature(kl.kernel.signature, kl.kernel.params, backend)

@@ -6,6 +6,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from ssa_flash import scores  # noqa: E402
 from ssa_flash.triton import launch  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def on_fake_gpu(monkeypatch, tmp_path):
 
 
 def _launch(kernel, name="fwd", head_block=64, grid=1000, deterministic=False):
-    return launch._launch(kernel, name, lambda blk: (grid,), lambda blk: (), {"SSA": True},
+    return launch._launch(kernel, name, lambda blk: (grid,), lambda blk: (), {"SCORE": scores.SSA.id},
                           torch.device("cpu"), head_block, torch.bfloat16, deterministic)
 
 
@@ -135,10 +136,10 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
         on_fake_gpu.setattr(launch, attr, kernels[attr])
     q = torch.zeros(1, 2, 40, 64, dtype=torch.bfloat16)
     b = n = torch.ones(2)
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=False, deterministic=True)
-    o, lse = launch.forward(q, q, q, None, b, n, None, spec)
-    launch.row_entropy(q, q, None, b, n, spec)
-    launch.backward(o, q, q, q, o, lse, None, None, b, n, None, spec)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=False, deterministic=True, score="ssa")
+    o, lse = launch.forward(q, q, q, None, (b, n), None, spec)
+    launch.row_entropy(q, q, None, (b, n), spec)
+    launch.backward(o, q, q, q, o, lse, None, None, (b, n), None, spec)
     for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "row_entropy"),
                        ("attention_bwd_dq_kernel", "bwd_dq"), ("attention_bwd_dkdv_kernel", "bwd_dkdv")):
         first = launch.block_candidates(90, 64, torch.bfloat16, name)[0]
@@ -173,11 +174,11 @@ def test_cache_key_names_what_decides_the_choice(on_fake_gpu):
 
     cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
     key = launch._cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
-                            {"SSA": True}, cands)
+                            {"SCORE": scores.SSA.id}, cands)
     for part in ("Fake GPU", torch.__version__, triton.__version__, __version__, "attention_fwd_kernel", "1024"):
         assert part in key
     other = launch._cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
-                              {"SSA": False}, cands)
+                              {"SCORE": scores.SOFTMAX.id}, cands)
     assert launch._cache_path(key) != launch._cache_path(other)
 
 
@@ -325,15 +326,15 @@ def test_tile_tables(arch, kernel, head_block):
 
 def test_capture_records_without_running():
     q = torch.empty(2, 4, 300, 64, device="meta", dtype=torch.bfloat16)
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=2, adaptive=False)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=2, adaptive=False, score="ssa")
     kv = torch.empty(2, 2, 300, 64, device="meta", dtype=torch.bfloat16)
     b = n = torch.empty(4, device="meta")
     with launch.capture_launches(90) as cap:
-        launch.forward(q, kv, kv, None, b, n, None, spec)
+        launch.forward(q, kv, kv, None, (b, n), None, spec)
     (kl,) = cap
     assert kl.name == "fwd" and kl.blocks == launch.block_candidates(90, 64, torch.bfloat16, "fwd")[0]
     assert kl.grid == (triton.cdiv(300, kl.blocks.m) * 2 * 4,)
-    assert kl.constexprs["SSA"] and kl.constexprs["CAUSAL"] and kl.constexprs["FAST_MATH"]
+    assert kl.constexprs["SCORE"] == scores.SSA.id and kl.constexprs["CAUSAL"] and kl.constexprs["FAST_MATH"]
     assert kl.constexprs["EVEN_D"]
 
 
@@ -345,12 +346,12 @@ def test_boolean_masks_get_no_16_wide_tiles_on_a_gpu(arch):
     halves its tiles to 16 in the tables)."""
     q = torch.empty(1, 2, 300, 16, device="meta", dtype=torch.float32)
     b = n = torch.empty(2, device="meta")
-    spec = launch.AttentionSpec(scale=0.25, causal=False, group=1, adaptive=False)
+    spec = launch.AttentionSpec(scale=0.25, causal=False, group=1, adaptive=False, score="ssa")
     kinds = {}
     for name, mask in (("bool", torch.empty(300, 300, device="meta", dtype=torch.bool)),
                        ("additive", torch.empty(300, 300, device="meta", dtype=torch.float32))):
         with launch.capture_launches(arch) as cap:
-            launch.forward(q, q, q, mask.expand(1, 2, 300, 300), b, n, None, spec)
+            launch.forward(q, q, q, mask.expand(1, 2, 300, 300), (b, n), None, spec)
         (kl,) = cap
         kinds[name] = kl.candidates
     assert kinds["bool"] and all(min(c.m, c.n) > 16 for c in kinds["bool"])
@@ -368,8 +369,8 @@ def test_unaligned_head_dims_are_padded(d, dv):
     v = torch.empty(1, 2, 40, dv, device="meta", dtype=torch.float16)
     spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, adaptive=False)
     with launch.capture_launches(90) as cap:
-        o, lse = launch.forward(q, k, v, None, None, None, None, spec)
-        grads = launch.backward(torch.empty_like(o), q, k, v, o, lse, None, None, None, None, None, spec)
+        o, lse = launch.forward(q, k, v, None, (), None, spec)
+        grads = launch.backward(torch.empty_like(o), q, k, v, o, lse, None, None, (), None, spec)
     assert o.shape == (1, 2, 40, dv) and o.is_contiguous()
     assert [g.shape[-1] for g in grads[:3]] == [d, d, dv] and all(g.is_contiguous() for g in grads[:3])
     assert [kl.name for kl in cap] == ["fwd", "bwd_dq", "bwd_dkdv"]
@@ -389,7 +390,7 @@ def test_kernel_strides_are_one_argument_per_tensor():
     q = torch.empty(1, 2, 40, 64, device="meta", dtype=torch.float16)
     spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, adaptive=False)
     with launch.capture_launches(90) as cap:
-        launch.forward(q, q, q, None, None, None, None, spec)
+        launch.forward(q, q, q, None, (), None, spec)
     (kl,) = cap
     strides = kl.args[launch._PARAMS["fwd"].index("q_strides")]
     assert strides == tuple(q.stride()) and strides[-1] == 1

@@ -104,9 +104,9 @@ def _qkv(Lq, Lk, D=64, dtype=torch.bfloat16):
 def test_forward_and_backward_run_on_the_tensors_device(second_gpu):
     q, k, v = _qkv(300, 300)
     b = n = torch.ones(4, device="cuda:1")
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=False)
-    o, lse = launch.forward(q, k, v, None, b, n, None, spec)
-    launch.backward(o, q, k, v, o, lse, None, None, b, n, None, spec)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=False, score="ssa")
+    o, lse = launch.forward(q, k, v, None, (b, n), None, spec)
+    launch.backward(o, q, k, v, o, lse, None, None, (b, n), None, spec)
     _check(second_gpu, "attention_fwd_kernel", "attention_bwd_dq_kernel", "attention_bwd_dkdv_kernel", "timing")
 
 
@@ -116,8 +116,8 @@ def test_split_kv_merges_run_on_the_tensors_device(second_gpu):
     q, k, v = _qkv(1, 4096)
     cache = launch.KVCache(torch.full((2,), 4000, device="cuda:1", dtype=torch.int32), None, 4)
     spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=False)
-    launch.forward(q, k, v, None, None, None, None, spec, cache)
-    launch.row_entropy(q, k, None, None, None, spec, cache)
+    launch.forward(q, k, v, None, (), None, spec, cache)
+    launch.row_entropy(q, k, None, (), spec, cache)
     _check(second_gpu, "attention_fwd_kernel", "merge_output_kernel", "row_entropy_kernel", "merge_entropy_kernel")
 
 

@@ -26,12 +26,12 @@ def _captured_precisions(arch, dtype):
     q = torch.empty(1, 2, 64, 64, device="meta", dtype=dtype)
     acc = torch.float32
     b = n = torch.empty(2, device="meta", dtype=acc)
-    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=True)
+    spec = launch.AttentionSpec(scale=0.125, causal=True, group=1, adaptive=True, score="ssa")
     stat = torch.empty(1, 2, 64, device="meta", dtype=acc)
     with launch.capture_launches(arch) as cap:
-        launch.row_entropy(q, q, None, b, n, spec)
-        launch.forward(q, q, q, None, b, n, stat, spec)
-        launch.backward(q, q, q, q, q, stat, None, None, b, n, launch.TemperatureState(stat, stat, stat, stat), spec)
+        launch.row_entropy(q, q, None, (b, n), spec)
+        launch.forward(q, q, q, None, (b, n), stat, spec)
+        launch.backward(q, q, q, q, q, stat, None, None, (b, n), launch.TemperatureState(stat, stat, stat, stat), spec)
     assert [kl.name for kl in cap] == ["row_entropy", "fwd", "bwd_dq", "bwd_dkdv"]
     return {kl.constexprs["DOT_PRECISION"] for kl in cap}
 

@@ -10,6 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ssa_flash.audit import model  # noqa: E402
+from ssa_flash import scores  # noqa: E402
 from ssa_flash.triton import launch, tiles  # noqa: E402
 
 KERNELS = ("fwd", "row_entropy", "bwd_dq", "bwd_dkdv")
@@ -107,7 +108,7 @@ def test_launcher_never_compiles_what_cannot_fit(monkeypatch, arch):
         monkeypatch.setenv("SSA_FLASH_AUTOTUNE", tune)
         launch._chosen_blocks.clear()
         kernel = RecordingKernel()
-        chosen = launch._launch(kernel, "fwd", lambda blk: (64,), lambda blk: (), {"SSA": False},
+        chosen = launch._launch(kernel, "fwd", lambda blk: (64,), lambda blk: (), {"SCORE": scores.SOFTMAX.id},
                                 torch.device("cpu"), 64, torch.bfloat16)
         assert chosen == small
         assert kernel.calls and huge not in kernel.calls
@@ -119,7 +120,7 @@ def test_capture_records_the_pruned_candidates():
     spec = launch.AttentionSpec(scale=0.1, causal=False, group=1, adaptive=False)
     for arch in (75, 86):
         with launch.capture_launches(arch) as cap:
-            launch.forward(q, q, q, None, None, None, None, spec)
+            launch.forward(q, q, q, None, (), None, spec)
         (kl,) = cap
         assert kl.candidates and all(tiles.fits(b, "fwd", 256, torch.float32, arch) for b in kl.candidates)
         assert kl.blocks == kl.candidates[0]

@@ -34,12 +34,12 @@ def _inputs(B=1, Hq=2, Hkv=1, Lq=9, Lk=11, D=16, Dv=None, seed=0, q_scale=1.5):
 
 def _spec(mode, softcap, Hq, Hkv, **kw):
     return AttentionSpec(scale=0.45, group=Hq // Hkv, adaptive="adaptive" in mode, threshold=0.2,
-                         softcap=softcap, **kw)
+                         softcap=softcap, score="ssa" if "ssa" in mode else "softmax", **kw)
 
 
 def _attend(backend, mode, q, k, v, b, n, s, mask, spec):
     ssa = "ssa" in mode
-    return ssa_autograd.attention(q, k, v, b if ssa else None, n if ssa else None, mask, backend, spec, sinks=s)
+    return ssa_autograd.attention(q, k, v, (b, n) if ssa else (), mask, backend, spec, sinks=s)
 
 
 def _results(backend, mode, inputs, mask, spec, sinks=True):
@@ -147,8 +147,8 @@ def test_kvcache_split_kv_decode(mode, splits):
     torch.testing.assert_close(ours[1][1], s[:, None].expand(2, 2))
     assert ours[0][1].abs().max() == 0
     if mode == "ssa":  # the statistics pass (row_entropy) through the split merge too
-        ent = ssa_autograd.row_entropy(q, k, b, n, None, "triton", spec, sinks=s)
-        ent_ref = ssa_autograd.row_entropy(q, k, b, n, None, "reference", spec, sinks=s)
+        ent = ssa_autograd.row_entropy(q, k, (b, n), None, "triton", spec, sinks=s)
+        ent_ref = ssa_autograd.row_entropy(q, k, (b, n), None, "reference", spec, sinks=s)
         torch.testing.assert_close(ent, ent_ref, rtol=1e-10, atol=1e-10)
 
 
@@ -157,9 +157,10 @@ def test_entropy_includes_the_sink(mode):
     q, k, v, b, n, s = (x.detach() for x in _inputs(Lq=9, Lk=11))
     spec = _spec(mode, 1.3, 2, 1, causal=True)
     ssa = mode == "ssa"
-    ent = ssa_autograd.row_entropy(q, k, b if ssa else None, n if ssa else None, None, "triton", spec, sinks=s)
-    ref = ssa_autograd.row_entropy(q, k, b if ssa else None, n if ssa else None, None, "reference", spec, sinks=s)
-    no_sink = ssa_autograd.row_entropy(q, k, b if ssa else None, n if ssa else None, None, "triton", spec)
+    params = (b, n) if ssa else ()
+    ent = ssa_autograd.row_entropy(q, k, params, None, "triton", spec, sinks=s)
+    ref = ssa_autograd.row_entropy(q, k, params, None, "reference", spec, sinks=s)
+    no_sink = ssa_autograd.row_entropy(q, k, params, None, "triton", spec)
     torch.testing.assert_close(ent, ref, rtol=1e-10, atol=1e-10)
     assert (ent - no_sink).abs().max() > 1e-3
 
@@ -241,12 +242,12 @@ def _captured(sinks, softcap):
     b = torch.empty(4, device="meta", dtype=torch.float32)
     rows = torch.empty(1, 4, 64, device="meta", dtype=torch.float32)
     s = b if sinks else None
-    spec = AttentionSpec(scale=0.125, group=2, adaptive=True, softcap=softcap)
+    spec = AttentionSpec(scale=0.125, group=2, adaptive=True, softcap=softcap, score="ssa")
     temp = launch.TemperatureState(rows, rows, rows, rows)
     with launch.capture_launches(90) as cap:
-        launch.row_entropy(q, k, None, b, b, spec, sinks=s)
-        launch.forward(q, k, k, None, b, b, rows, spec, sinks=s)
-        launch.backward(q, q, k, k, q, rows, None, None, b, b, temp, spec, sinks=s)
+        launch.row_entropy(q, k, None, (b, b), spec, sinks=s)
+        launch.forward(q, k, k, None, (b, b), rows, spec, sinks=s)
+        launch.backward(q, q, k, k, q, rows, None, None, (b, b), temp, spec, sinks=s)
     return {kl.name: kl for kl in cap}
 
 
