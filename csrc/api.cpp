@@ -4,7 +4,7 @@
 // backward's plan and its workspaces' shapes are the torch-free set_params.h, shared with the CPU
 // emulator (emu/emu_main.cpp). Layout preparation (padding odd head dims to a multiple of 8,
 // making the head dim contiguous, compacting masks, applying a negative scale to -q) is done by
-// the Python wrapper, ssa_flash/backends/cuda.py.
+// the Python wrapper, ssa_flash/backends/cuda_backend.py.
 //
 // It deliberately includes no c10/cuda header: the caller passes the CUDA stream (as an integer,
 // torch.cuda.current_stream().cuda_stream) and makes the tensors' device current, so this file
@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "set_params.h"
 
@@ -56,45 +57,66 @@ float* stat_ptr(const optional<Tensor>& t) { return t.has_value() ? t->data_ptr<
 
 Operand operand(const Tensor& t) { return Operand{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
 
-// Sizes, scale, causality, window, mask, SSA parameters and dropout of every pass (set_params.h
-// checks the values; this checks the tensors). window_left / window_right: window_size (-1: that
-// side unbounded). Dropout: rng the int64 (seed, offset) on the device, keep31 =
-// round((1 - p) 2^31) (ssa_flash.reference.dropout_keep_threshold), scale = 1 / (1 - p); no rng:
-// no dropout.
-AttnCall describe(const Tensor& q, const Tensor& k, int64_t dim_v, const optional<Tensor>& mask, int64_t mask_kind,
-                  const optional<Tensor>& b, const optional<Tensor>& n, double scale, bool causal, int64_t group,
-                  int64_t window_left, int64_t window_right, const optional<Tensor>& rng, int64_t keep31,
-                  double drop_scale) {
+// Per-head tensors ((H,) contiguous float32 on q's device): the score function's parameters and
+// the sinks.
+const float* head_tensor(const Tensor& t, const char* name, const Tensor& q) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.dim() == 1 && t.size(0) == q.size(1),
+              "ssa_flash: ", name, " must be a contiguous float32 (H,) tensor on ", q.device());
+  return t.data_ptr<float>();
+}
+
+// What every pass takes, as AttentionSpec (ssa_flash/backends/spec.py) says it, one encoding per
+// option: score (the registry id) with its per-head parameters `params` (in the registry's order),
+// scale (>= 0: the Python side applies a negative one to -q), causal, group, window_left /
+// window_right (window_size, -1: that side unbounded), softcap (0: off), dropout_p (0: none) with
+// drop_rng, the int64 (seed, offset) on the device; mask (boolean / uint8, or float32 additive,
+// expanded to (B, H, Lq, Lk), any strides; its kind is its dtype); sinks. The value checks
+// (set_params.h, check_call) run once per call, in the pass, before any allocation; this checks
+// the tensors.
+struct Spec {
+  int64_t score;
+  double scale;
+  bool causal;
+  int64_t group, window_left, window_right;
+  double softcap, dropout_p;
+};
+
+AttnCall describe(const Tensor& q, const Tensor& k, int64_t dim_v, const optional<Tensor>& mask,
+                  const std::vector<Tensor>& params, const optional<Tensor>& sinks, const Spec& sp,
+                  const optional<Tensor>& rng) {
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "ssa_flash: key does not match query");
   AttnCall c{};
   c.batch = q.size(0);
   c.heads = q.size(1);
   c.heads_kv = k.size(1);
-  c.group = group;
+  c.group = sp.group;
   c.len_q = q.size(2);
   c.len_k = k.size(2);
   c.dim = q.size(3);
   c.dim_v = dim_v;
   c.bf16 = q.scalar_type() == at::kBFloat16;
-  c.scale = scale;
-  c.causal = causal;
-  c.window_left = window_left;
-  c.window_right = window_right;
+  c.score = sp.score;
+  c.scale = sp.scale;
+  c.causal = sp.causal;
+  c.window_left = sp.window_left;
+  c.window_right = sp.window_right;
+  c.softcap = sp.softcap;
   c.q = operand(q);
   c.k = operand(k);
-  c.mask_kind = mask_kind;
-  if (mask_kind != ssa_flash::kMaskNone) {
-    TORCH_CHECK(mask.has_value(), "ssa_flash: mask_kind set without a mask");
+  c.mask_kind = ssa_flash::kMaskNone;
+  if (mask.has_value()) {
     const Tensor& m = *mask;
     TORCH_CHECK(m.is_cuda() && m.device() == q.device(), "ssa_flash: mask must be on ", q.device());
     TORCH_CHECK(m.dim() == 4 && m.size(0) == q.size(0) && m.size(1) == q.size(1) && m.size(2) == q.size(2) &&
                     m.size(3) == k.size(2),
                 "ssa_flash: mask must be expanded to (B, H, Lq, Lk)");
-    if (mask_kind == ssa_flash::kMaskBool) {
-      TORCH_CHECK(m.scalar_type() == at::kByte || m.scalar_type() == at::kBool, "ssa_flash: boolean mask must be bool/uint8");
+    if (m.scalar_type() == at::kBool || m.scalar_type() == at::kByte) {
+      c.mask_kind = ssa_flash::kMaskBool;
     } else {
-      TORCH_CHECK(mask_kind == ssa_flash::kMaskAdd, "ssa_flash: unknown mask_kind ", mask_kind);
-      TORCH_CHECK(m.scalar_type() == at::kFloat, "ssa_flash: additive mask must be float32");
+      TORCH_CHECK(m.scalar_type() == at::kFloat, "ssa_flash: a mask is boolean (bool / uint8) or float32 additive, got ",
+                  m.scalar_type());
+      c.mask_kind = ssa_flash::kMaskAdd;
     }
     c.mask = m.data_ptr();
     c.mask_sb = m.stride(0);
@@ -102,41 +124,22 @@ AttnCall describe(const Tensor& q, const Tensor& k, int64_t dim_v, const optiona
     c.mask_sm = m.stride(2);
     c.mask_sn = m.stride(3);
   }
-  TORCH_CHECK(b.has_value() == n.has_value(), "ssa_flash: give both b and n or neither");
-  if (b.has_value()) {
-    for (const Tensor* t : {&*b, &*n}) {
-      TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == at::kFloat &&
-                      t->is_contiguous() && t->dim() == 1 && t->size(0) == q.size(1),
-                  "ssa_flash: b and n must be contiguous float32 (H,) tensors on ", q.device());
-    }
-    c.ssa_b = b->data_ptr<float>();
-    c.ssa_n = n->data_ptr<float>();
-  }
+  TORCH_CHECK(params.size() <= ssa_flash::kMaxScoreParams, "ssa_flash: at most ", ssa_flash::kMaxScoreParams,
+              " score parameters, got ", params.size());
+  for (size_t i = 0; i < params.size(); ++i) c.score_param[i] = head_tensor(params[i], "a score parameter", q);
+  if (sinks.has_value()) c.sinks = head_tensor(*sinks, "sinks", q);
+  c.dropout_p = sp.dropout_p;
   if (rng.has_value()) {
     TORCH_CHECK(rng->is_cuda() && rng->device() == q.device() && rng->scalar_type() == at::kLong &&
                     rng->numel() == 2 && rng->is_contiguous(),
                 "ssa_flash: the dropout rng must be a contiguous int64 (2,) tensor (seed, offset) on ", q.device());
     c.drop_rng = rng->data_ptr<int64_t>();
-    c.drop_keep31 = keep31;
-    c.drop_scale = drop_scale;
   }
-  // the value checks (sizes, scale, window, dropout) before any allocation
-  const std::string why = ssa_flash::check_call(c);
-  TORCH_CHECK(why.empty(), "ssa_flash: ", why);
   return c;
 }
 
-// Attention sinks ((H,) float32 on q's device, or none) and the logit soft-cap (>= 0, 0: off),
-// docs/maths.md section 6; check_call checks the cap's value.
-void set_extras(AttnCall& c, const Tensor& q, const optional<Tensor>& sinks, double softcap) {
-  if (sinks.has_value()) {
-    const Tensor& s = *sinks;
-    TORCH_CHECK(s.is_cuda() && s.device() == q.device() && s.scalar_type() == at::kFloat && s.is_contiguous() &&
-                    s.dim() == 1 && s.size(0) == q.size(1),
-                "ssa_flash: sinks must be a contiguous float32 (H,) tensor on ", q.device());
-    c.sinks = s.data_ptr<float>();
-  }
-  c.softcap = softcap;
+// check_call, once per call, before the pass allocates anything
+void check(const AttnCall& c) {
   const std::string why = ssa_flash::check_call(c);
   TORCH_CHECK(why.empty(), "ssa_flash: ", why);
 }
@@ -146,46 +149,44 @@ void raise_if(const std::string& err) { TORCH_CHECK(err.empty(), "ssa_flash CUDA
 cudaStream_t as_stream(int64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
-                               int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
-                               const optional<Tensor>& beta, double scale, bool causal, int64_t group,
-                               int64_t stream_handle, const optional<Tensor>& drop_rng, int64_t drop_keep31,
-                               double drop_scale, int64_t window_left, int64_t window_right,
-                               const optional<Tensor>& sinks, double softcap) {
+                               const std::vector<Tensor>& params, const optional<Tensor>& sinks,
+                               const optional<Tensor>& beta, int64_t score, double scale, bool causal, int64_t group,
+                               int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+                               const optional<Tensor>& drop_rng, int64_t stream_handle) {
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
   TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
               "ssa_flash: value does not match key");
   check_stat(beta, "beta", q);
-  AttnCall c = describe(q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
-                        drop_rng, drop_keep31, drop_scale);
-  set_extras(c, q, sinks, softcap);
+  const Spec sp{score, scale, causal, group, window_left, window_right, softcap, dropout_p};
+  AttnCall c = describe(q, k, v.size(3), mask, params, sinks, sp, drop_rng);
+  c.beta = stat_ptr(beta);
+  check(c);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   c.v = operand(v);
   c.o = operand(o);
   c.lse = lse.data_ptr<float>();
-  c.beta = stat_ptr(beta);
-  raise_if(ssa_flash::run_forward(c, as_stream(stream_handle)));
+  raise_if(ssa_flash::launch_forward(c, as_stream(stream_handle)));
   return {o, lse};
 }
 
 std::tuple<Tensor, Tensor> row_entropy(const Tensor& q, const Tensor& k, const optional<Tensor>& mask,
-                                       int64_t mask_kind, const optional<Tensor>& b, const optional<Tensor>& n,
-                                       double scale, bool causal, int64_t group, int64_t stream_handle,
-                                       int64_t window_left, int64_t window_right, const optional<Tensor>& sinks,
-                                       double softcap) {
+                                       const std::vector<Tensor>& params, const optional<Tensor>& sinks,
+                                       int64_t score, double scale, bool causal, int64_t group, int64_t window_left,
+                                       int64_t window_right, double softcap, int64_t stream_handle) {
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   // (the statistics are of the undropped rows)
-  AttnCall c = describe(q, k, q.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
-                        c10::nullopt, 0, 0.0);
-  set_extras(c, q, sinks, softcap);
+  const Spec sp{score, scale, causal, group, window_left, window_right, softcap, 0.0};
+  AttnCall c = describe(q, k, q.size(3), mask, params, sinks, sp, c10::nullopt);
+  check(c);
   Tensor ent = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor lse = at::empty_like(ent);
   c.lse = lse.data_ptr<float>();
   c.entropy = ent.data_ptr<float>();
-  raise_if(ssa_flash::run_row_entropy(c, as_stream(stream_handle)));
+  raise_if(ssa_flash::launch_row_entropy(c, as_stream(stream_handle)));
   return {ent, lse};
 }
 
@@ -195,21 +196,22 @@ Tensor small_row_stride(const Tensor& t) { return t.stride(2) < (int64_t(1) << 2
 
 at::IntArrayRef shape(const int64_t* dims, size_t n) { return at::IntArrayRef(dims, n); }
 
-// Returns dq, dk, dv (padded head dims, like the inputs), the (B, H, num_partials) partial
-// sums of db and dn (empty tensors for softmax; the caller sums the partials over (0, 2)) and the
-// row-statistics workspace (B, H, stat_rows, 2 or 6: bwd_kernel.h, RowStat), from which the caller
-// reduces the sinks' gradient (ssa_flash/backends/cuda_backend.py).
+// Returns dq, dk, dv (padded head dims, like the inputs), the (B, H, num_partials) partial sums
+// of each score parameter's gradient (one per parameter; the caller sums them over (0, 2)) and
+// the row-statistics workspace (B, H, stat_rows, 2 or 6: bwd_kernel.h, RowStat), from which the
+// caller reduces the sinks' gradient (ssa_flash/backends/cuda_backend.py).
 // dq is the float32 accumulator (B, H, stat_rows, accum_cols) of dQ / scale when the backward
-// ran fused (set_params.h, bwd_buffers); the caller crops, scales and converts it
-// (ssa_flash/backends/cuda.py). deterministic: the two-kernel path (bitwise reproducible); else
-// the fused kernel where the device and head dim allow it (launch.h, BwdPlan).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
+// ran fused (set_params.h, bwd_buffers); the caller crops, scales and converts it. deterministic:
+// the two-kernel path (bitwise reproducible); else the fused kernel where the device and head dim
+// allow it (launch.h, BwdPlan). beta, lse_l, entropy, dbeta_dh: the adaptive temperature's (all or
+// none).
+std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
-    const optional<Tensor>& dlse, const optional<Tensor>& mask, int64_t mask_kind, const optional<Tensor>& b,
-    const optional<Tensor>& n, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
-    const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, double scale, bool causal, int64_t group,
-    int64_t stream_handle, bool deterministic, const optional<Tensor>& drop_rng, int64_t drop_keep31,
-    double drop_scale, int64_t window_left, int64_t window_right, const optional<Tensor>& sinks, double softcap) {
+    const optional<Tensor>& dlse, const optional<Tensor>& mask, const std::vector<Tensor>& params,
+    const optional<Tensor>& sinks, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
+    const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, int64_t score, double scale, bool causal,
+    int64_t group, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const optional<Tensor>& drop_rng, bool deterministic, int64_t stream_handle) {
   check_qkv_like(q_in, "query", q_in);
   check_qkv_like(dout_in, "grad_out", q_in);
   const Tensor q = small_row_stride(q_in);
@@ -226,16 +228,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   check_stat(lse_l, "lse_l", q);
   check_stat(entropy, "entropy", q);
   check_stat(dbeta_dh, "dbeta_dh", q);
-  AttnCall c = describe(q, k, v.size(3), mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
-                        drop_rng, drop_keep31, drop_scale);
+  TORCH_CHECK(beta.has_value() == lse_l.has_value() && beta.has_value() == entropy.has_value() &&
+                  beta.has_value() == dbeta_dh.has_value(),
+              "ssa_flash: give all of beta, lse_l, entropy, dbeta_dh or none");
+  const Spec sp{score, scale, causal, group, window_left, window_right, softcap, dropout_p};
+  AttnCall c = describe(q, k, v.size(3), mask, params, sinks, sp, drop_rng);
   c.deterministic = deterministic;
-  set_extras(c, q, sinks, softcap);
+  c.beta = stat_ptr(beta);
+  check(c);
   c.v = operand(v);
   c.o = operand(o);
   c.dout = operand(dout);
   c.lse = lse.data_ptr<float>();
   c.dlse = stat_ptr(dlse);
-  c.beta = stat_ptr(beta);
   c.lse_l = stat_ptr(lse_l);
   c.entropy = stat_ptr(entropy);
   c.dbeta_dh = stat_ptr(dbeta_dh);
@@ -246,39 +251,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bwd(
   Tensor dk = at::empty(k.sizes(), k.options());
   Tensor dv = at::empty(v.sizes(), v.options());
   Tensor rowstat = at::empty(shape(buf.rowstat, 4), f32);
-  Tensor db_part = at::empty(shape(buf.partials, 3), f32);
-  Tensor dn_part = at::empty_like(db_part);
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < buf.nparams; ++i) {
+    parts.push_back(at::empty(shape(buf.partials, 3), f32));
+    c.dparam_part[i] = parts.back().data_ptr<float>();
+  }
   if (plan.fused) c.dq_accum = dq.data_ptr<float>();
   else c.dq = operand(dq);
   c.dk = operand(dk);
   c.dv = operand(dv);
   c.rowstat = rowstat.data_ptr<float>();
-  if (c.ssa_b != nullptr) {
-    c.db_part = db_part.data_ptr<float>();
-    c.dn_part = dn_part.data_ptr<float>();
-  }
-  raise_if(ssa_flash::run_backward(c, plan, as_stream(stream_handle)));
-  return {dq, dk, dv, db_part, dn_part, rowstat};
+  raise_if(ssa_flash::launch_backward(c, plan, as_stream(stream_handle)));
+  return {dq, dk, dv, parts, rowstat};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ssa_flash CUDA kernels (see ssa_flash/cuda.py for the Python API)";
+  m.doc() = "ssa_flash CUDA kernels (see ssa_flash/backends/cuda_backend.py for the Python side)";
   m.def("fwd", &fwd, "attention forward: (out, lse)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
-        py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("scale"), py::arg("causal"),
-        py::arg("group"), py::arg("stream"), py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
-        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
+        py::arg("params"), py::arg("sinks"), py::arg("beta"), py::arg("score"), py::arg("scale"), py::arg("causal"),
+        py::arg("group"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("dropout_p"), py::arg("drop_rng"), py::arg("stream"));
   m.def("row_entropy", &row_entropy, "row-entropy pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
-        py::arg("mask"), py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("scale"), py::arg("causal"),
-        py::arg("group"), py::arg("stream"), py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
-  m.def("bwd", &bwd, "attention backward: (dq, dk, dv, db_part, dn_part, rowstat)", py::arg("dout"), py::arg("q"),
+        py::arg("mask"), py::arg("params"), py::arg("sinks"), py::arg("score"), py::arg("scale"), py::arg("causal"),
+        py::arg("group"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("stream"));
+  m.def("bwd", &bwd, "attention backward: (dq, dk, dv, [dparam partials], rowstat)", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dlse"), py::arg("mask"),
-        py::arg("mask_kind"), py::arg("b"), py::arg("n"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
-        py::arg("dbeta_dh"), py::arg("scale"), py::arg("causal"), py::arg("group"), py::arg("stream"),
-        py::arg("deterministic") = false, py::arg("drop_rng") = py::none(), py::arg("drop_keep31") = 0,
-        py::arg("drop_scale") = 0.0, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0);
+        py::arg("params"), py::arg("sinks"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
+        py::arg("dbeta_dh"), py::arg("score"), py::arg("scale"), py::arg("causal"), py::arg("group"),
+        py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"),
+        py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"));
 }

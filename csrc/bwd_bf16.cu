@@ -3,13 +3,13 @@
 
 namespace ssa_flash {
 
-BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
+BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
                       bool unfused_features) {
-  return detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, ssa, adaptive, deterministic, unfused_features);
+  return detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, score, adaptive, deterministic, unfused_features);
 }
 
-std::string run_bwd_bf16(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
-  return detail::run_bwd<__nv_bfloat16>(p, ssa, adaptive, plan, stream);
+std::string run_bwd_bf16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+  return detail::run_bwd<__nv_bfloat16>(p, score, adaptive, plan, stream);
 }
 
 }  // namespace ssa_flash

@@ -5,8 +5,8 @@
 // kernel spills: traits.h, bwd_fused_for):
 // 1. attn_bwd_dq_kernel, grid (ceil(Lq / BM), H, B), one CTA per query block: delta =
 //    rowsum(dO * O) - dlse and the adaptive-temperature row gradient g (into the row-statistics
-//    workspace), dQ, and per-block partial sums of db, dn (reduced in a fixed order on the host
-//    side: deterministic).
+//    workspace), dQ, and per-block partial sums of the score function's parameter gradients
+//    (reduced in a fixed order on the host side: deterministic).
 // 2. attn_bwd_dkdv_kernel, grid (ceil(Lk / BN), Hkv, B), one CTA per key block of a key/value
 //    head: dK, dV, looping over the query heads of its GQA group and their query blocks.
 // Seven GEMMs per tile (S, dP, dQ; S^T, dP^T, dV, dK), nine with the adaptive temperature.
@@ -14,14 +14,14 @@
 // Fused (deterministic=False, D <= 128; traits.h, bwd_fused_for): the dQ kernel as a pre-pass
 // (kPrep: the row statistics, and with the adaptive temperature g, whose dbeta needs whole rows),
 // then attn_bwd_fused_kernel: FlashAttention-2's five GEMMs per tile, dQ added with fp32
-// atomics, SSA's db / dn as per-(key block, warp) partial sums.
+// atomics, the parameter gradients (SSA's db / dn) as per-(key block, warp) partial sums.
 //
 // Per tile, with S' = beta * l and P' = softmax(S') the output weights (base-2 units inside):
 //     dS'  = P' * (dO V^T - delta)
 //     dl   = beta * dS' - g * P * (log P + H)          (g = 0, beta = 1 without ADAPTIVE)
-//     dz   = dl * phi'(z),  phi'(z) = n b / (1 + b|z|) (dz = dl for softmax)
+//     dz   = dl * phi'(z)   (logits.h, Score::grad: SSA n b / (1 + b|z|), softmax 1)
 //     dQ   = scale dz K,  dK = scale dz^T Q,  dV = P'^T dO
-//     db   = sum dl n z / (1 + b|z|),  dn = sum dl sgn(z) log1p(b|z|)
+//     dtheta = sum dl dphi/dtheta for each parameter theta of phi (SSA: db, dn), as partial sums
 // g_i = dbeta_i * dbeta/dH_i needs dbeta_i = sum_j dS'_ij l_ij over the whole row before any dl:
 // with ADAPTIVE the dQ kernel makes a first pass over the keys (S and dP only) for dbeta, then
 // the main pass with g known. (The Triton kernel instead keeps a second dQ accumulator; in CUDA
@@ -72,22 +72,23 @@ struct RowStats {
 SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
-// respect to z / scale's dot product, before the final scale), accumulating the SSA partials
-// db / (n scale) and dn / ln 2 (per-head factors applied once at the end; no division by n, so
-// n = 0 gives finite gradients). kCheck: bounds, causality, windows and masks (see apply_mask;
+// respect to z / scale's dot product, before the final scale), accumulating the score
+// function's parameter terms in dpar0, dpar1 (logits.h, Score::grad; per-head factors applied once
+// at the end, Score::dparam_factor). kCheck: bounds, causality, windows and masks (see apply_mask;
 // kBand false: no window).
 // Dropout: the caller passes dp already multiplied by the weight's dropout factor z (1 / (1 - p)
 // kept, 0 dropped): the forward used z P' V, so dP' = z dO V^T (and dV takes z P'; delta =
 // rowsum(dO O) already is the dropped output's).
 // kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw: th, the capped score in
-// units of cap_out, which ctx holds) before the transform; db sums w th (cap_out applied with the
-// partial) and dz takes the extra factor 1 - th^2 (docs/maths.md section 6.1).
-template <bool kSSA, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+// units of cap_out, which ctx holds) before the transform; the parameter terms sum over th
+// (cap_out applied with the partial) and dz takes the extra factor 1 - th^2 (docs/maths.md
+// section 6.1).
+template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
 SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
-                            const RowStats& r, float& p_out, float& db, float& dn) {
-  float t, u;
+                            const RowStats& r, float& p_out, float& dpar0, float& dpar1) {
+  typename Score::Elem el;
   const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
-  float l2 = logit_raw<kSSA>(ctx, s, row_mult<kSSA>(ctx, 1.0f), t, u);
+  float l2 = Score::logit(ctx, s, Score::mult(ctx, 1.0f), el);
   if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
   const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
   p_out = pp;
@@ -104,24 +105,18 @@ SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float 
     }
     dl = dl * r.beta - r.g * ent_term;
   }
-  if (kSSA) {
-    // dz = dl n b / (1 + b|z|); db = sum dl n z / (1 + b|z|); dn = sum dl sgn(z) log1p(b|z|)
-    const float w = dl * rcp(u);
-    db = fmaf(w, s, db);
-    dn = fmaf(dl, t, dn);
-    dl = w * ctx.nb;
-  }
+  dl = Score::grad(ctx, dl, s, el, dpar0, dpar1);
   return softcap_grad<kCap>(dl, s);
 }
 
 // dbeta pass: dS'_ij * (beta l_ij - lse'_i) (base-2 units; the caller divides the row's sum by
 // beta and multiplies by ln 2: the centred sum, see the top of this file), 0 where the key is not
 // admissible; dp as in score_grad.
-template <bool kSSA, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+template <typename Score, bool kCheck, bool kBand = true, bool kCap = false, typename P>
 SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, int row, int col,
                             const RowStats& r) {
-  float t, u;
-  float l2 = logit_raw<kSSA>(ctx, softcap_raw<kCap>(p, s), row_mult<kSSA>(ctx, 1.0f), t, u);
+  typename Score::Elem el;
+  float l2 = Score::logit(ctx, softcap_raw<kCap>(p, s), Score::mult(ctx, 1.0f), el);
   if (kCheck) {
     l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
     if (l2 == neg_inf()) return 0.0f;
@@ -163,12 +158,12 @@ SSA_DEVICE void score_gemms(float (&s)[1][kN / 8][4], float (&dp)[1][kN / 8][4],
 // the step's structure (and every barrier) is the mma.sync one's.
 //
 // kPrep: the pre-pass of the fused backward instead (attn_bwd_fused_kernel): the row statistics
-// (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no db/dn.
+// (delta), and with ADAPTIVE the dbeta pass and g; no dQ, no parameter gradients.
 // kCap: soft-capping (score_grad); kSink (adaptive only): the sink's term of dbeta,
 // dS'_sink (s_h - c) = -P'_sink delta (s_h - c) (docs/maths.md section 6.2; c the centre of the
 // sum, see the top of this file), added once per row after the dbeta pass. Without an adaptive
 // temperature a sink needs nothing here: the forward's lse includes it.
-template <typename Tr, bool kSSA, bool kAdaptive, bool kPrep = false, bool kCap = false, bool kSink = false>
+template <typename Tr, typename Score, bool kAdaptive, bool kPrep = false, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const BwdParams p) {
   SSA_TILE_NAMES(Tr);
   constexpr int kNWarps = Tr::kNWarps;
@@ -201,7 +196,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const T* v = static_cast<const T*>(p.v) + blk.batch * p.v_sb + blk.head_kv * p.v_sh;
   const T* o = static_cast<const T*>(p.o) + blk.batch * p.o_sb + blk.head * p.o_sh;
   const T* dout = static_cast<const T*>(p.dout) + blk.batch * p.do_sb + blk.head * p.do_sh;
-  const LogitCtx ctx = make_logit_ctx<kCap>(p, blk.batch, blk.head, kSSA);
+  const LogitCtx ctx = Score::template setup<kCap>(p, blk.batch, blk.head);
   const int64_t stat0 = blk.batch_head(p) * p.len_q;
   const int r_lo = m0 + warp * 16 + Frag::row(lane);
   const int r_hi = r_lo + Frag::kHi;
@@ -311,9 +306,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 
   float dq_acc[1][kDT][4];
   zero(dq_acc);
-  float db_part = 0.0f, dn_part = 0.0f;
+  // the parameters' partial sums (Score::grad; two scalars, not an array: as scalars the SSA
+  // kernels compile to the PTX they had with db / dn, an array reordered it)
+  static_assert(kMaxScoreParams == 2, "dpar0, dpar1");
+  float dpar0 = 0.0f, dpar1 = 0.0f;
 
-  // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ, db, dn (not in the pre-pass)
+  // pass 0 (ADAPTIVE only): dbeta and g; pass 1: dQ and the parameter sums (not in the pre-pass)
   for (int pass = kAdaptive ? 0 : 1; pass < (kPrep ? 1 : 2); ++pass) {
     float dbeta_lo = 0.0f, dbeta_hi = 0.0f;
     const int first = kb.first();
@@ -373,8 +371,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = n0 + Frag::col(lane, nt) + (i & 1);
-            if (i < 2) dbeta_lo += dbeta_term<kSSA, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
-            else dbeta_hi += dbeta_term<kSSA, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
+            if (i < 2) dbeta_lo += dbeta_term<Score, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], r_lo, col, st_lo);
+            else dbeta_hi += dbeta_term<Score, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], r_hi, col, st_hi);
           }
         }
       } else {
@@ -384,8 +382,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
           for (int i = 0; i < 4; ++i) {
             const int col = n0 + Frag::col(lane, nt) + (i & 1);
             float pp;
-            s[0][nt][i] = score_grad<kSSA, kAdaptive, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
-                                                              col, i < 2 ? st_lo : st_hi, pp, db_part, dn_part);
+            s[0][nt][i] = score_grad<Score, kAdaptive, kCheck, true, kCap>(p, ctx, s[0][nt][i], dp[0][nt][i], i < 2 ? r_lo : r_hi,
+                                                               col, i < 2 ? st_lo : st_hi, pp, dpar0, dpar1);
           }
         }
       }
@@ -459,27 +457,28 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     }
   }
 
-  // db, dn partials of this block: warp sums, then warps in order (deterministic). The sums go
-  // through the (no longer used) Q tile: the last loop iteration ended with a barrier.
-  if (kSSA) {
-    float* s_red = reinterpret_cast<float*>(sQ);  // [2][kNWarps]
-    db_part = warp_sum(db_part);
-    dn_part = warp_sum(dn_part);
+  // the parameters' partials of this block: warp sums, then warps in order (deterministic). The
+  // sums go through the (no longer used) Q tile: the last loop iteration ended with a barrier.
+  constexpr int kNPar = Score::kParams;
+  if (kNPar > 0) {
+    float* s_red = reinterpret_cast<float*>(sQ);  // [kNPar][kNWarps]
+    dpar0 = warp_sum(dpar0);
+    if (kNPar > 1) dpar1 = warp_sum(dpar1);
     if (lane == 0) {
-      s_red[warp] = db_part;
-      s_red[kNWarps + warp] = dn_part;
+      s_red[warp] = dpar0;
+      if (kNPar > 1) s_red[kNWarps + warp] = dpar1;
     }
     __syncthreads();
     if (tid == 0) {
-      float db = 0.0f, dn = 0.0f;
+      float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
       for (int w = 0; w < kNWarps; ++w) {
-        db += s_red[w];
-        dn += s_red[kNWarps + w];
+        sum0 += s_red[w];
+        if (kNPar > 1) sum1 += s_red[kNWarps + w];
       }
       const int64_t idx = blk.batch_head(p) * gridDim.x + blk.block;
-      p.db_part[idx] = db * (kCap ? ctx.n * p.scale * p.cap_out : ctx.n * p.scale);
-      p.dn_part[idx] = dn * kLn2;
+      p.dparam_part0[idx] = sum0 * Score::template dparam_factor<kCap>(p, ctx, 0);
+      if (kNPar > 1) p.dparam_part1[idx] = sum1 * Score::template dparam_factor<kCap>(p, ctx, 1);
     }
   }
 }
@@ -500,13 +499,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
 // it); dK += dS^T Q reads dS^T back from shared memory too (fewer live registers). The order of
 // the atomic adds across key blocks is the hardware's, so the fused path is not bitwise
 // reproducible: deterministic backwards run the two-kernel path. Where the fused kernel runs
-// (traits.h, bwd_fused_for: D <= 128, 64 on sm_70) is set by register spills. With SSA logits
-// each warp sums db / dn over a head's steps and writes one partial per (head, key block, warp).
+// (traits.h, bwd_fused_for: D <= 128, 64 on sm_70) is set by register spills. A score function
+// with parameters (SSA: db / dn) has each warp sum their terms over a head's steps and write one
+// partial per (head, key block, warp).
 //
 // Pipeline per step (Q and the statistics double-buffered, dO single):
 //   issue Q_{t+1}, stats_{t+1} | wait Q_t, dO_t | S^T, dP^T, dV += P^T dO_t (kFusedDq: dS^T to
 //   shared) | issue dO_{t+1} | dK += dS^T Q_t (kFusedDq: dQ_t = dS K, atomics)
-template <typename Tr, bool kSSA, bool kAdaptive, bool kFusedDq, bool kCap = false>
+template <typename Tr, typename Score, bool kAdaptive, bool kFusedDq, bool kCap = false>
 SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   SSA_TILE_NAMES(Tr);  // kBlockM queries per step, kBlockN keys of this CTA
   constexpr int kNWarps = Tr::kNWarps;
@@ -546,14 +546,14 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // registers)
   constexpr bool kStoreDs = kFusedDq || (!kWg && dkdv_stores_ds(kD, SSA_FLASH_ASYNC_COPIES ? kPathSm80 : kPathSm75));
   static_assert(!kFusedDq || (kNWarps % kQS == 0 && kDQ % 16 == 0 && kDQ % kDQC == 0), "fused dQ split");
-  // the fused SSA kernel sums db / dn per warp: each score must belong to one warp
-  static_assert(!(kSSA && kFusedDq) || kSplit == 1, "fused SSA backward: one warp per key strip");
+  // the fused kernel sums the parameters' terms per warp: each score must belong to one warp
+  static_assert(Score::kParams == 0 || !kFusedDq || kSplit == 1, "fused backward with parameters: one warp per key strip");
 
 #if defined(__CUDA_ARCH__)
   // (each architecture runs one strip split per variant, traits.h dkdv_split_for, and this
   // kernel only where bwd_fused_for says)
   if (never_launched(kernel_unsupported<T, kD>() || kSplit != dkdv_split_for(kD, ElemInfo<T>::kIsBF16, __CUDA_ARCH__) ||
-                     (kFusedDq && !bwd_fused_for(kD, kSSA, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))))
+                     (kFusedDq && !bwd_fused_for(kD, Score::kFusedSpillsSm75, ElemInfo<T>::kIsBF16, __CUDA_ARCH__))))
     return;
 #endif
   // (the host plans dropout and windows on the two-kernel path)
@@ -655,9 +655,10 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   // this thread's first dQ accumulator element of a step, from the step's first row
   const int dq_off = (dq_strip * 16 + Frag::row(lane)) * kD + dq_col0 + Frag::col(lane, 0);
 
-  // SSA: this warp's sums for db / dn over the current head's steps (the fused kernel writes them
-  // per head, see below; in the dK/dV kernel the dQ kernel sums them and these are dead)
-  float db_acc = 0.0f, dn_acc = 0.0f;
+  // this warp's sums of the parameters' terms (SSA: db / dn) over the current head's steps (the
+  // fused kernel writes them per head, see below; in the dK/dV kernel the dQ kernel sums them and
+  // these are dead)
+  float dpar0 = 0.0f, dpar1 = 0.0f;
 
   // One step: query rows [mm, mm + kBlockM) of head hh, whose logit context is ctx, from buffer
   // buf; `next` the next step's sources, if has_next.
@@ -741,8 +742,8 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
             for (int hi = 0; hi < 2; ++hi) {
               const int i = c + 2 * hi;
               float pp;
-              dp[0][mt][i] = score_grad<kSSA, kAdaptive, kCheck, !kFusedDq, kCap>(
-                  p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq, key_lo() + hi * Frag::kHi, r, pp, db_acc, dn_acc);
+              dp[0][mt][i] = score_grad<Score, kAdaptive, kCheck, !kFusedDq, kCap>(
+                  p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq, key_lo() + hi * Frag::kHi, r, pp, dpar0, dpar1);
               s[0][mt][i] = pp;
             }
           }
@@ -861,7 +862,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
                            ? m_last
                            : min(m_last, m_first + (tail_rows >= 0 ? tail_rows / kBlockM + 1 : 0) * kBlockM);
     const bool last_head = hh + 1 == hh0 + p.group;
-    const LogitCtx ctx = make_logit_ctx<kCap>(p, bb, hh, kSSA);
+    const LogitCtx ctx = Score::template setup<kCap>(p, bb, hh);
     auto run = [&](auto check, int mm) {
       constexpr bool kCheck = decltype(check)::value;
       const bool head_end = kCheck && mm == m_last;
@@ -877,19 +878,20 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       if (pass == 0)
         for (; mm < m_tail; mm += kBlockM) run(Bool<false>(), mm);
     }
-    if (kSSA && kFusedDq) {
-      // db / dn partials of this head: one per (key block, warp), summed by the binding (every
-      // entry written, zero when the head had no step here)
+    constexpr int kNPar = Score::kParams;
+    if (kNPar > 0 && kFusedDq) {
+      // the parameters' partials of this head: one per (key block, warp), summed by the binding
+      // (every entry written, zero when the head had no step here)
       // (indices from the special registers again: kept live from the prologue, they spilled)
-      const float db = warp_sum(db_acc), dn = warp_sum(dn_acc);
+      const float sum0 = warp_sum(dpar0), sum1 = kNPar > 1 ? warp_sum(dpar1) : 0.0f;
       const int t = threadIdx.x;
       if ((t & 31) == 0) {
         const int64_t bh = static_cast<int64_t>(blockIdx.z) * p.heads + hh;
         const int64_t idx = (bh * gridDim.x + blockIdx.x) * kNWarps + (t >> 5);
-        p.db_part[idx] = db * (kCap ? ctx.n * p.scale * p.cap_out : ctx.n * p.scale);
-        p.dn_part[idx] = dn * kLn2;
+        p.dparam_part0[idx] = sum0 * Score::template dparam_factor<kCap>(p, ctx, 0);
+        if (kNPar > 1) p.dparam_part1[idx] = sum1 * Score::template dparam_factor<kCap>(p, ctx, 1);
       }
-      db_acc = dn_acc = 0.0f;
+      dpar0 = dpar1 = 0.0f;
     }
   }
   cp_async_wait<0>();  // (nothing in flight unless num_t == 0: K, V were loaded for nothing)
@@ -918,15 +920,15 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 }
 
 // dK/dV of the two-kernel backward (after attn_bwd_dq_kernel)
-template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false>
+template <typename Tr, typename Score, bool kAdaptive, bool kCap = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dkdv_kernel(const BwdParams p) {
-  bwd_key_block<Tr, kSSA, kAdaptive, false, kCap>(p);
+  bwd_key_block<Tr, Score, kAdaptive, false, kCap>(p);
 }
 
 // dK, dV and dQ (fp32 atomics) of the fused backward (after attn_bwd_dq_kernel's pre-pass)
-template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false>
+template <typename Tr, typename Score, bool kAdaptive, bool kCap = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_fused_kernel(const BwdParams p) {
-  bwd_key_block<Tr, kSSA, kAdaptive, true, kCap>(p);
+  bwd_key_block<Tr, Score, kAdaptive, true, kCap>(p);
 }
 
 }  // namespace ssa_flash

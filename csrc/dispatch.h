@@ -6,6 +6,7 @@
 #include <string>
 #include <type_traits>
 
+#include "logits.h"
 #include "traits.h"
 
 namespace ssa_flash {
@@ -20,20 +21,47 @@ auto bool_switch(bool flag, F&& f) {
   return f(False{});
 }
 
-// f(Ssa, Adaptive): the two feature flags every kernel is templated on.
-template <typename F>
-auto feature_switch(bool ssa, bool adaptive, F&& f) {
-  if (ssa) {
-    if (adaptive) return f(True{}, True{});
-    return f(True{}, False{});
+// The score functions the kernels are compiled for (logits.h), in any order: each is dispatched
+// by its kId, the registry's id (ssa_flash/scores.py). A new score function is a policy type in
+// logits.h and its name here.
+template <typename... S>
+struct ScoreList {};
+using Scores = ScoreList<Softmax, Ssa, LogitScale>;
+
+// Whether `id` names a score function of Scores (set_params.h checks each call's id).
+template <typename... S>
+constexpr bool known_score(int id, ScoreList<S...>) {
+  return ((id == S::kId) || ...);
+}
+constexpr bool known_score(int id) { return known_score(id, Scores{}); }
+
+// f(S) with S the policy type (a value of it) whose kId is `id`; an unknown id (which check_call
+// refuses before any dispatch) gets the first type of the list.
+template <typename F, typename S0, typename... S>
+auto score_switch_in(int id, ScoreList<S0, S...>, F&& f) {
+  if constexpr (sizeof...(S) > 0) {
+    if (id != S0::kId) return score_switch_in(id, ScoreList<S...>{}, f);
   }
-  if (adaptive) return f(False{}, True{});
-  return f(False{}, False{});
+  return f(S0{});
+}
+template <typename F>
+auto score_switch(int id, F&& f) {
+  return score_switch_in(id, Scores{}, f);
 }
 
-// f(Ssa, Adaptive, Cap, Sink): feature_switch with the two optional features every query-row
+// f(Score, Adaptive): the score function's policy and the temperature flag every kernel is
+// templated on.
+template <typename F>
+auto feature_switch(int score, bool adaptive, F&& f) {
+  return score_switch(score, [&](auto S) {
+    if (adaptive) return f(S, True{});
+    return f(S, False{});
+  });
+}
+
+// f(Score, Adaptive, Cap, Sink): feature_switch with the two optional features every query-row
 // kernel is also templated on, logit soft-capping and attention sinks (docs/maths.md section 6);
-// calls without them get the <Ssa, Adaptive, False, False> instances, the kernels as they were
+// calls without them get the <Score, Adaptive, False, False> instances, the kernels as they were
 // before these features.
 // SSA_FLASH_EXTRAS: which of these instances a build holds. 1 (default): all. 0: only those
 // without soft-capping and sinks (the kernels of a call that uses neither; a quicker build).
@@ -45,10 +73,10 @@ auto feature_switch(bool ssa, bool adaptive, F&& f) {
 #endif
 
 template <typename F>
-auto extras_switch(bool ssa, bool adaptive, bool cap, bool sink, F&& f) {
+auto extras_switch(int score, bool adaptive, bool cap, bool sink, F&& f) {
   return bool_switch(cap, [&](auto C) {
     return bool_switch(sink, [&](auto K) {
-      return feature_switch(ssa, adaptive, [&](auto S, auto A) {
+      return feature_switch(score, adaptive, [&](auto S, auto A) {
         constexpr bool kExtra = decltype(C)::value || decltype(K)::value;
         if constexpr (SSA_FLASH_EXTRAS == 1 || (SSA_FLASH_EXTRAS == 2) == kExtra) {
           return f(S, A, C, K);

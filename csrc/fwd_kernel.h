@@ -55,13 +55,13 @@ SSA_DEVICE void score_gemm(float (&s)[kMS][kN / 8][4], const T* sQ, const T* sQw
 // (the interior loops); the rest (the diagonal under causal, the ragged last block, every block
 // of a masked call) run the checked loop.
 //
-// Interior blocks keep the raw per-element value x and a per-row multiplier c >= 0: softmax
-// x = s (the dot product), c = scale log2(e) beta; SSA x = t = sgn(s) log2(1 + b scale |s|),
-// c = n beta. The row max is taken on x and scaled once per row (max(c x) = c max(x) for c >= 0),
-// and each weight is one FFMA and one EX2, 2^(x c - m) (FlashAttention-2's trick, extended to
-// SSA's t). c >= 0 needs scale >= 0 (the binding applies a negative scale to -q) and, for SSA,
-// n >= 0: a head with n < 0 negates its Q tile once in shared memory and uses |n|, since
-// n sgn(s) = |n| sgn(-s).
+// Interior blocks keep the raw per-element value x and a per-row multiplier c >= 0 (the score
+// function's x and mult, logits.h): softmax x = s (the dot product), c = scale log2(e) beta; SSA
+// x = t = sgn(s) log2(1 + b scale |s|), c = n beta. The row max is taken on x and scaled once per
+// row (max(c x) = c max(x) for c >= 0), and each weight is one FFMA and one EX2, 2^(x c - m)
+// (FlashAttention-2's trick, extended to SSA's t). c >= 0 needs scale >= 0 (the binding applies a
+// negative scale to -q) and a head whose multiplier would be negative (SSA's n < 0: Score::nonneg)
+// negates its Q tile once in shared memory, since n sgn(s) = |n| sgn(-s).
 //
 // Conditional rescaling (FlashAttention-4): m need not be the running max, only a value that
 // the final normalisation shares (o = acc / l and lse = m + log2 l are exact for any m), as long
@@ -90,7 +90,7 @@ SSA_DEVICE void score_gemm(float (&s)[kMS][kN / 8][4], const T* sQ, const T* sQw
 // th = tanh(z / c), or its SSA t, the cap c / scale folded into the logit coefficient); a sink
 // starts its row at the sink logit (row_state.h, init_row_sink), which m = sink2 beta, l = 1 make
 // part of the final o and lse with nothing per element. Without them the kernel compiles exactly as before.
-template <typename Tr, bool kSSA, bool kAdaptive, bool kCap = false, bool kSink = false>
+template <typename Tr, typename Score, bool kAdaptive, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdParams p) {
   SSA_TILE_NAMES(Tr);
   constexpr int kMS = Tr::kMS;      // 16-row strips per warp
@@ -121,9 +121,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
   const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
   const T* v = blk.kv_head<const T>(p.v, p.v_sb, p.v_sh);
-  LogitCtx ctx = make_logit_ctx<kCap>(p, blk.batch, blk.head, kSSA);
-  const bool negate_q = kSSA && ctx.n < 0.0f;
-  if (kSSA) ctx.n = fabsf(ctx.n);
+  LogitCtx ctx = Score::template setup<kCap>(p, blk.batch, blk.head);
+  const bool negate_q = Score::nonneg(ctx);
   // the (batch, head)'s first row of the per-row statistics, formed where used (kept from the
   // prologue to the epilogue, it spilled the D = 128 forward on sm_75)
   auto stat0 = [&]() { return (static_cast<int64_t>(blockIdx.z) * p.heads + blockIdx.y) * p.len_q; };
@@ -138,7 +137,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms) {
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = row_mult<kSSA>(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
+    for (int hi = 0; hi < 2; ++hi) mult[ms][hi] = Score::mult(ctx, row_beta(row0 + ms * kStripRows + hi * Frag::kHi));
   }
 
   // the key blocks and their order (block_info.h): interior ones first (streamed copies with cp.async)
@@ -229,10 +228,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
           float x;
           const float sc = softcap_raw<kCap>(p, s[ms][nt][i]);
           if (!kCheck) {
-            x = kSSA ? xor_sign(lg2(fmaf(ctx.c, fabsf(sc), 1.0f)), sc) : sc;
+            x = Score::x(ctx, sc);
           } else {
-            float t, u;
-            x = logit_raw<kSSA>(ctx, sc, mult[ms][hi], t, u);
+            typename Score::Elem el;
+            x = Score::logit(ctx, sc, mult[ms][hi], el);
             x = apply_mask(p, ctx, x, row0 + ms * kStripRows + hi * Frag::kHi, n0 + Frag::col(lane, nt) + (i & 1),
                            mask_mult[hi]);
           }
@@ -388,7 +387,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
 // kCap, kSink as in the forward: the sink is an entry of the row (temperature-free, so m = sink2,
 // lam = 1, kc = 0 at the start) and counts in both H and the LSE.
-template <typename Tr, bool kSSA, bool kCap = false, bool kSink = false>
+template <typename Tr, typename Score, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(const FwdParams p) {
   SSA_TILE_NAMES(Tr);
   constexpr int kMS = Tr::kMS;
@@ -413,8 +412,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
 
   const T* q = blk.query_head<const T>(p.q, p.q_sb, p.q_sh);
   const T* k = blk.kv_head<const T>(p.k, p.k_sb, p.k_sh);
-  const LogitCtx ctx = make_logit_ctx<kCap>(p, blk.batch, blk.head, kSSA);
-  const float mult = row_mult<kSSA>(ctx, 1.0f);
+  const LogitCtx ctx = Score::template setup<kCap>(p, blk.batch, blk.head);
+  const float mult = Score::mult(ctx, 1.0f);
   const int64_t stat0 = blk.batch_head(p) * p.len_q;
   int row[kMS][2];
 #pragma unroll
@@ -465,8 +464,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          float t, u;
-          float l2 = logit_raw<kSSA>(ctx, softcap_raw<kCap>(p, s[ms][nt][i]), mult, t, u);
+          typename Score::Elem el;
+          float l2 = Score::logit(ctx, softcap_raw<kCap>(p, s[ms][nt][i]), mult, el);
           if (kCheck) l2 = apply_mask(p, ctx, l2, row[ms][i >> 1], n0 + Frag::col(lane, nt) + (i & 1), kLog2e);
           s[ms][nt][i] = l2;
           mx[i >> 1] = fmaxf(mx[i >> 1], l2);

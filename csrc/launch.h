@@ -13,16 +13,23 @@
 
 namespace ssa_flash {
 
+// `score`: the score function's id (ssa_flash/scores.py; logits.h, dispatch.h), its kParams
+// parameters in p.score_param.
+
+// The number of per-head parameters of score function `score`, or -1 for an id the kernels do
+// not know (dispatch.h, Scores).
+int score_param_count(int score);
+
 // forward: o, lse (p.beta != nullptr iff adaptive)
-std::string run_fwd_fp16(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream);
-std::string run_fwd_bf16(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream);
+std::string run_fwd_fp16(const FwdParams& p, int score, bool adaptive, cudaStream_t stream);
+std::string run_fwd_bf16(const FwdParams& p, int score, bool adaptive, cudaStream_t stream);
 // row-entropy pass: p.entropy and p.lse of softmax(l) (p.o, p.v, p.beta unused)
-std::string run_row_entropy_fp16(const FwdParams& p, bool ssa, cudaStream_t stream);
-std::string run_row_entropy_bf16(const FwdParams& p, bool ssa, cudaStream_t stream);
+std::string run_row_entropy_fp16(const FwdParams& p, int score, cudaStream_t stream);
+std::string run_row_entropy_bf16(const FwdParams& p, int score, cudaStream_t stream);
 // How a backward runs on the current device: fused (pre-pass + one kernel, dQ accumulated with
 // atomics in p.dq_accum, which the caller zeroes, then scales and converts) or the two-kernel
-// path (dQ kernel, dK/dV kernel: bitwise reproducible); num_partials is the last dim of the db/dn
-// partial-sum buffers (B, H, num_partials) for either.
+// path (dQ kernel, dK/dV kernel: bitwise reproducible); num_partials is the last dim of the
+// parameter gradients' partial-sum buffers (B, H, num_partials) for either.
 struct BwdPlan {
   bool fused;
   int num_partials;
@@ -30,14 +37,14 @@ struct BwdPlan {
   int stat_count;   // the fused path's dQ accumulator (B, H, stat_rows, accum_cols), float32
   int accum_cols;   // the kernels' padded head dim
 };
-BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
+BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
                       bool unfused_features);
-BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
+BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
                       bool unfused_features);
 
 // backward as planned: dq (two-kernel) or p.dq_accum (fused), dk, dv, delta, g (adaptive),
-// db/dn partials (ssa)
-std::string run_bwd_fp16(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
-std::string run_bwd_bf16(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
+// the parameters' partials (p.dparam_part)
+std::string run_bwd_fp16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
+std::string run_bwd_bf16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
 
 }  // namespace ssa_flash

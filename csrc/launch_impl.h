@@ -108,45 +108,45 @@ dim3 key_grid(const AttnShape& p) {
   return dim3((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
 }
 
-// Launches the (SSA, adaptive, softcap, sink) instance of a kernel template that
-// pick(Ssa, Adaptive, Cap, Sink) returns (dispatch.h, extras_switch), with Tr's threads.
+// Launches the (score, adaptive, softcap, sink) instance of a kernel template that
+// pick(Score, Adaptive, Cap, Sink) returns (dispatch.h, extras_switch), with Tr's threads.
 template <typename T, typename Tr, typename Params, typename Pick>
-std::string launch_variant(const char* name, Pick&& pick, bool ssa, bool adaptive, dim3 grid, int smem,
+std::string launch_variant(const char* name, Pick&& pick, int score, bool adaptive, dim3 grid, int smem,
                            cudaStream_t stream, const Params& p) {
-  return launch<T>(extras_switch(ssa, adaptive, p.softcap, p.sinks != nullptr, pick), name, grid, Tr::kNThreads,
+  return launch<T>(extras_switch(score, adaptive, p.softcap, p.sinks != nullptr, pick), name, grid, Tr::kNThreads,
                    smem, stream, p);
 }
 
 template <typename T, int D>
-std::string fwd_hdim(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
+std::string fwd_hdim(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
   return launch_variant<T, Tr>(
       "attn_fwd_kernel", [](auto S, auto A, auto C, auto K) {
-        return &attn_fwd_kernel<Tr, decltype(S)::value, decltype(A)::value, decltype(C)::value, decltype(K)::value>;
+        return &attn_fwd_kernel<Tr, decltype(S), decltype(A)::value, decltype(C)::value, decltype(K)::value>;
       },
-      ssa, adaptive, query_grid<Tr>(p), fwd_smem_bytes(D, sizeof(T), device_path()), stream, p);
+      score, adaptive, query_grid<Tr>(p), fwd_smem_bytes(D, sizeof(T), device_path()), stream, p);
 }
 
 template <typename T, int D>
-std::string row_entropy_hdim(const FwdParams& p, bool ssa, cudaStream_t stream) {
+std::string row_entropy_hdim(const FwdParams& p, int score, cudaStream_t stream) {
   using Tr = FwdTraits<D, T>;
-  auto kernel = extras_switch(ssa, false, p.softcap, p.sinks != nullptr, [](auto S, auto, auto C, auto K) {
-    return &attn_row_entropy_kernel<Tr, decltype(S)::value, decltype(C)::value, decltype(K)::value>;
+  auto kernel = extras_switch(score, false, p.softcap, p.sinks != nullptr, [](auto S, auto, auto C, auto K) {
+    return &attn_row_entropy_kernel<Tr, decltype(S), decltype(C)::value, decltype(K)::value>;
   });
   return launch<T>(kernel, "attn_row_entropy_kernel", query_grid<Tr>(p), Tr::kNThreads,
                    row_entropy_smem_bytes(D, sizeof(T), device_path()), stream, p);
 }
 
-// The dQ kernel (or its pre-pass, kPrep) of a (Ssa, Adaptive, Cap, Sink) call: a sink matters
+// The dQ kernel (or its pre-pass, kPrep) of a (Score, Adaptive, Cap, Sink) call: a sink matters
 // there only with the adaptive temperature (its dbeta term), so a sink without it runs the
 // sink-free instance. (The key-block kernels need no sink at all: the lse they read includes it.)
 template <typename Dq, bool kPrep, typename S, typename A, typename C, typename K>
 auto dq_kernel(S, A, C, K) {
-  return &attn_bwd_dq_kernel<Dq, S::value, A::value, kPrep, C::value, K::value && A::value>;
+  return &attn_bwd_dq_kernel<Dq, S, A::value, kPrep, C::value, K::value && A::value>;
 }
 
 template <typename T, int D>
-std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
   using Dq = DqTraits<D, T>;
   if constexpr (D <= 128) {
@@ -154,22 +154,22 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
       // pre-pass: delta (and the adaptive g), then the fused kernel
       std::string err = launch_variant<T, Dq>(
           "attn_bwd_dq_kernel (pre-pass)",
-          [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, true>(S, A, C, K); }, ssa,
+          [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, true>(S, A, C, K); }, score,
           adaptive, query_grid<Dq>(p), bwd_prep_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
       if (!err.empty()) return err;
       using Tr = FusedTraits<D, T>;
       return launch_variant<T, Tr>(
           "attn_bwd_fused_kernel",
           [](auto S, auto A, auto C, auto) {
-            return &attn_bwd_fused_kernel<Tr, decltype(S)::value, decltype(A)::value, decltype(C)::value>;
+            return &attn_bwd_fused_kernel<Tr, decltype(S), decltype(A)::value, decltype(C)::value>;
           },
-          ssa,
+          score,
           adaptive, key_grid<Tr>(p), bwd_fused_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
     }
   }
   std::string err = launch_variant<T, Dq>(
       "attn_bwd_dq_kernel", [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, false>(S, A, C, K); },
-      ssa, adaptive, query_grid<Dq>(p), dq_smem_bytes(D, sizeof(T), path), stream, p);
+      score, adaptive, query_grid<Dq>(p), dq_smem_bytes(D, sizeof(T), path), stream, p);
   if (!err.empty()) return err;
   // dK/dV with the tile Tr (traits.h: DkdvTraits, or DkdvTraitsSm75 where dkdv_split_for says)
   auto dkdv = [&](auto traits, int smem) {
@@ -177,9 +177,9 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
     return launch_variant<T, Tr>(
         "attn_bwd_dkdv_kernel",
         [](auto S, auto A, auto C, auto) {
-          return &attn_bwd_dkdv_kernel<Tr, decltype(S)::value, decltype(A)::value, decltype(C)::value>;
+          return &attn_bwd_dkdv_kernel<Tr, decltype(S), decltype(A)::value, decltype(C)::value>;
         },
-        ssa,
+        score,
         adaptive, key_grid<Tr>(p), smem, stream, p);
   };
   if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {
@@ -192,7 +192,7 @@ std::string bwd_hdim(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan&
 
 // The backward's plan on the current device (launch.h).
 template <typename T>
-BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adaptive, bool deterministic,
+BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
                  bool unfused_features) {
   const int padded = padded_head_dim(dim > dim_v ? dim : dim_v);
   const int d = padded < 0 ? 256 : padded;
@@ -201,8 +201,9 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adapti
   BwdPlan plan;
   // (dropout or a window: the two-kernel path; the fused kernel has no code for them, see
   // bwd_kernel.h)
-  plan.fused = !deterministic && !unfused_features && known && bwd_fused_for(d, ssa, ElemInfo<T>::kIsBF16, arch);
-  // SSA db / dn partials: per query block of the dQ kernel, or per (key block, warp) of the
+  const bool sm75_spills = score_switch(score, [](auto S) { return decltype(S)::kFusedSpillsSm75; });
+  plan.fused = !deterministic && !unfused_features && known && bwd_fused_for(d, sm75_spills, ElemInfo<T>::kIsBF16, arch);
+  // the parameters' partials: per query block of the dQ kernel, or per (key block, warp) of the
   // fused kernel
   plan.num_partials = plan.fused ? (len_k + dkdv_block_n(d) - 1) / dkdv_block_n(d) * dkdv_warps(d)
                                  : (len_q + dq_block_m(d) - 1) / dq_block_m(d);
@@ -213,19 +214,19 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, bool ssa, bool adapti
 }
 
 template <typename T>
-std::string run_fwd(const FwdParams& p, bool ssa, bool adaptive, cudaStream_t stream) {
-  return head_dim_switch(p.dim, p.dim_v, [&](auto D) { return fwd_hdim<T, decltype(D)::value>(p, ssa, adaptive, stream); });
+std::string run_fwd(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
+  return head_dim_switch(p.dim, p.dim_v, [&](auto D) { return fwd_hdim<T, decltype(D)::value>(p, score, adaptive, stream); });
 }
 
 template <typename T>
-std::string run_row_entropy(const FwdParams& p, bool ssa, cudaStream_t stream) {
-  return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, ssa, stream); });
+std::string run_row_entropy(const FwdParams& p, int score, cudaStream_t stream) {
+  return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, score, stream); });
 }
 
 template <typename T>
-std::string run_bwd(const BwdParams& p, bool ssa, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+std::string run_bwd(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   return head_dim_switch(p.dim, p.dim_v, [&](auto D) {
-    return bwd_hdim<T, decltype(D)::value>(p, ssa, adaptive, plan, stream);
+    return bwd_hdim<T, decltype(D)::value>(p, score, adaptive, plan, stream);
   });
 }
 

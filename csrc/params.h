@@ -18,6 +18,9 @@ namespace ssa_flash {
 
 enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskAdd = 2 };
 
+// The most per-head parameters a score function has (logits.h; SSA's b and n).
+constexpr int kMaxScoreParams = 2;
+
 struct AttnShape {
   int batch, heads, heads_kv, group;  // group = heads / heads_kv (GQA)
   int len_q, len_k;
@@ -33,8 +36,12 @@ struct AttnShape {
   int mask_kind;
   const void* mask;                   // uint8 or float32, see mask_kind
   int64_t mask_sb, mask_sh, mask_sm, mask_sn;
-  const float* ssa_b;                 // (H,) or nullptr (softmax logits)
-  const float* ssa_n;
+  // the score function's per-head parameters (logits.h: the policy's kParams of them, in the
+  // registry's order, ssa_flash/scores.py), (H,) float32 each; unused ones nullptr. (Fields, not an
+  // array of kMaxScoreParams: with an array in the parameter struct, ptxas allocated registers
+  // differently in existing kernels; these two sit where SSA's b and n pointers were.)
+  const float* score_param0;
+  const float* score_param1;
   // Dropout (docs/design.md section 1.5), nullptr drop_rng without: the int64 (seed, offset) on the device;
   // weight (b, h, i, j) is kept iff its Philox word is below drop_keep_below (dropout.h, drop_bits;
   // ssa_flash.reference.dropout_keep_mask), kept weights scaled by drop_scale = 1 / (1 - p)
@@ -112,10 +119,11 @@ struct BwdParams : AttnShape {
   // written by the dQ kernel / pre-pass, read by the dK/dV kernel (bwd_kernel.h, RowStat)
   float* rowstat;
   int stat_rows;          // bwd_stat_rows(len_q) (traits.h)
-  // SSA: partial sums of db, dn, (B, H, num_partials): per query block of the dQ kernel, or per
-  // (key block, warp) of the fused kernel (launch.h, BwdPlan)
-  float* db_part;
-  float* dn_part;
+  // partial sums of the score function's parameter gradients, one (B, H, num_partials) buffer per
+  // parameter (nullptr past kParams): per query block of the dQ kernel, or per (key block, warp)
+  // of the fused kernel (launch.h, BwdPlan). (Fields, as score_param0 / 1.)
+  float* dparam_part0;
+  float* dparam_part1;
   // fused backward only: (B, H, stat_rows, padded head dim) float32, zero on entry; receives
   // dQ / scale by atomics (rows past len_q and columns past dim receive exact zeros)
   float* dq_accum;

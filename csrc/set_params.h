@@ -30,6 +30,7 @@ struct AttnCall {
   // heads = group * heads_kv (GQA); dim, dim_v multiples of 8 (the wrapper pads), at most 256
   int64_t batch, heads, heads_kv, group, len_q, len_k, dim, dim_v;
   int64_t bf16;           // element type: 0 float16, 1 bfloat16
+  int64_t score;          // the score function's id (ssa_flash/scores.py; logits.h, dispatch.h)
   double scale;           // >= 0 (ssa_flash/backends/cuda_backend.py applies a negative scale to -q)
   int64_t causal;
   int64_t window_left, window_right;  // window_size, -1: that side unbounded (set_band)
@@ -38,13 +39,13 @@ struct AttnCall {
   int64_t mask_kind;
   const void* mask;
   int64_t mask_sb, mask_sh, mask_sm, mask_sn;
-  const float* ssa_b;     // (H,) SSA parameters, both or neither
-  const float* ssa_n;
-  // dropout: the int64 (seed, offset) on the device or null; keep31 = round((1 - p) 2^31) below
-  // 2^31 (ssa_flash.reference.dropout_keep_threshold); drop_scale = 1 / (1 - p), 0 for p = 1
+  // the score function's per-head parameters, (H,) float32 each, in the registry's order: its
+  // kParams entries set, the others null
+  const float* score_param[kMaxScoreParams];
+  // dropout: probability p in [0, 1] (0: none) and the int64 (seed, offset) on the device (null
+  // without dropout)
+  double dropout_p;
   const int64_t* drop_rng;
-  int64_t drop_keep31;
-  double drop_scale;
   // operands (q, k, v in every pass; o, dout, dq, dk, dv as the pass needs; the forward's output
   // o; dq absent on the fused backward path, whose dQ goes to dq_accum)
   Operand q, k, v, o, dout, dq, dk, dv;
@@ -57,12 +58,11 @@ struct AttnCall {
   const float* beta;
   const float* lse_l;
   const float* dbeta_dh;
-  // backward workspaces, shaped by bwd_buffers: rowstat, dq_accum (zeroed, fused path only),
-  // db_part / dn_part (SSA only)
+  // backward workspaces, shaped by bwd_buffers: rowstat, dq_accum (zeroed, fused path only), the
+  // parameters' partial sums (one per parameter of the score function)
   float* rowstat;
   float* dq_accum;
-  float* db_part;
-  float* dn_part;
+  float* dparam_part[kMaxScoreParams];
   // attention sinks (H,) float32 (natural-log logits) or null; logit soft-cap c >= 0 (0: off)
   // (docs/maths.md section 6; the kernels instantiated with them: dispatch.h, extras_switch)
   const float* sinks;
@@ -75,11 +75,14 @@ struct BwdBuffers {
   int64_t fused;            // the plan's path: dq_accum instead of dq
   int64_t rowstat[4];       // (B, H, stat_rows, stat_count), written before it is read
   int64_t dq_accum[4];      // (B, H, stat_rows, accum_cols), zero on entry; fused path only
-  int64_t partials[3];      // db_part and dn_part: (B, H, num_partials), (0, H, ..) for softmax
+  int64_t partials[3];      // each of the nparams dparam_part: (B, H, num_partials)
+  int64_t nparams;          // the score function's parameters (score_param_count)
 };
 
 // Sizes and flags the kernels assume (params.h); an error message, or an empty string. What a
 // tensor alone tells (device, dtype, shapes against each other, strides) is the binding's part.
+// Run once per call, by whoever describes it (api.cpp, emu/emu_main.cpp), before the launch_*
+// functions below.
 inline std::string check_call(const AttnCall& c) {
   if (c.group < 1 || c.heads_kv < 1 || c.heads != c.heads_kv * c.group)
     return "query heads must be group * key heads";
@@ -101,15 +104,29 @@ inline std::string check_call(const AttnCall& c) {
   if (c.mask_kind != kMaskNone && c.mask_kind != kMaskBool && c.mask_kind != kMaskAdd)
     return "unknown mask_kind " + std::to_string(c.mask_kind);
   if ((c.mask_kind != kMaskNone) != (c.mask != nullptr)) return "mask_kind set without a mask, or a mask without it";
-  if ((c.ssa_b == nullptr) != (c.ssa_n == nullptr)) return "give both b and n or neither";
+  const int nparams = score_param_count(static_cast<int>(c.score));
+  if (c.score < 0 || c.score > (int64_t(1) << 30) || nparams < 0)
+    return "unknown score function id " + std::to_string(c.score);
+  for (int i = 0; i < kMaxScoreParams; ++i) {
+    if ((i < nparams) != (c.score_param[i] != nullptr))
+      return "score function " + std::to_string(c.score) + " takes " + std::to_string(nparams) +
+             " per-head parameters; parameter " + std::to_string(i) + (i < nparams ? " missing" : " given");
+  }
+  if (!std::isfinite(c.dropout_p) || c.dropout_p < 0 || c.dropout_p > 1)
+    return "dropout_p must be in [0, 1], got " + std::to_string(c.dropout_p);
+  if ((c.dropout_p > 0) != (c.drop_rng != nullptr))
+    return "dropout_p > 0 needs the (seed, offset) tensor, and only then";
   if (!std::isfinite(c.softcap) || c.softcap < 0)
     return "softcap must be finite and >= 0 (0: off), got " + std::to_string(c.softcap);
-  if (c.drop_rng != nullptr) {
-    if (c.drop_keep31 < 0 || c.drop_keep31 >= (int64_t(1) << 31))
-      return "dropout keep31 out of range: " + std::to_string(c.drop_keep31);
-    if (!std::isfinite(c.drop_scale) || c.drop_scale < 0) return "dropout scale must be finite and >= 0";
-  }
   return std::string();
+}
+
+// keep31 = round((1 - p) 2^31), at most 2^31 - 1: a weight is kept iff its Philox word is below
+// 2 keep31 (dropout.h; ssa_flash.reference.dropout_keep_threshold, whose round() is half to
+// even, as nearbyint in the default rounding mode).
+inline int64_t dropout_keep31(double p) {
+  const double k = std::nearbyint((1.0 - p) * 2147483648.0);
+  return k > 2147483647.0 ? int64_t(2147483647) : static_cast<int64_t>(k);
 }
 
 // The fields of AttnShape (params.h) every pass shares.
@@ -131,11 +148,12 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
   s.mask_sh = s.mask ? c.mask_sh : 0;
   s.mask_sm = s.mask ? c.mask_sm : 0;
   s.mask_sn = s.mask ? c.mask_sn : 0;
-  s.ssa_b = c.ssa_b;
-  s.ssa_n = c.ssa_n;
-  s.drop_rng = c.drop_rng;
-  s.drop_keep_below = c.drop_rng ? static_cast<uint32_t>(2 * c.drop_keep31) : 0u;
-  s.drop_scale = c.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
+  static_assert(kMaxScoreParams == 2, "params.h: score_param0, score_param1");
+  s.score_param0 = c.score_param[0];
+  s.score_param1 = c.score_param[1];
+  s.drop_rng = c.dropout_p > 0 ? c.drop_rng : nullptr;
+  s.drop_keep_below = s.drop_rng ? static_cast<uint32_t>(2 * dropout_keep31(c.dropout_p)) : 0u;
+  s.drop_scale = s.drop_rng ? static_cast<float>(c.dropout_p < 1 ? 1.0 / (1.0 - c.dropout_p) : 0.0) : 0.0f;
 }
 
 // Sinks and soft-capping (the last fields of FwdParams and BwdParams): s' = (c / scale)
@@ -182,6 +200,7 @@ inline FwdParams fwd_params(const AttnCall& c) {
 // the statistics are of the undropped rows (no dropout).
 inline FwdParams row_entropy_params(AttnCall c) {
   c.dim_v = c.dim;
+  c.dropout_p = 0.0;
   c.drop_rng = nullptr;
   FwdParams p{};
   set_shape(p, c);
@@ -193,8 +212,6 @@ inline FwdParams row_entropy_params(AttnCall c) {
   return p;
 }
 
-inline bool is_ssa(const AttnCall& c) { return c.ssa_b != nullptr; }
-
 // The backward's plan on the current device (launch.h): dropout and windows take the two-kernel
 // path (the fused kernel has no code for them, see bwd_kernel.h), as does deterministic.
 inline BwdPlan plan_backward(const AttnCall& c) {
@@ -202,8 +219,9 @@ inline BwdPlan plan_backward(const AttnCall& c) {
   set_shape(s, c);
   const bool unfused = s.drop_rng != nullptr || s.window;
   const bool adaptive = c.beta != nullptr;
-  return c.bf16 ? plan_bwd_bf16(s.dim, s.dim_v, s.len_q, s.len_k, is_ssa(c), adaptive, c.deterministic != 0, unfused)
-                : plan_bwd_fp16(s.dim, s.dim_v, s.len_q, s.len_k, is_ssa(c), adaptive, c.deterministic != 0, unfused);
+  const int score = static_cast<int>(c.score);
+  return c.bf16 ? plan_bwd_bf16(s.dim, s.dim_v, s.len_q, s.len_k, score, adaptive, c.deterministic != 0, unfused)
+                : plan_bwd_fp16(s.dim, s.dim_v, s.len_q, s.len_k, score, adaptive, c.deterministic != 0, unfused);
 }
 
 inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
@@ -211,7 +229,9 @@ inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
   b.fused = plan.fused;
   const int64_t rowstat[4] = {c.batch, c.heads, plan.stat_rows, plan.stat_count};
   const int64_t accum[4] = {c.batch, c.heads, plan.stat_rows, plan.accum_cols};
-  const int64_t parts[3] = {is_ssa(c) ? c.batch : 0, c.heads, plan.num_partials};
+  const int nparams = score_param_count(static_cast<int>(c.score));
+  b.nparams = nparams > 0 ? nparams : 0;
+  const int64_t parts[3] = {b.nparams > 0 ? c.batch : 0, c.heads, plan.num_partials};
   for (int i = 0; i < 4; ++i) {
     b.rowstat[i] = rowstat[i];
     b.dq_accum[i] = plan.fused ? accum[i] : 0;
@@ -220,8 +240,8 @@ inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
   return b;
 }
 
-// The backward's parameters for `plan`: dq (two-kernel path) or dq_accum (fused), dk, dv,
-// db / dn partials (SSA) written; rowstat as workspace.
+// The backward's parameters for `plan`: dq (two-kernel path) or dq_accum (fused), dk, dv, the
+// parameters' partials written; rowstat as workspace.
 inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   BwdParams p{};
   set_shape(p, c);
@@ -239,41 +259,40 @@ inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   p.lse_l = c.lse_l;
   p.entropy = c.entropy;
   p.dbeta_dh = c.dbeta_dh;
-  p.db_part = is_ssa(c) ? c.db_part : nullptr;
-  p.dn_part = is_ssa(c) ? c.dn_part : nullptr;
+  p.dparam_part0 = c.dparam_part[0];
+  p.dparam_part1 = c.dparam_part[1];
   set_extras(p, c);
   return p;
 }
 
-// The passes: check, fill, launch on `stream`; an error message or an empty string.
-inline std::string run_forward(const AttnCall& c, cudaStream_t stream) {
-  std::string why = check_call(c);
-  if (!why.empty()) return why;
+// The passes of a call that check_call accepted: fill, launch on `stream`; an error message or an
+// empty string.
+inline std::string launch_forward(const AttnCall& c, cudaStream_t stream) {
   const FwdParams p = fwd_params(c);
-  const bool ssa = is_ssa(c), adaptive = c.beta != nullptr;
-  return c.bf16 ? run_fwd_bf16(p, ssa, adaptive, stream) : run_fwd_fp16(p, ssa, adaptive, stream);
+  const int score = static_cast<int>(c.score);
+  return c.bf16 ? run_fwd_bf16(p, score, c.beta != nullptr, stream) : run_fwd_fp16(p, score, c.beta != nullptr, stream);
 }
 
-inline std::string run_row_entropy(const AttnCall& c, cudaStream_t stream) {
-  std::string why = check_call(c);
-  if (!why.empty()) return why;
+inline std::string launch_row_entropy(const AttnCall& c, cudaStream_t stream) {
   const FwdParams p = row_entropy_params(c);
-  return c.bf16 ? run_row_entropy_bf16(p, is_ssa(c), stream) : run_row_entropy_fp16(p, is_ssa(c), stream);
+  const int score = static_cast<int>(c.score);
+  return c.bf16 ? run_row_entropy_bf16(p, score, stream) : run_row_entropy_fp16(p, score, stream);
 }
 
-// The backward as `plan` (plan_backward of the same call) says; the buffers of bwd_buffers given.
-inline std::string run_backward(const AttnCall& c, const BwdPlan& plan, cudaStream_t stream) {
-  std::string why = check_call(c);
-  if (!why.empty()) return why;
+// The backward as `plan` (plan_backward of the same call) says; the buffers of bwd_buffers given
+// (checked here: they are the caller's allocation, not part of the call's description).
+inline std::string launch_backward(const AttnCall& c, const BwdPlan& plan, cudaStream_t stream) {
   const bool adaptive = c.beta != nullptr;
   if (adaptive != (c.lse_l != nullptr) || adaptive != (c.entropy != nullptr) || adaptive != (c.dbeta_dh != nullptr))
     return "give all of beta, lse_l, entropy, dbeta_dh or none";
   if (plan.fused ? c.dq_accum == nullptr : c.dq.ptr == nullptr) return "dq or dq_accum missing against the plan";
-  if (c.rowstat == nullptr || (is_ssa(c) && (c.db_part == nullptr || c.dn_part == nullptr)))
-    return "backward workspaces missing (bwd_buffers)";
+  const int nparams = score_param_count(static_cast<int>(c.score));
+  bool parts = true;
+  for (int i = 0; i < nparams; ++i) parts = parts && c.dparam_part[i] != nullptr;
+  if (c.rowstat == nullptr || !parts) return "backward workspaces missing (bwd_buffers)";
   const BwdParams p = bwd_params(c, plan);
-  return c.bf16 ? run_bwd_bf16(p, is_ssa(c), adaptive, plan, stream)
-                : run_bwd_fp16(p, is_ssa(c), adaptive, plan, stream);
+  const int score = static_cast<int>(c.score);
+  return c.bf16 ? run_bwd_bf16(p, score, adaptive, plan, stream) : run_bwd_fp16(p, score, adaptive, plan, stream);
 }
 
 }  // namespace ssa_flash

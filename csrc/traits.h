@@ -171,13 +171,13 @@ constexpr int dkdv_split_for(int d, bool bf16, int arch) {
 // The fused backward (attn_bwd_fused_kernel: five GEMMs per tile, dQ by fp32 atomics) runs
 // where ptxas compiles it without spilling: head dims up to 128 (64 on sm_70) where the split of
 // the architecture is one warp per key strip, any variant, except SSA at D = 64 on sm_75 (4
-// bytes). At D = 96 / 128 the dK / dV accumulators (2 D / 4 registers per thread) leave room for
+// bytes; `sm75_spills`: the score function's kFusedSpillsSm75, logits.h). At D = 96 / 128 the dK / dV accumulators (2 D / 4 registers per thread) leave room for
 // the dQ GEMM's accumulators of one chunk of columns at a time (32 at D = 128, 16 at D = 96;
 // bwd_kernel.h); on sm_70 it spilled 8 to 88 bytes there. At D = 256 (two warps per key strip)
 // the two-kernel path runs, and wherever the caller asks for a deterministic backward.
-constexpr bool bwd_fused_for(int d, bool ssa, bool bf16, int arch) {
+constexpr bool bwd_fused_for(int d, bool sm75_spills, bool bf16, int arch) {
   return d <= (arch < 750 ? 64 : 128) && dkdv_split_for(d, bf16, arch) == 1 &&
-         !(ssa && d > 32 && arch >= 750 && arch < 800);
+         !(sm75_spills && d > 32 && arch >= 750 && arch < 800);
 }
 // Shared memory of the fused kernel: the dK/dV kernel's and dS^T (BN x (BM + 8)); on sm_70 the
 // gemm_rn scratch serves the dQ GEMM too (reduction size BN).

@@ -390,7 +390,7 @@ def timing_table(device, backends: List[str], stream=None) -> None:
     print(header, file=stream)
     print("-" * len(header), file=stream)
     for shape in shapes:
-        inputs = impls.make_inputs(shape, device, "ssa")
+        inputs = impls.make_inputs(shape, device)
         times = {}
         for op, impl in [rows[-1]] + rows[:-1]:  # SDPA first: the baseline of the ratio columns
             res = {}

@@ -43,10 +43,11 @@ def unavailable_reason(device) -> str:
     return _backend.unavailable_reason(torch.device(device)) or ""
 
 
-def supports(query, key, value, adaptive: bool = False) -> Optional[str]:
-    """None if the CUDA kernels can run these inputs on their device, else the reason (a
-    sentence). Looks at dtypes, shapes and the device only (no synchronisation)."""
-    return _backend.supports(query, key, value, AttentionSpec(scale=1.0, adaptive=adaptive))
+def supports(query, key, value, adaptive: bool = False, score: str = "softmax") -> Optional[str]:
+    """None if the CUDA kernels can run these inputs on their device with score function ``score``
+    (``ssa_flash.scores``), else the reason (a sentence). Looks at dtypes, shapes and the device only
+    (no synchronisation)."""
+    return _backend.supports(query, key, value, AttentionSpec(scale=1.0, adaptive=adaptive, score=score))
 
 
 class CudaAttentionFunction:
@@ -62,10 +63,10 @@ class CudaAttentionFunction:
               poly: Sequence[float], threshold: float, ext=None):
         from .autograd import attention  # the op layer sits above the backends
 
-        spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group),
-                             adaptive=bool(adaptive), poly=tuple(poly), threshold=float(threshold))
+        spec = AttentionSpec(scale=float(scale), score="softmax" if b is None else "ssa", causal=bool(causal),
+                             group=int(group), adaptive=bool(adaptive), poly=tuple(poly), threshold=float(threshold))
         with emulated(ext):
             why = _backend.supports(q, k, v, spec)
             if why is not None:
                 raise _backend.BackendUnavailableError(f"backend='cuda' cannot run these inputs: {why}")
-            return attention(q, k, v, b, n, mask, "cuda", spec)
+            return attention(q, k, v, () if b is None else (b, n), mask, "cuda", spec)

@@ -90,21 +90,23 @@ class Operand(ctypes.Structure):
 
 
 _I64, _F64, _PTR = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+MAX_SCORE_PARAMS = 2  # csrc/params.h, kMaxScoreParams
 
 
 class AttnCall(ctypes.Structure):
     """csrc/set_params.h, AttnCall: one call, as csrc/api.cpp describes it from tensors. Its layout
     is checked against the emulator's (ssa_emu_layout) by tests/cuda/test_csrc_compile.py."""
     _fields_ = [
-        *((nm, _I64) for nm in ("batch", "heads", "heads_kv", "group", "len_q", "len_k", "dim", "dim_v", "bf16")),
+        *((nm, _I64) for nm in ("batch", "heads", "heads_kv", "group", "len_q", "len_k", "dim", "dim_v", "bf16",
+                                "score")),
         ("scale", _F64),
         *((nm, _I64) for nm in ("causal", "window_left", "window_right", "deterministic", "mask_kind")),
         ("mask", _PTR),
         *((nm, _I64) for nm in ("mask_sb", "mask_sh", "mask_sm", "mask_sn")),
-        ("ssa_b", _PTR), ("ssa_n", _PTR), ("drop_rng", _PTR), ("drop_keep31", _I64), ("drop_scale", _F64),
+        ("score_param", _PTR * MAX_SCORE_PARAMS), ("dropout_p", _F64), ("drop_rng", _PTR),
         *((nm, Operand) for nm in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")),
-        *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum",
-                                "db_part", "dn_part", "sinks")),
+        *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum")),
+        ("dparam_part", _PTR * MAX_SCORE_PARAMS), ("sinks", _PTR),
         ("softcap", _F64),
     ]
 
@@ -117,7 +119,8 @@ class BwdPlan(ctypes.Structure):
 
 class BwdBuffers(ctypes.Structure):
     """csrc/set_params.h, BwdBuffers: the shapes of the backward's buffers for a plan."""
-    _fields_ = [("fused", _I64), ("rowstat", _I64 * 4), ("dq_accum", _I64 * 4), ("partials", _I64 * 3)]
+    _fields_ = [("fused", _I64), ("rowstat", _I64 * 4), ("dq_accum", _I64 * 4), ("partials", _I64 * 3),
+                ("nparams", _I64)]
 
 
 MIRRORS = (Operand, AttnCall, BwdPlan, BwdBuffers)
@@ -166,21 +169,30 @@ class Emulator:
         return out
 
     @staticmethod
-    def _describe(q, k, dim_v, mask, mask_kind, b, n, scale, causal, group, window_left, window_right,
-                  drop_rng=None, drop_keep31=0, drop_scale=0.0, sinks=None, softcap=0.0) -> AttnCall:
-        """What csrc/api.cpp's describe() fills from the tensors."""
+    def _describe(q, k, dim_v, mask, params, sinks, score, scale, causal, group, window_left, window_right,
+                  softcap, dropout_p=0.0, drop_rng=None) -> AttnCall:
+        """What csrc/api.cpp's describe() fills from the tensors (the mask's kind from its dtype)."""
         B, H, Lq, D = q.shape
         c = AttnCall(batch=B, heads=H, heads_kv=k.shape[1], group=group, len_q=Lq, len_k=k.shape[2], dim=D,
-                     dim_v=dim_v, bf16=int(q.dtype == torch.bfloat16), scale=float(scale), causal=int(causal),
-                     window_left=int(window_left), window_right=int(window_right), mask_kind=int(mask_kind),
+                     dim_v=dim_v, bf16=int(q.dtype == torch.bfloat16), score=int(score), scale=float(scale),
+                     causal=int(causal), window_left=int(window_left), window_right=int(window_right),
                      q=_operand(q), k=_operand(k))
-        if mask_kind:
+        if mask is not None:
+            if mask.dtype in (torch.bool, torch.uint8):
+                c.mask_kind = 1
+            elif mask.dtype == torch.float32:
+                c.mask_kind = 2
+            else:
+                raise RuntimeError(f"ssa_flash: a mask is boolean (bool / uint8) or float32 additive, got {mask.dtype}")
             c.mask = _ptr(mask)
             c.mask_sb, c.mask_sh, c.mask_sm, c.mask_sn = mask.stride()
-        c.ssa_b, c.ssa_n = _ptr(b), _ptr(n)
+        params = list(params)
+        if len(params) > MAX_SCORE_PARAMS:
+            raise RuntimeError(f"ssa_flash: at most {MAX_SCORE_PARAMS} score parameters, got {len(params)}")
+        for i, t in enumerate(params):
+            c.score_param[i] = _ptr(t)
         c.sinks, c.softcap = _ptr(sinks), float(softcap)
-        if drop_rng is not None:
-            c.drop_rng, c.drop_keep31, c.drop_scale = _ptr(drop_rng), int(drop_keep31), float(drop_scale)
+        c.dropout_p, c.drop_rng = float(dropout_p), _ptr(drop_rng)
         return c
 
     def _run(self, op: int, call: AttnCall, keep) -> None:
@@ -189,22 +201,22 @@ class Emulator:
         if err:
             raise RuntimeError(err.decode())
 
-    def fwd(self, q, k, v, mask, mask_kind, b, n, beta, scale, causal, group, stream=0, drop_rng=None,
-            drop_keep31=0, drop_scale=0.0, window_left=-1, window_right=-1, sinks=None, softcap=0.0):
-        c = self._describe(q, k, v.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
-                           window_right, drop_rng, drop_keep31, drop_scale, sinks, softcap)
+    def fwd(self, q, k, v, mask, params, sinks, beta, score, scale, causal, group, window_left, window_right,
+            softcap, dropout_p, drop_rng, stream=0):
+        c = self._describe(q, k, v.shape[-1], mask, params, sinks, score, scale, causal, group, window_left,
+                           window_right, softcap, dropout_p, drop_rng)
         o, lse = _nan((*q.shape[:3], v.shape[-1]), q.dtype), _nan(q.shape[:3])
         c.v, c.o, c.lse, c.beta = _operand(v), _operand(o), _ptr(lse), _ptr(beta)
-        self._run(0, c, (q, k, v, mask, b, n, beta, drop_rng, sinks))
+        self._run(0, c, (q, k, v, mask, params, beta, drop_rng, sinks))
         return o, lse
 
-    def row_entropy(self, q, k, mask, mask_kind, b, n, scale, causal, group, stream=0, window_left=-1,
-              window_right=-1, sinks=None, softcap=0.0):
-        c = self._describe(q, k, q.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
-                           window_right, sinks=sinks, softcap=softcap)
+    def row_entropy(self, q, k, mask, params, sinks, score, scale, causal, group, window_left, window_right,
+                    softcap, stream=0):
+        c = self._describe(q, k, q.shape[-1], mask, params, sinks, score, scale, causal, group, window_left,
+                           window_right, softcap)
         ent, lse_l = _nan(q.shape[:3]), _nan(q.shape[:3])
         c.lse, c.entropy = _ptr(lse_l), _ptr(ent)
-        self._run(1, c, (q, k, mask, b, n, sinks))
+        self._run(1, c, (q, k, mask, params, sinks))
         return ent, lse_l
 
     def wgmma_issued(self) -> int:
@@ -216,23 +228,24 @@ class Emulator:
         self.lib.ssa_emu_bwd_plan(ctypes.byref(call), ctypes.byref(plan), ctypes.byref(buffers))
         return plan, buffers
 
-    def plan(self, D, Dv, Lq, Lk, ssa, adaptive, deterministic, bf16, unfused_features=False):
+    def plan(self, D, Dv, Lq, Lk, score, adaptive, deterministic, bf16, unfused_features=False):
         """The backward's plan (csrc/launch.h, BwdPlan) for a call of these sizes and flags: a dict
-        of fused, num_partials, stat_rows, stat_count, accum_cols. unfused_features: a feature the
-        fused kernel lacks (dropout or a window; a window is described here)."""
+        of fused, num_partials, stat_rows, stat_count, accum_cols. ``score``: the score function's
+        id (or name). unfused_features: a feature the fused kernel lacks (dropout or a window; a
+        window is described here)."""
+        from ssa_flash import scores
+
         dummy = 1  # (non-null pointers: the plan reads only which inputs are present)
         c = AttnCall(batch=1, heads=1, heads_kv=1, group=1, len_q=Lq, len_k=Lk, dim=D, dim_v=Dv, bf16=int(bf16),
-                     scale=1.0, window_left=0 if unfused_features else -1, window_right=-1,
-                     deterministic=int(deterministic), ssa_b=dummy if ssa else None, ssa_n=dummy if ssa else None,
-                     beta=dummy if adaptive else None)
+                     score=scores.get(score).id, scale=1.0, window_left=0 if unfused_features else -1,
+                     window_right=-1, deterministic=int(deterministic), beta=dummy if adaptive else None)
         plan, _ = self._plan(c)
         return {nm: int(getattr(plan, nm)) for nm, _ in BwdPlan._fields_}
 
-    def bwd(self, dout, q, k, v, o, lse, dlse, mask, mask_kind, b, n, beta, lse_l, entropy, dbeta_dh,
-            scale, causal, group, stream=0, deterministic=False, drop_rng=None, drop_keep31=0, drop_scale=0.0,
-            window_left=-1, window_right=-1, sinks=None, softcap=0.0):
-        c = self._describe(q, k, v.shape[-1], mask, mask_kind, b, n, scale, causal, group, window_left,
-                           window_right, drop_rng, drop_keep31, drop_scale, sinks, softcap)
+    def bwd(self, dout, q, k, v, o, lse, dlse, mask, params, sinks, beta, lse_l, entropy, dbeta_dh, score, scale,
+            causal, group, window_left, window_right, softcap, dropout_p, drop_rng, deterministic, stream=0):
+        c = self._describe(q, k, v.shape[-1], mask, params, sinks, score, scale, causal, group, window_left,
+                           window_right, softcap, dropout_p, drop_rng)
         c.deterministic = int(deterministic)
         c.v, c.o, c.dout = _operand(v), _operand(o), _operand(dout)
         c.lse, c.dlse, c.beta, c.lse_l, c.entropy, c.dbeta_dh = map(_ptr, (lse, dlse, beta, lse_l, entropy, dbeta_dh))
@@ -241,51 +254,67 @@ class Emulator:
         dq = torch.zeros(tuple(buf.dq_accum)) if plan.fused else _nan(q.shape, q.dtype)
         dk, dv = _nan(k.shape, k.dtype), _nan(v.shape, v.dtype)
         rowstat = _nan(buf.rowstat)
-        db_part, dn_part = _nan(buf.partials), _nan(buf.partials)
+        parts = [_nan(buf.partials) for _ in range(buf.nparams)]
         if plan.fused:
             c.dq_accum = _ptr(dq)
         else:
             c.dq = _operand(dq)
         c.dk, c.dv, c.rowstat = _operand(dk), _operand(dv), _ptr(rowstat)
-        if b is not None:
-            c.db_part, c.dn_part = _ptr(db_part), _ptr(dn_part)
-        self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, b, n, beta, lse_l, entropy, dbeta_dh, drop_rng, sinks))
-        return dq, dk, dv, db_part, dn_part, rowstat
+        for i, t in enumerate(parts):
+            c.dparam_part[i] = _ptr(t)
+        self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, params, beta, lse_l, entropy, dbeta_dh, drop_rng, sinks,
+                         parts))
+        return dq, dk, dv, parts, rowstat
 
     # ---- what backend="cuda" computes --------------------------------------------------------
 
     def attention(self, q, k, v, mask=None, b=None, n=None, scale=None, causal=False, group=1,
                   adaptive=False, poly=None, threshold=0.5, dout=None, dlse=None, deterministic=False,
-                  dropout_p=0.0, dropout_rng=None, window_size=(-1, -1)):
-        """Forward and (if dout is given) backward on CPU tensors through the package's custom ops
-        with ``backend="cuda"`` and this emulator as the extension (what
-        ssa_flash.cuda.CudaAttentionFunction does, plus ``deterministic``). Returns a dict: out,
-        lse, and dq, dk, dv, db, dn (backward)."""
-        from ssa_flash import temperature
-        from ssa_flash.autograd import attention
+                  dropout_p=0.0, dropout_rng=None, window_size=(-1, -1), score=None, params=None, sinks=None,
+                  softcap=0.0):
+        """Forward and (if dout is given) backward on CPU tensors through the CUDA backend's
+        functions (ssa_flash/backends/cuda_backend.py: row_entropy, forward, backward) with this
+        emulator as the extension, and the adaptive temperature's glue between them as the custom
+        ops run it (row entropy, beta from the entropy, forward). ``mask`` expanded to
+        (B, Hq, Lq, Lk) or None. The score function: ``score`` (a registry name) with ``params``, or
+        SSA when ``b`` and ``n`` are given, else softmax. Returns a dict: out, lse, and (backward)
+        dq, dk, dv, each parameter's gradient by ``d<name>`` (db, dn, ds) and dsinks (with sinks):
+        tensors only."""
+        from ssa_flash import scores, temperature
         from ssa_flash.backends import cuda_backend as backend
-        from ssa_flash.backends.spec import AttentionSpec
+        from ssa_flash.backends.spec import AttentionSpec, TemperatureState
 
+        if score is None:
+            score, params = ("ssa", (b, n)) if b is not None else ("softmax", ())
+        fn = scores.get(score)
+        params = tuple(t.float().contiguous() for t in (params or ()))
         poly = tuple(poly if poly is not None else temperature.DEFAULT_POLY)
         scale = scale if scale is not None else q.shape[-1] ** -0.5
-        leaves = [t.detach().requires_grad_(dout is not None) if t is not None else None
-                  for t in (q, k, v, b, n)]
-        spec = AttentionSpec(scale=float(scale), causal=bool(causal), group=int(group), adaptive=bool(adaptive),
-                             poly=poly, threshold=float(threshold), deterministic=bool(deterministic),
-                             dropout_p=float(dropout_p), dropout_rng=dropout_rng,
-                             window_left=int(window_size[0]), window_right=int(window_size[1]))
+        spec = AttentionSpec(scale=float(scale), score=fn.name, causal=bool(causal), group=int(group),
+                             adaptive=bool(adaptive), poly=poly, threshold=float(threshold),
+                             deterministic=bool(deterministic), dropout_p=float(dropout_p), dropout_rng=dropout_rng,
+                             window_left=int(window_size[0]), window_right=int(window_size[1]),
+                             softcap=float(softcap))
+        sinks = None if sinks is None else sinks.float().contiguous()
         with backend.emulated(self):
-            why = backend.supports(q, k, v, spec)
+            why = backend.supports(q, k, v, spec, sinks)
             if why is not None:
                 raise RuntimeError(f"backend='cuda' cannot run these inputs: {why}")
-            out, lse = attention(*leaves, mask, "cuda", spec)
-        res = dict(out=out.detach(), lse=lse.detach())
-        if dout is None:
-            return res
-        loss = (out.float() * dout.float()).sum()
-        if dlse is not None:
-            loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse.float()).sum()
-        names = [nm for nm, t in zip(("dq", "dk", "dv", "db", "dn"), leaves) if t is not None]
-        grads = torch.autograd.grad(loss, [t for t in leaves if t is not None])
-        res.update(zip(names, grads))
+            temp = None
+            if spec.adaptive:
+                ent, lse_l = backend.row_entropy(q, k, mask, params, sinks, spec)
+                beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
+                temp = TemperatureState(beta, lse_l, ent, dbeta_dh)
+            out, lse = backend.forward(q, k, v, mask, params, sinks, None if temp is None else temp.beta, spec)
+            res = dict(out=out, lse=lse)
+            if dout is None:
+                return res
+            # (rows with no admissible key: lse -inf, and no gradient flows through it)
+            dl = None if dlse is None else torch.where(torch.isfinite(lse), dlse.float(), 0.0)
+            dq, dk, dv, dparams, dsinks = backend.backward(dout, q, k, v, out, lse, dl, mask, params, sinks, temp,
+                                                           spec)
+        res.update(dq=dq, dk=dk, dv=dv)
+        res.update({f"d{name}": g for name, g in zip(fn.params, dparams)})
+        if dsinks is not None:
+            res["dsinks"] = dsinks
         return res

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,17 @@ def missing_reason() -> Optional[str]:
     return f"CUDA 12 wheels not installed: {', '.join(what)}" if what else None
 
 
+def score_policies(csrc: Path = CSRC) -> tuple:
+    """The score functions' policy types (csrc/logits.h), as csrc/dispatch.h lists them (Scores)."""
+    m = re.search(r"using\s+Scores\s*=\s*ScoreList<([^>]*)>", (csrc / "dispatch.h").read_text())
+    if m is None:
+        raise RuntimeError("csrc/dispatch.h: no `using Scores = ScoreList<...>`")
+    return tuple(t.strip() for t in m.group(1).split(",") if t.strip())
+
+
+SCORES = score_policies()
+
+
 def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] = ()) -> str:
     """The translation unit: every float16 kernel of the given head dims without soft-capping and
     sinks, and for the head dims in ``extras`` also the instances with both (dispatch.h,
@@ -62,9 +74,9 @@ def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] =
     lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', "namespace ssa_flash {"]
     units = [(d, False) for d in head_dims] + [(d, True) for d in extras]
     for d, extra in units:
-        for ssa in ("false", "true"):
+        for ssa in SCORES:
             for ad in ("false", "true"):
-                # template arguments after (Ssa, Adaptive): the cap and the sink (dQ: the sink only
+                # template arguments after (Score, Adaptive): the cap and the sink (dQ: the sink only
                 # with the adaptive temperature; dK/dV: the cap only)
                 fwd, dq, dkdv = (", true, true", f", false, true, {ad}", ", true") if extra else ("", "", "")
                 lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}{fwd}>(const FwdParams);")

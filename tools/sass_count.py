@@ -244,6 +244,10 @@ def compile_cubin(cu: Path, arch: str, out: Path, head_dims=(128,), extra=()) ->
     return proc.stdout + proc.stderr
 
 
+# csrc/logits.h's policy types -> the registry's names (ssa_flash/scores.py)
+_SCORE_NAMES = {"Softmax": "softmax", "Ssa": "ssa", "LogitScale": "logit_scale"}
+
+
 def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
     """(short name, LoopSpec) of one of our kernels from its demangled name, reading the tile
     sizes from the KernelTraits template arguments <D, BM, BN, warps, T, ...>."""
@@ -252,12 +256,16 @@ def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
         return None
     kern, d, bm, bn, warps, elem = m.group(1), *map(int, m.group(2, 3, 4, 5)), m.group(6)
     split = int(m.group(7))
-    flags = re.findall(r"(true|false)", demangled.split(">", 1)[1])
+    rest = demangled.split(">", 1)[1]
+    # the score function's policy type (csrc/logits.h), then the bool switches
+    sm = re.match(r"\s*,\s*ssa_flash::(\w+)", rest)
+    score = _SCORE_NAMES.get(sm.group(1), sm.group(1)) if sm else "?"
+    flags = re.findall(r"(true|false)", rest)
     variant = kern
-    if kern in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel") and len(flags) >= 2:
-        variant += ("[ssa" if flags[0] == "true" else "[softmax") + (",adaptive]" if flags[1] == "true" else "]")
-    elif kern == "attn_row_entropy_kernel" and flags:
-        variant += "[ssa]" if flags[0] == "true" else "[softmax]"
+    if kern in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_fused_kernel") and flags:
+        variant += f"[{score}" + (",adaptive]" if flags[0] == "true" else "]")
+    elif kern == "attn_row_entropy_kernel":
+        variant += f"[{score}]"
     variant += f" D={d} {'fp16' if 'half' in elem else 'bf16'}"
     if kern == "attn_bwd_dkdv_kernel" and split > 1 and d <= 128:
         variant += " (sm_75 split)"

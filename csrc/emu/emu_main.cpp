@@ -46,42 +46,49 @@ const LayoutEntry kLayout[] = {
     SSA_EMU_FIELD(AttnCall, batch), SSA_EMU_FIELD(AttnCall, heads), SSA_EMU_FIELD(AttnCall, heads_kv),
     SSA_EMU_FIELD(AttnCall, group), SSA_EMU_FIELD(AttnCall, len_q), SSA_EMU_FIELD(AttnCall, len_k),
     SSA_EMU_FIELD(AttnCall, dim), SSA_EMU_FIELD(AttnCall, dim_v), SSA_EMU_FIELD(AttnCall, bf16),
-    SSA_EMU_FIELD(AttnCall, scale), SSA_EMU_FIELD(AttnCall, causal), SSA_EMU_FIELD(AttnCall, window_left),
+    SSA_EMU_FIELD(AttnCall, score), SSA_EMU_FIELD(AttnCall, scale), SSA_EMU_FIELD(AttnCall, causal), SSA_EMU_FIELD(AttnCall, window_left),
     SSA_EMU_FIELD(AttnCall, window_right), SSA_EMU_FIELD(AttnCall, deterministic),
     SSA_EMU_FIELD(AttnCall, mask_kind), SSA_EMU_FIELD(AttnCall, mask), SSA_EMU_FIELD(AttnCall, mask_sb),
     SSA_EMU_FIELD(AttnCall, mask_sh), SSA_EMU_FIELD(AttnCall, mask_sm), SSA_EMU_FIELD(AttnCall, mask_sn),
-    SSA_EMU_FIELD(AttnCall, ssa_b), SSA_EMU_FIELD(AttnCall, ssa_n), SSA_EMU_FIELD(AttnCall, drop_rng),
-    SSA_EMU_FIELD(AttnCall, drop_keep31), SSA_EMU_FIELD(AttnCall, drop_scale), SSA_EMU_FIELD(AttnCall, q),
+    SSA_EMU_FIELD(AttnCall, score_param), SSA_EMU_FIELD(AttnCall, dropout_p), SSA_EMU_FIELD(AttnCall, drop_rng),
+    SSA_EMU_FIELD(AttnCall, q),
     SSA_EMU_FIELD(AttnCall, k), SSA_EMU_FIELD(AttnCall, v), SSA_EMU_FIELD(AttnCall, o),
     SSA_EMU_FIELD(AttnCall, dout), SSA_EMU_FIELD(AttnCall, dq), SSA_EMU_FIELD(AttnCall, dk),
     SSA_EMU_FIELD(AttnCall, dv), SSA_EMU_FIELD(AttnCall, lse), SSA_EMU_FIELD(AttnCall, entropy),
     SSA_EMU_FIELD(AttnCall, dlse), SSA_EMU_FIELD(AttnCall, beta), SSA_EMU_FIELD(AttnCall, lse_l),
     SSA_EMU_FIELD(AttnCall, dbeta_dh), SSA_EMU_FIELD(AttnCall, rowstat), SSA_EMU_FIELD(AttnCall, dq_accum),
-    SSA_EMU_FIELD(AttnCall, db_part), SSA_EMU_FIELD(AttnCall, dn_part),
+    SSA_EMU_FIELD(AttnCall, dparam_part),
     SSA_EMU_FIELD(AttnCall, sinks), SSA_EMU_FIELD(AttnCall, softcap),
     SSA_EMU_SIZE(BwdPlan),
     SSA_EMU_FIELD(BwdPlan, fused), SSA_EMU_FIELD(BwdPlan, num_partials), SSA_EMU_FIELD(BwdPlan, stat_rows),
     SSA_EMU_FIELD(BwdPlan, stat_count), SSA_EMU_FIELD(BwdPlan, accum_cols),
     SSA_EMU_SIZE(BwdBuffers),
     SSA_EMU_FIELD(BwdBuffers, fused), SSA_EMU_FIELD(BwdBuffers, rowstat), SSA_EMU_FIELD(BwdBuffers, dq_accum),
-    SSA_EMU_FIELD(BwdBuffers, partials),
+    SSA_EMU_FIELD(BwdBuffers, partials), SSA_EMU_FIELD(BwdBuffers, nparams),
 };
 
 }  // namespace
 
 // op 0: forward (o, lse), 1: row entropy (entropy, lse of softmax(l)), 2: backward (as
-// plan_backward of the same call says; the buffers of ssa_emu_bwd_plan given). lazy_copies and
-// seed: the emulation's schedule (emu_runtime.h, Config). Returns an error message or "".
+// plan_backward of the same call says; the buffers of ssa_emu_bwd_plan given), after check_call
+// (once, as api.cpp). lazy_copies and seed: the emulation's schedule (emu_runtime.h, Config).
+// Returns an error message or "".
 extern "C" const char* ssa_emu_run(int op, const ssa_flash::AttnCall* call, int lazy_copies, unsigned seed) {
   using namespace ssa_flash;
   ssa_emu::config().lazy_copies = lazy_copies != 0;
   ssa_emu::config().seed = seed;
   ssa_emu::config().shuffle = seed != 0;
-  std::string err;
-  if (op == 0) err = run_forward(*call, nullptr);
-  else if (op == 1) err = run_row_entropy(*call, nullptr);
-  else if (op == 2) err = run_backward(*call, plan_backward(*call), nullptr);
-  else err = "unknown op " + std::to_string(op);
+  std::string err = check_call(*call);
+  if (!err.empty()) {
+  } else if (op == 0) {
+    err = launch_forward(*call, nullptr);
+  } else if (op == 1) {
+    err = launch_row_entropy(*call, nullptr);
+  } else if (op == 2) {
+    err = launch_backward(*call, plan_backward(*call), nullptr);
+  } else {
+    err = "unknown op " + std::to_string(op);
+  }
   last_error() = err;
   return last_error().c_str();
 }

@@ -102,6 +102,15 @@ def describe_ssa_flash(symbol: str) -> Optional[dict]:
     elem = tm.group(2)
     dtype = "bf16" if "bfloat16" in elem else "fp16" if ("half" in elem or "__half" in elem) else elem
     bools = [b == "1" for b in re.findall(r"Lb([01])E", symbol[tm.end():])]
+    # the score function's policy type (csrc/logits.h) comes first, as a (substituted) nested name
+    # (N9ssa_flash3SsaE, NS_3SsaE; before the policies, a bool kSSA): the audit's tables have
+    # softmax and SSA, read as that bool; logit-scale kernels are left out of them
+    sm = re.match(r"E?N(?:9ssa_flash|S\d*_)(\d+)", symbol[tm.end():])
+    if sm:
+        score = symbol[tm.end() + sm.end(): tm.end() + sm.end() + int(sm.group(1))]
+        if score not in ("Softmax", "Ssa"):
+            return None
+        bools = [score == "Ssa"] + bools
     # the statistics pass is "row_entropy" in every audit table (attn_stats_kernel in csrc/)
     kernel = "row_entropy" if km.group(1) == "stats" else km.group(1)
     d, block_m, warps = ints[0], ints[1], ints[3]

@@ -13,12 +13,13 @@ What the kernels run (anything else: :func:`supports` says why): float16 (sm_70+
 (sm_80+) CUDA tensors; head dims up to 256 (compiled for 32, 64, 96, 128, 256, others
 zero-padded); any strides (copies are made where the head dim is not contiguous, not a multiple of
 8, or rows are not 16-byte aligned); boolean or additive masks of any strides; causal; GQA;
-softmax or SSA logits, fixed or adaptive temperature; attention sinks and logit soft-capping
+the score functions of ``KERNEL_SCORES`` (softmax, SSA, logit scale), fixed or adaptive
+temperature; attention sinks and logit soft-capping
 (kernels compiled with them only for calls that use them). The backward is one fused kernel after a
 pre-pass (FlashAttention-2's five GEMMs per tile, dQ accumulated with float32 atomics) where the
 device and head dim allow it, and the two-kernel path (dQ kernel, dK/dV kernel, no atomics) with
-``deterministic=True`` or elsewhere; db/dn are per-block partial sums reduced in a fixed order
-either way. A built extension runs on the GPUs its shared object holds code for (cubins of the
+``deterministic=True`` or elsewhere; the score parameters' gradients are per-block partial sums
+reduced in a fixed order either way. A built extension runs on the GPUs its shared object holds code for (cubins of the
 GPU's major version, or PTX of an older architecture, ``_cuda_build``); elsewhere
 :func:`supports` and :func:`unavailable_reason` say so rather than a launch failing.
 
@@ -42,7 +43,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import reference as spec_code
+from .. import scores
 from ..errors import BackendUnavailableError
 from . import _cuda_build
 from ._compile import constant_for_compile
@@ -69,7 +70,6 @@ __all__ = [
 NAME = "cuda"
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-MASK_NONE, MASK_BOOL, MASK_ADD = 0, 1, 2
 
 # Where the CUDA backend has been verified on hardware: compute capability -> what was run there.
 # backend="auto" prefers the CUDA backend over Triton on an architecture (and dtype) only once it
@@ -413,8 +413,16 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     return max(fwd, dq, dkdv)
 
 
+#: the score functions the kernels are compiled for (csrc/logits.h, csrc/dispatch.h's list), by
+#: registry name
+KERNEL_SCORES = ("softmax", "ssa", "logit_scale")
+
+
 def _feature_reason(spec: AttentionSpec, sinks=None) -> Optional[str]:
     """Why the kernels cannot compute ``spec`` (with ``sinks``), or None."""
+    if spec.score not in KERNEL_SCORES:
+        return (f"the CUDA C++ kernels have no policy for score function {spec.score!r} "
+                f"(they implement {', '.join(KERNEL_SCORES)}; csrc/logits.h)")
     if spec.dropout_p > 0 and spec.dropout_rng is None:
         return "dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng"
     return None
@@ -485,33 +493,41 @@ def _unpad(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else x[..., :width].contiguous()
 
 
-def _prep_mask(mask: Optional[torch.Tensor]):
-    """(tensor, kind): bool masks as a uint8 view, float masks as float32; broadcast (zero-stride)
-    dims stay broadcast (the conversion runs on the compact tensor)."""
-    if mask is None:
-        return None, MASK_NONE
-    if mask.dtype == torch.bool:
-        return mask.view(torch.uint8), MASK_BOOL
-    if mask.dtype != torch.float32:
-        sizes = [1 if st == 0 else sz for sz, st in zip(mask.shape, mask.stride())]
-        compact = mask.as_strided(sizes, mask.stride()).to(torch.float32)
-        mask = compact.expand(mask.shape)
-    return mask, MASK_ADD
+def _prep_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask as the kernels take it (its kind is its dtype): bool as is, float masks as float32;
+    broadcast (zero-stride) dims stay broadcast (the conversion runs on the compact tensor)."""
+    if mask is None or mask.dtype in (torch.bool, torch.float32):
+        return mask
+    sizes = [1 if st == 0 else sz for sz, st in zip(mask.shape, mask.stride())]
+    compact = mask.as_strided(sizes, mask.stride()).to(torch.float32)
+    return compact.expand(mask.shape)
 
 
-def _head_param(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if x is None else x.float().contiguous()
+def _score_params(params, spec: AttentionSpec) -> list:
+    """The score function's per-head parameters as the kernels take them: (Hq,) contiguous
+    float32 each, in the registry's order (``ssa_flash.scores``); a wrong count is a ValueError."""
+    names = scores.get(spec.score).params
+    params = tuple(params)
+    if len(params) != len(names):
+        raise ValueError(f"ssa_flash CUDA backend: score function {spec.score!r} takes {len(names)} "
+                         f"parameters {names}, got {len(params)}")
+    return [t.float().contiguous() for t in params]
 
 
-def _extras_args(sinks: Optional[torch.Tensor], spec: AttentionSpec) -> dict:
-    """The kernels' attention sinks ((Hq,) float32) and logit soft-cap (docs/maths.md §6); none
-    without them (the kernels compiled without either then run)."""
-    out = {}
-    if sinks is not None:
-        out["sinks"] = sinks.float().contiguous()
-    if spec.softcap > 0:
-        out["softcap"] = float(spec.softcap)
-    return out
+def _spec_args(spec: AttentionSpec, scale: float, sinks: Optional[torch.Tensor]) -> dict:
+    """The options every pass of the extension takes (csrc/api.cpp), each once, as the spec says
+    them: the score function's id, the (non-negative) scale, causal, group, the window, soft-cap."""
+    return dict(sinks=None if sinks is None else sinks.float().contiguous(), score=scores.get(spec.score).id,
+                scale=scale, causal=bool(spec.causal), group=int(spec.group),
+                window_left=int(spec.window_left), window_right=int(spec.window_right),
+                softcap=float(spec.softcap))
+
+
+def _dropout_args(spec: AttentionSpec) -> dict:
+    """The kernels' dropout: p and the (seed, offset) tensor (csrc/set_params.h rounds keep31 as
+    ``ssa_flash.reference.dropout_keep_threshold`` does)."""
+    p = float(spec.dropout_p)
+    return dict(dropout_p=p, drop_rng=spec.dropout_rng if p > 0 else None)
 
 
 def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, rowstat: torch.Tensor,
@@ -547,23 +563,6 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _dropout_args(spec: AttentionSpec) -> dict:
-    """The kernels' dropout arguments (csrc/set_params.h, AttnCall): the (seed, offset) tensor,
-    keep31 rounded as every backend rounds it, and 1 / (1 - p) (0 for p = 1); none without."""
-    if spec.dropout_p <= 0:
-        return {}
-    p = float(spec.dropout_p)
-    return dict(drop_rng=spec.dropout_rng, drop_keep31=spec_code.dropout_keep_threshold(p),
-                drop_scale=1.0 / (1.0 - p) if p < 1.0 else 0.0)
-
-
-def _window_args(spec: AttentionSpec) -> dict:
-    """The kernels' window_size (csrc/params.h, set_band); none without a window."""
-    if not spec.window:
-        return {}
-    return dict(window_left=int(spec.window_left), window_right=int(spec.window_right))
-
-
 # --------------------------------------------------------------------------------------------
 # The backend interface
 
@@ -589,41 +588,37 @@ def _finish_dq(dq: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
     return -dq if scale < 0 else dq
 
 
-def row_entropy(q, k, mask, b, n, sinks, spec: AttentionSpec):
+def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d8 = _round8(q.shape[-1])
-    mask_t, kind = _prep_mask(mask)
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
-        return ext.row_entropy(_prep(qs, d8), _prep(k, d8), mask_t, kind, _head_param(b), _head_param(n),
-                         scale, bool(spec.causal), int(spec.group), _stream(q.device),
-                         **_window_args(spec), **_extras_args(sinks, spec))
+        return ext.row_entropy(_prep(qs, d8), _prep(k, d8), _prep_mask(mask), _score_params(params, spec),
+                               stream=_stream(q.device), **_spec_args(spec, scale, sinks))
 
 
-def forward(q, k, v, mask, b, n, sinks, beta, spec: AttentionSpec):
+def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
-    mask_t, kind = _prep_mask(mask)
     beta = beta.float().contiguous() if spec.adaptive else None
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
-        o, lse = ext.fwd(_prep(qs, d8), _prep(k, d8), _prep(v, dv8), mask_t, kind, _head_param(b),
-                         _head_param(n), beta, scale, bool(spec.causal), int(spec.group),
-                         _stream(q.device), **_dropout_args(spec), **_window_args(spec),
-                         **_extras_args(sinks, spec))
+        o, lse = ext.fwd(_prep(qs, d8), _prep(k, d8), _prep(v, dv8), _prep_mask(mask), _score_params(params, spec),
+                         beta=beta, stream=_stream(q.device), **_spec_args(spec, scale, sinks),
+                         **_dropout_args(spec))
     return _unpad(o, v.shape[-1]), lse
 
 
-def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[TemperatureState],
+def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
+    """``(dq, dk, dv, dparams, dsinks)`` (spec.Backend.backward): the kernels' per-block partial
+    sums of each parameter's gradient, (B, Hq, blocks), are summed here in a fixed order."""
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d, dv = q.shape[-1], v.shape[-1]
     d8, dv8 = _round8(d), _round8(dv)
-    mask_t, kind = _prep_mask(mask)
-    bf, nf = _head_param(b), _head_param(n)
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = (t.float().contiguous() for t in temp)
     else:
@@ -631,15 +626,13 @@ def backward(dout, q, k, v, out, lse, dlse, mask, b, n, sinks, temp: Optional[Te
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     qp = _prep(qs, d8)
     with _on_device(q.device):
-        dq, dk, dvv, db_part, dn_part, rowstat = ext.bwd(
+        dq, dk, dvv, parts, rowstat = ext.bwd(
             _prep(dout.to(q.dtype), dv8), qp, _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
-            lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), mask_t, kind,
-            bf, nf, beta, lse_l, ent, dbeta_dh, scale, bool(spec.causal), int(spec.group),
-            _stream(q.device), deterministic=bool(spec.deterministic), **_dropout_args(spec),
-            **_window_args(spec), **_extras_args(sinks, spec))
+            lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), _prep_mask(mask),
+            _score_params(params, spec), beta=beta, lse_l=lse_l, entropy=ent, dbeta_dh=dbeta_dh,
+            deterministic=bool(spec.deterministic), stream=_stream(q.device), **_spec_args(spec, scale, sinks),
+            **_dropout_args(spec))
         dq = _finish_dq(dq, qp, float(spec.scale))
-    db = dn = None
-    if bf is not None:  # partial sums (B, Hq, query blocks)
-        db, dn = db_part.sum(dim=(0, 2)), dn_part.sum(dim=(0, 2))
+    dparams = tuple(part.sum(dim=(0, 2)) for part in parts)
     dsinks = None if sinks is None else _sinks_grad(sinks, lse, rowstat, temp if spec.adaptive else None)
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), db, dn, dsinks
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), dparams, dsinks

@@ -69,11 +69,11 @@ class _StubExtension:
         return (q.new_empty(q.shape[:-1], dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
 
     @staticmethod
-    def bwd(dout, q, k, v, *args, **kw):
+    def bwd(dout, q, k, v, out, lse, dlse, mask, score_params, *args, **kw):
         B, H, L, D = q.shape
-        part = q.new_empty((B, H, 1), dtype=torch.float32)
+        parts = [q.new_empty((B, H, 1), dtype=torch.float32) for _ in score_params]
         # the fused backward's float32 dQ accumulator, which the backend crops, scales and casts
-        return (q.new_empty((B, H, L, D), dtype=torch.float32), torch.empty_like(k), torch.empty_like(v), part, part,
+        return (q.new_empty((B, H, L, D), dtype=torch.float32), torch.empty_like(k), torch.empty_like(v), parts,
                 q.new_empty((B, H, L, 6), dtype=torch.float32))
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..scores import SSA, VARIANTS
+from ..scores import SCORES, SSA, VARIANTS
 
 OPS = tuple(VARIANTS)
 IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
@@ -88,12 +88,13 @@ class Inputs:
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
-    params: Tuple[torch.Tensor, ...]
-    """the score function's per-head parameters, each ``(H,)`` at the registry's example value
-    (SSA: the paper's initialisation b = 1, n = 1.5), requiring grad"""
+    params: Dict[str, Tuple[torch.Tensor, ...]]
+    """per score function (by name), its per-head parameters, each ``(H,)`` at the registry's
+    example value (SSA: the paper's initialisation b = 1, n = 1.5), requiring grad; the inputs of
+    one shape serve every operation"""
 
 
-def make_inputs(shape: Shape, device: torch.device, op: str, seed: int = 0) -> Inputs:
+def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> Inputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     dims = (shape.batch, shape.heads, shape.seqlen, shape.headdim)
 
@@ -103,8 +104,8 @@ def make_inputs(shape: Shape, device: torch.device, op: str, seed: int = 0) -> I
 
     q, k, v, dout = rnd(True), rnd(True), rnd(True), rnd(False)
     acc = torch.float64 if shape.dtype == torch.float64 else torch.float32
-    params = tuple(torch.full((shape.heads,), e, device=device, dtype=acc, requires_grad=True)
-                   for e in VARIANTS[op].score.example)
+    params = {f.name: tuple(torch.full((shape.heads,), e, device=device, dtype=acc, requires_grad=True)
+                            for e in f.example) for f in SCORES.values()}
     return Inputs(q, k, v, dout, params)
 
 
@@ -208,7 +209,7 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
         raise NotRunnable(why)
     if op not in IMPL_OPS[impl]:
         raise NotRunnable(f"{impl} does not compute {op}")
-    q, k, v, params = inputs.q, inputs.k, inputs.v, inputs.params
+    q, k, v, params = inputs.q, inputs.k, inputs.v, inputs.params[VARIANTS[op].score.name]
     causal = shape.causal
     grads = [q, k, v, *params]
     nullctx = contextlib.nullcontext

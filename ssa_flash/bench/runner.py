@@ -385,7 +385,7 @@ class Runner:
                 timing.free_memory(dev)
                 inputs_key = key
                 try:
-                    inputs = make_inputs(task.shape, dev, "ssa")
+                    inputs = make_inputs(task.shape, dev)
                 except Exception as err:
                     inputs = err
             if isinstance(inputs, BaseException):

@@ -353,6 +353,7 @@ def _emu_check(emu_lib, mode, **kw):
 
 
 MODES = ["softmax", "ssa", "adaptive", "ssa_adaptive"]
+SCORES = ("softmax", "ssa", "logit_scale")  # the score functions the kernels implement (csrc/logits.h)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -486,6 +487,32 @@ def test_emulated_sm90_path(emu_lib_sm90, mode, D):
     if D == 64:  # a window (the band's blocks only, from an odd first block)
         _emu_check(emu_lib_sm90, mode, B=1, Hq=2, Lq=200, Lk=260, D=D, window=(90, 40), with_dlse=True)
     assert harness.Emulator(lib).wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
+
+
+def _logit_scale_tests():
+    """tests/cuda/test_cuda_logit_scale.py (its torch lines and case runner) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ssa_logit_scale_tests", Path(__file__).with_name("test_cuda_logit_scale.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("path", ["sm90", "sm75", "sm70"])
+def test_emulated_logit_scale_paths(request, path):
+    """The logit scale (csrc/logits.h, LogitScale) on the sm_90a (wgmma), sm_75 and sm_70 code
+    paths at D = 64: causal, a boolean mask, GQA, fixed (fused backward) and adaptive temperature
+    (two-kernel backward), against the torch lines of tests/cuda/test_cuda_logit_scale.py, which
+    runs every feature on the sm_80 path."""
+    harness, lib = request.getfixturevalue(f"emu_lib_{path}")
+    ls = _logit_scale_tests()
+    emu = harness.Emulator(lib, lazy_copies=True)
+    before = emu.wgmma_issued()
+    for adaptive in (False, True):
+        ls._case(emu, D=64, causal=True, mask=ls._bool_mask(70, 90), adaptive=adaptive, deterministic=adaptive)
+    if path == "sm90":
+        assert emu.wgmma_issued() > before, "the sm_90a emulation ran no wgmma"
 
 
 def test_emulated_sm90_schedule_independent(emu_lib, emu_lib_sm90):
@@ -673,27 +700,53 @@ def test_emulated_atomic_order_is_visible(emu_lib):
 def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
     """Which backward runs (csrc/traits.h, bwd_fused_for): the fused kernel at head dims up to 128
     (64 on sm_70) unless deterministic=True, every variant; the two-kernel path otherwise. The
-    emulated checks above therefore cover both (D <= 128: fused). The SSA db / dn partials: one
-    per (key block, warp) when fused, per query block otherwise."""
+    emulated checks above therefore cover both (D <= 128: fused). The score parameters' partials
+    (SSA's db / dn, the logit scale's ds): one per (key block, warp) when fused, per query block
+    otherwise."""
     harness, lib = emu_lib
     emu = harness.Emulator(lib)
     for D in (24, 32, 64, 96, 128):
-        for ssa in (False, True):
+        for score in SCORES:
             for adaptive in (False, True):
-                assert emu.plan(D, D, 100, 130, ssa, adaptive, False, False)["fused"], (D, ssa, adaptive)
-                assert not emu.plan(D, D, 100, 130, ssa, adaptive, True, False)["fused"], (D, ssa, adaptive)
-    for ssa in (False, True):
-        assert not emu.plan(256, 256, 100, 130, ssa, False, False, False)["fused"]
-    plan = emu.plan(64, 64, 100, 130, False, True, False, True)
+                assert emu.plan(D, D, 100, 130, score, adaptive, False, False)["fused"], (D, score, adaptive)
+                assert not emu.plan(D, D, 100, 130, score, adaptive, True, False)["fused"], (D, score, adaptive)
+    for score in SCORES:
+        assert not emu.plan(256, 256, 100, 130, score, False, False, False)["fused"]
+    plan = emu.plan(64, 64, 100, 130, "softmax", True, False, True)
     assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
     # dropout, windows: the two-kernel path (the fused kernel has no code for them: registers)
-    assert not any(emu.plan(D, D, 100, 130, True, False, False, False, unfused_features=True)["fused"]
-                   for D in (32, 64, 128))
-    assert emu.plan(64, 64, 100, 130, True, False, True, True)["num_partials"] == 2  # (100 / 64 query blocks)
+    assert not any(emu.plan(D, D, 100, 130, score, False, False, False, unfused_features=True)["fused"]
+                   for D in (32, 64, 128) for score in SCORES)
+    assert emu.plan(64, 64, 100, 130, "ssa", False, True, True)["num_partials"] == 2  # (100 / 64 query blocks)
     # sm_70: the fused kernel spills above D = 64 there
     emu70 = harness.Emulator(emu_lib_sm70[1])
-    assert emu70.plan(64, 64, 100, 130, True, True, False, False)["fused"]
-    assert not any(emu70.plan(D, D, 100, 130, True, False, False, False)["fused"] for D in (96, 128))
+    assert emu70.plan(64, 64, 100, 130, "ssa", True, False, False)["fused"]
+    assert not any(emu70.plan(D, D, 100, 130, "ssa", False, False, False)["fused"] for D in (96, 128))
+
+
+def test_kernel_scores_match_the_policies():
+    """The score functions the CUDA backend accepts (cuda_backend.KERNEL_SCORES) are those of
+    csrc/dispatch.h's list, each policy's kId (csrc/logits.h) the registry's id of that name and
+    kParams its parameter count."""
+    from ssa_flash import scores
+    from ssa_flash.backends import cuda_backend
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import nvrtc_build
+    finally:
+        sys.path.remove(str(TOOLS))
+    logits = (CSRC / "logits.h").read_text()
+    found = []
+    for policy in nvrtc_build.score_policies():
+        body = re.search(r"struct " + policy + r" \{(.*?)\n\};", logits, re.S)
+        assert body, f"csrc/logits.h has no policy {policy}"
+        kid = int(re.search(r"kId = (\d+);", body.group(1)).group(1))
+        nparams = int(re.search(r"kParams = (\d+);", body.group(1)).group(1))
+        fn = scores.get(kid)
+        assert len(fn.params) == nparams, (policy, fn.name)
+        found.append(fn.name)
+    assert sorted(found) == sorted(cuda_backend.KERNEL_SCORES)
 
 
 def test_emulated_call_struct_layout(emu_lib):
@@ -714,15 +767,28 @@ def test_emulated_call_struct_layout(emu_lib):
 
 def test_emulated_call_is_checked(emu_lib):
     """The shared checks (csrc/set_params.h, check_call) run on the emulator's calls as on the
-    extension's: a negative scale (the Python wrapper applies it to -q), a bad group."""
+    extension's: a negative scale (the Python wrapper applies it to -q), a bad group, an unknown
+    score function id, a parameter count that is not the score function's, dropout without its
+    seed."""
     harness, lib = emu_lib
     emu = harness.Emulator(lib)
     q = torch.zeros(1, 2, 16, 32, dtype=torch.float16)
+    s = torch.ones(2)
+    # (q, k, v, mask, params, sinks, beta, score, scale, causal, group, window_left, window_right,
+    #  softcap, dropout_p, drop_rng)
     with pytest.raises(RuntimeError, match="scale must be finite and >= 0"):
-        emu.fwd(q, q, q, None, 0, None, None, None, -0.5, False, 1)
+        emu.fwd(q, q, q, None, (), None, None, 0, -0.5, False, 1, -1, -1, 0.0, 0.0, None)
     with pytest.raises(RuntimeError, match="group"):
-        emu.row_entropy(q, q, None, 0, None, None, 0.5, False, 2)
-    o, lse = emu.fwd(q, q, q, None, 0, None, None, None, 0.5, False, 1)
+        emu.row_entropy(q, q, None, (), None, 0, 0.5, False, 2, -1, -1, 0.0)
+    with pytest.raises(RuntimeError, match="unknown score function id 7"):
+        emu.fwd(q, q, q, None, (), None, None, 7, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
+    with pytest.raises(RuntimeError, match="takes 1 per-head parameters; parameter 0 missing"):
+        emu.fwd(q, q, q, None, (), None, None, 2, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
+    with pytest.raises(RuntimeError, match="takes 0 per-head parameters; parameter 0 given"):
+        emu.fwd(q, q, q, None, (s,), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
+    with pytest.raises(RuntimeError, match="dropout_p > 0 needs"):
+        emu.fwd(q, q, q, None, (), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 0.1, None)
+    o, lse = emu.fwd(q, q, q, None, (s,), None, None, 2, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
     assert not o.isnan().any() and not lse.isnan().any()
 
 
@@ -781,11 +847,11 @@ KNOWN_SM75_SPILLS: dict = {}
 # against the backward branches). Strict like the others below.
 KNOWN_EXTRAS_SPILLS: dict = {
     "sm_90a": {  # adaptive + softcap; SSA + softcap
-        "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1ELb1E": 8,
-        "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb0ELb1E": 4,
+        "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_7SoftmaxELb1ELb1E": 8,
+        "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_3SsaELb0ELb1E": 4,
     },
     "sm_80": {  # SSA + adaptive + softcap
-        "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1ELb1E": 4,
+        "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_3SsaELb1ELb1E": 4,
     },
 }
 
@@ -827,10 +893,13 @@ def test_known_sm75_spills_still_spill(cu_results):
 # changes: with the head loop of csrc/bwd_kernel.h counting head indices, as the fused kernel's
 # does, there were five.)
 KNOWN_SM70_SPILLS = {
-    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb1ELb1E": 48,
-          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEELb0ELb1E": 4},
-    256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb1ELb1E": 8,
-          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEELb0ELb1E": 8},
+    128: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_3SsaELb1E": 48,
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_7SoftmaxELb1E": 4,
+          # the logit scale, adaptive (its first build, NVRTC 12.9, 2026-11-28: 8 / 8, between the
+          # softmax and SSA variants')
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_10LogitScaleELb1E": 8},
+    256: {"attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEENS_3SsaELb1E": 8,
+          "attn_bwd_dkdv_kernelINS_12KernelTraitsILi256ELi32ELi32ELi4E6__halfLi2EEENS_7SoftmaxELb1E": 8},
 }
 
 

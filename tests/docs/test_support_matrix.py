@@ -139,13 +139,13 @@ def _mask_refused(name: str) -> bool:
 
 
 def _mask_kind_ok(name: str, dtype) -> bool:
-    """The CUDA glue converts bool masks to its boolean kind and floating masks to its additive
-    one; the other backends take either as it is."""
+    """The CUDA glue passes bool masks as bool (the kernels' boolean kind) and floating masks as
+    float32 (their additive kind: the mask's dtype is its kind); the other backends take either as
+    it is."""
     if name != "cuda":
         return True
-    mask = torch.zeros(2, 3, dtype=dtype)
-    _, kind = cuda_backend._prep_mask(mask)
-    return kind == (cuda_backend.MASK_BOOL if dtype == torch.bool else cuda_backend.MASK_ADD)
+    mask = cuda_backend._prep_mask(torch.zeros(2, 3, dtype=dtype))
+    return mask.dtype == (torch.bool if dtype == torch.bool else torch.float32)
 
 
 def accepts(name: str, feature: str, device="cuda") -> bool:

@@ -273,9 +273,9 @@ def kernel_layouts(monkeypatch):
     seen = []
     fwd = launch.forward
 
-    def forward(q, k, v, mask, b, n, beta, spec, layout=None, **kw):
+    def forward(q, k, v, mask, params, beta, spec, layout=None, **kw):
         seen.append((type(layout).__name__ if layout is not None else "dense", mask is not None))
-        return fwd(q, k, v, mask, b, n, beta, spec, layout, **kw)
+        return fwd(q, k, v, mask, params, beta, spec, layout, **kw)
 
     monkeypatch.setattr(launch, "forward", forward)
     return seen

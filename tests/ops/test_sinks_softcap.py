@@ -257,7 +257,7 @@ def test_auto_runs_sinks_and_softcap_on_the_triton_kernels(monkeypatch):
     fwd, attention = launch.forward, ssa_autograd.attention
     monkeypatch.setattr(launch, "forward", lambda *a, **kw: launches.append(1) or fwd(*a, **kw))
     monkeypatch.setattr(ssa_autograd, "attention",
-                        lambda *a, **kw: op_calls.append((a[6], kw.get("sinks") is not None, a[7].softcap))
+                        lambda *a, **kw: op_calls.append((a[5], kw.get("sinks") is not None, a[6].softcap))
                         or attention(*a, **kw))
     for backend in ("auto", "triton"):
         out = ssa_flash.ssa_attention(q, k, v, sinks=0.5, softcap=3.0, backend=backend)

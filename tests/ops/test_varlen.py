@@ -175,7 +175,7 @@ def test_no_mask_reaches_the_kernels(monkeypatch):
     fwd = launch.forward
 
     def forward(q, k, v, mask, *args, **kw):
-        seen.append((mask, args[-1] if len(args) > 4 else kw.get("layout")))
+        seen.append((mask, args[3] if len(args) > 3 else kw.get("layout")))  # params, beta, spec, layout
         return fwd(q, k, v, mask, *args, **kw)
 
     monkeypatch.setattr(launch, "forward", forward)

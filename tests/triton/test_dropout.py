@@ -229,7 +229,7 @@ def test_cuda_backend_takes_dropout_and_auto_keeps_it(monkeypatch):
     no_rng = AttentionSpec(scale=0.3, dropout_p=0.1)
     assert "dropout_rng" in cuda_backend._feature_reason(no_rng)
     with pytest.raises(ValueError, match="dropout_rng"):
-        cuda_backend.forward(q, k, v, None, None, None, None, None, no_rng)
+        cuda_backend.forward(q, k, v, None, (), None, None, no_rng)
     # auto on a verified CUDA backend keeps it for dropout
     monkeypatch.setattr(backends, "resolve", lambda *a: ("cuda", ""))
     with cuda_backend.emulated(object()):

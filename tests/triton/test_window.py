@@ -171,11 +171,13 @@ def test_unbounded_windows_are_no_window():
 def test_cuda_backend_takes_windows():
     """The CUDA kernels run windows (numerics: tests/cuda/test_csrc_compile.py and tests/ops/test_backends.py,
     emulated; tests/cuda/test_cuda_backend.py on a GPU): the spec's bounds reach the kernels' arguments,
-    and a call without a window passes none (the extension's defaults, -1)."""
+    and a call without a window passes -1 for both sides (unbounded)."""
     spec = AttentionSpec(scale=1.0, window_left=3)
     assert cuda_backend._feature_reason(spec) is None
-    assert cuda_backend._window_args(spec) == dict(window_left=3, window_right=-1)
-    assert cuda_backend._window_args(AttentionSpec(scale=1.0)) == {}
+    args = cuda_backend._spec_args(spec, 1.0, None)
+    assert (args["window_left"], args["window_right"]) == (3, -1)
+    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), 1.0, None)
+    assert (args["window_left"], args["window_right"]) == (-1, -1)
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     with cuda_backend.emulated(object()):
         assert cuda_backend.supports(q, k, v, spec) is None
