@@ -1016,7 +1016,9 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
     # the warp-specialised form (WARP_SPECIALIZE) implements dense layouts with D = DV in {64, 128}
     # and 16-bit inputs only, without mask, dropout, window, sinks or cap; it reads beta through a
     # descriptor too, whose rows of each (batch, head) must start 16-byte aligned
-    ws_ok = (lay.varlen == VARLEN_NONE and mask_kind == MASK_NONE and D == DV and D in (64, 128)
+    # (the table's answer first: elsewhere than sm_90 nothing more is read on the host path)
+    ws_ok = (tiles.warp_specialized_forward(_device_arch(q.device), consts["BLOCK_D"], q.dtype) is not None
+             and lay.varlen == VARLEN_NONE and mask_kind == MASK_NONE and D == DV and D in (64, 128)
              and q.dtype in (torch.float16, torch.bfloat16) and not feat_consts["DROPOUT"]
              and not feat_consts["WINDOW"] and not logit_consts and _tma_ready(q4, k4, v4)
              and (not spec.adaptive or (lay.Lq % 4 == 0 and beta.is_contiguous() and beta.data_ptr() % 16 == 0)))
