@@ -745,6 +745,7 @@ def test_kernel_scores_match_the_policies():
         nparams = int(re.search(r"kParams = (\d+);", body.group(1)).group(1))
         fn = scores.get(kid)
         assert len(fn.params) == nparams, (policy, fn.name)
+        assert re.sub(r"(?<!^)(?=[A-Z])", "_", policy).lower() == fn.name, (policy, fn.name)  # the naming rule
         found.append(fn.name)
     assert sorted(found) == sorted(cuda_backend.KERNEL_SCORES) == sorted(scores.SCORES)
 
