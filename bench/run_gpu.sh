@@ -11,6 +11,9 @@
 #      manifest.json records the hash of csrc/): measured on a shared 2-core machine, one unit at
 #      a time, fwd_fp16 151 s, fwd_bf16 175 s, bwd_fp16 665 s, bwd_bf16 496 s (~25 min; --jobs 2
 #      on idle cores: ~12-15 min); 22.4 MiB in all, which fits the device tool's 64 MiB carry.
+#      Those figures are from before the third score-function policy (the logit scale, 2026-11-28):
+#      single objects now compile ~1.5x longer (docs/cuda.md), so expect ~35 min and ~34 MiB
+#      (estimated, not measured for the whole set).
 #      The binding compiled against (CPU) torch and linked with these objects and libcudart
 #      imported here (96 s for api.cpp on that machine). Skip this step when short of CPU time:
 #      the script then JIT-builds on the GPU (~2.5 min more device time).

@@ -12,7 +12,8 @@ namespace ssa_flash {
 // Logits, in base-2 units: l2 = phi(z) log2(e) + mask log2(e), z = scale * s for the raw dot
 // product s (z' = c tanh(z / c) with soft-capping: see softcap_raw below).
 //
-// The score function phi is a policy type, one per entry of the registry ssa_flash/scores.py
+// The score function phi is a policy type, one per entry of the registry ssa_flash/scores.py,
+// named as the registry's name in CamelCase (logit_scale: LogitScale; tools read the name back)
 // (kId its id, kParams its per-head parameters, in the registry's order; dispatch.h's list maps
 // the id to the type). The kernels are templated on it (typename Score) and ask it for:
 //   setup<kCap>(p, batch, head)   the LogitCtx of a (batch, query head), from p.score_param0 / 1

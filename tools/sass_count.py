@@ -244,8 +244,10 @@ def compile_cubin(cu: Path, arch: str, out: Path, head_dims=(128,), extra=()) ->
     return proc.stdout + proc.stderr
 
 
-# csrc/logits.h's policy types -> the registry's names (ssa_flash/scores.py)
-_SCORE_NAMES = {"Softmax": "softmax", "Ssa": "ssa", "LogitScale": "logit_scale"}
+def _score_name(policy: str) -> str:
+    """csrc/logits.h's policy type -> the registry's name (ssa_flash/scores.py), by the naming
+    rule the policies follow: ``LogitScale`` -> ``logit_scale``, ``Ssa`` -> ``ssa``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", policy).lower()
 
 
 def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
@@ -259,7 +261,7 @@ def kernel_spec(demangled: str) -> Optional[Tuple[str, LoopSpec]]:
     rest = demangled.split(">", 1)[1]
     # the score function's policy type (csrc/logits.h), then the bool switches
     sm = re.match(r"\s*,\s*ssa_flash::(\w+)", rest)
-    score = _SCORE_NAMES.get(sm.group(1), sm.group(1)) if sm else "?"
+    score = _score_name(sm.group(1)) if sm else "?"
     flags = re.findall(r"(true|false)", rest)
     variant = kern
     if kern in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_fused_kernel") and flags:

@@ -413,9 +413,10 @@ def _smem_bytes(d: int, adaptive: bool, path: int = 2) -> int:
     return max(fwd, dq, dkdv)
 
 
-#: the score functions the kernels are compiled for (csrc/logits.h, csrc/dispatch.h's list), by
-#: registry name
-KERNEL_SCORES = ("softmax", "ssa", "logit_scale")
+#: the score functions the kernels are compiled for, by registry name: every registered one
+#: (csrc/dispatch.h's list of csrc/logits.h's policies; tests/cuda/test_csrc_compile.py holds that
+#: list to the registry, so a score function enters the registry with its CUDA C++ policy)
+KERNEL_SCORES = tuple(scores.SCORES)
 
 
 def _feature_reason(spec: AttentionSpec, sinks=None) -> Optional[str]:

@@ -725,9 +725,9 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
 
 
 def test_kernel_scores_match_the_policies():
-    """The score functions the CUDA backend accepts (cuda_backend.KERNEL_SCORES) are those of
-    csrc/dispatch.h's list, each policy's kId (csrc/logits.h) the registry's id of that name and
-    kParams its parameter count."""
+    """The score functions the CUDA backend accepts (cuda_backend.KERNEL_SCORES: the whole
+    registry) are those of csrc/dispatch.h's list, each policy's kId (csrc/logits.h) the
+    registry's id of that name and kParams its parameter count."""
     from ssa_flash import scores
     from ssa_flash.backends import cuda_backend
 
@@ -745,8 +745,9 @@ def test_kernel_scores_match_the_policies():
         nparams = int(re.search(r"kParams = (\d+);", body.group(1)).group(1))
         fn = scores.get(kid)
         assert len(fn.params) == nparams, (policy, fn.name)
+        assert re.sub(r"(?<!^)(?=[A-Z])", "_", policy).lower() == fn.name, (policy, fn.name)  # the naming rule
         found.append(fn.name)
-    assert sorted(found) == sorted(cuda_backend.KERNEL_SCORES)
+    assert sorted(found) == sorted(cuda_backend.KERNEL_SCORES) == sorted(scores.SCORES)
 
 
 def test_emulated_call_struct_layout(emu_lib):
