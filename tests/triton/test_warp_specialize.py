@@ -64,6 +64,19 @@ def test_ws_forward_matches_reference(forced_ws, mode, causal, lq, lk):
 
 
 @needs_kernels
+def test_ws_gqa(forced_ws):
+    """Grouped heads: the K / V descriptors of key/value head ``h // group``."""
+    q, k, v = make_qkv(B=2, Hq=4, Hkv=2, Lq=24, Lk=40, D=64, dtype=torch.float16, requires_grad=False)
+    b, n = (t.detach() for t in head_params(4, device=q.device))
+    kw = dict(is_causal=True, return_lse=True, enable_gqa=True)
+    out, lse = call(ssa_flash, "ssa", q, k, v, b, n, backend="triton", **kw)
+    assert _fwd_ws_taken()
+    gold, gold_lse = call(reference, "ssa", q.double(), k.double(), v.double(), b.double(), n.double(), **kw)
+    torch.testing.assert_close(out.double(), gold, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse.double(), gold_lse, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
 def test_ws_logit_scale_causal_ragged(forced_ws):
     """The logit scale (a negative one included) through the single masked loop."""
     q, k, v = make_qkv(B=2, Hq=2, Lq=33, Lk=47, D=128, dtype=torch.float16, requires_grad=False)
