@@ -47,7 +47,8 @@ CPU_MODES = [
 
 #: What the CPU suite checks, by area: (what, how it runs on the CPU, where the tests are).
 CPU_CHECKS = [
-    ("Triton kernels, all four variants, forward + backward against the reference and SDPA / "
+    ("Triton kernels, every variant (softmax, SSA, logit scale; each with and without the adaptive "
+     "temperature), forward + backward against the reference and SDPA / "
      "FlexAttention; float64 `gradcheck` of q, k, v, b, n; masks, causal, GQA, odd head dims, "
      "`Lq != Lk`, length 1, non-contiguous inputs, empty rows", "Triton's interpreter",
      "`tests/triton/`"),
