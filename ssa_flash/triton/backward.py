@@ -68,7 +68,7 @@ import triton.language as tl
 from .dropout import dropout_keep
 from .extents import (interior_end, key_block_rows, query_block_rows, query_rows, row_stat_base, rows_base, stage_range,
                       tile_ptrs, window_key_bounds, window_query_bounds)
-from .logits import (LN2, LOG2E, bwd_head_coefficients, dq_tile_terms, ds_scale_per_head, dscore_factor, safe_row_max,
+from .logits import (LN2, LOG2E, SOFTMAX_ID, bwd_head_coefficients, dq_tile_terms, dscore_factor, safe_row_max,
                      store_param_grads, tile_logit_input_and_u)
 from .masks import boundary_logits
 from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
@@ -396,7 +396,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
             else:
                 dl = pt * (dpt - delta[None, :]) * beta[None, :] - g[None, :] * ent_term
             ds = dl * ds_scale
-        elif ds_scale_per_head(SCORE):
+        elif SCORE != SOFTMAX_ID:  # dl/ds's per-head factor depends on the head's parameters (logits.py)
             # ds_scale folded into the subtraction: one multiply-add instead of an add
             if DROPOUT:
                 ds = pt * (dpt * (ds_scale * drop_scale) - (delta * ds_scale)[None, :])
@@ -489,7 +489,7 @@ def attention_bwd_dkdv_kernel(
                 POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, start_n),
                 WINDOW, DROPOUT, SOFTCAP)
 
-    if not ds_scale_per_head(SCORE) and not ADAPTIVE:
+    if SCORE == SOFTMAX_ID and not ADAPTIVE:  # softmax's dl/ds factor: the scale alone, once per dK
         dk = dk * scale
     if DROPOUT:
         dv = dv * drop_scale

@@ -75,27 +75,16 @@ def poly_exp2_pays(score: int) -> bool:
     return score == SSA.id
 
 
-#: The registry ids this module has the maths of (each helper below has its branch).
-IMPLEMENTED = tl.constexpr((SOFTMAX.id, SSA.id, LOGIT_SCALE.id))
+@triton.jit
+def implemented(SCORE: tl.constexpr):
+    """A compile error unless this module has the maths of score function ``SCORE`` (a score
+    function added to the registry without its branches here must not compile as another one, the
+    helpers' default branch). Called by the per-head setup every kernel runs. (A ``tl.static_assert``
+    over the ids, not a ``triton.constexpr_function``: Triton 3.4, the floor, has none.)"""
+    tl.static_assert((SCORE == SOFTMAX_ID) or (SCORE == SSA_ID) or (SCORE == LOGIT_SCALE_ID),
+                     "ssa_flash: the Triton kernels have no maths for this score function id "
+                     "(ssa_flash/triton/logits.py)")
 
-
-# (constexpr functions may read only tl.constexpr globals: Triton hashes what they reference)
-@triton.constexpr_function
-def implemented(SCORE):
-    """``SCORE`` itself if this module has its maths; a compile error otherwise (a score function
-    added to the registry without its branches here must not compile as another one)."""
-    if int(SCORE) not in IMPLEMENTED:
-        raise NotImplementedError(f"ssa_flash: the Triton kernels have no maths for score function id {int(SCORE)} "
-                                  "(ssa_flash/triton/logits.py)")
-    return SCORE
-
-
-@triton.constexpr_function
-def ds_scale_per_head(SCORE):
-    """Whether ``dl/ds``'s per-head factor (``ds_scale`` of :func:`bwd_head_coefficients`) depends
-    on the head's parameters, so that the dK/dV kernel, summing over a GQA group's heads, applies
-    it per tile; softmax's is the scale alone, applied once to dK."""
-    return int(SCORE) != SOFTMAX_ID
 
 
 @triton.jit
@@ -218,8 +207,9 @@ def head_coefficients(P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr, SOFTCAP:
     ``coef >= 0`` and a tile's row maximum is that of ``x`` times ``coef`` (no per-element sign
     work for negative ``n`` or ``scale``). Under ``SOFTCAP`` the cap ``cap_c`` takes the place of
     ``|scale|`` (module docstring). ``P0, P1``: the parameters (SSA: ``b, n``; logit scale: ``s``)."""
+    implemented(SCORE)
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    if implemented(SCORE) == SSA_ID:
+    if SCORE == SSA_ID:
         n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
             cb = tl.load(P0 + off_h).to(ACC) * cap_c
@@ -247,8 +237,9 @@ def bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE: tl.constexpr, SOFT
     factor of :func:`dscore_factor` (``n b scale``, ``scale``, ``s_h scale``). Under ``SOFTCAP``
     the cap ``cap_c`` replaces ``|scale|`` in ``cb`` and ``coef`` (module docstring); ``ds_scale``
     then also lacks the per-element ``1 - t^2``."""
+    implemented(SCORE)
     scale_sign = tl.where(scale < 0, -1.0, 1.0)
-    if implemented(SCORE) == SSA_ID:
+    if SCORE == SSA_ID:
         b = tl.load(P0 + off_h).to(ACC)
         n = tl.load(P1 + off_h).to(ACC)
         if SOFTCAP:
