@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 PAGE = Path("docs") / "verified.md"
 RESULTS = Path("bench") / "results"
 LEDGER = RESULTS / "gpu-ledger.json"
+HOST_SUFFIX = "-host.json"  # python -m ssa_flash.bench --host: host time per call, not benchmark rows
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
 #: How each backend runs on a CPU, as the suite runs it in CI (docs/support.md says which dtypes
@@ -149,7 +150,7 @@ def sessions(root: Path) -> List[dict]:
     out = []
     for path in sorted(glob.glob(str(root / RESULTS / "*.json"))):
         name = os.path.basename(path)
-        if name.startswith("audit-") or name == LEDGER.name:
+        if name.startswith("audit-") or name == LEDGER.name or name.endswith(HOST_SUFFIX):
             continue
         try:
             doc = _load(Path(path))
@@ -198,6 +199,35 @@ def _session_section(root: Path) -> List[str]:
             except (OSError, ValueError):
                 continue
             lines.append(f"| `{Path(path).relative_to(logs).as_posix()}` | {_counts(doc)} |")
+        lines.append("")
+    return lines
+
+
+def _host_section(root: Path) -> List[str]:
+    """The host-path measurements on a GPU (``<date>-<gpu>-host.json`` of ``python -m
+    ssa_flash.bench --host``): per file, the shape and each row's host time beside SDPA's."""
+    found = []
+    for path in sorted(glob.glob(str(root / RESULTS / f"*{HOST_SUFFIX}"))):
+        try:
+            doc = _load(Path(path))
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("rows") and doc.get("device"):
+            found.append((Path(path), doc))
+    if not found:
+        return []
+    lines = ["### Host time per call on a GPU", "",
+             "`python -m ssa_flash.bench --host` (tiny shapes: the host's cost of a call, the device idle "
+             "before each block of calls), median microseconds per call; SDPA's beside each row in the "
+             "same run.", ""]
+    for path, doc in found:
+        shape = doc.get("shape", {})
+        lines += [f"{_link(_rel(path, root))}: {doc['device']}, {doc.get('date', '?')}, torch {doc.get('torch', '?')}, "
+                  f"Triton {doc.get('triton', '?')}; shape {', '.join(f'{k} {v}' for k, v in shape.items())}; "
+                  f"{len(doc['rows'])} rows.", "",
+                  "| impl | op | feature | pass | host us |", "|---|---|---|---|---|"]
+        lines += [f"| {r.get('impl')} | {r.get('op')} | {r.get('feature')} | {r.get('pass')} | {r['host_us']:.1f} |"
+                  for r in doc["rows"] if isinstance(r.get("host_us"), (int, float))]
         lines.append("")
     return lines
 
@@ -331,6 +361,7 @@ def render(root=None) -> str:
     lines += ["", "Speed and memory measured on a CPU say nothing about the kernels (the interpreter "
               "and the emulation are orders of magnitude slower than a GPU).", ""]
     lines += _session_section(root)
+    lines += _host_section(root)
     lines += _ledger_section(root)
     lines += _audit_section(root)
     while lines and lines[-1] == "":
