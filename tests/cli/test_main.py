@@ -10,7 +10,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from ssa_flash import __main__ as selfcheck  # noqa: E402
+from ssa_flash import selfcheck  # noqa: E402
 
 DEVICE = torch.device("cpu")
 CASE = selfcheck.CASES[2]  # GQA + a boolean mask with a fully masked row
@@ -42,6 +42,23 @@ def test_main_runs_and_passes_on_cpu():
     assert len(re.findall(r"^triton\s+float(32|64)\s.*\sok$", out, flags=re.M)) == n
     assert "Triton interpreter" in out and "ssa_flash.triton" in out  # the labelled timing table
     assert out.rstrip().splitlines()[-1].startswith("OK")
+
+
+@pytest.mark.skipif(CUDA, reason="CPU path (interpreter); on a GPU bench/run_gpu.sh runs python -m ssa_flash")
+def test_main_worker_processes_find_their_function():
+    """``python -m ssa_flash --jobs 2`` (the default on a GPU: up to 8): the spawned workers unpickle
+    the checks' function by module name. It failed every check on an H200 (2026-11-28) while it
+    lived in the package's ``__main__``, which a spawned child does not re-import."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "ssa_flash", "--jobs", "2", "--no-timing"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
+    n = len(selfcheck.VARIANTS) * len(selfcheck.CASES) * 2
+    assert f"{n} of {n} checks passed" in out
 
 
 @pytest.mark.parametrize("variant", selfcheck.VARIANTS)
