@@ -181,6 +181,7 @@ def test_supports_accepts_sinks_and_softcap(monkeypatch):
     """The backend takes sinks and soft-capping now (docs/support.md), on a GPU (an A100's
     answers) as on the emulator, and still checks the cap's value in the kernels' call."""
     monkeypatch.setattr(cuda_backend, "_capability", lambda device: (8, 0, 166912))
+    monkeypatch.setattr(cuda_backend, "_image_reason", lambda device: None)  # built for it (a GPU machine's is not)
     from attn_testing import fake
     x = fake((1, 4, 8, 64))
     assert cuda_backend.supports(x, x, x, AttentionSpec(scale=0.1, softcap=5.0), torch.zeros(4)) is None

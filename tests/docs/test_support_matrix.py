@@ -83,6 +83,7 @@ def on_arch(monkeypatch):
     """``on_arch(major, minor, optin)``: the CUDA backend sees that GPU."""
     def set_arch(major, minor, optin):
         monkeypatch.setattr(cuda_backend, "_capability", lambda device: (major, minor, optin))
+        monkeypatch.setattr(cuda_backend, "_image_reason", lambda device: None)  # built for it
     return set_arch
 
 

@@ -239,6 +239,8 @@ def fake_gpu(monkeypatch):
     arch = {"cap": (9, 0)}
     monkeypatch.setattr(cuda_backend, "_capability", lambda device: (*arch["cap"], 232448))
     monkeypatch.setattr(cuda_backend, "_prebuilt", lambda: True)
+    # built for the pretended GPU (on a GPU machine the real extension holds its own GPU's images only)
+    monkeypatch.setattr(cuda_backend, "_image_reason", lambda device: None)
     monkeypatch.setattr(cuda_backend, "_ext_error", None)
     monkeypatch.setattr(cuda_backend, "VERIFIED_ARCHS", {})
     monkeypatch.setattr(backends, "_answers", {})  # availability is remembered per probe state
