@@ -2,6 +2,11 @@
 (interpreter on the CPU), float64: forward, LSE and the gradients of q, k, v, s and the sinks
 against a few lines of torch (autograd of the formula), gradcheck, ``s = 0``, and the layouts the
 launcher handles itself (packed batch, KV cache with split-KV)."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -11,6 +16,8 @@ from ssa_flash import scores
 from ssa_flash.backends.spec import AttentionSpec
 
 from attn_testing import DEVICE, needs_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = needs_kernels
 
@@ -213,8 +220,8 @@ def test_kvcache_split_kv(splits):
     # the entropy of [l, sink] (temperature-free)
     logits = torch.cat([s[:, None, None] * 1.7 * torch.tanh(0.4 * q[0] @ k[0, :, :37].repeat(2, 1, 1).transpose(-1, -2)
                                                          / 1.7), sinks[:, None, None].expand(2, 2, 1)], dim=-1)
-    i = torch.arange(2)[:, None] + 35
-    logits[..., :37] = logits[..., :37].masked_fill(torch.arange(37)[None, :] > i, float("-inf"))
+    i = torch.arange(2, device=DEVICE)[:, None] + 35
+    logits[..., :37] = logits[..., :37].masked_fill(torch.arange(37, device=DEVICE)[None, :] > i, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     expected = -(torch.where(p > 0, p * torch.log(p), 0.0)).sum(-1)
     torch.testing.assert_close(ent[0], expected, rtol=1e-10, atol=1e-10)
@@ -235,17 +242,31 @@ def test_dropout_and_adaptive_match_the_reference():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_a_score_function_without_its_maths_does_not_compile(monkeypatch):
+def test_a_score_function_without_its_maths_does_not_compile(tmp_path):
     """A registry id that ``triton/logits.py`` has no branches for fails to compile (it must not run
-    as softmax, the helpers' default branch)."""
-    from ssa_flash.triton import logits
+    as softmax, the helpers' default branch). In a fresh process with an empty Triton cache: on a
+    GPU a kernel compiled (or kept for direct launch) before the id changed would just run again."""
+    script = textwrap.dedent("""
+        import torch
+        from ssa_flash import autograd as ssa_autograd
+        from ssa_flash.backends.spec import AttentionSpec
+        from ssa_flash.triton import logits
 
-    q, k, v, s = (x.detach() for x in _inputs(B=1, Hq=2, Hkv=2, Lq=8, Lk=8))
-    spec = _spec()
-    ssa_autograd.attention(q, k, v, (s,), None, "triton", spec)
-    monkeypatch.setattr(logits.LOGIT_SCALE_ID, "value", 99)  # id 2 without its branches
-    with pytest.raises(Exception, match="no maths for this score function id"):
-        ssa_autograd.attention(q, k, v, (s,), None, "triton", spec)
+        logits.LOGIT_SCALE_ID.value = 99  # id 2 without its branches, before anything compiles
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        q = torch.randn(1, 2, 8, 16, dtype=torch.float32, device=dev)
+        s = torch.ones(2, dtype=torch.float32, device=dev)
+        try:
+            ssa_autograd.attention(q, q, q, (s,), None, "triton", AttentionSpec(scale=0.25, score="logit_scale"))
+        except Exception as err:
+            print("raised:", type(err).__name__, err)
+        else:
+            print("ran")
+        """)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised:" in proc.stdout and "no maths for this score function id" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_kernels_are_compiled_per_score_function():
