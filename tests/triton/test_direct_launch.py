@@ -138,8 +138,16 @@ def test_fused_temperature_matches_its_definition(poly, threshold):
     ent = torch.linspace(0.0, 6.0, 1500, device=device).reshape(3, 500)
     beta, dbeta = fused.beta_from_entropy(ent, poly, threshold)
     ref_beta, ref_dbeta = temperature.beta_from_entropy_torch(ent, poly, threshold)
-    torch.testing.assert_close(beta, ref_beta, atol=0, rtol=1e-6)
-    torch.testing.assert_close(dbeta, ref_dbeta, atol=0, rtol=1e-6)
+    gold_beta, gold_dbeta = temperature.beta_from_entropy_torch(ent.double(), poly, threshold)
+    # FlashAttention's rule against the float64 definition: the kernel's Horner form (FMAs on a
+    # GPU) and torch's float32 ops round differently, and the default polynomial cancels (its terms
+    # reach ~100 where beta is ~1-2.4), so neither is the other's reference (H200: 7e-6 apart)
+    near_switch = ((gold_beta - 1.0).abs() < 1e-5) & (ent.double() > threshold)  # beta = max(p, 1) may flip
+    for name, ours, naive, gold in (("beta", beta, ref_beta, gold_beta), ("dbeta", dbeta, ref_dbeta, gold_dbeta)):
+        ours_err = (ours.double() - gold).abs().masked_fill(near_switch, 0).max().item()
+        naive_err = (naive.double() - gold).abs().masked_fill(near_switch, 0).max().item()
+        floor = 1e-6 * max(1.0, gold.abs().max().item())
+        assert ours_err <= 2 * naive_err + floor, (name, ours_err, naive_err)
 
 
 def test_keys_follow_the_layout_of_the_arguments(fake_gpu_launcher):
