@@ -8,46 +8,36 @@
 #   0. Here, on the CPU, before any device call (no device time):
 #        python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
 #      csrc/*.cu compiled for sm_90a into build/cuda-objects/ (they do not include torch; a
-#      manifest.json records the hash of csrc/): measured on a shared 2-core machine, one unit at
-#      a time, fwd_fp16 151 s, fwd_bf16 175 s, bwd_fp16 665 s, bwd_bf16 496 s (~25 min; --jobs 2
-#      on idle cores: ~12-15 min); 22.4 MiB in all, which fits the device tool's 64 MiB carry.
-#      Those figures are from before the third score-function policy (the logit scale, 2026-11-28):
-#      single objects now compile ~1.5x longer (docs/cuda.md), so expect ~35 min and ~34 MiB
-#      (estimated, not measured for the whole set).
-#      The binding compiled against (CPU) torch and linked with these objects and libcudart
-#      imported here (96 s for api.cpp on that machine). Skip this step when short of CPU time:
-#      the script then JIT-builds on the GPU (~2.5 min more device time).
-#   1. Call 1, "verdict" (carry ["build/cuda-objects"], timeout_s 600):
-#        OUT=$OUT bash bench/run_gpu.sh 540
-#      minute by minute on an H200 (from bench/results/2026-11-26-nvidia-h200-logs):
-#        0:00-0:15  versions, the device's architecture, the ledger's kernel hash;
-#        0:15-1:15  the CUDA extension: the carried objects linked with the binding (api.cpp
-#                   against torch: 96 s on the 2-core CPU machine, ~30-60 s expected on the
-#                   device's host; not yet measured there), or without them the JIT
-#                   build of sm_90a alone (150-195 s, until ~3:30); meanwhile, niced, the Triton half
-#                   of the smoke tier (13 tests, 28 s with 8 workers in the first session);
-#        1:15-2:45  the CUDA verdict matrix (tests/cuda/test_cuda_matrix.py, 210 cases: forward, row
-#                   entropy, fused and two-kernel backward, wgmma (D 64/128) and mma.sync (32, 80,
-#                   256), fp16 and bf16, masks, causal, GQA, dropout, window, sinks, soft-capping)
-#                   and the CUDA half of the smoke tier: limit 150 s, expected well under 2 min;
-#        2:45-3:30  python -m ssa_flash --backends cuda (the self-check of the CUDA kernels; each
-#                   Triton-free check takes a fraction of a second once the extension is loaded);
-#        3:30-8:50  the tests of bench/gpu_recheck.txt with long tracebacks (limit 60 s), then the GPU
-#                   suite: only what the ledger (bench/results/gpu-ledger.json) does not hold as
-#                   passed at these kernels, failures and never-run tests first, autotuning off,
-#                   one xdist worker per core; cut by the budget, it resumes next session;
-#        8:50-9:00  the ledger and the counts written under $OUT.
-#      Afterwards, here: cp <files_at>/gpu-ledger.json bench/results/, regenerate docs/verified.md
-#      (python -m ssa_flash.bench.verified) and commit both (with the logs worth keeping);
-#      give_back unless call 2 follows at once.
-#   2. Call 2, "benchmark", on the same warm machine if >= 4 minutes of device time are left
-#      (the extension and Triton's cache are still there):
-#        OUT=$OUT RUN_BUILD=0 RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 RUN_HOST=1 RUN_BENCH=1 \
-#          bash bench/run_gpu.sh 300
-#      first the host path (RUN_HOST=1, HOST_LIMIT 150 s: host time per call beside SDPA's, and
-#      which target-shape rows are host-bound), then the benchmark: the rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
+#      manifest.json records the hash of csrc/): 294 s with --jobs 2 on an idle 2-core machine
+#      (2026-11-28, three score-function policies: fwd 130 s each, bwd 160 s each), 31.0 MiB, which
+#      fits the device tool's 64 MiB carry. On the device the binding (api.cpp, against its torch)
+#      is compiled and linked with them: 37 s on the H200's host, against 150-195 s (more with
+#      the third policy) for the JIT build of everything, which is the fallback without objects.
+#   1. Call 1, "verdict" (carry ["build/cuda-objects", "build/ssa-flash-cache"], timeout_s ~490):
+#        export PYTHON=python3 JOBS=14; A=$OUT/call1.tgz R=/tmp/g; OUT=$R ARCHIVE=$A SMOKE_LIMIT=60 \
+#          SELFCHECK_LIMIT=45 RECHECK_LIMIT=60 bash bench/run_gpu.sh 430 > $R.log 2>&1; tail -c 11000 $R.log
+#      The device tool returns at most 8 files from its $OUT: the steps write theirs under $R and
+#      ARCHIVE packs them (and the tuning cache, below) into one. Measured on an H200 (2026-11-28,
+#      bench/results/2026-11-28-nvidia-h200-logs): machine start ~30 s of the lease before the
+#      command; 0:09 the build in the background (objects linked and imported in 37 s) beside
+#      the Triton smoke tier (42 s); 0:51-1:24 the CUDA matrix (210 tests, 33 s); smoke-cuda 24 s;
+#      self-check 5 s; recheck 60 s; the suite the rest (242 s: 965 tests of ~1250, resumed from
+#      the ledger next time).
+#      Afterwards, here: tar xzf <files_at>/call1.tgz -C <dir>; cp <dir>/gpu-ledger.json
+#      bench/results/; regenerate docs/verified.md (python -m ssa_flash.bench.verified) and commit
+#      both with the logs worth keeping (bench/results/<date>-<gpu>-logs/, a README saying what ran).
+#   2. Call 2, "benchmark", at once on the same warm machine (it goes back after 30 s idle):
+#        export PYTHON=python3; A=$OUT/call2.tgz R=/tmp/b; OUT=$R ARCHIVE=$A GPU_TESTS_JSON=/tmp/g/gpu-tests.json \
+#          LEDGER=/tmp/g/gpu-ledger.json RUN_BUILD=0 RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 \
+#          RUN_HOST=1 HOST_LIMIT=70 RUN_BENCH=1 bash bench/run_gpu.sh 370 > $R.log 2>&1; tail -c 9000 $R.log
+#      first the host path (RUN_HOST=1: a cProfile of the plain calls, then host time per call
+#      beside SDPA's), then the Triton forward's warp-specialised form, then the benchmark: the
+#      rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
 #      sdpa.cudnn, then FlexAttention's SSA, each compiled per shape, longest first), partial
-#      results saved every ~20 s.
+#      results saved every ~20 s. Autotuning's first timing of each (kernel, head dim, size
+#      bucket) took 5-10 s on the H200 and ate most of a 223 s benchmark: the tuned choices are
+#      kept in SSA_FLASH_CACHE_DIR (default build/ssa-flash-cache here), packed into ARCHIVE as
+#      tuning-cache/; unpack that into build/ssa-flash-cache and carry it next session.
 #
 # Steps (each time-limited, each writing $OUT/<step>.log and $OUT/<step>-tests.json, the counts,
 # failure texts and every test id's outcome; each merged into the ledger $OUT/gpu-ledger.json as
@@ -71,7 +61,9 @@
 # block configuration that fits: correctness runs need no timing), --max-worker-restart; a worker
 # that meets a CUDA error ends after reporting it (tests/conftest.py) and xdist replaces it.
 #
-# Environment knobs: OUT (default bench/results/gpu-run), PYTHON (default python), JOBS, CUDA_OBJECTS
+# Environment knobs: OUT (default bench/results/gpu-run), ARCHIVE (a .tgz written at the end: $OUT's
+# files and the tuning cache), GPU_TESTS_JSON (the test counts the benchmark's results file records;
+# default $OUT/gpu-tests.json), PYTHON (default python), JOBS, CUDA_OBJECTS
 # (default build/cuda-objects), LEDGER (default $OUT/gpu-ledger.json, started from
 # bench/results/gpu-ledger.json), SUITE (test paths), RECHECK, limits BUILD_LIMIT (300) /
 # SMOKE_LIMIT (90) / MATRIX_LIMIT (150) / SELFCHECK_LIMIT (90) / RECHECK_LIMIT (60) / SUITE_LIMIT
@@ -96,6 +88,8 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export SSA_FLASH_AUTOTUNE=0
+# tuned block configurations outlive the machine: carried in, packed into ARCHIVE
+export SSA_FLASH_CACHE_DIR=${SSA_FLASH_CACHE_DIR:-$PWD/build/ssa-flash-cache}
 if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
 
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -267,7 +261,7 @@ if [ "${RUN_HOST:-0}" = "1" ]; then
   log "host path: python -m ssa_flash.bench --host (limit ${HOST_LIMIT:-150}s)"
   # shellcheck disable=SC2086
   SSA_FLASH_AUTOTUNE=0 timeout --signal=INT --kill-after=10 "${HOST_LIMIT:-150}" \
-    $PY -m ssa_flash.bench --host --out "$OUT" --host-reps 50 ${HOST_ARGS:---host-features plain,mask,dropout,kvcache} \
+    $PY -m ssa_flash.bench --host --out "$OUT" --host-reps 50 ${HOST_ARGS:---host-profile --host-features plain,mask,dropout,kvcache} \
     > "$OUT/host.log" 2>&1
   log "host path rc $?"
   tail -n 60 "$OUT/host.log"
@@ -291,11 +285,16 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
   log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"
   # shellcheck disable=SC2086
   SSA_FLASH_AUTOTUNE=1 timeout --signal=INT --kill-after=15 $(( BENCH_BUDGET + 25 )) \
-    $PY -m ssa_flash.bench --out "$OUT" --gpu-tests-json "$OUT/gpu-tests.json" \
+    $PY -m ssa_flash.bench --out "$OUT" --gpu-tests-json "${GPU_TESTS_JSON:-$OUT/gpu-tests.json}" \
     --time-budget "$BENCH_BUDGET" --warmup-ms 10 --rep-ms 40 ${BENCH_ARGS:---subset targets} $IMPLS \
     > "$OUT/bench.log" 2>&1
   log "benchmark rc $?"
   grep -v '^\[ *[0-9]*/' "$OUT/bench.log" | tail -n 40
+fi
+if [ -n "${ARCHIVE:-}" ]; then
+  mkdir -p "$OUT/tuning-cache"
+  [ -d "$SSA_FLASH_CACHE_DIR" ] && cp -r "$SSA_FLASH_CACHE_DIR/." "$OUT/tuning-cache/"
+  tar czf "$ARCHIVE" -C "$OUT" . && log "packed $OUT into $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
 fi
 ls -la "$OUT"
 log "done"

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "function, feature, backend and pass, beside SDPA's; without a GPU the launches are "
                         "stubbed (sets TRITON_INTERPRET=1); writes <date>-<device>-host.json")
     p.add_argument("--host-reps", type=int, default=100, help="calls timed per --host row (default 100)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="--host: first a cProfile of the plain softmax calls per backend (the top functions by own time)")
     p.add_argument("--host-features", type=_names(("plain", "mask", "dropout", "window", "varlen", "kvcache")),
                    default=None, help="--host: comma list of plain,mask,dropout,window,varlen,kvcache (default all); "
                                       "--ops narrows the functions")
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
         from .host import FEATURES, OPS, render, run
 
         results = run(args.out or os.path.join("bench", "results"), reps=args.host_reps, quiet=args.quiet,
-                      ops=tuple(args.ops or OPS), features=tuple(args.host_features or FEATURES))
+                      ops=tuple(args.ops or OPS), features=tuple(args.host_features or FEATURES),
+                      profile=args.host_profile)
         if args.quiet:
             print(render(results))
         print(f"wrote {results['path']}")

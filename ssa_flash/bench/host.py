@@ -240,14 +240,67 @@ def kernel_split_us(fn: Callable[[], object], reps: int = 10) -> dict:
     return {"e2e_us": e2e, "kernel_us": kernels, "host_bound": bool(e2e > 1.1 * kernels)}
 
 
+def profile_calls(fn: Callable[[], object], device, calls: int = 200, top: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (after warm-up): the ``top`` functions by their own
+    time, as pstats prints them (paths shortened to the package or ``site-packages``). Where a
+    GPU's host time per call differs from the CPU's stubbed figure, this says which step it is."""
+    import cProfile
+    import io
+    import pstats
+
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(5):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    lines = []
+    for line in text.getvalue().splitlines():
+        for marker in ("site-packages/", "ssa_flash/"):
+            at = line.find(marker)
+            if at > 0:
+                start = line.rfind(" ", 0, at) + 1
+                line = line[:start] + ("" if marker == "site-packages/" else "ssa_flash/") + line[at + len(marker):]
+                break
+        lines.append(line.rstrip())
+    return "\n".join(x for x in lines if x.strip())
+
+
+def _profiles(device, dtype, B, H, L, D, backends, quiet) -> dict:
+    """:func:`profile_calls` of the plain softmax forward and forward + backward per backend."""
+    out = {}
+    for case in cases(device, dtype, B, H, L, D, backends, ("softmax",), ("plain",)):
+        if case.impl == "sdpa":
+            continue
+        label = f"{case.impl} {case.op} {case.feature} {case.pass_}"
+        try:
+            out[label] = profile_calls(case.fn, device, calls=100 if case.pass_ == "fwd_bwd" else 200)
+        except Exception as err:
+            out[label] = f"{type(err).__name__}: {err}"[:200]
+        if not quiet:
+            print(f"\nprofile of {label} (cProfile, per {100 if case.pass_ == 'fwd_bwd' else 200} calls):\n"
+                  f"{out[label]}", flush=True)
+    return out
+
+
 def _sdpa_key(case: Case) -> tuple:
     return ("plain" if case.feature not in ("mask", "dropout") else case.feature, case.pass_)
 
 
 def run(out_dir: Optional[str] = None, reps: int = 100, backends=("triton", "cuda"), ops=OPS,
-        features=FEATURES, passes=("fwd", "fwd_bwd"), quiet: bool = False, split: bool = True) -> dict:
+        features=FEATURES, passes=("fwd", "fwd_bwd"), quiet: bool = False, split: bool = True,
+        profile: bool = False) -> dict:
     """Measures every case; returns the results and, when ``out_dir`` is given, writes them after
-    every row (a run cut by a time limit keeps what it measured)."""
+    every row (a run cut by a time limit keeps what it measured). ``profile``: first a cProfile of
+    the plain softmax calls per backend (:func:`profile_calls`), under ``"profile"``."""
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float16  # float16: the CPU path then converts nothing
@@ -276,6 +329,9 @@ def run(out_dir: Optional[str] = None, reps: int = 100, backends=("triton", "cud
 
             if "cuda" not in ssa_flash.available_backends("cuda"):
                 backends = tuple(b for b in backends if b != "cuda")
+        if profile:  # first: where the time goes decides more than the table below
+            results["profile"] = _profiles(device, dtype, B, H, L, D, backends, quiet)
+            save()
         rows, sdpa = results["rows"], {}
         for case in cases(device, dtype, B, H, L, D, backends, ops, features, passes):
             base_case = sdpa.get(_sdpa_key(case)) if case.impl != "sdpa" else None
