@@ -51,6 +51,7 @@
 #                 as "CUDA backend unavailable" fails; a matrix with nothing passed is a failure)
 #   smoke-cuda    pytest -m gpu_smoke -k cuda tests/gpu_smoke
 #   selfcheck     python -m ssa_flash --backends cuda --no-timing (SELFCHECK_ARGS)
+#   diag          python bench/gpu_diag/bool_mask_repro.py (the boolean mask's reproducer; RUN_DIAG=0 skips)
 #   recheck       the node ids of RECHECK (bench/gpu_recheck.txt), --tb=long
 #   suite         SUITE's tests that the ledger does not hold as passed at these kernels
 #   host          python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
@@ -217,6 +218,16 @@ if [ "$CUDA_OK" = "1" ]; then
   fi
 else
   log "FAILURE: the CUDA extension is not usable (build.log): CUDA steps skipped"
+fi
+
+# 3b. standalone diagnostics of what is not explained yet (bench/gpu_diag/; RUN_DIAG=0 skips):
+#     the boolean mask's plain-Triton reproducer (< 20 s on a GPU, exit 1 on a mismatch); with the tests
+if [ "${RUN_DIAG:-1}" != "0" ] && [ "${RUN_TESTS:-1}" != "0" ]; then
+  log "diag: python bench/gpu_diag/bool_mask_repro.py (limit ${DIAG_LIMIT:-40}s)"
+  timeout --kill-after=5 "$(cap "${DIAG_LIMIT:-40}" 60)" $PY bench/gpu_diag/bool_mask_repro.py \
+    > "$OUT/diag-bool-mask.log" 2>&1
+  log "diag rc $?: $(tail -n 1 "$OUT/diag-bool-mask.log")"
+  grep -v ' ok$' "$OUT/diag-bool-mask.log" | tail -n 20
 fi
 
 # 4. what failed before, with its tracebacks; then the suite, resumed from the ledger
