@@ -89,7 +89,8 @@ FLOORS = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 2e-3, torch.b
 
 
 def run(module_or_backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
-    """Forward + backward; returns (out, lse, grads of q, k, v, b, n)."""
+    """Forward + backward; returns (out, lse, grads of q, k, v, b, n and of ``sinks`` when it is a
+    tensor that requires grad)."""
     if module_or_backend == "reference":
         out, lse = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
     else:
@@ -97,8 +98,11 @@ def run(module_or_backend, mode, q, k, v, b, n, dout, dlse=None, **kw):
     loss = (out.float() * dout.float()).sum()
     if dlse is not None:
         loss = loss + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
-    names = [nm for nm, t in zip("qkvbn", (q, k, v, b, n)) if t is not None and t.requires_grad]
-    inputs = [t for t in (q, k, v, b, n) if t is not None and t.requires_grad]
+    leaves = list(zip(("q", "k", "v", "b", "n"), (q, k, v, b, n)))
+    if isinstance(kw.get("sinks"), torch.Tensor):  # a per-head sink logit that requires grad
+        leaves.append(("sinks", kw["sinks"]))
+    names = [nm for nm, t in leaves if t is not None and t.requires_grad]
+    inputs = [t for nm, t in leaves if t is not None and t.requires_grad]
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     return out, lse, dict(zip(names, grads))
 
@@ -146,8 +150,8 @@ def compare(ours, naive, gold, dtype, Lq, Lk):
     for name, grad in ours[2].items():
         assert grad is not None and torch.isfinite(grad).all(), f"d{name} not finite"
         assert grad.shape == gold[2][name].shape, f"d{name} shape"
-        # b, n gradients sum over every score of a head: allow for the length of that sum
-        gfloor = floor * (math.sqrt(Lq * Lk) if name in "bn" else 4)
+        # b, n (and sink) gradients sum over every score of a head: allow for the length of that sum
+        gfloor = floor * (math.sqrt(Lq * Lk) if name in ("b", "n", "sinks") else 4)
         fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
 
 

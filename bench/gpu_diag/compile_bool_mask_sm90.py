@@ -10,7 +10,9 @@ argv: out_dir mode (ssa | ssa_adaptive) mask (bool | add | none) [m n warps stag
 env DT=fp32|fp16 (default fp32), DROP=1|0 (default 1). Without m n warps stages: the launcher's
 first choice for each kernel (SSA_FLASH_AUTOTUNE=0's choice).
 Files: OUT/<kernel>-<mask>-<dtype>-<drop|nodrop>-<m>x<n>w<warps>s<stages>.{ttir,ttgir,llir,ptx}."""
-import sys, os, json, dataclasses
+import os
+import sys
+
 import torch
 from ssa_flash.triton import launch, tiles
 from ssa_flash.audit import compile as acomp
