@@ -182,7 +182,7 @@ _DETERMINISTIC_RUN = textwrap.dedent("""
     b = torch.full((4,), 0.5, device="cuda", requires_grad=True)
     n = torch.full((4,), 2.0, device="cuda", requires_grad=True)
     out = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=b, n=n, adaptive_temperature=True,
-                                  backend="triton", deterministic=True)
+                                  backend=sys.argv[2], deterministic=True)
     out.float().square().sum().backward()
     torch.save([t.detach().cpu() for t in (out, q.grad, k.grad, v.grad, b.grad, n.grad)], sys.argv[1])
 """)
@@ -190,17 +190,23 @@ _DETERMINISTIC_RUN = textwrap.dedent("""
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_deterministic_backward_is_bitwise_the_same_in_two_processes(tmp_path):
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_deterministic_backward_is_bitwise_the_same_in_two_processes(tmp_path, backend):
     """Two fresh processes (nothing tuned in memory; each with its own empty tuning cache, and a
     different SSA_FLASH_AUTOTUNE, which deterministic=True must not care about) give the same
-    bits."""
+    bits; the CUDA C++ backend too (no floating-point atomics in its deterministic backward)."""
+    if backend == "cuda":
+        import ssa_flash
+
+        if "cuda" not in ssa_flash.available_backends("cuda"):
+            pytest.skip("the CUDA C++ extension is not built here")
     runs = []
     for i, tune in enumerate(("1", "0")):
         path = tmp_path / f"run{i}.pt"
         env = dict(os.environ, SSA_FLASH_CACHE_DIR=str(tmp_path / f"cache{i}"), SSA_FLASH_AUTOTUNE=tune,
                    PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
-        subprocess.run([sys.executable, "-c", _DETERMINISTIC_RUN, str(path)], check=True, env=env, cwd=ROOT,
-                       timeout=1800)
+        subprocess.run([sys.executable, "-c", _DETERMINISTIC_RUN, str(path), backend], check=True, env=env,
+                       cwd=ROOT, timeout=1800)
         runs.append(torch.load(path))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
