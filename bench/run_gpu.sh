@@ -54,7 +54,8 @@
 #   diag          python bench/gpu_diag/bool_mask_repro.py (the boolean mask's reproducer; RUN_DIAG=0 skips)
 #   recheck       the node ids of RECHECK (bench/gpu_recheck.txt), --tb=long
 #   suite         SUITE's tests that the ledger does not hold as passed at these kernels
-#   host          python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
+#   host          python bench/gpu_diag/host_launch.py (one launch's layers timed apart), then
+#                 python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
 #   bench         python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
 #                 specialised form vs the table's choice, bf16 D 128, L 4k / 16k, SSA and softmax),
 #                 then python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
@@ -269,6 +270,11 @@ log "ledger after this run: $($PY ssa_flash/bench/ledger.py summary --ledger "$L
 # 5. the host path (RUN_HOST=1): host time per call beside SDPA's, and the profiler's split of a call
 #    at the targets' shape into kernel time and end-to-end time (docs/benchmarks.md, Host path)
 if [ "${RUN_HOST:-0}" = "1" ]; then
+  # first the layers of one launch timed apart (bench/gpu_diag/host_launch.py, < 15 s)
+  log "host launch layers: python bench/gpu_diag/host_launch.py (limit 40s)"
+  timeout --kill-after=5 40 $PY bench/gpu_diag/host_launch.py > "$OUT/host-launch.log" 2>&1
+  log "host launch layers rc $?"
+  cat "$OUT/host-launch.log" | tail -n 12
   log "host path: python -m ssa_flash.bench --host (limit ${HOST_LIMIT:-150}s)"
   # shellcheck disable=SC2086
   SSA_FLASH_AUTOTUNE=0 timeout --signal=INT --kill-after=10 "${HOST_LIMIT:-150}" \
