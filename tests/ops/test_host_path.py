@@ -76,6 +76,23 @@ def test_host_benchmark_runs_on_the_cpu(tmp_path):
     assert res["path"].endswith("-host.json") and (tmp_path / res["path"].split("/")[-1]).exists()
 
 
+def test_host_benchmark_profile(tmp_path):
+    """``--host-profile``: a cProfile per backend of the plain softmax calls, before the rows, with
+    our own functions among the top ones (the path shortened to the package)."""
+    if CUDA:
+        pytest.skip("the GPU host benchmark runs in bench/run_gpu.sh")
+    from ssa_flash.triton.interpreter import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    res = host.run(str(tmp_path), reps=2, ops=("softmax",), features=("plain",), quiet=True, profile=True,
+                   split=False)
+    labels = set(res["profile"])
+    assert {"ssa_flash.triton softmax plain fwd", "ssa_flash.cuda softmax plain fwd_bwd"} <= labels, labels
+    text = res["profile"]["ssa_flash.triton softmax plain fwd"]
+    assert "function calls" in text and "ssa_flash/triton/launch.py" in text, text[:2000]
+
+
 # --------------------------------------------------------------------------------------------
 # On a GPU
 
