@@ -274,7 +274,7 @@ if [ "${RUN_HOST:-0}" = "1" ]; then
   log "host launch layers: python bench/gpu_diag/host_launch.py (limit 40s)"
   timeout --kill-after=5 40 $PY bench/gpu_diag/host_launch.py > "$OUT/host-launch.log" 2>&1
   log "host launch layers rc $?"
-  cat "$OUT/host-launch.log" | tail -n 12
+  tail -n 12 "$OUT/host-launch.log"
   log "host path: python -m ssa_flash.bench --host (limit ${HOST_LIMIT:-150}s)"
   # shellcheck disable=SC2086
   SSA_FLASH_AUTOTUNE=0 timeout --signal=INT --kill-after=10 "${HOST_LIMIT:-150}" \

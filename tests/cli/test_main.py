@@ -26,12 +26,19 @@ def _reference_fn(variant, case):
 CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.skipif(CUDA, reason="CPU path (interpreter); on a GPU bench/run_gpu.sh runs python -m ssa_flash")
-def test_main_runs_and_passes_on_cpu():
+def _cli_env() -> dict:
+    """A subprocess environment for ``python -m ssa_flash`` on the CPU: this checkout first on the
+    path, no GPU, and no TRITON_INTERPRET (the CLI must switch the interpreter on by itself)."""
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # __main__ must switch the interpreter on by itself
+    env.pop("TRITON_INTERPRET", None)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.mark.skipif(CUDA, reason="CPU path (interpreter); on a GPU bench/run_gpu.sh runs python -m ssa_flash")
+def test_main_runs_and_passes_on_cpu():
+    env = _cli_env()
     proc = subprocess.run([sys.executable, "-m", "ssa_flash"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     out = proc.stdout
@@ -49,10 +56,7 @@ def test_main_worker_processes_find_their_function():
     """``python -m ssa_flash --jobs 2`` (the default on a GPU: up to 8): the spawned workers unpickle
     the checks' function by module name. It failed every check on an H200 (2026-11-28) while it
     lived in the package's ``__main__``, which a spawned child does not re-import."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = _cli_env()
     proc = subprocess.run([sys.executable, "-m", "ssa_flash", "--jobs", "2", "--no-timing"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout

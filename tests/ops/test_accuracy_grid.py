@@ -13,7 +13,7 @@ tests/features.py); these sizes through the interpreter would take hours.
 import pytest
 import torch
 
-from attn_testing import MODES, check, needs_cuda
+from attn_testing import MODES, check, make_qkv, needs_cuda
 from ssa_flash.backends import AttentionSpec, get
 from ssa_flash.scores import VARIANTS
 
@@ -41,14 +41,12 @@ def _cases():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lq,lk,d,mode,causal,sinks", _cases())
 def test_accuracy_grid(backend, dtype, lq, lk, d, mode, causal, sinks):
-    from attn_testing import make_qkv
-
     q, k, v = make_qkv(B=2, Hq=4, Hkv=2, Lq=lq, Lk=lk, D=d, dtype=dtype, device="cuda", seed=lq + lk + d)
     variant = VARIANTS[mode]
     spec = AttentionSpec(scale=d ** -0.5, score=variant.score.name, causal=causal, group=2,
                          adaptive=variant.adaptive)
     sink = torch.linspace(-1.0, 1.0, 4, device="cuda", dtype=torch.float32).requires_grad_() if sinks else None
-    why = get(backend).supports(q, k, v, spec, sink) if sinks else get(backend).supports(q, k, v, spec)
+    why = get(backend).supports(q, k, v, spec, sink)
     if why is not None:
         pytest.skip(why)
     kw = dict(is_causal=causal, enable_gqa=True)
