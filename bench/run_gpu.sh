@@ -73,7 +73,7 @@
 # selections of the matrix and the two smoke halves), SELFCHECK_ARGS,
 # BENCH_ARGS (default --subset targets), RUN_BUILD / RUN_SMOKE / RUN_MATRIX / RUN_SELFCHECK /
 # RUN_RECHECK / RUN_TESTS = 0 to skip a step, RUN_HOST=1 / RUN_BENCH=1 to add the host path (HOST_ARGS,
-# HOST_LIMIT) / the benchmark.
+# HOST_LIMIT) / the benchmark, RUN_WS=0 to leave the warp-specialised comparison out of the benchmark.
 #
 # DRY_RUN=1: the rehearsal without a GPU (tests/bench/test_run_gpu.py): Triton's interpreter and the
 # CUDA kernels' CPU emulator stand in, nothing is built (a CUDA_OBJECTS directory is only checked),
@@ -292,12 +292,14 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
   [ "$CUDA_OK" = "1" ] || IMPLS="--impls ssa_flash.triton,sdpa.flash,sdpa.cudnn,flex"
   # the Triton forward's warp-specialised form against the table's choice (bf16 D 128, L 4k / 16k,
   # SSA and softmax, non-causal; docs/design.md §4.4), at most 30 s
-  log "warp-specialised forward: python -m ssa_flash.bench.warp_specialize (limit 30s)"
-  timeout --signal=INT --kill-after=5 30 $PY -m ssa_flash.bench.warp_specialize --out "$OUT" \
-    > "$OUT/warp-specialize.log" 2>&1
-  log "warp-specialised forward rc $?"
-  tail -n 10 "$OUT/warp-specialize.log"
-  BENCH_BUDGET=$(( BENCH_BUDGET - 30 ))
+  if [ "${RUN_WS:-1}" != "0" ]; then
+    log "warp-specialised forward: python -m ssa_flash.bench.warp_specialize (limit 30s)"
+    timeout --signal=INT --kill-after=5 30 $PY -m ssa_flash.bench.warp_specialize --out "$OUT" \
+      > "$OUT/warp-specialize.log" 2>&1
+    log "warp-specialised forward rc $?"
+    tail -n 10 "$OUT/warp-specialize.log"
+    BENCH_BUDGET=$(( BENCH_BUDGET - 30 ))
+  fi
   [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20
   log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"
   # shellcheck disable=SC2086
