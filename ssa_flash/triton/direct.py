@@ -143,11 +143,14 @@ class Launcher:
         self._kept: dict = {}
         self._layouts: dict = {}
         self._signatures: dict = {}
-        self._stream = None
 
     def clear(self) -> None:
+        """Forget the kept kernels, and the launch plans made of them (``plans.py``)."""
+        from . import plans
+
         self._kept.clear()
         self._layouts.clear()
+        plans.clear()
 
     def _signature(self, kernel) -> _Signature:
         sig = self._signatures.get(kernel)
@@ -196,15 +199,8 @@ class Launcher:
             if not stub:
                 return  # this call launched it
             kept = self._kept[key]
-        compiled, tail = kept
-        if stub:
-            stream, hooks = 0, (None, None)
-        else:
-            stream, hooks = self._current_stream(device), _hooks()
         try:
-            meta = None if hooks[0] is None else compiled.launch_metadata(grid, stream, *args, *tail)
-            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                         compiled.function, compiled.packed_metadata, meta, hooks[0], hooks[1], *args, *tail)
+            launch_kept(kept, grid, args, device)
         except Exception as err:
             if stub:
                 raise
@@ -217,19 +213,56 @@ class Launcher:
             self.clear()
             kernel[grid](*args, **consts, **options)
 
-    def _current_stream(self, device: torch.device) -> int:
-        if self._stream is None:
-            from triton.runtime import driver
+    def kept(self, kernel, args: tuple, consts: dict, options: dict, device: torch.device):
+        """The ``(compiled kernel, constexpr tail)`` that :meth:`run` keeps for these arguments, or
+        None (not launched yet, or never launched directly): what a launch plan
+        (``launch.py``) launches again with :func:`launch_kept`."""
+        space = (kernel, device, tuple(consts.items()), tuple(options.items()))
+        layout = self._layouts.get(space)
+        if layout is None:
+            return None
+        try:
+            return self._kept.get((space, _keyed(args, layout)))
+        except (Unspecialisable, TypeError, ValueError):
+            return None
 
-            self._stream = driver.active.get_current_stream
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return self._stream(index)
+
+_get_stream = None
+
+
+def _current_stream(device: torch.device) -> int:
+    global _get_stream
+    if _get_stream is None:
+        from triton.runtime import driver
+
+        _get_stream = driver.active.get_current_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _get_stream(index)
 
 
 def _hooks():
+    """Triton's launch enter / exit hooks, each None when nothing is registered: Triton >= 3.5
+    keeps an empty ``HookChain`` there (never None), and a non-None hook makes every launch
+    build its launch metadata and call back into Python twice."""
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return (None if enter is None or getattr(enter, "calls", True) == [] else enter,
+            None if leave is None or getattr(leave, "calls", True) == [] else leave)
+
+
+def launch_kept(kept: tuple, grid: tuple, args: tuple, device: torch.device) -> None:
+    """Launch a kept ``(compiled kernel, constexpr tail)`` (:meth:`Launcher.kept`) on ``grid``
+    with runtime ``args`` on ``device``'s current stream (the caller made ``device`` current):
+    ``CompiledKernel.run`` as ``JITFunction.run`` calls it. In stub mode nothing runs."""
+    compiled, tail = kept
+    if _stub_arch is not None:
+        return
+    stream = _current_stream(device)
+    enter, leave = _hooks()
+    meta = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args, *tail)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, meta, enter, leave, *args, *tail)
 
 
 LAUNCHER = Launcher()

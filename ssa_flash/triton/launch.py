@@ -59,7 +59,7 @@ from .masks import MASK_ADD, MASK_BOOL, MASK_NONE
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 # The tile tables live in tiles.py; these names are re-exported (tests and the audit use them, and
 # the audit replaces ``launch.block_candidates`` to compile later candidates).
-from . import direct, tiles  # noqa: F401
+from . import direct, plans, tiles  # noqa: F401
 from .tiles import Blocks, block_candidates, prune as _prune_candidates  # noqa: F401
 from .tiles import decode_candidates as _decode_candidates  # noqa: F401
 
@@ -967,6 +967,11 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
     if _unaligned(layout, q, v):
         o, lse = forward(_pad_head(q), _pad_head(k), _pad_head(v), mask, params, beta, spec, layout, sinks)
         return o[..., :v.shape[-1]].contiguous(), lse
+    plan_key = _fwd_plan_key(q, k, v, mask, params, beta, spec, layout, sinks)
+    if plan_key is not None:
+        plan = plans.get(plan_key)
+        if plan is not None:
+            return _fwd_replay(plan, q, k, v, mask, params, beta, spec)
     lay = _resolve_layout(q, k, v, layout)
     q4, k4, v4 = lay.q, lay.k, lay.v
     _, H, _, D = q4.shape
@@ -1026,10 +1031,12 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
         # no index checks in the warp-specialised loop where every key block is whole and none is
         # cut by the diagonal (its key tiles are 64 or 128 wide: 128 divides both)
         consts["WS_FULL_BLOCKS"] = not spec.causal and lay.Lk % 128 == 0
-    _launch(attention_fwd_kernel, name, grid, args, dict(consts, SPLIT=None), q.device,
-            max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H),
-            ws_ok)
+    blk = _launch(attention_fwd_kernel, name, grid, args, dict(consts, SPLIT=None), q.device,
+                  max(consts["BLOCK_D"], consts["BLOCK_DV"]), q.dtype, spec.deterministic,
+                  (lay.Lq, lay.Lk, lay.batch * H), ws_ok)
     splits = state.get("splits", 1)
+    if plan_key is not None and splits == 1 and _capture is None:
+        _plan_forward(plan_key, blk, grid, args, dict(consts, SPLIT=None), q, o, lse, mask_args, feat_args)
     if splits > 1 and _capture is None:
         o_part, lse_part = state["parts"]
         with _on_device(q.device):
@@ -1037,6 +1044,72 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
                 merge_output_kernel, (lse.numel(),),
                 (o_part, lse_part, o, lse, tuple(o_part.stride()), tuple(o.stride()), H, lay.Lq, DV, splits, lse.numel()),
                 dict(BLOCK_S=_merge_block_s(splits), BLOCK_DV=_head_block(DV), ACC=_acc_dtype(q.dtype)), {}, q.device)
+    return o, lse
+
+
+# Launch plans (plans.py) of the dense forward: the tensors a call passes, by the names of the
+# kernel's runtime parameters, in the order a plan's launch fills them
+_FWD_SLOTS = ("Q", "K", "V", "O", "LSE", "BETA", "score_params", "MASK", "seqlens", "dropout")
+
+
+def _spec_key(spec: AttentionSpec) -> tuple:
+    """The fields of ``spec`` a dense launch depends on (the dropout tensor by its key only)."""
+    return (spec.scale, spec.score, spec.causal, spec.group, spec.adaptive, spec.poly, spec.threshold,
+            spec.deterministic, spec.dropout_p, spec.window_left, spec.window_right, spec.softcap,
+            plans.tensor_key(spec.dropout_rng))
+
+
+def _fwd_plan_key(q, k, v, mask, params, beta, spec: AttentionSpec, layout, sinks) -> Optional[tuple]:
+    """The plan key of a dense forward (see plans.py), or None where the call is not planned: a
+    layout, sinks, a boolean mask turned additive, parameters that are not tensors, or launches
+    that cannot be planned now (:func:`plans.usable`)."""
+    if layout is not None or sinks is not None or _capture is not None or not plans.usable(q.device):
+        return None
+    if mask is not None and mask.dtype == torch.bool and _bool_mask_as_additive(q):
+        return None
+    try:
+        pkey = tuple([plans.tensor_key(p) for p in params])
+    except AttributeError:  # a number among the parameters
+        return None
+    return (plans.tensor_key(q), plans.tensor_key(k), plans.tensor_key(v), q.device, plans.tensor_key(mask), pkey,
+            plans.tensor_key(beta) if spec.adaptive else None, _spec_key(spec),
+            q.dtype == torch.float32 and tf32_allowed(), FORCE_POLY_EXP2,
+            os.environ.get("SSA_FLASH_POLY_EXP2") if spec.score == "ssa" else None)
+
+
+def _plan_forward(key, blk, grid_fn, args_fn, consts, q, o, lse, mask_args, feat_args) -> None:
+    """Keep the plan of the dense forward launch just made in configuration ``blk``, if the
+    direct launcher kept its compiled kernel."""
+    grid, kconsts = _split_grid(grid_fn(blk), consts)
+    args = args_fn(blk)
+    arch = _device_arch(q.device)
+    options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+    slots = tuple(_PARAMS["fwd"].index(n) for n in _FWD_SLOTS)
+    launch = plans.make_launch(attention_fwd_kernel, grid, args, _block_consts(kconsts, blk), options, q.device, slots)
+    if launch is None:
+        return
+    drop = feat_args["dropout"]
+    extra = (tuple(o.shape), tuple(lse.shape), lse.dtype, consts["SCORE"], None if drop is None else drop[1:])
+    plans.put(key, plans.Plan([launch], extra))
+
+
+def _fwd_replay(plan, q, k, v, mask, params, beta, spec: AttentionSpec):
+    """:func:`forward` from its plan: allocate the outputs, fill the tensor slots, launch."""
+    o_shape, lse_shape, lse_dtype, score, drop_rest = plan.extra
+    o = torch.empty(o_shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(lse_shape, device=q.device, dtype=lse_dtype)
+    if mask is None:
+        mask = q
+    elif mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    tensors = (q, k, v, o, lse, beta if spec.adaptive else q, kernel_params(score, params, q), mask,
+               (q, q, q), None if drop_rest is None else (spec.dropout_rng, *drop_rest))
+    launch = plan.launches[0]
+    if plans.on_device(q.device):
+        launch.run(q.device, tensors)
+    else:
+        with _on_device(q.device):
+            launch.run(q.device, tensors)
     return o, lse
 
 

@@ -60,10 +60,24 @@ class FakeJIT:
 @pytest.fixture
 def fake_gpu_launcher(monkeypatch):
     launcher = direct.Launcher()
-    monkeypatch.setattr(launcher, "_current_stream", lambda device: 42)
+    monkeypatch.setattr(direct, "_current_stream", lambda device: 42)
     monkeypatch.setattr(direct, "_hooks", lambda: (None, None))
     monkeypatch.delenv(direct.ENV, raising=False)
     return launcher
+
+
+def test_empty_launch_hook_chains_are_passed_as_none(monkeypatch):
+    """Triton >= 3.5 keeps an empty HookChain as each launch hook: passing it on would make every
+    launch build its launch metadata and call into Python twice for nothing."""
+    from triton import knobs
+
+    chain = type("Chain", (), {})()
+    chain.calls = []
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    assert direct._hooks() == (None, None)
+    chain.calls = [print]
+    assert direct._hooks() == (chain, None)
 
 
 def test_a_kept_kernel_is_launched_directly(fake_gpu_launcher):
