@@ -1060,9 +1060,18 @@ def _spec_key(spec: AttentionSpec) -> tuple:
 
 
 def _fwd_plan_key(q, k, v, mask, params, beta, spec: AttentionSpec, layout, sinks) -> Optional[tuple]:
-    """The plan key of a dense forward (see plans.py), or None where the call is not planned: a
-    layout, sinks, a boolean mask turned additive, parameters that are not tensors, or launches
-    that cannot be planned now (:func:`plans.usable`)."""
+    """The plan key of a dense forward (see plans.py), or None where the call is not planned."""
+    key = _dense_key(q, k, v, mask, params, spec, layout, sinks)
+    if key is None:
+        return None
+    return ("fwd", key, plans.tensor_key(beta) if spec.adaptive else None)
+
+
+def _dense_key(q, k, v, mask, params, spec: AttentionSpec, layout, sinks) -> Optional[tuple]:
+    """What every dense launch's plan key holds (the inputs, the spec, the global switches the
+    constexprs read), or None where the call is not planned: a layout, sinks, a boolean mask
+    turned additive, parameters that are not tensors, or launches that cannot be planned now
+    (:func:`plans.usable`)."""
     if layout is not None or sinks is not None or _capture is not None or not plans.usable(q.device):
         return None
     if mask is not None and mask.dtype == torch.bool and _bool_mask_as_additive(q):
@@ -1072,7 +1081,7 @@ def _fwd_plan_key(q, k, v, mask, params, beta, spec: AttentionSpec, layout, sink
     except AttributeError:  # a number among the parameters
         return None
     return (plans.tensor_key(q), plans.tensor_key(k), plans.tensor_key(v), q.device, plans.tensor_key(mask), pkey,
-            plans.tensor_key(beta) if spec.adaptive else None, _spec_key(spec),
+            _spec_key(spec),
             q.dtype == torch.float32 and tf32_allowed(), FORCE_POLY_EXP2,
             os.environ.get("SSA_FLASH_POLY_EXP2") if spec.score == "ssa" else None)
 
@@ -1140,6 +1149,13 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
         dq, dk, dv, dparams, dsinks = res
         D, DV = q.shape[-1], v.shape[-1]
         return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), dparams, dsinks
+    plan_key = None
+    if g is None and not dbeta_only:
+        plan_key = _bwd_plan_key(do, q, k, v, o, lse, dlse, mask, params, temp, spec, layout, sinks)
+        if plan_key is not None:
+            plan = plans.get(plan_key)
+            if plan is not None:
+                return _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec)
     lay = _resolve_layout(q, k, v, layout)
     packed = lay.varlen == VARLEN_PACKED
     q4, k4, v4 = lay.q, lay.k, lay.v
@@ -1209,10 +1225,16 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
         dq_consts["G_GIVEN"] = True
     if dbeta_only and dlse is not None:  # a shard's dbeta: the caller adds lse_l * dlse once per row
         dq_consts["DBETA_PART"] = True
-    _launch(attention_bwd_dq_kernel, "bwd_dq", lambda blk: (_cdiv(lay.Lq, blk.m) * B * H,), dq_args,
-            dq_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
+    dq_grid = lambda blk: (_cdiv(lay.Lq, blk.m) * B * H,)  # noqa: E731
+    dq_blk = _launch(attention_bwd_dq_kernel, "bwd_dq", dq_grid, dq_args,
+                     dq_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
     if dbeta_only:
         return g
+    dq_planned = None
+    if plan_key is not None and _capture is None:
+        launched = dict(parts)  # dq_args allocates new partial sums: keep the launched ones
+        dq_planned = (dq_blk, dq_grid(dq_blk), dq_args(dq_blk))
+        parts.update(launched)
 
     def dkdv_args(blk):
         return _positional(
@@ -1224,14 +1246,92 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
     dkdv_consts = dict(consts)
     if spec.softcap > 0:  # the dK/dV kernel needs no sink (its tiles use the sink-including LSE)
         dkdv_consts["SOFTCAP"] = True
-    _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", lambda blk: (_cdiv(lay.Lk, blk.n) * B * HKV,),
-            dkdv_args, dkdv_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
+    dkdv_grid = lambda blk: (_cdiv(lay.Lk, blk.n) * B * HKV,)  # noqa: E731
+    dkdv_blk = _launch(attention_bwd_dkdv_kernel, "bwd_dkdv", dkdv_grid,
+                       dkdv_args, dkdv_consts, q.device, head_block, q.dtype, spec.deterministic,
+                       (lay.Lq, lay.Lk, B * H))
+    if dq_planned is not None:
+        dq_blk, grid, args = dq_planned
+        _plan_backward(plan_key, q, (dq_blk, grid, args, dq_consts),
+                       (dkdv_blk, dkdv_grid(dkdv_blk), dkdv_args(dkdv_blk), dkdv_consts),
+                       (tuple(delta.shape), acc_torch, B * H * _cdiv(lay.Lq, dq_blk.m), n_params, score,
+                        None if feat_args["dropout"] is None else feat_args["dropout"][1:]))
     dsinks = None
     # per-program partial sums added in a fixed order; per query head
     dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts["dparams"])
     if sinks is not None:
         dsinks = parts["dsinks"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, dparams, dsinks
+
+
+# the tensors a call passes to each backward kernel (plans.py), by their parameters' names
+_DQ_SLOTS = ("Q", "K", "V", "O", "DO", "DQ", "row_stats", "temperature", "score_params", "param_parts", "MASK",
+             "seqlens", "dropout")
+_DKDV_SLOTS = ("Q", "K", "V", "DO", "DK", "DV_OUT", "row_stats", "temperature", "score_params", "MASK", "seqlens",
+               "dropout")
+
+
+def _bwd_plan_key(do, q, k, v, o, lse, dlse, mask, params, temp, spec: AttentionSpec, layout, sinks):
+    """The plan key of a dense backward (as :func:`_fwd_plan_key`), or None."""
+    key = _dense_key(q, k, v, mask, params, spec, layout, sinks)
+    if key is None:
+        return None
+    tk = plans.tensor_key
+    return ("bwd", key, tk(do), tk(o), tk(lse), tk(dlse),
+            tuple([tk(t) for t in temp]) if spec.adaptive else None)
+
+
+def _plan_backward(key, q, dq_launch, dkdv_launch, extra) -> None:
+    """Keep the plan of the dense backward's two launches just made (``(blk, grid, args,
+    constexprs)`` each), if the direct launcher kept both compiled kernels."""
+    arch = _device_arch(q.device)
+    launches = []
+    for kernel, name, slots, (blk, grid, args, consts) in (
+            (attention_bwd_dq_kernel, "bwd_dq", _DQ_SLOTS, dq_launch),
+            (attention_bwd_dkdv_kernel, "bwd_dkdv", _DKDV_SLOTS, dkdv_launch)):
+        options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+        names = _PARAMS[name]
+        launch = plans.make_launch(kernel, grid, args, _block_consts(consts, blk), options, q.device,
+                                   tuple(names.index(n) for n in slots))
+        if launch is None:
+            return
+        launches.append(launch)
+    plans.put(key, plans.Plan(launches, extra))
+
+
+def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: AttentionSpec):
+    """:func:`backward` from its plan (dense, no sinks, no given ``g``)."""
+    stat_shape, acc, n_parts, n_params, score, drop_rest = plan.extra
+    dev = q.device
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    delta = torch.empty(stat_shape, device=dev, dtype=acc)
+    lse2 = torch.empty(stat_shape, device=dev, dtype=acc)
+    if spec.adaptive:
+        beta, lse_l, ent, dbeta_dh = temp
+        g = torch.empty(stat_shape, device=dev, dtype=acc)
+    else:
+        beta = lse_l = ent = dbeta_dh = g = q
+    parts = [torch.empty((n_parts,), device=dev, dtype=acc) for _ in range(n_params)]
+    score_params = kernel_params(score, params, q)
+    mask = q if mask is None else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
+    dropout = None if drop_rest is None else (spec.dropout_rng, *drop_rest)
+    dq_launch, dkdv_launch = plan.launches
+    h = dq_launch.template[_PARAMS["bwd_dq"].index("row_stats")][4]
+    dq_tensors = (q, k, v, o, do, dq, (lse, q if dlse is None else dlse, delta, lse2, h),
+                  (beta, lse_l, ent, dbeta_dh, g), score_params, kernel_params(score, parts, q), mask, (q, q), dropout)
+    dkdv_tensors = (q, k, v, do, dk, dv, (lse2, delta, h), (beta, lse_l, ent, g), score_params, mask, (q, q), dropout)
+    if plans.on_device(dev):
+        dq_launch.run(dev, dq_tensors)
+        dkdv_launch.run(dev, dkdv_tensors)
+    else:
+        with _on_device(dev):
+            dq_launch.run(dev, dq_tensors)
+            dkdv_launch.run(dev, dkdv_tensors)
+    B, H = q.shape[0], q.shape[1]
+    dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts)
+    return dq, dk, dv, dparams, None
 
 
 def row_dbeta(do, q, k, v, o, lse, dlse, mask, params, temp: TemperatureState, spec: AttentionSpec):

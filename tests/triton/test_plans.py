@@ -110,3 +110,27 @@ def test_the_stub_exit_forgets_plans():
         plans.put(("a key",), plans.Plan([]))
         assert plans.get(("a key",)) is not None
     assert plans.get(("a key",)) is None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_replayed_backward_computes_with_its_own_tensors(planned, case):
+    hits = plans.HITS[0]
+    grads = []
+    for seed in range(3):  # the first call plans forward and backward, the next two replay both
+        q, k, v = _inputs(seed)
+        kw = _kwargs(case, seed)
+        tensors = [q, k, v] + [p for p in (kw.get("score_params") or {}).values() if isinstance(p, torch.Tensor)]
+        got = []
+        for backend in ("triton", "reference"):
+            leaves = [t.detach().clone().requires_grad_() for t in tensors]
+            call_kw = dict(kw)
+            if len(leaves) > 3:
+                call_kw["score_params"] = dict(zip(kw["score_params"], leaves[3:]))
+            out = ssa_flash.attention(*leaves[:3], enable_gqa=True, backend=backend, **call_kw)
+            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+            got.append(torch.autograd.grad(out, leaves, dout))
+        for mine, ref in zip(*got):
+            torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+        grads.append(got[0])
+    assert plans.HITS[0] - hits == 4, "calls 2 and 3 should replay the forward's and the backward's plans"
+    assert not torch.equal(grads[1][0], grads[2][0])
