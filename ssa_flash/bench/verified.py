@@ -144,11 +144,22 @@ def _short(sha: Optional[str]) -> str:
     return f"`{sha[:7]}`" if sha else "-"
 
 
+def _by_name(paths, suffix: str = ".json") -> List[str]:
+    """Results files in the order of their names less ``suffix``: a later session of the same day
+    and GPU, named by extending the earlier one's name (``<date>-<gpu>-session4.json`` beside
+    ``<date>-<gpu>.json``, ``...-session4-host.json`` beside ``...-host.json``), comes after it
+    (a plain sort puts ``-`` before ``.``, or compares ``host`` with ``session4``)."""
+    def key(path: str) -> str:
+        name = os.path.basename(path)
+        return name[:-len(suffix)] if name.endswith(suffix) else name
+    return sorted(paths, key=key)
+
+
 def sessions(root: Path) -> List[dict]:
-    """The benchmark sessions' results files (``bench/results/<date>-<gpu>.json``: those holding a
-    ``device`` and benchmark ``rows``, smoke runs left out), oldest first."""
+    """The benchmark sessions' results files (``bench/results/<date>-<gpu>[-<suffix>].json``: those
+    holding a ``device`` and benchmark ``rows``, smoke runs left out), oldest first."""
     out = []
-    for path in sorted(glob.glob(str(root / RESULTS / "*.json"))):
+    for path in _by_name(glob.glob(str(root / RESULTS / "*.json"))):
         name = os.path.basename(path)
         if name.startswith("audit-") or name == LEDGER.name or name.endswith(HOST_SUFFIX):
             continue
@@ -207,7 +218,7 @@ def _host_section(root: Path) -> List[str]:
     """The host-path measurements on a GPU (``<date>-<gpu>-host.json`` of ``python -m
     ssa_flash.bench --host``): per file, the shape and each row's host time beside SDPA's."""
     found = []
-    for path in sorted(glob.glob(str(root / RESULTS / f"*{HOST_SUFFIX}"))):
+    for path in _by_name(glob.glob(str(root / RESULTS / f"*{HOST_SUFFIX}")), HOST_SUFFIX):
         try:
             doc = _load(Path(path))
         except (OSError, ValueError):

@@ -48,6 +48,33 @@ def test_a_cpu_smoke_result_is_no_gpu_session(tmp_path):
     assert "2026-12-02" not in verified.render(root)
 
 
+def test_a_second_session_of_the_day_comes_after_the_first(tmp_path):
+    """A later session of the same day and GPU is committed under the first one's name extended
+    (``<date>-<gpu>-session4.json``, its logs ``<date>-<gpu>-session4-logs/``, its host file
+    ``<date>-<gpu>-session4-host.json``): listed after the first, each with its own logs."""
+    res = tmp_path / "bench" / "results"
+    res.mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    for base, passed, commit in (("2026-12-03-nvidia-h200", 11, "aaaaaaa0"),
+                                 ("2026-12-03-nvidia-h200-session4", 22, "bbbbbbb0")):
+        doc = {"device": "NVIDIA H200", "date": "2026-12-03", "git_commit": commit,
+               "rows": [{"impl": "ssa_flash.triton", "dtype": "bfloat16", "headdim": 64}]}
+        (res / f"{base}.json").write_text(json.dumps(doc))
+        host = {"device": "NVIDIA H200", "date": "2026-12-03", "rows": [
+            {"impl": base, "op": "softmax", "feature": "plain", "pass": "fwd", "host_us": 1.0}]}
+        (res / f"{base}-host.json").write_text(json.dumps(host))
+        (res / f"{base}-logs").mkdir()
+        (res / f"{base}-logs" / "call1-suite-tests.json").write_text(json.dumps({"passed": passed}))
+    assert [s["path"].name for s in verified.sessions(tmp_path)] == [
+        "2026-12-03-nvidia-h200.json", "2026-12-03-nvidia-h200-session4.json"]
+    text = verified.render(tmp_path)
+    assert text.index("`aaaaaaa`") < text.index("`bbbbbbb`")  # the commits, in table order
+    steps = [line for line in text.splitlines() if line.startswith("| `call1-suite-tests.json` |")]
+    assert steps == ["| `call1-suite-tests.json` | 11 passed, 0 failed, 0 skipped |",
+                     "| `call1-suite-tests.json` | 22 passed, 0 failed, 0 skipped |"]
+    assert text.index("| 2026-12-03-nvidia-h200 | softmax |") < text.index("| 2026-12-03-nvidia-h200-session4 | softmax |")
+
+
 def test_with_a_ledger(tmp_path):
     root = _records(tmp_path)
     rec = {"commit": "0123456789abcdef", "device": "NVIDIA H200", "date": "2026-12-01", "duration_s": 1.0}
