@@ -578,7 +578,10 @@ def _choose_and_run(kernel, name, grid_fn, args, consts, device, head_block, dty
         if ms < best_ms:
             best, best_ms = blk, ms
     if best is None:
-        raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU") from last_err
+        # the last failure's own text: where every configuration fails alike (a tl.static_assert of
+        # the kernel, not a resource limit) it is the cause the user needs to see
+        why = f": the last one failed with {type(last_err).__name__}: {str(last_err).strip()}" if last_err is not None else ""
+        raise RuntimeError(f"ssa_flash: no block configuration of {name} fits this GPU{why}") from last_err
     if best != blk:  # leave the outputs of the chosen configuration (some depend on the tiles)
         _run(kernel, best, grid_fn, args, consts, arch, device)
     _chosen_blocks[key] = best

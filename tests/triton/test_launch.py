@@ -95,8 +95,23 @@ def test_autotune_off_takes_the_first_that_fits(on_fake_gpu):
 
 def test_no_configuration_fits(on_fake_gpu):
     cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
-    with pytest.raises(RuntimeError, match="no block configuration"):
+    with pytest.raises(RuntimeError, match="no block configuration.*OutOfResources"):
         _launch(FakeKernel(too_big=cands))
+
+
+def test_a_compile_error_of_every_configuration_says_its_cause(on_fake_gpu):
+    """A kernel's tl.static_assert fails in every configuration (on an H200 the score-function
+    guard's message was lost behind "no block configuration fits"): the error names the cause."""
+    from triton.compiler.errors import CompilationError
+
+    class Failing(FakeKernel):
+        def __getitem__(self, grid):
+            def run(*args, **consts):
+                raise CompilationError("", None, "ssa_flash: the Triton kernels have no maths for this score function id")
+            return run
+
+    with pytest.raises(RuntimeError, match="(?s)no block configuration.*no maths for this score function id"):
+        _launch(Failing())
 
 
 # --- deterministic=True: a fixed configuration, never timed ---------------------------------------
