@@ -12,6 +12,7 @@ dim, where kernels launch nothing) runs ``ssa_flash.reference`` under ordinary a
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -451,9 +452,110 @@ def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
     return reference.dropout_keep_mask(seed, offset, shape, dropout_p, rng.device)
 
 
+# --------------------------------------------------------------------------------------------
+# Call plans: a call whose arguments have the same types and values, and whose tensors the same
+# metadata, as an earlier call's passes the same validation and picks the same backend. A
+# training step's calls repeat their shapes, so what the checks derive (the group, scale,
+# window, score function, constant parameters, spec, backend) is kept per such key and the
+# checks run once; what depends on the tensors' values runs every call (a CPU parameter
+# tensor's domain check, the dropout draw). Only for 4-D eager calls (no torch.compile tracing,
+# no dispatch mode, plain tensors) with a kernel backend.
+
+_MAX_CALL_PLANS = 1024
+_call_plans: dict = {}
+
+
+class _CallPlan:
+    __slots__ = ("group", "scale", "dropout_p", "causal", "return_lse", "full", "score", "params", "sinks",
+                 "spec", "backend", "heads")
+
+
+def _meta(t) -> tuple:
+    """A tensor's metadata as the checks read it (its values are not read)."""
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _value_key(x):
+    """A tensor by its metadata (``"T"`` first: its values are checked per call), anything else by
+    type and value (``1`` and ``True`` are different keys: the checks treat them apart)."""
+    if isinstance(x, Tensor):
+        return ("T", _meta(x))
+    return (type(x), x)
+
+
+def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, score, score_params,
+              adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks, softcap):
+    """The call-plan key of a call, or None where calls are not planned."""
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor or query.dim() != 4:
+        return None
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return None
+    if attn_mask is not None and type(attn_mask) is not Tensor:
+        return None
+    if score_params is None:
+        pkey = None
+    elif type(score_params) is dict:
+        pkey = tuple([(name, _value_key(x)) for name, x in score_params.items()])
+    elif type(score_params) is tuple or type(score_params) is list:
+        pkey = (type(score_params), tuple([_value_key(x) for x in score_params]))
+    else:
+        return None
+    return (_meta(query), _meta(key), _meta(value), None if attn_mask is None else _meta(attn_mask),
+            (type(dropout_p), dropout_p), (type(is_causal), is_causal), (type(scale), scale),
+            (type(enable_gqa), enable_gqa), (type(score), score), pkey, (type(adaptive), adaptive),
+            poly if poly is DEFAULT_POLY else (type(poly), tuple(poly) if type(poly) in (tuple, list) else poly),
+            (type(threshold), threshold), (type(backend), backend), (type(return_lse), return_lse),
+            (type(deterministic), deterministic),
+            (type(window_size), tuple(window_size) if type(window_size) in (tuple, list) else window_size),
+            _value_key(sinks), (type(softcap), softcap), torch.is_grad_enabled(), backends._state())
+
+
+def _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, score, params, sinks, spec,
+               backend, query, score_params, sinks_arg) -> None:
+    """Keep the plan of a call that validated and ran through ``backend``."""
+    if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # the constant parameters made now are filled only when the graph replays
+    plan = _CallPlan()
+    plan.group, plan.scale, plan.dropout_p, plan.causal, plan.return_lse = group, scale, dropout_p, is_causal, return_lse
+    plan.full = None if mask is None else tuple(mask.shape)
+    plan.score, plan.backend, plan.heads = score, backend, query.shape[1]
+    tensors_in = score_params is not None and any(
+        isinstance(x, Tensor) for x in (score_params.values() if isinstance(score_params, dict) else score_params))
+    plan.params = None if tensors_in else params  # tensors: checked and converted per call
+    plan.sinks = None if isinstance(sinks_arg, Tensor) else (sinks,)
+    plan.spec = spec if dropout_p == 0 else dataclasses.replace(spec, dropout_rng=None)
+    if len(_call_plans) >= _MAX_CALL_PLANS:
+        _call_plans.clear()
+    _call_plans[call_key] = plan
+
+
+def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, sinks):
+    """:func:`_attention` for a call whose checks a plan holds."""
+    params = plan.params
+    if params is None:
+        params = _check_score(plan.score, score_params, plan.heads, query)[1]
+    sinks = plan.sinks[0] if plan.sinks is not None else _check_sinks(sinks, plan.heads, query)
+    mask = None if attn_mask is None else attn_mask.expand(plan.full)
+    spec = plan.spec
+    if plan.dropout_p > 0:
+        spec = dataclasses.replace(spec, dropout_rng=reference.draw_dropout_rng(query.device))
+    out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
+    return (out, lse) if plan.return_lse else out
+
+
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, score,
                score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
                softcap):
+    try:
+        call_key = _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, score,
+                             score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size,
+                             sinks, softcap)
+        plan = None if call_key is None else _call_plans.get(call_key)
+    except TypeError:  # an unhashable argument: checked (and refused, or run) below
+        call_key = plan = None
+    if plan is not None:
+        return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
+    score_arg, sinks_arg, backend_arg = score_params, sinks, backend
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     deterministic = _check_bool("deterministic", deterministic)
     adaptive = _check_bool("adaptive_temperature", adaptive)
@@ -492,6 +594,9 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                      softcap=softcap)
     else:
         out, lse = autograd.attention(query, key, value, params, mask, backend, spec, **_sink_arg(sinks))
+        if call_key is not None and backend_arg is not None:
+            _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, score, params, sinks, spec,
+                       backend, query, score_arg, sinks_arg)
     if unbatched:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
