@@ -105,3 +105,28 @@ def test_unhashable_or_unplanned_arguments_take_the_checked_path():
     ssa_flash.attention(q[0], k[0], v[0], backend=BACKEND)  # 3-D: never planned
     ssa_flash.attention(q, k, v, backend="reference")  # the reference: never planned
     assert len(ops._call_plans) == 1
+
+
+def test_a_call_without_gradients_skips_the_autograd_function(monkeypatch):
+    """No input requires grad (or grad mode is off): the forward runs without the autograd.Function
+    (its host cost buys nothing there); inside forward-mode AD it stays, to refuse tangents."""
+    from ssa_flash import autograd
+
+    applied = []
+    real = autograd._EagerAttention.apply
+    monkeypatch.setattr(autograd._EagerAttention, "apply", lambda *a: applied.append(1) or real(*a))
+    q, k, v = _qkv(0)
+    out = ssa_flash.attention(q, k, v, backend=BACKEND)
+    assert not applied and not out.requires_grad
+    q.requires_grad_()
+    with torch.no_grad():
+        ssa_flash.attention(q, k, v, backend=BACKEND)
+    assert not applied
+    out = ssa_flash.attention(q, k, v, backend=BACKEND)
+    assert applied and out.requires_grad
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q.detach(), torch.ones_like(q))
+        with pytest.raises(RuntimeError):
+            fwAD.unpack_dual(ssa_flash.attention(dual, k, v, backend=BACKEND)).tangent.sum()
