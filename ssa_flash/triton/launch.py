@@ -916,6 +916,12 @@ def row_entropy(q, k, mask, params, spec: AttentionSpec, layout=None, sinks=None
     score function's per-head parameters (module docstring)."""
     if _unaligned(layout, q):
         return row_entropy(_pad_head(q), _pad_head(k), mask, params, spec, layout, sinks)
+    plan_key = _dense_key(q, k, k, mask, params, spec, layout, sinks)
+    if plan_key is not None:
+        plan_key = ("row_entropy", plan_key)
+        plan = plans.get(plan_key)
+        if plan is not None:
+            return _ent_replay(plan, q, k, mask, params)
     lay = _resolve_layout(q, k, None, layout)
     q4, k4 = lay.q, lay.k
     _, H, _, D = q4.shape
@@ -952,8 +958,16 @@ def row_entropy(q, k, mask, params, spec: AttentionSpec, layout=None, sinks=None
     def grid(blk):
         return (_cdiv(lay.Lq, blk.m) * lay.batch * H, _splits(lay, blk.m, blk.n, H, q.device))
 
-    _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"], q.dtype,
-            spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H))
+    blk = _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"],
+                  q.dtype, spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H))
+    if plan_key is not None and state.get("splits", 1) == 1 and _capture is None:
+        gridded, kconsts = _split_grid(grid(blk), dict(consts, SPLIT=None))
+        arch = _device_arch(q.device)
+        options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+        launch = plans.make_launch(row_entropy_kernel, gridded, args(blk), _block_consts(kconsts, blk), options,
+                                   q.device, tuple(_PARAMS["row_entropy"].index(n) for n in _ENT_SLOTS))
+        if launch is not None:
+            plans.put(plan_key, plans.Plan([launch], (tuple(ent.shape), ent.dtype, score)))
     if state.get("splits", 1) > 1 and _capture is None:
         ent_part, lse_part = state["parts"]
         with _on_device(q.device):
@@ -1053,6 +1067,26 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
 # Launch plans (plans.py) of the dense forward: the tensors a call passes, by the names of the
 # kernel's runtime parameters, in the order a plan's launch fills them
 _FWD_SLOTS = ("Q", "K", "V", "O", "LSE", "BETA", "score_params", "MASK", "seqlens", "dropout")
+_ENT_SLOTS = ("Q", "K", "ENT", "LSE", "score_params", "MASK", "seqlens")
+
+
+def _ent_replay(plan, q, k, mask, params):
+    """:func:`row_entropy` from its plan."""
+    shape, dtype, score = plan.extra
+    ent = torch.empty(shape, device=q.device, dtype=dtype)
+    lse_l = torch.empty(shape, device=q.device, dtype=dtype)
+    if mask is None:
+        mask = q
+    elif mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    tensors = (q, k, ent, lse_l, kernel_params(score, params, q), mask, (q, q, q))
+    launch = plan.launches[0]
+    if plans.on_device(q.device):
+        launch.run(q.device, tensors)
+    else:
+        with _on_device(q.device):
+            launch.run(q.device, tensors)
+    return ent, lse_l
 
 
 def _spec_key(spec: AttentionSpec) -> tuple:
