@@ -37,6 +37,9 @@
 #        export PYTHON=python3; A=$OUT/call2.tgz R=/tmp/b; OUT=$R ARCHIVE=$A GPU_TESTS_JSON=/tmp/g/gpu-tests.json \
 #          LEDGER=/tmp/g/gpu-ledger.json RUN_BUILD=0 RUN_TESTS=0 RUN_SMOKE=0 RUN_MATRIX=0 RUN_SELFCHECK=0 \
 #          RUN_HOST=1 HOST_LIMIT=70 RUN_BENCH=1 bash bench/run_gpu.sh 370 > $R.log 2>&1; tail -c 9000 $R.log
+#      After sessions 3 and 4 (D 64 and D 128 of the targets' rows measured at kernel hash
+#      8e143487f810, the 128k memory row and FlexAttention never reached: the budget ran out), add
+#      BENCH_ARGS="--subset targets --phases memory,flex,speed" so those rows come first.
 #      first the host path (RUN_HOST=1: a cProfile of the plain calls, then host time per call
 #      beside SDPA's), then the Triton forward's warp-specialised form, then the benchmark: the
 #      rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,

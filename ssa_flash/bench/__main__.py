@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="implementations in the memory sweep (default ssa_flash.triton,ssa_flash.cuda,"
                         "sdpa.flash,reference)")
     p.add_argument("--memory-ops", type=_names(OPS), default=None, help="operations in the memory sweep (default all)")
+    p.add_argument("--phases", type=_names(("speed", "memory", "flex", "others")), default=None,
+                   help="the benchmark's phases in the order to run them, those left out not run (default "
+                        "speed,memory,flex,others: ours and sdpa.flash, the memory sweep, FlexAttention, the "
+                        "other SDPA backends and the reference); e.g. memory,flex,speed to reach the rows "
+                        "a time budget would cut")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up (default 25)")
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time (default 100)")
     p.add_argument("--matmul-size", type=int, default=None, help="square matmul size for the reference rate (default 8192)")
@@ -197,6 +202,8 @@ def main(argv=None) -> int:
         cfg.memory_impls = tuple(args.memory_impls)
     if args.memory_ops:
         cfg.memory_ops = tuple(args.memory_ops)
+    if args.phases:
+        cfg.phases = tuple(dict.fromkeys(args.phases))
     if args.warmup_ms is not None:
         cfg.warmup_ms = args.warmup_ms
     if args.rep_ms is not None:

@@ -71,6 +71,8 @@ class Config:
     cpu_reps: int = 3
     cpu_warmup: int = 1
     time_budget_s: Optional[float] = None
+    # the phases of plan(), in the order they run; a phase left out does not run (--phases)
+    phases: Sequence[str] = ("speed", "memory", "flex", "others")
     smoke: bool = False
     gpu_tests: Optional[Dict[str, int]] = None
     quiet: bool = False
@@ -128,7 +130,8 @@ def speed_shapes(cfg: Config) -> List[Shape]:
 
 
 def plan(cfg: Config) -> List[Task]:
-    """Every row group to measure, most important first."""
+    """Every row group to measure, most important first (``cfg.phases``: which phases, in
+    which order)."""
     impls = [i for i in IMPLS if i in cfg.impls]
     core = [i for i in impls if i in CORE_IMPLS]
     rest = [i for i in impls if i not in CORE_IMPLS and i != "flex"]
@@ -142,17 +145,25 @@ def plan(cfg: Config) -> List[Task]:
                         tasks.append(Task("speed", shape, op, impl, tuple(cfg.passes)))
 
     shapes = speed_shapes(cfg)
-    speed(core, shapes)
-    for L in cfg.memory_seqlens:
-        shape = Shape(1, cfg.memory_heads, L, cfg.memory_headdim, cfg.memory_causal, cfg.dtype)
-        for op in [o for o in OPS if o in cfg.memory_ops]:
-            for impl in [i for i in IMPLS if i in cfg.memory_impls]:
-                if op in IMPL_OPS[impl]:
-                    tasks.append(Task("memory", shape, op, impl, ("fwd_bwd",)))
-    # flex compiles once per shape (static shapes, its best case): longest lengths first, every
-    # (head dim, causality) panel at each length, so that a time budget cuts the short lengths
-    speed([i for i in impls if i == "flex"], sorted(shapes, key=lambda s: -s.seqlen))
-    speed(rest, shapes)
+
+    def memory():
+        for L in cfg.memory_seqlens:
+            shape = Shape(1, cfg.memory_heads, L, cfg.memory_headdim, cfg.memory_causal, cfg.dtype)
+            for op in [o for o in OPS if o in cfg.memory_ops]:
+                for impl in [i for i in IMPLS if i in cfg.memory_impls]:
+                    if op in IMPL_OPS[impl]:
+                        tasks.append(Task("memory", shape, op, impl, ("fwd_bwd",)))
+
+    phases = {
+        "speed": lambda: speed(core, shapes),  # ours and sdpa.flash
+        "memory": memory,
+        # flex compiles once per shape (static shapes, its best case): longest lengths first, every
+        # (head dim, causality) panel at each length, so that a time budget cuts the short lengths
+        "flex": lambda: speed([i for i in impls if i == "flex"], sorted(shapes, key=lambda s: -s.seqlen)),
+        "others": lambda: speed(rest, shapes),  # the other SDPA backends, the reference
+    }
+    for name in cfg.phases:
+        phases[name]()
     return tasks
 
 

@@ -322,3 +322,22 @@ def test_targets_subset_and_cudnn_baseline():
     smoke = runner.Config(device="cpu", seqlens=(16,), impls=("ssa_flash.triton",), smoke=True)
     runner.apply_subset(smoke, "targets")
     assert smoke.seqlens == (16,) and smoke.impls == ("ssa_flash.triton",) and "ssa_adaptive" not in smoke.ops
+
+
+def test_phases_choose_and_order_the_rows():
+    """--phases: the memory row and FlexAttention's rows first (a time budget then cuts the speed
+    rows instead), or a phase left out."""
+    from ssa_flash.bench import runner
+
+    cfg = runner.apply_subset(runner.Config(device="cuda"), "targets")
+    cfg.phases = ("memory", "flex", "speed")
+    tasks = runner.plan(cfg)
+    assert [t.sweep for t in tasks[:2]] == ["memory", "memory"] and tasks[2].impl == "flex"
+    assert {t.impl for t in tasks[2:] if t.impl != "flex"} >= {"ssa_flash.triton", "sdpa.flash"}
+    cfg.phases = ("speed",)
+    assert {t.sweep for t in runner.plan(cfg)} == {"speed"} and "flex" not in {t.impl for t in runner.plan(cfg)}
+    from ssa_flash.bench.__main__ import build_parser
+
+    assert build_parser().parse_args(["--phases", "memory,speed"]).phases == ["memory", "speed"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--phases", "memory,fast"])
