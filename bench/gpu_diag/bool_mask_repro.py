@@ -1,17 +1,21 @@
 """Standalone reproducer: a boolean (uint8) attention mask against an additive float mask in a plain
 Triton attention loop, at the tiles where ssa_flash's kernels fail on an H200 (Triton 3.6).
 
-    python bench/gpu_diag/bool_mask_repro.py            # plain kernel, < 20 s on a GPU; exit 1 on a mismatch
+    python bench/gpu_diag/bool_mask_repro.py            # plain kernels, ~20 s on a GPU; exit 1 on a mismatch
     python bench/gpu_diag/bool_mask_repro.py --library  # also ssa_flash's failing test, each kernel forced
                                                         # to each of its sm_90 block configurations
 
-The kernel is what ssa_flash's forward does with a mask, nothing else: S = Q K^T (ragged
-Lq = 34, Lk = 19), the mask tile loaded as bytes with the bounds as the load mask and other=0
-(bool) or as float32 added to S (float), an online softmax, optionally a keep-mask tile built as
-ssa_flash.triton.dropout.dropout_keep builds it (tl.join / reshape / permute of i1 tiles, a
-hash instead of Philox), then P V. The same mask values go in both forms, so bool and float
-must agree with each other and with torch. Under TRITON_INTERPRET=1 every case passes.
-bench/NOTES.md "### 2026-11-28 The boolean mask on a GPU (GPU session 3)" has the analysis.
+attn is what ssa_flash's forward does with a mask, nothing else: S = Q K^T (ragged Lq = 34,
+Lk = 19), the mask tile loaded as bytes with the bounds as the load mask and other=0 (bool) or as
+float32 added to S (float), an online softmax, optionally a keep-mask tile (a hash instead of
+Philox) built like ssa_flash.triton.dropout.dropout_keep: keep=1 its old form (i1 tiles joined,
+reshaped, permuted), keep=2 its new form (the uint32 words joined and permuted, compared at the
+end; the same keep decisions), then P V. The same mask values go in both forms, so bool and float
+must agree with each other and with torch. Two reduced kernels come first: keep_tile (the keep
+tile alone applied to a loaded float tile, exact comparison) and pv_tile (fp16, one 16- or
+32-wide tile, mask and keep selects, then P V). Under TRITON_INTERPRET=1 every case passes.
+bench/gpu_diag/bool_mask.md has the analysis and the outcome each case is expected to have on a
+GPU with Triton 3.6 (bench/gpu_diag/check_ptx_keep.py predicts them from the PTX on a CPU).
 """
 import itertools
 import sys
@@ -22,24 +26,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _word(c0, c1, SALT: tl.constexpr):
+def _hash(c0, c1, SALT: tl.constexpr):
     h = c0 * 0x9E3779B1 + c1 * 0x85EBCA77 + SALT
     h = (h ^ (h >> 13)) * 0x27D4EB2F
-    return (h ^ (h >> 16)) < 0x8CCCCCCC  # keeps ~55 %
+    return h ^ (h >> 16)
+
+
+KEEP_BELOW = tl.constexpr(0x8CCCCCCC)  # keeps ~55 %
 
 
 @triton.jit
-def _keep(start_m, start_n, BM: tl.constexpr, BN: tl.constexpr):
-    # dropout_keep's structure (four words per {i, i+8} x {j, j+1}, joined and permuted into place)
+def _keep(start_m, start_n, BM: tl.constexpr, BN: tl.constexpr, FORM: tl.constexpr = 1):
+    """dropout_keep's structure: four words per {i, i+8} x {j, j+1}, joined and permuted into
+    place. FORM 1 (ssa_flash before the fix): the words compared first, the i1 tiles joined and
+    permuted. FORM 2 (the fix): the uint32 words joined and permuted, compared at the end; the
+    same keep decisions, no i1 / i8 tensor left to change layout."""
     HQ: tl.constexpr = BM // 2
     HK: tl.constexpr = BN // 2
     flat = tl.arange(0, HQ * HK).to(tl.uint32)
     c0 = tl.reshape(flat % HK, (HQ, HK)) + tl.cast(start_n // 2, tl.uint32)
     c1 = tl.reshape(flat // HK, (HQ, HK)) + tl.cast(start_m // 2, tl.uint32)
-    t = tl.join(tl.join(_word(c0, c1, 0x0), _word(c0, c1, 0xC2B2AE3D)),
-                tl.join(_word(c0, c1, 0x85655C7A), _word(c0, c1, 0x48180AB7)))
+    h0, h1 = _hash(c0, c1, 0x0), _hash(c0, c1, 0xC2B2AE3D)
+    h2, h3 = _hash(c0, c1, 0x85655C7A), _hash(c0, c1, 0x48180AB7)
+    if FORM == 1:
+        t = tl.join(tl.join(h0 < KEEP_BELOW, h1 < KEEP_BELOW), tl.join(h2 < KEEP_BELOW, h3 < KEEP_BELOW))
+    else:
+        t = tl.join(tl.join(h0, h1), tl.join(h2, h3))
     t = tl.reshape(t, (BM // 16, 8, HK, 2, 2))
-    return tl.reshape(tl.permute(t, (0, 3, 1, 2, 4)), (BM, BN))
+    t = tl.reshape(tl.permute(t, (0, 3, 1, 2, 4)), (BM, BN))
+    if FORM != 1:
+        t = t < KEEP_BELOW
+    return t
 
 
 @triton.jit
@@ -71,11 +88,26 @@ def attn(Q, K, V, M, O, Lq, Lk, stride_mm, MASK_KIND: tl.constexpr, KEEP: tl.con
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if KEEP:
-            p = tl.where(_keep(tl.program_id(0) * BM, start_n, BM, BN), p, 0.0)
+            p = tl.where(_keep(tl.program_id(0) * BM, start_n, BM, BN, KEEP), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC, out_dtype=tl.float32)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(O + offs_m[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=offs_m[:, None] < Lq)
+
+
+@triton.jit
+def keep_tile(X, O, Lq, Lk, stride, KEEP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The reduced case: no attention, no mask; a float tile loaded with a row stride that has no
+    known divisibility (so its layout has one element per thread, 32 lanes along a row: the layout
+    the bool mask's byte load gives the logit tile in attn), the keep tile applied, stored."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    offs = offs_m[:, None] * stride + offs_n[None, :]
+    x = tl.load(X + offs, mask=ok, other=0.0)
+    if KEEP:
+        x = tl.where(_keep(tl.program_id(0) * BM, 0, BM, BN, KEEP), x, 0.0)
+    tl.store(O + offs, x, mask=ok)
 
 
 def keep_ref(Lq, Lk):
@@ -88,6 +120,52 @@ def keep_ref(Lq, Lk):
     h = (c0 * 0x9E3779B1 + c1 * 0x85EBCA77 + word * 0xC2B2AE3D) & M32  # SALT = word * 0xC2B2AE3D
     h = ((h ^ (h >> 13)) * 0x27D4EB2F) & M32
     return (h ^ (h >> 16)) < 0x8CCCCCCC
+
+
+@triton.jit
+def pv_tile(Q, K, V, M, O, Lq, Lk, stride, MASK: tl.constexpr, KEEP: tl.constexpr, BM: tl.constexpr,
+            D: tl.constexpr):
+    """The second reduced case (fp16, BM x BM keys, one tile): S = Q K^T, the bool mask and the
+    keep tile applied with selects, then S V. With both at 16 x 16 Triton 3.6 gives the S V dot
+    kWidth = 8 operands at K = 16 and its PTX is wrong (bench/gpu_diag/bool_mask.md); the keep
+    tile's form does not matter there."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :], mask=offs_m[:, None] < Lq, other=0.0)
+    k = tl.load(K + offs_n[:, None] * D + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
+    v = tl.load(V + offs_n[:, None] * D + offs_d[None, :], mask=offs_n[:, None] < Lk, other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
+    if MASK:
+        ok = ok & (tl.load(M + offs_m[:, None] * stride + offs_n[None, :], mask=ok, other=0) != 0)
+    s = tl.where(ok, s, 0.0)
+    if KEEP:
+        s = tl.where(_keep(tl.program_id(0) * BM, 0, BM, BM, KEEP), s, 0.0)
+    acc = tl.dot(s.to(tl.float16), v)
+    tl.store(O + offs_m[:, None] * D + offs_d[None, :], acc, mask=offs_m[:, None] < Lq)
+
+
+def pv_inputs(Lq=34, Lk=19, D=16, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, D, generator=g).half().to(device) for n in (Lq, Lk, Lk))
+    allowed = (torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(2)) > 0.25).to(device)
+    return q, k, v, allowed
+
+
+def pv_ref(q, k, v, allowed, mask, keep, bm):
+    """pv_tile's output: the first bm keys only."""
+    s = q.float() @ k.float().T
+    s = torch.where(allowed, s, 0.0) if mask else s
+    s = torch.where(keep_ref(*s.shape).to(s.device), s, 0.0) if keep else s
+    return s[:, :bm].half().float() @ v[:bm].float()
+
+
+def keep_tile_ref(x, keep, bn):
+    """keep_tile's output: the first bn columns of x, times the keep mask when keep != 0."""
+    ref = torch.where(keep_ref(*x.shape).to(x.device), x, 0.0) if keep else x.clone()
+    ref[:, bn:] = 0.0
+    return ref
 
 
 def reference(q, k, v, allowed, keep):
@@ -117,6 +195,23 @@ def run_case(dtype, bm, bn, warps, stages, mask_kind, keep, device, Lq=34, Lk=19
     return (out.double() - ref).abs().max().item()
 
 
+def run_keep_tile(bm, bn, warps, keep, device, Lq=34, Lk=19):
+    x = torch.randn(Lq, Lk, generator=torch.Generator().manual_seed(1)).to(device)
+    out = torch.zeros(Lq, Lk, device=device)
+    extra = {} if device == "cpu" else dict(num_warps=warps, num_stages=1)
+    keep_tile[(triton.cdiv(Lq, bm),)](x, out, Lq, Lk, x.stride(0), KEEP=keep, BM=bm, BN=bn, **extra)
+    return (out - keep_tile_ref(x, keep, bn)).abs().max().item()
+
+
+def run_pv_tile(bm, mask, keep, device, Lq=34, Lk=19, D=16):
+    q, k, v, allowed = pv_inputs(Lq, Lk, D, device)
+    out = torch.zeros(Lq, D, device=device)
+    extra = {} if device == "cpu" else dict(num_warps=4, num_stages=1)
+    pv_tile[(triton.cdiv(Lq, bm),)](q, k, v, allowed.view(torch.uint8), out, Lq, Lk, Lk, MASK=mask, KEEP=keep,
+                                    BM=bm, D=D, **extra)
+    return (out - pv_ref(q, k, v, allowed, mask, keep, bm)).abs().max().item()
+
+
 def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tol = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -124,7 +219,24 @@ def main():
     bad = []
     print(f"triton {triton.__version__}, torch {torch.__version__}, device "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu (interpreter)'}")
-    for dtype, cfg, keep, kind in itertools.product((torch.float32, torch.float16), configs, (0, 1), (1, 2)):
+    # The reduced case (bench/gpu_diag/bool_mask.md): no attention, no mask, exact comparison.
+    # keep=1 at 32x32 is wrong in Triton 3.6's PTX (check_ptx_keep.py); keep=2 is the fix's form.
+    for bm, keep in ((32, 0), (32, 1), (32, 2), (16, 1), (16, 2), (64, 1), (64, 2)):
+        err = run_keep_tile(bm, bm, 4, keep, device)
+        name = f"keep_tile float32 {bm}x{bm} w4 keep={keep}"
+        print(f"{name}  max err {err:.3g}  {'ok' if err == 0 else 'MISMATCH'}", flush=True)
+        if err != 0:
+            bad.append(name)
+    for bm, mask, keep in ((16, 1, 0), (16, 0, 1), (16, 1, 1), (16, 1, 2), (32, 1, 1)):
+        err = run_pv_tile(bm, mask, keep, device)
+        name = f"pv_tile float16 {bm}x{bm} w4 mask={mask} keep={keep}"
+        print(f"{name}  max err {err:.3g}  {'ok' if err <= 1e-2 else 'MISMATCH'}", flush=True)
+        if not err <= 1e-2:
+            bad.append(name)
+    # keep: 0 none, 1 the keep tile built from i1 tiles (the old form), 2 from uint32 words (the fix)
+    cases = [(d, c, keep, kind) for d, c, keep, kind in itertools.product(
+        (torch.float32, torch.float16), configs, (0, 1, 2), (1, 2)) if keep < 2 or kind == 1]
+    for dtype, cfg, keep, kind in cases:
         err = run_case(dtype, *cfg, kind, keep, device)
         ok = err <= tol[dtype]
         name = f"{str(dtype)[6:]:8} {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]} keep={keep} {'bool ' if kind == 1 else 'float'}"

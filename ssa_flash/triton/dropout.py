@@ -29,7 +29,8 @@ def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_b
     a tensor-core accumulator tile (queries x keys; mma.sync and wgmma alike: rows r and r + 8,
     columns 2t and 2t + 1), so in the forward and dQ kernels the words reach their elements with
     no data movement. The dK/dV kernel's transposed tiles hold them in other threads and pay a
-    layout conversion. Nothing depends on the tile shape, so kernels with different tiles agree.
+    layout conversion (of the 32-bit words, compared after it: see the body). Nothing depends
+    on the tile shape, so kernels with different tiles agree.
     ``ssa_flash.reference.dropout_keep_mask`` is the same function in PyTorch."""
     tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0, "dropout tiles: multiples of 16")
     HQ: tl.constexpr = BLOCK_Q // 2
@@ -48,13 +49,20 @@ def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_b
     r0, r1, r2, r3 = philox4x32(c0, c1, zero + head_ctr, zero + batch_ctr, seed_lo, seed_hi, FAST_MATH)
     # words: r0 (i, j), r1 (i + 8, j), r2 (i, j + 1), r3 (i + 8, j + 1). tl.join adds the
     # fastest register dim: the outer join over bit0(j), the accumulators' first register bit.
-    t = tl.join(tl.join(r0 < keep_below, r1 < keep_below), tl.join(r2 < keep_below, r3 < keep_below))
+    # The uint32 words are joined and moved, and compared with keep_below only in the tile's
+    # final layout (the same comparison per element as comparing first). Joined i1 tiles need
+    # i1 layout conversions wherever the tile's layout is not the accumulator's (FMA dots, a
+    # bool mask's one-byte load layout), and Triton 3.6 lowers some of them wrongly (packed bytes
+    # and byte permutes across lanes; wrong keep bits on an H200, bench/gpu_diag/bool_mask.md).
+    # 32-bit words are never packed.
+    t = tl.join(tl.join(r0, r1), tl.join(r2, r3))
     if KEYS_FIRST:  # t[j', i', u, s] -> [j', s, a, u, x]
         t = tl.reshape(t, (HK, BLOCK_Q // 16, 8, 2, 2))
-        return tl.reshape(tl.permute(t, (0, 4, 1, 3, 2)), (BLOCK_K, BLOCK_Q))
+        t = tl.reshape(tl.permute(t, (0, 4, 1, 3, 2)), (BLOCK_K, BLOCK_Q))
     else:  # t[i', j', u, s] -> [a, u, x, j', s]
         t = tl.reshape(t, (BLOCK_Q // 16, 8, HK, 2, 2))
-        return tl.reshape(tl.permute(t, (0, 3, 1, 2, 4)), (BLOCK_Q, BLOCK_K))
+        t = tl.reshape(tl.permute(t, (0, 3, 1, 2, 4)), (BLOCK_Q, BLOCK_K))
+    return t < keep_below
 
 
 @triton.jit
