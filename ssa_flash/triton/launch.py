@@ -428,7 +428,8 @@ def _candidates(name: str, arch: Optional[int], head_block: int, dtype, consts: 
     cands = _prune_candidates(cands, name, head_block, dtype, arch)
     if arch is not None and consts.get("MASK_KIND", 0) == MASK_BOOL:
         # the mask's bytes miscompile silently at 16-wide tiles (H200, Triton 3.6: wrong out / dQ /
-        # dK at 16 x 16, right at 32 x 32 and above, right with an additive mask at 16 x 16)
+        # dK at 16 x 16, right at 32 x 32 and above, right with an additive mask at 16 x 16): a
+        # P.V operand layout that does not fit K = 16 (bench/gpu_diag/bool_mask.md, "Failure 2")
         cands = [c for c in cands if min(c.m, c.n) > 16] or cands
     if ws_ok:
         cands = _with_warp_specialized(cands, name, arch, head_block, dtype)
