@@ -1076,18 +1076,26 @@ def _ent_replay(plan, q, k, mask, params):
     shape, dtype, score = plan.extra
     ent = torch.empty(shape, device=q.device, dtype=dtype)
     lse_l = torch.empty(shape, device=q.device, dtype=dtype)
-    if mask is None:
-        mask = q
-    elif mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    tensors = (q, k, ent, lse_l, kernel_params(score, params, q), mask, (q, q, q))
-    launch = plan.launches[0]
-    if plans.on_device(q.device):
-        launch.run(q.device, tensors)
-    else:
-        with _on_device(q.device):
-            launch.run(q.device, tensors)
+    _run_plan(plan, q.device, (q, k, ent, lse_l, kernel_params(score, params, q), _planned_mask(mask, q), (q, q, q)))
     return ent, lse_l
+
+
+def _planned_mask(mask, q):
+    """The ``MASK`` argument of a planned launch (as :func:`_mask_args` gives it)."""
+    if mask is None:
+        return q
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+def _run_plan(plan, device: torch.device, *tensors) -> None:
+    """Run ``plan``'s launches, each with its tuple of ``tensors``, with ``device`` current."""
+    if plans.on_device(device):
+        for launch, ts in zip(plan.launches, tensors):
+            launch.run(device, ts)
+    else:
+        with _on_device(device):
+            for launch, ts in zip(plan.launches, tensors):
+                launch.run(device, ts)
 
 
 def _spec_key(spec: AttentionSpec) -> tuple:
@@ -1145,18 +1153,9 @@ def _fwd_replay(plan, q, k, v, mask, params, beta, spec: AttentionSpec):
     o_shape, lse_shape, lse_dtype, score, drop_rest = plan.extra
     o = torch.empty(o_shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(lse_shape, device=q.device, dtype=lse_dtype)
-    if mask is None:
-        mask = q
-    elif mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
-    tensors = (q, k, v, o, lse, beta if spec.adaptive else q, kernel_params(score, params, q), mask,
-               (q, q, q), None if drop_rest is None else (spec.dropout_rng, *drop_rest))
-    launch = plan.launches[0]
-    if plans.on_device(q.device):
-        launch.run(q.device, tensors)
-    else:
-        with _on_device(q.device):
-            launch.run(q.device, tensors)
+    _run_plan(plan, q.device, (q, k, v, o, lse, beta if spec.adaptive else q, kernel_params(score, params, q),
+                               _planned_mask(mask, q), (q, q, q),
+                               None if drop_rest is None else (spec.dropout_rng, *drop_rest)))
     return o, lse
 
 
@@ -1353,20 +1352,13 @@ def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: Atten
         beta = lse_l = ent = dbeta_dh = g = q
     parts = [torch.empty((n_parts,), device=dev, dtype=acc) for _ in range(n_params)]
     score_params = kernel_params(score, params, q)
-    mask = q if mask is None else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
+    mask = _planned_mask(mask, q)
     dropout = None if drop_rest is None else (spec.dropout_rng, *drop_rest)
-    dq_launch, dkdv_launch = plan.launches
-    h = dq_launch.template[_PARAMS["bwd_dq"].index("row_stats")][4]
-    dq_tensors = (q, k, v, o, do, dq, (lse, q if dlse is None else dlse, delta, lse2, h),
-                  (beta, lse_l, ent, dbeta_dh, g), score_params, kernel_params(score, parts, q), mask, (q, q), dropout)
-    dkdv_tensors = (q, k, v, do, dk, dv, (lse2, delta, h), (beta, lse_l, ent, g), score_params, mask, (q, q), dropout)
-    if plans.on_device(dev):
-        dq_launch.run(dev, dq_tensors)
-        dkdv_launch.run(dev, dkdv_tensors)
-    else:
-        with _on_device(dev):
-            dq_launch.run(dev, dq_tensors)
-            dkdv_launch.run(dev, dkdv_tensors)
+    h = plan.launches[0].template[_PARAMS["bwd_dq"].index("row_stats")][4]
+    _run_plan(plan, dev,
+              (q, k, v, o, do, dq, (lse, q if dlse is None else dlse, delta, lse2, h), (beta, lse_l, ent, dbeta_dh, g),
+               score_params, kernel_params(score, parts, q), mask, (q, q), dropout),
+              (q, k, v, do, dk, dv, (lse2, delta, h), (beta, lse_l, ent, g), score_params, mask, (q, q), dropout))
     B, H = q.shape[0], q.shape[1]
     dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts)
     return dq, dk, dv, dparams, None
