@@ -1144,13 +1144,16 @@ def _plan_forward(key, blk, grid_fn, args_fn, consts, q, o, lse, mask_args, feat
     if launch is None:
         return
     drop = feat_args["dropout"]
-    extra = (tuple(o.shape), tuple(lse.shape), lse.dtype, consts["SCORE"], None if drop is None else drop[1:])
+    extra = (tuple(o.shape), tuple(lse.shape), lse.dtype, consts["SCORE"], None if drop is None else drop[1:],
+             blk.ws)
     plans.put(key, plans.Plan([launch], extra))
 
 
 def _fwd_replay(plan, q, k, v, mask, params, beta, spec: AttentionSpec):
     """:func:`forward` from its plan: allocate the outputs, fill the tensor slots, launch."""
-    o_shape, lse_shape, lse_dtype, score, drop_rest = plan.extra
+    o_shape, lse_shape, lse_dtype, score, drop_rest, ws = plan.extra
+    if ws:  # Triton's allocator is a context variable: the launching thread may not have it yet
+        _ensure_allocator()  # (a checkpointed forward recomputed in the autograd engine's thread)
     o = torch.empty(o_shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(lse_shape, device=q.device, dtype=lse_dtype)
     _run_plan(plan, q.device, (q, k, v, o, lse, beta if spec.adaptive else q, kernel_params(score, params, q),

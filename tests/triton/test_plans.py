@@ -136,3 +136,27 @@ def test_a_replayed_backward_computes_with_its_own_tensors(planned, case):
     sites = 3 if CASES[case].get("adaptive_temperature") else 2  # (row entropy,) forward, backward
     assert plans.HITS[0] - hits == 2 * sites, "calls 2 and 3 should replay the forward's and the backward's plans"
     assert not torch.equal(grads[1][0], grads[2][0])
+
+
+def test_a_warp_specialised_replay_installs_the_allocator(monkeypatch):
+    """Triton's allocator (for the device-side tensor descriptors of the warp-specialised forward) is
+    a context variable: a replay in another thread (a checkpointed forward recomputed by the
+    autograd engine) must install it as the first launch did."""
+    from ssa_flash.backends.spec import AttentionSpec
+    from ssa_flash.triton import launch
+
+    installed, launched = [], []
+    monkeypatch.setattr(launch, "_ensure_allocator", lambda: installed.append(1))
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **consts: launched.append(args)
+
+    slots = tuple(launch._PARAMS["fwd"].index(n) for n in launch._FWD_SLOTS)
+    template = [None] * len(launch._PARAMS["fwd"])
+    q = torch.zeros(1, 2, 3, 4)
+    for ws in (False, True):
+        plan = plans.Plan([plans.Launch(None, (1,), template, slots, (Kernel(), {}))],
+                          ((1, 2, 3, 4), (1, 2, 3), torch.float32, 0, None, ws))
+        launch._fwd_replay(plan, q, q, q, None, (), None, AttentionSpec(scale=1.0))
+    assert installed == [1] and len(launched) == 2 and launched[1][0] is q
