@@ -522,12 +522,17 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_tma_scratch)
 
 
+def _options(blk: Blocks, arch: Optional[int]) -> dict:
+    """The compile options of configuration ``blk`` (none under the interpreter)."""
+    return {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+
+
 def _run(kernel, blk: Blocks, grid_fn, args, consts, arch, device):
     """One launch of ``kernel`` in configuration ``blk``."""
     grid, kconsts = _split_grid(grid_fn(blk), consts)
     if grid[0] > _MAX_GRID or (len(grid) > 1 and grid[1] > 65535):
         raise ValueError(f"ssa_flash: problem too large for one launch ({grid} programs)")
-    options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
+    options = _options(blk, arch)
     if blk.ws:
         _ensure_allocator()
     direct.LAUNCHER.run(kernel, grid, args(blk), _block_consts(kconsts, blk), options, device)
@@ -962,11 +967,8 @@ def row_entropy(q, k, mask, params, spec: AttentionSpec, layout=None, sinks=None
     blk = _launch(row_entropy_kernel, name, grid, args, dict(consts, SPLIT=None), q.device, consts["BLOCK_D"],
                   q.dtype, spec.deterministic, (lay.Lq, lay.Lk, lay.batch * H))
     if plan_key is not None and state.get("splits", 1) == 1 and _capture is None:
-        gridded, kconsts = _split_grid(grid(blk), dict(consts, SPLIT=None))
-        arch = _device_arch(q.device)
-        options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
-        launch = plans.make_launch(row_entropy_kernel, gridded, args(blk), _block_consts(kconsts, blk), options,
-                                   q.device, tuple(_PARAMS["row_entropy"].index(n) for n in _ENT_SLOTS))
+        launch = _plan_launch(row_entropy_kernel, "row_entropy", _ENT_SLOTS, blk, grid(blk), args(blk),
+                              dict(consts, SPLIT=None), q.device)
         if launch is not None:
             plans.put(plan_key, plans.Plan([launch], (tuple(ent.shape), ent.dtype, score)))
     if state.get("splits", 1) > 1 and _capture is None:
@@ -1132,15 +1134,20 @@ def _dense_key(q, k, v, mask, params, spec: AttentionSpec, layout, sinks) -> Opt
             os.environ.get("SSA_FLASH_POLY_EXP2") if spec.score == "ssa" else None)
 
 
+def _plan_launch(kernel, name: str, slots: tuple, blk: Blocks, grid: tuple, args: tuple, consts: dict,
+                 device: torch.device):
+    """The :class:`plans.Launch` of the launch of ``kernel`` (``_PARAMS`` name ``name``) just made
+    in configuration ``blk`` with ``grid``, runtime ``args`` and ``consts`` (as :func:`_run` made
+    it), its tensor slots those of the parameters named in ``slots``; None if nothing was kept."""
+    grid, kconsts = _split_grid(grid, consts)
+    return plans.make_launch(kernel, grid, args, _block_consts(kconsts, blk), _options(blk, _device_arch(device)), device,
+                             tuple(_PARAMS[name].index(n) for n in slots))
+
+
 def _plan_forward(key, blk, grid_fn, args_fn, consts, q, o, lse, mask_args, feat_args) -> None:
     """Keep the plan of the dense forward launch just made in configuration ``blk``, if the
     direct launcher kept its compiled kernel."""
-    grid, kconsts = _split_grid(grid_fn(blk), consts)
-    args = args_fn(blk)
-    arch = _device_arch(q.device)
-    options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
-    slots = tuple(_PARAMS["fwd"].index(n) for n in _FWD_SLOTS)
-    launch = plans.make_launch(attention_fwd_kernel, grid, args, _block_consts(kconsts, blk), options, q.device, slots)
+    launch = _plan_launch(attention_fwd_kernel, "fwd", _FWD_SLOTS, blk, grid_fn(blk), args_fn(blk), consts, q.device)
     if launch is None:
         return
     drop = feat_args["dropout"]
@@ -1295,7 +1302,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
         _plan_backward(plan_key, q, (dq_blk, grid, args, dq_consts),
                        (dkdv_blk, dkdv_grid(dkdv_blk), dkdv_args(dkdv_blk), dkdv_consts),
                        (tuple(delta.shape), acc_torch, B * H * _cdiv(lay.Lq, dq_blk.m), n_params, score,
-                        None if feat_args["dropout"] is None else feat_args["dropout"][1:]))
+                        None if feat_args["dropout"] is None else feat_args["dropout"][1:], lay.stat_stride_h))
     dsinks = None
     # per-program partial sums added in a fixed order; per query head
     dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts["dparams"])
@@ -1324,15 +1331,11 @@ def _bwd_plan_key(do, q, k, v, o, lse, dlse, mask, params, temp, spec: Attention
 def _plan_backward(key, q, dq_launch, dkdv_launch, extra) -> None:
     """Keep the plan of the dense backward's two launches just made (``(blk, grid, args,
     constexprs)`` each), if the direct launcher kept both compiled kernels."""
-    arch = _device_arch(q.device)
     launches = []
     for kernel, name, slots, (blk, grid, args, consts) in (
             (attention_bwd_dq_kernel, "bwd_dq", _DQ_SLOTS, dq_launch),
             (attention_bwd_dkdv_kernel, "bwd_dkdv", _DKDV_SLOTS, dkdv_launch)):
-        options = {} if arch is None else {"num_warps": blk.warps, "num_stages": blk.stages}
-        names = _PARAMS[name]
-        launch = plans.make_launch(kernel, grid, args, _block_consts(consts, blk), options, q.device,
-                                   tuple(names.index(n) for n in slots))
+        launch = _plan_launch(kernel, name, slots, blk, grid, args, consts, q.device)
         if launch is None:
             return
         launches.append(launch)
@@ -1341,7 +1344,7 @@ def _plan_backward(key, q, dq_launch, dkdv_launch, extra) -> None:
 
 def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: AttentionSpec):
     """:func:`backward` from its plan (dense, no sinks, no given ``g``)."""
-    stat_shape, acc, n_parts, n_params, score, drop_rest = plan.extra
+    stat_shape, acc, n_parts, n_params, score, drop_rest, h = plan.extra
     dev = q.device
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -1357,7 +1360,6 @@ def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: Atten
     score_params = kernel_params(score, params, q)
     mask = _planned_mask(mask, q)
     dropout = None if drop_rest is None else (spec.dropout_rng, *drop_rest)
-    h = plan.launches[0].template[_PARAMS["bwd_dq"].index("row_stats")][4]
     _run_plan(plan, dev,
               (q, k, v, o, do, dq, (lse, q if dlse is None else dlse, delta, lse2, h), (beta, lse_l, ent, dbeta_dh, g),
                score_params, kernel_params(score, parts, q), mask, (q, q), dropout),
