@@ -47,7 +47,9 @@
 #      results saved every ~20 s. Autotuning's first timing of each (kernel, head dim, size
 #      bucket) took 5-10 s on the H200 and ate most of a 223 s benchmark: the tuned choices are
 #      kept in SSA_FLASH_CACHE_DIR (default build/ssa-flash-cache here), packed into ARCHIVE as
-#      tuning-cache/; unpack that into build/ssa-flash-cache and carry it next session.
+#      tuning-cache/; unpack that into build/ssa-flash-cache and carry it next session. After a
+#      kernel edit, `python bench/rekey_tuning.py --old <revision tuned at> --triton-path <Triton
+#      3.6>` on the CPU re-files the choices whose compiled code the edit left unchanged.
 #
 # Steps (each time-limited, each writing $OUT/<step>.log and $OUT/<step>-tests.json, the counts,
 # failure texts and every test id's outcome; each merged into the ledger $OUT/gpu-ledger.json as

@@ -194,8 +194,10 @@ def capture(v: Variant, candidate: int = 0):
     original = launch._candidates
     if candidate:
         # the launcher's final list (the tables pruned, the warp-specialised forward added) shifted
-        def pick(*args, **kwargs):
-            cands = original(*args, **kwargs)
+        def pick(name, *args, **kwargs):
+            cands = original(name, *args, **kwargs)
+            if name not in (v.kernel, v.kernel + "_decode"):  # the backward's other kernel
+                return cands
             if candidate >= len(cands):
                 raise IndexError(f"{v.id}: the launcher has only {len(cands)} block configurations")
             return cands[candidate:]

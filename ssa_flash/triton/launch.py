@@ -303,10 +303,7 @@ def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -
     try:
         from .. import __version__ as ours
 
-        # a compiled JITFunction's cache_key is a bare hash: the name goes first so that a cached
-        # file says which kernel it is for (and the interpreter's stand-in already holds it)
-        source = getattr(kernel, "cache_key", None)
-        source = f"{_jit_name(kernel)}:{source}" if source else _source_hash(kernel)
+        source = _kernel_identity(kernel)
         parts = (f"gpu={_gpu_name(device)}", f"torch={torch.__version__}", f"triton={triton.__version__}",
                  f"ssa_flash={ours}", f"kernel={source}", f"name={name}", f"head_block={head_block}",
                  f"dtype={dtype}", f"bucket={bucket}", f"consts={sorted((k, repr(v)) for k, v in consts.items())}",
@@ -320,6 +317,80 @@ def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -
 def _jit_name(kernel) -> str:
     fn = getattr(kernel, "fn", kernel)
     return getattr(fn, "__name__", type(kernel).__name__)
+
+
+_identities: dict = {}  # id(kernel) -> (kernel, identity): kept per process, computed once
+
+
+def _kernel_identity(kernel) -> str:
+    """``<kernel name>:<hash>``, what the tuning cache files a choice under for the kernel's code:
+    sha256 over the source of ``kernel`` and of every JIT function it refers to, transitively
+    (each by module, name and source text, in name order), and the ``tl.constexpr`` globals they
+    read (name and value). It covers what Triton's ``cache_key`` covers, less line numbers (a
+    shifted kernel keeps its tunings), and reads the same wherever the sources are the same: Triton
+    3.6's ``cache_key`` of identical sources differed between the GPU machine (Python 3.12) and
+    the CPU machines (Python 3.11; the cause not pinned down), so that entries could neither be
+    checked nor carried over a kernel edit away from the GPU (bench/rekey_tuning.py). The same
+    here under Triton 3.6 and 3.9 (Triton's own functions are named by its version). A stand-in
+    without Python source: :func:`_source_hash`."""
+    hit = _identities.get(id(kernel))
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    fn = getattr(kernel, "fn", None)
+    if not callable(fn):
+        return _source_hash(kernel)
+    try:
+        identity = f"{_jit_name(kernel)}:{_closure_hash(kernel)}"
+    except (OSError, TypeError, SyntaxError):  # no source to read
+        return _source_hash(kernel)
+    _identities[id(kernel)] = (kernel, identity)
+    return identity
+
+
+def _is_jit(val) -> bool:
+    """A Triton JIT function (or the interpreter's stand-in for one): a Triton object wrapping ``fn``."""
+    return callable(getattr(val, "fn", None)) and type(val).__module__.startswith("triton")
+
+
+def _closure_hash(kernel) -> str:
+    import ast
+    import textwrap
+    import types
+
+    sources, consts, todo = {}, {}, [kernel]
+    while todo:
+        jf = todo.pop()
+        fn = jf.fn
+        name = f"{fn.__module__}.{fn.__qualname__}"
+        if name in sources or (fn.__module__ or "").startswith("triton"):
+            continue  # Triton's own library functions: the key names Triton's version
+        src = textwrap.dedent(inspect.getsource(fn))
+        sources[name] = f"{src}\0noinline={getattr(jf, 'noinline', None)}"
+        scope = fn.__globals__
+
+        def resolve(node):
+            if isinstance(node, ast.Name):
+                return scope.get(node.id)
+            if isinstance(node, ast.Attribute):
+                base = resolve(node.value)
+                return getattr(base, node.attr, None) if isinstance(base, types.ModuleType) else None
+            return None
+
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, (ast.Name, ast.Attribute)):
+                continue
+            val = resolve(node)
+            if _is_jit(val):
+                todo.append(val)
+            elif isinstance(val, tl.constexpr):
+                label = node.id if isinstance(node, ast.Name) else ast.unparse(node)
+                consts[f"{fn.__module__}:{label}"] = repr(getattr(val, "value", val))
+    h = hashlib.sha256()
+    for name in sorted(sources):
+        h.update(f"{name}\0{sources[name]}\0".encode("utf-8"))
+    for name in sorted(consts):
+        h.update(f"{name}={consts[name]}\0".encode("utf-8"))
+    return h.hexdigest()
 
 
 def _source_hash(kernel) -> str:

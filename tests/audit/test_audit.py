@@ -608,6 +608,17 @@ def test_variant_enumeration():
             assert not missing, (kernel, attr, missing)
 
 
+def test_capture_of_a_later_candidate_shifts_only_that_kernel():
+    """The backward launches dQ and dK/dV: a later candidate of one (``--all-candidates``) leaves
+    the other's list alone (dK/dV has more configurations than dQ here: shifting both failed)."""
+    v = specs.Variant("bwd_dkdv", "softmax", True, "none", 128, "bf16", 90)
+    first = specs.capture(v)
+    dq = specs.capture(specs.Variant("bwd_dq", "softmax", True, "none", 128, "bf16", 90))
+    assert len(first.candidates) > len(dq.candidates)
+    last = specs.capture(v, len(first.candidates) - 1)
+    assert last.name == "bwd_dkdv" and last.blocks == first.candidates[-1]
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_probe_kernel_measured_as_known(arch):
     """A compiled tiled matmul (``ssa_flash.audit.probe``): one 64x64x64 dot per iteration is 64

@@ -198,15 +198,62 @@ def test_cache_key_names_what_decides_the_choice(on_fake_gpu):
 
 
 def test_cache_key_names_a_compiled_kernel(on_fake_gpu):
-    """On a GPU a JITFunction has ``cache_key`` (a bare hash of its source and dependencies): the
-    key still names the kernel (the interpreter's kernels have none; the test above sees those)."""
+    """The key names the kernel by :func:`launch._kernel_identity` of its source closure, not by
+    Triton's ``cache_key`` (which differed between two machines for the same sources)."""
     class Compiled:
         fn = getattr(launch.attention_fwd_kernel, "fn", launch.attention_fwd_kernel)
         cache_key = "0123456789abcdef"
 
     cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
     key = launch._cache_key(Compiled(), "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024, {}, cands)
-    assert "kernel=attention_fwd_kernel:0123456789abcdef" in key
+    assert "kernel=attention_fwd_kernel:" in key and "0123456789abcdef" not in key
+    assert f"kernel={launch._kernel_identity(launch.attention_fwd_kernel)}\n" in key
+
+
+_KERNEL_MODULE = """
+import triton
+import triton.language as tl
+
+SCALE = tl.constexpr({scale})
+
+
+@triton.jit
+def helper(x):
+    return x * {factor}
+{padding}
+
+@triton.jit
+def unrelated(x):
+    return x + {other}
+
+
+@triton.jit
+def kernel(X):
+    tl.store(X, helper(tl.load(X)) * SCALE)
+"""
+
+
+def _identity_of(tmp_path, tag, scale=2, factor=3, other=1, padding=""):
+    """``_kernel_identity`` of ``kernel`` in a fresh module written from ``_KERNEL_MODULE``."""
+    import importlib.util
+
+    path = tmp_path / f"identity_{tag}.py"
+    path.write_text(_KERNEL_MODULE.format(scale=scale, factor=factor, other=other, padding=padding))
+    spec = importlib.util.spec_from_file_location("identity_kernels", path)  # one module name
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    identity = launch._kernel_identity(module.kernel)
+    assert identity.startswith("kernel:")
+    return identity.split(":", 1)[1]
+
+
+def test_kernel_identity_follows_the_code_the_kernel_reaches(tmp_path):
+    base = _identity_of(tmp_path, "base")
+    assert _identity_of(tmp_path, "again") == base  # the same sources read again
+    assert _identity_of(tmp_path, "other", other=5) == base  # a function the kernel does not call
+    assert _identity_of(tmp_path, "shifted", padding="\n\n\n") == base  # line numbers only
+    assert _identity_of(tmp_path, "helper", factor=4) != base  # a JIT function it calls
+    assert _identity_of(tmp_path, "constexpr", scale=5) != base  # a tl.constexpr global it reads
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign", "not_a_candidate"])

@@ -216,7 +216,7 @@ def test_deterministic_backward_is_bitwise_the_same_in_two_processes(tmp_path, b
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_tuning_on_a_gpu_times_and_caches(tmp_path, monkeypatch):
     """The CUDA-event timer measures, and a tuned choice lands in the cache folder under the real
-    kernel's key (Triton's ``cache_key``) and is read back after the memory is cleared."""
+    kernel's key (``launch._kernel_identity``) and is read back after the memory is cleared."""
     import ssa_flash
 
     x = torch.randn(1 << 20, device="cuda")
