@@ -446,6 +446,30 @@ def _degenerate(query: Tensor, key: Tensor, value: Tensor) -> bool:
     return query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0
 
 
+# one C call (~0.15 us) answers "no autocast anywhere" on the hot path (torch >= 2.4; else the
+# per-device question below, ~0.5 us)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_dtype(query) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` asks for on ``query``'s device type, or None when it is off
+    (or ``query`` is no tensor: the checks then say so)."""
+    if (_any_autocast is not None and not _any_autocast()) or not isinstance(query, Tensor):
+        return None
+    device_type = query.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _autocast(dtype: torch.dtype, *tensors):
+    """SDPA's rule under ``torch.autocast``, for the attention inputs: floating-point tensors
+    other than float64 in ``dtype`` (a cast autograd sees: gradients reach the originals in their
+    own dtype). Masks, score parameters and sinks are left as they are (a float mask is added in
+    float32 anyway; SDPA would round it to ``dtype``). The call then runs with autocast off, so
+    that the reference's own matmuls are not cast behind its back."""
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)
+
+
 def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
     """The kernels' keep mask for ``rng`` through the PyTorch Philox (the reference path)."""
     seed, offset = rng.tolist()
@@ -546,6 +570,14 @@ def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, si
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, score,
                score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
                softcap):
+    cast = _autocast_dtype(query)
+    if cast is not None:
+        query, key, value = _autocast(cast, query, key, value)
+        with torch.autocast(query.device.type, enabled=False):
+            return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, score=score,
+                              score_params=score_params, adaptive=adaptive, poly=poly, threshold=threshold,
+                              backend=backend, return_lse=return_lse, deterministic=deterministic,
+                              window_size=window_size, sinks=sinks, softcap=softcap)
     try:
         call_key = _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, score,
                              score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size,
@@ -696,7 +728,9 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
 
     Returns:
         ``out (B, Hq, Lq, Dv)`` in the input dtype, or ``(out, lse)``. Rows with no admissible key
-        give 0 and zero gradients.
+        give 0 and zero gradients. Under ``torch.autocast`` (SDPA's rule): query, key and value
+        in the autocast dtype (float64 excepted), so the output is in it too; masks, ``b``, ``n``
+        and ``sinks`` stay as given; gradients reach the inputs in their own dtypes.
     """
     return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                       score=scores.SSA, score_params=(b, n), adaptive=adaptive_temperature, poly=poly,
@@ -753,7 +787,15 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
     admit. Rows with no admissible key have entropy 0. With ``sinks``, the entropy of the whole
     row ``softmax([l, s_h])``, sink entry included (what drives the adaptive temperature);
-    ``softcap`` as in :func:`ssa_attention`. Not differentiable (a diagnostic)."""
+    ``softcap`` as in :func:`ssa_attention`. Not differentiable (a diagnostic). Under
+    ``torch.autocast``, ``query`` and ``key`` in the autocast dtype, as the attention functions."""
+    cast = _autocast_dtype(query)
+    if cast is not None:
+        query, key = _autocast(cast, query, key)
+        with torch.autocast(query.device.type, enabled=False):
+            return attention_entropy(query, key, attn_mask, is_causal, scale, enable_gqa, b=b, n=n, backend=backend,
+                                     window_size=window_size, sinks=sinks, softcap=softcap, score=score,
+                                     score_params=score_params)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     _check_tensor("query", query)
     _check_tensor("key", key)
@@ -895,8 +937,19 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     Returns:
         ``out (total_q, Hq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (Hq, total_q)``
         (float32, float64 for float64 inputs; ``-inf`` on rows with no key and no sink).
-        Differentiable in query, key, value, b, n and sinks (and through ``lse``).
+        Differentiable in query, key, value, b, n and sinks (and through ``lse``). Under
+        ``torch.autocast``, query, key and value in the autocast dtype, as in :func:`ssa_attention`.
     """
+    cast = _autocast_dtype(query)
+    if cast is not None:
+        query, key, value = _autocast(cast, query, key, value)
+        with torch.autocast(query.device.type, enabled=False):
+            return varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p, is_causal, scale, enable_gqa, ssa=ssa, b=b, n=n,
+                                    adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
+                                    window_size=window_size, return_lse=return_lse, backend=backend,
+                                    deterministic=deterministic, sinks=sinks, softcap=softcap, score=score,
+                                    score_params=score_params)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     ssa = _check_bool("ssa", ssa)
     adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
