@@ -570,6 +570,8 @@ def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, si
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, score,
                score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
                softcap):
+    if deterministic is False and torch.are_deterministic_algorithms_enabled():
+        deterministic = True  # torch.use_deterministic_algorithms(True): torch's own switch
     cast = _autocast_dtype(query)
     if cast is not None:
         query, key, value = _autocast(cast, query, key, value)
@@ -707,7 +709,7 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
         deterministic: bitwise reproducible forward and backward across calls, processes and ranks
             on the same GPU model and software versions (fixed block configurations, no
             floating-point atomics); the default may use timed choices and atomics
-            (docs/reliability.md).
+            (docs/reliability.md). ``torch.use_deterministic_algorithms(True)`` turns it on.
         window_size: ``(left, right)`` local attention: query i attends key j only if
             ``i - left <= j <= i + right`` (top-left aligned like ``is_causal``; -1: that side
             unbounded; ``(-1, -1)``, the default: no window). Intersects with ``is_causal`` and
@@ -953,7 +955,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     ssa = _check_bool("ssa", ssa)
     adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
-    deterministic = _check_bool("deterministic", deterministic)
+    deterministic = _check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     group = _check_packed_qkv(query, key, value, enable_gqa)
     cu_q = _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, query.device)
     cu_k = _check_index_tensor("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], query.device)

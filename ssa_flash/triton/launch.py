@@ -202,7 +202,11 @@ def _device_arch(device: torch.device) -> Optional[int]:
 
 
 def _autotuning() -> bool:
-    return os.environ.get("SSA_FLASH_AUTOTUNE", "1") not in ("", "0")
+    """Whether timed choices are allowed: not with ``SSA_FLASH_AUTOTUNE=0``, nor under
+    ``torch.use_deterministic_algorithms(True)`` (which also fixes the tiles of the KV-cache and
+    ring paths, which take no ``deterministic`` argument)."""
+    return (os.environ.get("SSA_FLASH_AUTOTUNE", "1") not in ("", "0")
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _on_device(device: torch.device):

@@ -1,8 +1,13 @@
-"""Under ``torch.autocast`` the attention functions follow SDPA's rule (ssa_flash/ops.py,
-``_autocast``): query, key and value in the autocast dtype (float64 excepted), masks, score
-parameters and sinks as given, the computation itself run with autocast off; gradients reach the
-inputs in their own dtypes. Checked on the device the suite runs on (the CPU's autocast without a
-GPU), against the same call made outside autocast with the inputs cast by hand, and against SDPA."""
+"""torch's global switches, as SDPA users expect them honoured (ssa_flash/ops.py).
+
+``torch.autocast``: SDPA's rule (``ops._autocast``): query, key and value in the autocast dtype
+(float64 excepted), masks, score parameters and sinks as given, the computation itself run with
+autocast off; gradients reach the inputs in their own dtypes. Checked on the device the suite runs
+on (the CPU's autocast without a GPU), against the same call made outside autocast with the inputs
+cast by hand, and against SDPA.
+
+``torch.use_deterministic_algorithms(True)``: the calls run as with ``deterministic=True``, and the
+Triton launcher times no block configuration (the KV-cache and ring paths take no argument)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,3 +129,46 @@ def test_a_planned_call_and_autocast_agree():
     torch.testing.assert_close(cast[1], ssa_flash.softmax_attention(q.half(), k.half(), v.half(), backend="triton"),
                                rtol=0, atol=0)
     torch.testing.assert_close(plain[1], plain[0], rtol=0, atol=0)
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _specs_seen(monkeypatch):
+    from ssa_flash import autograd
+
+    seen, real = [], autograd.attention
+
+    def spy(q, k, v, params, mask, backend, spec, **kw):
+        seen.append(spec.deterministic)
+        return real(q, k, v, params, mask, backend, spec, **kw)
+
+    monkeypatch.setattr(autograd, "attention", spy)
+    return seen
+
+
+def test_deterministic_algorithms_reach_the_backend(monkeypatch, request):
+    ops._call_plans.clear()
+    seen = _specs_seen(monkeypatch)
+    q, k, v = (x.detach() for x in _inputs(8))
+    ssa_flash.ssa_attention(q, k, v, backend="triton")
+    ssa_flash.ssa_attention(q, k, v, backend="triton")  # planned: replayed as it was
+    request.getfixturevalue("deterministic_algorithms")
+    ssa_flash.ssa_attention(q, k, v, backend="triton")  # not the plan of the calls above
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=DEVICE)
+    packed = [x[0].transpose(0, 1).contiguous() for x in (q, k, v)]
+    ssa_flash.varlen_attention(*packed, cu, cu, 14, 14, backend="triton")
+    assert seen == [False, False, True, True]
+
+
+def test_deterministic_algorithms_stop_the_tuning(deterministic_algorithms):
+    from ssa_flash.triton import launch
+
+    assert not launch._autotuning()
