@@ -9,6 +9,9 @@ from typing import Sequence, Tuple
 
 import torch
 
+from .triton import direct as _direct  # neither imports Triton
+from .triton import interpreter as _interpreter
+
 DEFAULT_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)  # highest degree first
 DEFAULT_THRESHOLD = 0.5
 
@@ -35,9 +38,7 @@ def beta_from_entropy(entropy: torch.Tensor, poly: Sequence[float], threshold: f
     temperature``): these torch operations are a launch each.
     """
     if _fused(entropy):
-        from .triton.temperature import beta_from_entropy as fused
-
-        return fused(entropy, poly, threshold)
+        return _triton_temperature().beta_from_entropy(entropy, poly, threshold)
     return beta_from_entropy_torch(entropy, poly, threshold)
 
 
@@ -48,12 +49,21 @@ def _fused(entropy: torch.Tensor) -> bool:
     if entropy.dtype != torch.float32 or not entropy.is_contiguous() or torch.compiler.is_compiling():
         return False
     if entropy.device.type != "cuda":
-        from .triton.direct import stub_arch  # imports no Triton
+        return _direct.stub_arch() is not None
+    return _triton_installed() and not _interpreter.interpreting()
 
-        return stub_arch() is not None
-    from .triton.interpreter import interpreting
 
-    return _triton_installed() and not interpreting()
+def _triton_temperature():
+    """``ssa_flash.triton.temperature``, imported on first use (it imports Triton), then kept: an
+    import statement per call costs ~1 us on the hot path."""
+    if not _kernel_module:
+        from .triton import temperature
+
+        _kernel_module.append(temperature)
+    return _kernel_module[0]
+
+
+_kernel_module: list = []
 
 
 _installed: list = []

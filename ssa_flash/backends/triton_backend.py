@@ -28,10 +28,15 @@ NAME = "triton"
 MAX_HEAD_DIM = 256
 
 
-def _launch():
-    from ..triton import launch  # lazily: Triton is optional
+_modules: list = []  # ssa_flash.triton.launch once imported (an import statement per call costs ~1 us)
 
-    return launch
+
+def _launch():
+    if not _modules:
+        from ..triton import launch  # lazily: Triton is optional
+
+        _modules.append(launch)
+    return _modules[0]
 
 
 def importable() -> bool:
