@@ -71,7 +71,10 @@ def test_dry_run_rehearsal(tmp_path):
                SMOKE_TRITON_ARGS=f"{sample} -k test_a",
                MATRIX_ARGS="tests/cuda/test_cuda_matrix.py -k 'bf16 and d256'",  # collected, skipped here
                SMOKE_ARGS=f"{sample} -k 'test_b'", SELFCHECK_ARGS="--help",
-               RECHECK=str(tmp_path / "recheck.txt"), SUITE=str(sample), SUITE_LIMIT=str(suite_limit))
+               RECHECK=str(tmp_path / "recheck.txt"), SUITE=str(sample), SUITE_LIMIT=str(suite_limit),
+               # the recheck step's 60 s default: on a loaded 2-core machine its pytest start alone
+               # came near it, cutting the step before test_c was recorded (the suite then ran it)
+               RECHECK_LIMIT="120")
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("SSA_FLASH_TESTS_JSON", None)
     t0 = time.monotonic()
