@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import triton
 import triton.language as tl
 
@@ -470,9 +471,14 @@ def _triton_warp_specializes() -> bool:
 
 def _tma_ready(*tensors) -> bool:
     """Whether TMA can read each 4-D tensor's ``(rows, D)`` slices: unit column stride, every other
-    stride and the data pointer 16-byte aligned."""
+    stride and the data pointer 16-byte aligned. A tensor without memory (a fake or meta tensor of
+    a trace or a test) has no pointer to read: its alignment is taken as the allocator's (16)."""
     for t in tensors:
         e = t.element_size()
+        if isinstance(t, FakeTensor) or t.is_meta:
+            if t.stride(-1) != 1 or any(st * e % 16 for st in t.stride()[:-1]):
+                return False
+            continue
         if t.stride(-1) != 1 or any(st * e % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
             return False
     return True
