@@ -1,0 +1,45 @@
+// The CPU emulation's entry point for tests/cuda/ws_probe.cuh (tests/cuda/test_pipeline_emulated.py
+// builds it with the host compiler: c++ -std=c++17 -shared -fPIC -DSSA_FLASH_EMULATE -I csrc ...).
+#ifndef SSA_FLASH_EMULATE
+#define SSA_FLASH_EMULATE 1
+#endif
+
+#include <string>
+
+#include "ws_probe.cuh"
+
+// q: lq x 128 bf16 (lq <= 128), k: lk x 128 bf16, both row-major; s: 128 x 64 n_tiles floats
+// (n_tiles = ceil(lk / 64)), rowsum: 128, order: 2 n_tiles. Returns "" or the emulator's error.
+extern "C" const char* ws_probe_run(const void* q, int lq, const void* k, int lk, int bug, int lazy, unsigned seed,
+                                    float* s, float* rowsum, int* order) {
+  using namespace ssa_flash;
+  ssa_emu::config().lazy_copies = lazy != 0;
+  ssa_emu::config().seed = seed;
+  ssa_emu::config().shuffle = seed != 0;
+  ProbeParams p{};
+  p.tma_q = TmaTileSpec{q, 2, 2, 128, {kProbeD, lq, 1}, {0, 2 * kProbeD, 0}, {64, kProbeBM, 1}};
+  p.tma_k = TmaTileSpec{k, 2, 2, 128, {kProbeD, lk, 1}, {0, 2 * kProbeD, 0}, {64, kProbeBN, 1}};
+  p.s = s;
+  p.rowsum = rowsum;
+  p.order = order;
+  p.n_tiles = (lk + kProbeBN - 1) / kProbeBN;
+  static std::string err;
+  const dim3 grid(1, 1, 1);
+  switch (bug) {
+    case kProbeOk: err = ssa_emu::launch(ws_probe_kernel<kProbeOk>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p); break;
+    case kProbeNoEmptyArrive:
+      err = ssa_emu::launch(ws_probe_kernel<kProbeNoEmptyArrive>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
+      break;
+    case kProbeWrongEmptyParity:
+      err = ssa_emu::launch(ws_probe_kernel<kProbeWrongEmptyParity>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
+      break;
+    case kProbeSplitSetmaxnreg:
+      err = ssa_emu::launch(ws_probe_kernel<kProbeSplitSetmaxnreg>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
+      break;
+    case kProbeDivergentShfl:
+      err = ssa_emu::launch(ws_probe_kernel<kProbeDivergentShfl>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
+      break;
+    default: err = "unknown bug " + std::to_string(bug);
+  }
+  return err.c_str();
+}
