@@ -871,6 +871,7 @@ inline void mbar_arrive_impl(uint64_t* bar, uint32_t tx, const char* op) {
          hex(smem_u32(bar)) + " in one phase");
   m.pending--;
   mbar_try_complete(m, false);
+  yield();  // a scheduling point: others may act on the arrival before this thread goes on
 }
 
 inline void mbar_arrive(uint64_t* bar) { mbar_arrive_impl(bar, 0, "mbarrier.arrive"); }
@@ -1035,9 +1036,13 @@ inline void trampoline() {
   b.live--;
   const int w = f.linear >> 5;
   b.warp_done[w]++;
-  if (b.warp_arrived[w])
-    set_error("collective reached divergently: lane " + std::to_string(f.linear & 31) + " of warp " + std::to_string(w) +
-              " finished while other lanes wait at a collective");
+  if (b.warp_arrived[w]) {
+    std::string at = "a collective";
+    for (int l = 32 * w; l < 32 * w + warp_lanes(b, w); ++l)
+      if (b.fibers[l].state == kAtWarp) at = point_name(cur_slot(b.fibers[l]));
+    set_error("collective reached divergently: warp " + std::to_string(w) + ": lane " + std::to_string(f.linear & 31) +
+              " finished while other lanes wait at " + at);
+  }
   if (!f.wgmma.empty()) set_error("a thread ended with a wgmma not waited for");
   _longjmp(b.sched_jb, 1);
 }

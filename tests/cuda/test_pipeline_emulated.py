@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 NVCC = shutil.which("nvcc")
-OK, NO_EMPTY_ARRIVE, WRONG_EMPTY_PARITY, SPLIT_SETMAXNREG, DIVERGENT_SHFL = range(5)
+OK, NO_EMPTY_ARRIVE, WRONG_EMPTY_PARITY, SPLIT_SETMAXNREG, DIVERGENT_SHFL, EARLY_RELEASE = range(6)
 D, BM, BN = 128, 128, 64
 
 
@@ -97,7 +97,7 @@ def probe():
     dll = ctypes.CDLL(str(lib))
     dll.ws_probe_run.restype = ctypes.c_char_p
     dll.ws_probe_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                 ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                                 ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return dll
 
 
@@ -116,26 +116,28 @@ def _inputs(lq, lk, seed=0):
     return q, k
 
 
-def _run(probe, q, k, bug=OK, lazy=False, seed=1):
+def _run(probe, q, k, bug=OK, lazy=False, seed=1, k_rank=2):
     """(error or "", S (128 x 64 n), row sums (128), issue order (2 n))."""
     n = -(-k.shape[0] // BN)
     s = torch.full((BM, BN * n), float("nan"))
     rowsum = torch.full((BM,), float("nan"))
     order = torch.full((2 * n,), -1, dtype=torch.int32)
-    err = probe.ws_probe_run(q.data_ptr(), q.shape[0], k.data_ptr(), k.shape[0], bug, int(lazy), seed,
+    err = probe.ws_probe_run(q.data_ptr(), q.shape[0], k.data_ptr(), k.shape[0], k_rank, bug, int(lazy), seed,
                              s.data_ptr(), rowsum.data_ptr(), order.data_ptr())
     return err.decode(), s, rowsum, order
 
 
-# (lq, lk, lazy, seed): one K tile (fewer than the stages), as many, more with a ragged end, many;
-# seed 0 runs the threads in order, others shuffle them
-CASES = [(128, 64, False, 0), (128, 128, True, 5), (100, 300, False, 7), (77, 330, True, 3), (128, 512, True, 11)]
+# (lq, lk, lazy, seed, k_rank): one K tile (fewer than the stages), as many, more with a ragged
+# end, many; seed 0 runs the threads in order, others shuffle them; K by 2-D loads (one per
+# 64-column panel) or one 3-D load
+CASES = [(128, 64, False, 0, 2), (128, 128, True, 5, 3), (100, 300, False, 7, 2), (77, 330, True, 3, 3),
+         (128, 512, True, 11, 2)]
 
 
-@pytest.mark.parametrize("lq,lk,lazy,seed", CASES)
-def test_probe_matches_torch(probe, lq, lk, lazy, seed):
+@pytest.mark.parametrize("lq,lk,lazy,seed,k_rank", CASES)
+def test_probe_matches_torch(probe, lq, lk, lazy, seed, k_rank):
     q, k = _inputs(lq, lk, seed=lk)
-    err, s, rowsum, order = _run(probe, q, k, lazy=lazy, seed=seed)
+    err, s, rowsum, order = _run(probe, q, k, lazy=lazy, seed=seed, k_rank=k_rank)
     assert err == ""
     n = -(-lk // BN)
     ref = torch.zeros(BM, BN * n, dtype=torch.float64)  # rows past lq and columns past lk: TMA's zeros
@@ -151,11 +153,11 @@ def test_probe_schedule_independent(probe):
     q, k = _inputs(128, 330)
     first = _run(probe, q, k, lazy=False, seed=0)
     assert first[0] == ""
-    for lazy, seed in ((True, 0), (False, 99), (True, 1234)):
-        again = _run(probe, q, k, lazy=lazy, seed=seed)
+    for lazy, seed, k_rank in ((True, 0, 2), (False, 99, 3), (True, 1234, 2)):
+        again = _run(probe, q, k, lazy=lazy, seed=seed, k_rank=k_rank)
         assert again[0] == ""
         for a, b in zip(first[1:], again[1:]):
-            assert torch.equal(a, b), f"lazy={lazy} seed={seed}: results depend on the schedule"
+            assert torch.equal(a, b), f"lazy={lazy} seed={seed} k_rank={k_rank}: results depend on the schedule"
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -165,7 +167,7 @@ def test_probe_schedule_independent(probe):
     # the producer waits for the empty barrier's phase 0 before anyone can complete it
     (WRONG_EMPTY_PARITY, 128, r"deadlock(.|\n)*thread 0: waiting on the mbarrier(.|\n)*threads 128-383: waiting on the mbarrier"),
     (SPLIT_SETMAXNREG, 64, r"warpgroup 0 not uniform: .*setmaxnreg\.dec 24.*setmaxnreg\.dec 32"),
-    (DIVERGENT_SHFL, 64, r"collective reached divergently: warp \d+"),
+    (DIVERGENT_SHFL, 64, r"collective reached divergently: warp \d+: lane \d+ .*(finished|at shfl)"),
 ])
 def test_probe_bugs_are_reported(probe, bug, lk, expected, lazy):
     q, k = _inputs(128, lk)
@@ -188,3 +190,15 @@ def test_probe_sass(cubin):
     assert any(o.startswith("BAR.ARV") for o in full) and any(o.startswith("BAR.SYNC") for o in full)
     assert any(o.startswith("HGMMA.64x64x16.F32.BF16") for o in full)
     assert not {"LDL", "STL"} & opcodes, "local memory in the probe"
+
+
+def test_probe_early_release_is_a_visible_race(probe):
+    """Consumers that free a stage as soon as it is full (before their wgmma read it): TMA loads
+    performed at issue land in the freed stage before the wgmma reads it, and S is wrong (lazily
+    performed loads land only when their phase is waited for, after the wgmma, and hide the race:
+    hence both modes in the tests above)."""
+    q, k = _inputs(128, 512)
+    good = _run(probe, q, k, seed=0)[1]
+    for seed in (0, 5):
+        err, s, *_ = _run(probe, q, k, bug=EARLY_RELEASE, lazy=False, seed=seed)
+        assert err == "" and not torch.equal(s, good), f"seed {seed}: the emulation did not show the early release"

@@ -11,7 +11,9 @@
 // kBug selects a deliberately broken variant the emulator must report (tests/cuda/
 // test_pipeline_emulated.py): a consumer that never arrives on the empty barrier, a producer
 // that waits on the empty barrier with the wrong parity (both deadlock), producer warps with
-// different setmaxnreg counts, and a shuffle reached by half a warp.
+// different setmaxnreg counts, a shuffle reached by half a warp, and consumers that free a stage
+// as soon as it is full, before their wgmma read it (a race: wrong results when the next load
+// lands first).
 #pragma once
 
 #include "gemm_wgmma.h"
@@ -20,7 +22,14 @@
 
 namespace ssa_flash {
 
-enum ProbeBug : int { kProbeOk = 0, kProbeNoEmptyArrive, kProbeWrongEmptyParity, kProbeSplitSetmaxnreg, kProbeDivergentShfl };
+enum ProbeBug : int {
+  kProbeOk = 0,
+  kProbeNoEmptyArrive,
+  kProbeWrongEmptyParity,
+  kProbeSplitSetmaxnreg,
+  kProbeDivergentShfl,
+  kProbeEarlyRelease  // frees the stage as soon as it is full: the producer may overwrite it before the wgmma
+};
 
 constexpr int kProbeD = 128, kProbeBM = 128, kProbeBN = 64, kProbeStages = 2, kProbeThreads = 384;
 using ProbeQTile = Sw128Tile<kProbeBM>;
@@ -32,7 +41,11 @@ constexpr int kProbeSmemBytes = 2 * (kProbeQElems + kProbeStages * kProbeKElems)
 
 struct ProbeParams {
   TmaDesc tma_q;  // Q (rows x 128 bf16, row-major): box 64 columns x 128 rows, 128-byte swizzle
-  TmaDesc tma_k;  // K (rows x 128 bf16): box 64 x 64
+  // K (rows x 128 bf16): box 64 x 64 (k_rank 2, one load per 64-column panel), or K viewed as
+  // (64 columns, rows, 2 panels) with strides (row, 128 bytes) and box 64 x 64 x 2 (k_rank 3: one
+  // load, box order = the tile's panels)
+  TmaDesc tma_k;
+  int k_rank;
   float* s;       // [128][64 n_tiles]
   float* rowsum;  // [128]
   int* order;     // [2 n_tiles]: the consumer that issued each GEMM, in issue order
@@ -78,8 +91,12 @@ __global__ void __launch_bounds__(kProbeThreads, 1) ws_probe_kernel(const __grid
         mbar_wait(&empty[pos.stage], kBug == kProbeWrongEmptyParity ? pos.phase : pos.phase ^ 1);
         T* const stage = sK + pos.stage * kProbeKElems;
         mbar_arrive_expect_tx(&full[pos.stage], kProbeKElems * 2);
-        for (int panel = 0; panel < kProbeD / 64; ++panel)
-          tma_load_2d(stage + panel * ProbeKTile::kPanelElems, &p.tma_k, &full[pos.stage], 64 * panel, kProbeBN * j);
+        if (p.k_rank == 3) {
+          tma_load_3d(stage, &p.tma_k, &full[pos.stage], 0, kProbeBN * j, 0);
+        } else {
+          for (int panel = 0; panel < kProbeD / 64; ++panel)
+            tma_load_2d(stage + panel * ProbeKTile::kPanelElems, &p.tma_k, &full[pos.stage], 64 * panel, kProbeBN * j);
+        }
         pos.advance();
       }
     }
@@ -97,6 +114,7 @@ __global__ void __launch_bounds__(kProbeThreads, 1) ws_probe_kernel(const __grid
   RingPos<kProbeStages> pos;
   for (int j = 0; j < p.n_tiles; ++j) {
     mbar_wait(&full[pos.stage], pos.phase);
+    if (kBug == kProbeEarlyRelease) mbar_arrive(&empty[pos.stage]);
     float acc[kProbeBN / 8][4];
     named_bar_sync(kFirstNamedBarrier + c, kConsumerThreads);
     if (threadIdx.x % 128 == 0) p.order[(*ticket)++] = c;
@@ -107,7 +125,7 @@ __global__ void __launch_bounds__(kProbeThreads, 1) ws_probe_kernel(const __grid
     if (!(c == 1 && j == p.n_tiles - 1)) named_bar_arrive(kFirstNamedBarrier + (1 - c), kConsumerThreads);
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
-    if (kBug != kProbeNoEmptyArrive) mbar_arrive(&empty[pos.stage]);
+    if (kBug != kProbeNoEmptyArrive && kBug != kProbeEarlyRelease) mbar_arrive(&empty[pos.stage]);
     pos.advance();
 #pragma unroll
     for (int nt = 0; nt < kProbeBN / 8; ++nt)

@@ -8,17 +8,19 @@
 
 #include "ws_probe.cuh"
 
-// q: lq x 128 bf16 (lq <= 128), k: lk x 128 bf16, both row-major; s: 128 x 64 n_tiles floats
+// q: lq x 128 bf16 (lq <= 128), k: lk x 128 bf16, both row-major, K loaded by 2-D or 3-D TMA (k_rank); s: 128 x 64 n_tiles floats
 // (n_tiles = ceil(lk / 64)), rowsum: 128, order: 2 n_tiles. Returns "" or the emulator's error.
-extern "C" const char* ws_probe_run(const void* q, int lq, const void* k, int lk, int bug, int lazy, unsigned seed,
-                                    float* s, float* rowsum, int* order) {
+extern "C" const char* ws_probe_run(const void* q, int lq, const void* k, int lk, int k_rank, int bug, int lazy,
+                                    unsigned seed, float* s, float* rowsum, int* order) {
   using namespace ssa_flash;
   ssa_emu::config().lazy_copies = lazy != 0;
   ssa_emu::config().seed = seed;
   ssa_emu::config().shuffle = seed != 0;
   ProbeParams p{};
   p.tma_q = TmaTileSpec{q, 2, 2, 128, {kProbeD, lq, 1}, {0, 2 * kProbeD, 0}, {64, kProbeBM, 1}};
-  p.tma_k = TmaTileSpec{k, 2, 2, 128, {kProbeD, lk, 1}, {0, 2 * kProbeD, 0}, {64, kProbeBN, 1}};
+  p.tma_k = k_rank == 3 ? TmaTileSpec{k, 3, 2, 128, {64, lk, kProbeD / 64}, {0, 2 * kProbeD, 128}, {64, kProbeBN, kProbeD / 64}}
+                        : TmaTileSpec{k, 2, 2, 128, {kProbeD, lk, 1}, {0, 2 * kProbeD, 0}, {64, kProbeBN, 1}};
+  p.k_rank = k_rank;
   p.s = s;
   p.rowsum = rowsum;
   p.order = order;
@@ -38,6 +40,9 @@ extern "C" const char* ws_probe_run(const void* q, int lq, const void* k, int lk
       break;
     case kProbeDivergentShfl:
       err = ssa_emu::launch(ws_probe_kernel<kProbeDivergentShfl>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
+      break;
+    case kProbeEarlyRelease:
+      err = ssa_emu::launch(ws_probe_kernel<kProbeEarlyRelease>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
       break;
     default: err = "unknown bug " + std::to_string(bug);
   }
