@@ -334,7 +334,7 @@ inline void barrier_arrive(int w, const Slot& s) {
       f.wait_bar = id;
     }
   }
-  nb.arrived += n;
+  nb.arrived += 32;  // (the hardware counts whole warps, a partial last warp too)
   if (nb.arrived > nb.count) {
     set_error("barrier " + std::to_string(id) + ": more threads arrived than its count " + std::to_string(nb.count));
   } else if (nb.arrived == nb.count) {
@@ -998,6 +998,7 @@ inline std::string describe_wait(const Block& b, const Fiber& f) {
       const Mbar* m = nullptr;
       for (const Mbar& x : b.mbars)
         if (x.addr == f.wait_mbar) m = &x;
+      if (m == nullptr) return "waiting on a vanished mbarrier";
       return "waiting on the mbarrier at shared " + hex(smem_u32(f.wait_mbar)) + " for the phase of parity " +
              std::to_string(f.wait_parity) + " (phase " + std::to_string(m->phase) + ": " + std::to_string(m->pending) +
              " of " + std::to_string(m->count) + " arrivals pending, " + std::to_string(m->tx) + " transaction bytes)";

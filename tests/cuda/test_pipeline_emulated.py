@@ -8,7 +8,9 @@ warpgroups taking turns (named barriers) at wgmma:
    stages and ragged ends (TMA's zero fill); the results bitwise the same in every mode and
    schedule. Broken variants (a consumer that never frees its stage, a producer waiting on the
    wrong parity, warps of a warpgroup with different setmaxnreg counts, a shuffle reached by
-   half a warp) are reported as errors, not hangs.
+   half a warp, disagreeing barrier counts, an uninitialised mbarrier, a misaligned swizzled TMA
+   destination) are reported as errors, not hangs; a race (a stage freed before its wgmma read
+   it) gives wrong results.
 2. Compiled with nvcc for sm_90a: the SASS has the TMA loads (UTMALDG), the mbarrier operations
    (SYNCS), wgmma (HGMMA), setmaxnreg (USETMAXREG) and the named barriers (BAR.ARV / BAR.SYNC),
    and ptxas reports no spills and no stack.
@@ -36,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 NVCC = shutil.which("nvcc")
-OK, NO_EMPTY_ARRIVE, WRONG_EMPTY_PARITY, SPLIT_SETMAXNREG, DIVERGENT_SHFL, EARLY_RELEASE = range(6)
+(OK, NO_EMPTY_ARRIVE, WRONG_EMPTY_PARITY, SPLIT_SETMAXNREG, DIVERGENT_SHFL, EARLY_RELEASE, BARRIER_COUNTS,
+ UNINITIALISED_MBAR, MISALIGNED_TMA) = range(9)  # ws_probe.cuh, ProbeBug
 D, BM, BN = 128, 128, 64
 
 
@@ -168,6 +171,9 @@ def test_probe_schedule_independent(probe):
     (WRONG_EMPTY_PARITY, 128, r"deadlock(.|\n)*thread 0: waiting on the mbarrier(.|\n)*threads 128-383: waiting on the mbarrier"),
     (SPLIT_SETMAXNREG, 64, r"warpgroup 0 not uniform: .*setmaxnreg\.dec 24.*setmaxnreg\.dec 32"),
     (DIVERGENT_SHFL, 64, r"collective reached divergently: warp \d+: lane \d+ .*(finished|at shfl)"),
+    (BARRIER_COUNTS, 64, r"barrier 1 used with different counts"),
+    (UNINITIALISED_MBAR, 64, r"mbarrier\.arrive\.expect_tx: no mbarrier initialised at shared 0x"),
+    (MISALIGNED_TMA, 64, r"cp\.async\.bulk\.tensor destination: shared address 0x[0-9a-f]+ not 1024-byte aligned"),
 ])
 def test_probe_bugs_are_reported(probe, bug, lk, expected, lazy):
     q, k = _inputs(128, lk)

@@ -11,9 +11,10 @@
 // kBug selects a deliberately broken variant the emulator must report (tests/cuda/
 // test_pipeline_emulated.py): a consumer that never arrives on the empty barrier, a producer
 // that waits on the empty barrier with the wrong parity (both deadlock), producer warps with
-// different setmaxnreg counts, a shuffle reached by half a warp, and consumers that free a stage
-// as soon as it is full, before their wgmma read it (a race: wrong results when the next load
-// lands first).
+// different setmaxnreg counts, a shuffle reached by half a warp, consumers that free a stage as
+// soon as it is full, before their wgmma read it (a race: wrong results when the next load lands
+// first), and misuses: named-barrier counts that disagree, an mbarrier never initialised, a
+// swizzled TMA destination not 1024-byte aligned.
 #pragma once
 
 #include "gemm_wgmma.h"
@@ -28,7 +29,11 @@ enum ProbeBug : int {
   kProbeWrongEmptyParity,
   kProbeSplitSetmaxnreg,
   kProbeDivergentShfl,
-  kProbeEarlyRelease  // frees the stage as soon as it is full: the producer may overwrite it before the wgmma
+  kProbeEarlyRelease,  // frees the stage as soon as it is full: the producer may overwrite it before the wgmma
+  kProbeBarrierCounts,      // the two sides of the ping-pong barrier give different counts
+  kProbeUninitialisedMbar,  // the producer arrives on an mbarrier nobody initialised
+  kProbeMisalignedTma,      // a swizzled TMA load into a destination that is not 1024-byte aligned
+  kProbeBugs
 };
 
 constexpr int kProbeD = 128, kProbeBM = 128, kProbeBN = 64, kProbeStages = 2, kProbeThreads = 384;
@@ -83,9 +88,10 @@ __global__ void __launch_bounds__(kProbeThreads, 1) ws_probe_kernel(const __grid
     if (warp_idx_in_warpgroup() == 0 && elect_one()) {
       prefetch_tma_desc(&p.tma_q);
       prefetch_tma_desc(&p.tma_k);
-      mbar_arrive_expect_tx(q_full, kProbeQElems * 2);
+      mbar_arrive_expect_tx(kBug == kProbeUninitialisedMbar ? q_full + 1 + 2 * kProbeStages : q_full, kProbeQElems * 2);
       for (int panel = 0; panel < kProbeD / 64; ++panel)
-        tma_load_2d(sQ + panel * ProbeQTile::kPanelElems, &p.tma_q, q_full, 64 * panel, 0);
+        tma_load_2d(sQ + panel * ProbeQTile::kPanelElems + (kBug == kProbeMisalignedTma ? 64 : 0), &p.tma_q, q_full,
+                    64 * panel, 0);
       RingPos<kProbeStages> pos;
       for (int j = 0; j < p.n_tiles; ++j) {
         mbar_wait(&empty[pos.stage], kBug == kProbeWrongEmptyParity ? pos.phase : pos.phase ^ 1);
@@ -108,7 +114,8 @@ __global__ void __launch_bounds__(kProbeThreads, 1) ws_probe_kernel(const __grid
   const int c = wg - 1;
   const int warp = warp_idx_in_warpgroup(), lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, t = lane % 4;
-  if (c == 1) named_bar_arrive(kFirstNamedBarrier + 0, kConsumerThreads);  // consumer 0 issues first
+  if (c == 1)  // consumer 0 issues first
+    named_bar_arrive(kFirstNamedBarrier + 0, kBug == kProbeBarrierCounts ? kConsumerThreads + 128 : kConsumerThreads);
   float rowsum[2] = {0.0f, 0.0f};
   mbar_wait(q_full, 0);
   RingPos<kProbeStages> pos;

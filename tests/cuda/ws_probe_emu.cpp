@@ -8,6 +8,21 @@
 
 #include "ws_probe.cuh"
 
+namespace {
+
+// ws_probe_kernel<kBug> for a runtime bug number
+template <int kBug = 0>
+std::string launch_probe(int bug, const ssa_flash::ProbeParams& p) {
+  using namespace ssa_flash;
+  if constexpr (kBug < kProbeBugs) {
+    if (bug != kBug) return launch_probe<kBug + 1>(bug, p);
+    return ssa_emu::launch(ws_probe_kernel<kBug>, "ws_probe", dim3(1, 1, 1), kProbeThreads, kProbeSmemBytes, p);
+  }
+  return "unknown bug";
+}
+
+}  // namespace
+
 // q: lq x 128 bf16 (lq <= 128), k: lk x 128 bf16, both row-major, K loaded by 2-D or 3-D TMA (k_rank); s: 128 x 64 n_tiles floats
 // (n_tiles = ceil(lk / 64)), rowsum: 128, order: 2 n_tiles. Returns "" or the emulator's error.
 extern "C" const char* ws_probe_run(const void* q, int lq, const void* k, int lk, int k_rank, int bug, int lazy,
@@ -26,25 +41,6 @@ extern "C" const char* ws_probe_run(const void* q, int lq, const void* k, int lk
   p.order = order;
   p.n_tiles = (lk + kProbeBN - 1) / kProbeBN;
   static std::string err;
-  const dim3 grid(1, 1, 1);
-  switch (bug) {
-    case kProbeOk: err = ssa_emu::launch(ws_probe_kernel<kProbeOk>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p); break;
-    case kProbeNoEmptyArrive:
-      err = ssa_emu::launch(ws_probe_kernel<kProbeNoEmptyArrive>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
-      break;
-    case kProbeWrongEmptyParity:
-      err = ssa_emu::launch(ws_probe_kernel<kProbeWrongEmptyParity>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
-      break;
-    case kProbeSplitSetmaxnreg:
-      err = ssa_emu::launch(ws_probe_kernel<kProbeSplitSetmaxnreg>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
-      break;
-    case kProbeDivergentShfl:
-      err = ssa_emu::launch(ws_probe_kernel<kProbeDivergentShfl>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
-      break;
-    case kProbeEarlyRelease:
-      err = ssa_emu::launch(ws_probe_kernel<kProbeEarlyRelease>, "ws_probe", grid, kProbeThreads, kProbeSmemBytes, p);
-      break;
-    default: err = "unknown bug " + std::to_string(bug);
-  }
+  err = bug >= 0 && bug < kProbeBugs ? launch_probe(bug, p) : "unknown bug " + std::to_string(bug);
   return err.c_str();
 }
