@@ -11,9 +11,10 @@ warpgroups taking turns (named barriers) at wgmma:
    half a warp, disagreeing barrier counts, an uninitialised mbarrier, a misaligned swizzled TMA
    destination) are reported as errors, not hangs; a race (a stage freed before its wgmma read
    it) gives wrong results.
-2. Compiled with nvcc for sm_90a: the SASS has the TMA loads (UTMALDG), the mbarrier operations
-   (SYNCS), wgmma (HGMMA), setmaxnreg (USETMAXREG) and the named barriers (BAR.ARV / BAR.SYNC),
-   and ptxas reports no spills and no stack.
+2. Compiled with nvcc for sm_90a: the SASS has the TMA loads (UTMALDG, 2-D and 3-D) and the
+   descriptor prefetch, the mbarrier operations (SYNCS), wgmma (HGMMA), setmaxnreg with the
+   roles' budgets (USETMAXREG), elect.sync and the named barriers (BAR.ARV / BAR.SYNC), and
+   ptxas reports no spills and no stack.
 
 Skipped without the CUDA headers / a host compiler (1) or nvcc / cuobjdump (2).
 """
@@ -192,7 +193,10 @@ def test_probe_sass(cubin):
     full = set(ops)
     assert any(o.startswith("SYNCS.ARRIVE.TRANS64") for o in full), "no mbarrier arrive"
     assert any(o.startswith("SYNCS.PHASECHK") for o in full), "no mbarrier wait"
-    assert any(o.startswith("USETMAXREG.DEALLOC") for o in full) and any(o.startswith("USETMAXREG.TRY") for o in full)
+    # the register budgets: producer 24 (0x18) given back, consumers 240 (0xf0) taken
+    assert re.search(r"USETMAXREG\.DEALLOC\S* 0x18\b", sass) and re.search(r"USETMAXREG\.TRY_ALLOC\S* \w+, 0xf0\b", sass)
+    assert any(o.startswith("UTMALDG.2D") for o in full) and any(o.startswith("UTMALDG.3D") for o in full)
+    assert any(o.startswith("UTMACCTL.PF") for o in full), "no tensor-map prefetch"
     assert any(o.startswith("BAR.ARV") for o in full) and any(o.startswith("BAR.SYNC") for o in full)
     assert any(o.startswith("HGMMA.64x64x16.F32.BF16") for o in full)
     assert not {"LDL", "STL"} & opcodes, "local memory in the probe"
