@@ -48,7 +48,8 @@ struct ProbeParams {
   TmaDesc tma_q;  // Q (rows x 128 bf16, row-major): box 64 columns x 128 rows, 128-byte swizzle
   // K (rows x 128 bf16): box 64 x 64 (k_rank 2, one load per 64-column panel), or K viewed as
   // (64 columns, rows, 2 panels) with strides (row, 128 bytes) and box 64 x 64 x 2 (k_rank 3: one
-  // load, box order = the tile's panels)
+  // load, box order = the tile's panels; checked by the emulation only: whether
+  // cuTensorMapEncodeTiled takes a stride below the previous dimension's is for a GPU run to say)
   TmaDesc tma_k;
   int k_rank;
   float* s;       // [128][64 n_tiles]
