@@ -2,22 +2,30 @@
 // the kernels in csrc/ can be run and checked on a machine without a GPU (tests/
 // test_csrc_compile.py). Compiled with a host C++ compiler and -DSSA_FLASH_EMULATE; the kernel
 // sources are the same, only the primitives (memory.h, fast_math.h,
-// gemm_mma.h, gemm_wgmma.h) and the launch are replaced.
+// gemm_mma.h, gemm_wgmma.h, pipeline.h) and the launch are replaced.
 //
 // Model. The threads of a block are fibers (ucontext to start them, then _setjmp/_longjmp, which
-// needs -U_FORTIFY_SOURCE: glibc's checked longjmp refuses to switch stacks) run by one OS thread. Every block barrier
-// and every warp collective (shuffle, ldmatrix, mma) is a synchronisation point: the scheduler
-// runs each live fiber up to its next synchronisation point (in a shuffled order by default), and
-// checks that all threads reached the same kind of point (the kernels' collectives are
-// block-uniform; a divergent one is reported as an error). Collective inputs are deposited in a
-// per-thread slot indexed by the parity of the point, and read back by the other lanes after the
-// round. ldmatrix and mma.sync are implemented from the PTX ISA's definition of which thread
+// needs -U_FORTIFY_SOURCE: glibc's checked longjmp refuses to switch stacks) run by one OS thread.
+// The scheduler passes over the threads (in a shuffled order by default), running each runnable
+// one up to its next wait. Every collective is first a meeting of the warp: all its lanes must
+// reach the same collective (kind, barrier id and count), else the launch reports a collective
+// reached divergently. A warp collective (shuffle, ldmatrix, mma.sync, __syncwarp, elect.sync)
+// then completes; a warpgroup one (wgmma, setmaxnreg) waits for the other 3 warps of its
+// warpgroup, whose operands must be uniform; a barrier (__syncthreads[_or], which is barrier 0
+// over the block, and bar.sync / bar.arrive id, count) waits until its count of threads arrived
+// (bar.arrive does not wait). Collective inputs are deposited in a per-thread slot indexed by the
+// parity of the fiber's collective count (equal across a warp), read back by the lanes of the
+// warp after the meeting. mbarriers (csrc/pipeline.h) are per thread: arrive / expect-tx update
+// the phase's counts, a thread waiting for a phase blocks until it completes. When no thread can
+// run and some have not finished, the launch reports a deadlock naming what each thread waits
+// for. ldmatrix and mma.sync are implemented from the PTX ISA's definition of which thread
 // holds which matrix element (not from the fragment arithmetic of frag.h / gemm_mma.h, which they
 // therefore check). cp.async copies are performed either at issue ("eager") or at the
 // cp.async.wait_group that retires them ("lazy"); both are legal hardware behaviours, so a
 // correct kernel gives identical results in both modes (the sm_70 / sm_75 emulations, which have
-// no cp.async, copy at issue in both). wgmma (sm_90a) is emulated the same way: the operation is
-// a synchronisation point of the block (its operands are collected there), and it is carried out
+// no cp.async, copy at issue in both). TMA tile loads likewise, lazily when the mbarrier phase
+// they complete is waited for and nothing else is missing. wgmma (sm_90a) is emulated the same
+// way: its operands are collected when the warpgroup meets, and it is carried out
 // either at issue or at the wgmma.wait_group that retires it, reading shared memory through the
 // descriptor as the PTX ISA's canonical layouts define (128-byte swizzle). Shared memory starts
 // filled with NaNs, and its window starts at a shared address that is not 1024-byte aligned
@@ -58,10 +66,21 @@ namespace ssa_emu {
 // not 1024-byte aligned, so a kernel that needs aligned swizzle atoms must align them itself.
 constexpr uint32_t kSmemWindowBase = 400;
 
-enum SyncKind : int { kBar = 1, kBarOr, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync, kWgmma };
+enum SyncKind : int {
+  kBar = 1, kBarOr, kShfl, kLdm, kLdmT, kMma, kMma8, kMma884, kWarpSync, kWgmma,
+  kNamedSync, kNamedArrive, kSetmaxnreg, kElect
+};
+
+inline const char* kind_name(int kind) {
+  static const char* const names[] = {"?", "__syncthreads", "__syncthreads_or", "shfl", "ldmatrix", "ldmatrix.trans",
+                                      "mma.m16n8k16", "mma.m16n8k8", "mma.m8n8k4", "__syncwarp", "wgmma",
+                                      "bar.sync", "bar.arrive", "setmaxnreg", "elect.sync"};
+  return kind >= 0 && kind <= kElect ? names[kind] : "?";
+}
 
 struct Slot {
   int kind;
+  int arg[2];  // what every participant must agree on: barrier id and count, setmaxnreg's count and direction
   uint32_t a[4];
   uint32_t b[2];
   float c[4];
@@ -110,20 +129,55 @@ struct PendingGroups {
   bool empty() const { return open.empty() && groups.empty(); }
 };
 
+// One TMA tile load (cp.async.bulk.tensor, PTX ISA "Tensor copy"): the tensor map's fields, taken
+// at issue, the box's coordinates (innermost first) and the shared-memory destination.
+struct TmaCopy {
+  char* dst;
+  const char* base;
+  int rank, elem_bytes, swizzle_bytes;
+  int64_t dims[3], strides[3];
+  int box[3], coord[3];
+  int64_t bytes() const { return static_cast<int64_t>(box[0]) * box[1] * box[2] * elem_bytes; }
+};
+
+// An mbarrier object (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"),
+// kept beside the shared-memory word it names: the phase, its pending arrival count, the
+// transaction count (bytes expected and not yet delivered; may go negative when a copy lands
+// before its expect-tx), and in the lazy mode the TMA loads issued on it but not yet performed.
+struct Mbar {
+  const void* addr = nullptr;
+  uint32_t count = 0, pending = 0, phase = 0;
+  int64_t tx = 0;
+  std::vector<TmaCopy> lazy;
+  int64_t lazy_bytes = 0;
+  int waiters = 0;
+};
+
+// Where a fiber is: running or ready to (kRunnable); at a collective, waiting for the rest of its
+// warp (kAtWarp), then for the other warps of its warpgroup (kAtWarpgroup: wgmma, setmaxnreg) or
+// for a barrier's count (kAtBarrier: __syncthreads, bar.sync); waiting for an mbarrier phase
+// (kAtMbar); abandoned after an error (kFailed); finished (kDone).
+enum FiberState : uint8_t { kRunnable, kAtWarp, kAtWarpgroup, kAtBarrier, kAtMbar, kFailed, kDone };
+
 struct Fiber {
   ucontext_t ctx;  // only to enter the fiber the first time
   jmp_buf jb;      // then _setjmp/_longjmp: no signal-mask system call per switch
   uint3 tid;
   int linear = 0;
   bool done = false;
-  long syncs = 0;
+  FiberState state = kRunnable;
+  long syncs = 0;  // collectives passed: equal across the lanes of a warp
+  int result = 0;  // of the last collective, set by whoever completed it (__syncthreads_or)
+  int wait_bar = 0;
+  const void* wait_mbar = nullptr;
+  int wait_parity = 0;
   Slot slot[2];
   PendingGroups<Copy> copies;
   PendingGroups<WgmmaOp> wgmma;
 };
 
 struct Config {
-  bool lazy_copies = false;  // cp.async and wgmma complete at their wait, not at issue
+  bool lazy_copies = false;  // cp.async, TMA loads and wgmma complete at their wait, not at issue
   bool shuffle = true;
   unsigned seed = 1;
   // wgmma issued, counted per thread (tests: the path ran). Process-wide, like every static of
@@ -143,6 +197,14 @@ struct MmaCache {
   float B[16][8];
 };
 
+// A hardware barrier (bar.sync / bar.arrive id, count; __syncthreads is barrier 0 over the block):
+// the count of its current use and the threads arrived so far.
+struct NamedBar {
+  int count = 0, arrived = 0;
+  bool red = false;  // a __syncthreads_or (barrier.red.or) use
+  int red_or = 0;
+};
+
 struct Block {
   std::vector<Fiber> fibers;
   std::vector<MmaCache> mma_cache;
@@ -153,6 +215,11 @@ struct Block {
   dim3 grid_dim;
   dim3 block_dim;
   std::function<void()> body;
+  int threads = 0, live = 0;
+  std::vector<int> warp_arrived, warp_done, wg_arrived;  // lanes / warps at the current collective
+  NamedBar bars[16];
+  std::vector<Mbar> mbars;
+  std::string error;  // the first error a fiber met; the launch stops the block
 };
 
 inline Block*& block() {
@@ -164,13 +231,19 @@ inline Fiber& me() { return block()->fibers[block()->cur]; }
 
 inline int lane_id() { return me().linear & 31; }
 
-// Deposit slot of the current synchronisation point; then yield until every thread reached it.
+inline int warp_lanes(const Block& b, int w) { return std::min(32, b.threads - 32 * w); }
+
+// Deposit slot of the current synchronisation point; then yield until every participant reached it.
 inline Slot& deposit(int kind) {
   Fiber& f = me();
   Slot& s = f.slot[f.syncs & 1];
   s.kind = kind;
+  s.arg[0] = s.arg[1] = 0;
   return s;
 }
+
+// The slot of the collective fiber f is at (or passed last).
+inline const Slot& cur_slot(const Fiber& f) { return f.slot[(f.syncs - 1) & 1]; }
 
 // Back to the scheduler; returns when the scheduler resumes this fiber.
 inline void yield() {
@@ -178,10 +251,150 @@ inline void yield() {
   if (_setjmp(f.jb) == 0) _longjmp(block()->sched_jb, 1);
 }
 
+inline std::string hex(uintptr_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%lx", static_cast<unsigned long>(v));
+  return buf;
+}
+
+// An error met by a fiber: recorded for the launch (which stops the block and returns it), and the
+// fiber is never resumed.
+[[noreturn]] inline void fail(const std::string& what) {
+  Block& b = *block();
+  if (b.error.empty()) b.error = what;
+  me().state = kFailed;
+  yield();
+  std::abort();  // (not reached: a failed fiber is not resumed)
+}
+
+inline void set_error(const std::string& what) {
+  if (block()->error.empty()) block()->error = what;
+}
+
+inline void release(Fiber& f, int result) {
+  f.state = kRunnable;
+  f.result = result;
+}
+
+inline bool warpgroup_scope(int kind) { return kind == kWgmma || kind == kSetmaxnreg; }
+inline bool barrier_scope(int kind) {
+  return kind == kBar || kind == kBarOr || kind == kNamedSync || kind == kNamedArrive;
+}
+
+inline std::string point_name(const Slot& s) {
+  std::string n = kind_name(s.kind);
+  if (barrier_scope(s.kind)) n += " " + std::to_string(s.arg[0]) + ", " + std::to_string(s.arg[1]);
+  if (s.kind == kSetmaxnreg) n += std::string(s.arg[1] ? ".inc " : ".dec ") + std::to_string(s.arg[0]);
+  return n;
+}
+
+// Every warp of warpgroup g is at the same warpgroup collective: checks that its operands are
+// uniform, then releases the 128 threads.
+inline void warpgroup_complete(int g) {
+  Block& b = *block();
+  const Fiber& f0 = b.fibers[128 * g];
+  const Slot& s0 = cur_slot(f0);
+  for (int i = 128 * g; i < 128 * g + 128; ++i) {
+    const Slot& s = cur_slot(b.fibers[i]);
+    const bool same = s.kind == s0.kind && s.arg[0] == s0.arg[0] && s.arg[1] == s0.arg[1] &&
+                      (s.kind != kWgmma || (s.desc[0] == s0.desc[0] && s.desc[1] == s0.desc[1] && s.off == s0.off));
+    if (!same) {
+      set_error(s.kind == kWgmma && s0.kind == kWgmma
+                    ? "wgmma: operands differ between the threads of a warpgroup"
+                    : "warpgroup " + std::to_string(g) + " not uniform: thread " + std::to_string(128 * g) + " at " +
+                          point_name(s0) + ", thread " + std::to_string(i) + " at " + point_name(s));
+      return;
+    }
+  }
+  for (int i = 128 * g; i < 128 * g + 128; ++i) release(b.fibers[i], 0);
+}
+
+// Warp w arrived at barrier s.arg[0] (bar.sync / bar.arrive / __syncthreads[_or]) with count s.arg[1].
+inline void barrier_arrive(int w, const Slot& s) {
+  Block& b = *block();
+  const int id = s.arg[0], count = s.arg[1], n = warp_lanes(b, w);
+  NamedBar& nb = b.bars[id];
+  const bool red = s.kind == kBarOr;
+  if (nb.arrived == 0) {
+    nb.count = count;
+    nb.red = red;
+    nb.red_or = 0;
+  } else if (nb.count != count || nb.red != red) {
+    set_error("barrier " + std::to_string(id) + " used with different counts or kinds at once (" +
+              std::to_string(nb.count) + (nb.red ? " with .red" : "") + " and " + point_name(s) + ")");
+    return;
+  }
+  for (int l = 0; l < n; ++l) {
+    Fiber& f = b.fibers[32 * w + l];
+    if (red) nb.red_or |= cur_slot(f).off != 0;
+    if (s.kind == kNamedArrive) {
+      release(f, 0);
+    } else {
+      f.state = kAtBarrier;
+      f.wait_bar = id;
+    }
+  }
+  nb.arrived += 32;  // (the hardware counts whole warps, a partial last warp too)
+  if (nb.arrived > nb.count) {
+    set_error("barrier " + std::to_string(id) + ": more threads arrived than its count " + std::to_string(nb.count));
+  } else if (nb.arrived == nb.count) {
+    for (Fiber& f : b.fibers)
+      if (f.state == kAtBarrier && f.wait_bar == id) release(f, nb.red_or);
+    nb.arrived = 0;
+  }
+}
+
+// Every lane of warp w is at a collective: they must be at the same one (kind and barrier /
+// count operands). A warp collective completes here; a warpgroup one waits for its other warps,
+// a barrier for its count.
+inline void warp_complete(int w) {
+  Block& b = *block();
+  const int n = warp_lanes(b, w);
+  const Slot& s0 = cur_slot(b.fibers[32 * w]);
+  for (int l = 1; l < n; ++l) {
+    const Slot& s = cur_slot(b.fibers[32 * w + l]);
+    if (s.kind != s0.kind || s.arg[0] != s0.arg[0] || s.arg[1] != s0.arg[1]) {
+      set_error("collective reached divergently: warp " + std::to_string(w) + ": lane 0 at " + point_name(s0) +
+                ", lane " + std::to_string(l) + " at " + point_name(s));
+      return;
+    }
+  }
+  if (warpgroup_scope(s0.kind)) {
+    const int g = w / 4;
+    if (128 * (g + 1) > b.threads) {
+      set_error(std::string(kind_name(s0.kind)) + " in warpgroup " + std::to_string(g) +
+                ", which the block does not fill (" + std::to_string(b.threads) + " threads)");
+      return;
+    }
+    for (int l = 0; l < n; ++l) b.fibers[32 * w + l].state = kAtWarpgroup;
+    if (++b.wg_arrived[g] == 4) {
+      b.wg_arrived[g] = 0;
+      warpgroup_complete(g);
+    }
+  } else if (barrier_scope(s0.kind)) {
+    barrier_arrive(w, s0);
+  } else {
+    for (int l = 0; l < n; ++l) release(b.fibers[32 * w + l], 0);
+  }
+}
+
+// The end of a collective's deposit: waits (yields) until the collective completes. Returns the
+// parity of the slots the participants deposited in (valid for lanes of the same warp until
+// this fiber's next collective).
 inline int finish_round() {
   Fiber& f = me();
+  Block& b = *block();
   const int parity = static_cast<int>(f.syncs & 1);
   f.syncs++;
+  const int w = f.linear >> 5;
+  if (b.warp_done[w])
+    fail("collective reached divergently: warp " + std::to_string(w) + ": lane " + std::to_string(f.linear & 31) +
+         " at " + point_name(cur_slot(f)) + " after other lanes finished");
+  f.state = kAtWarp;
+  if (++b.warp_arrived[w] == warp_lanes(b, w)) {
+    b.warp_arrived[w] = 0;
+    warp_complete(w);
+  }
   yield();
   return parity;
 }
@@ -191,8 +404,11 @@ inline const Slot& lane_slot(int lane, int parity) {
   return block()->fibers[(f.linear & ~31) + lane].slot[parity];
 }
 
+inline int block_barrier_count() { return (block()->threads + 31) / 32 * 32; }
+
 inline void syncthreads() {
-  deposit(kBar);
+  Slot& s = deposit(kBar);
+  s.arg[1] = block_barrier_count();
   finish_round();
 }
 
@@ -200,11 +416,10 @@ inline void syncthreads() {
 // a nonzero predicate.
 inline int syncthreads_or(int pred) {
   Slot& s = deposit(kBarOr);
+  s.arg[1] = block_barrier_count();
   s.off = pred != 0;
-  const int par = finish_round();
-  for (const Fiber& f : block()->fibers)
-    if (f.slot[par].off) return 1;
-  return 0;
+  finish_round();
+  return me().result;
 }
 
 // __shfl_xor_sync of a 4-byte value (float, int, unsigned), bits moved unchanged
@@ -491,9 +706,7 @@ inline void wgmma_issue(float* d, int n, const uint32_t* a, uint64_t desc_a, uin
   s.off = accumulate;
   const int par = finish_round();
   Fiber& f = me();
-  const Slot& first = block()->fibers[f.linear & ~127].slot[par];
-  if (first.desc[0] != desc_a || first.desc[1] != desc_b || first.off != static_cast<int>(accumulate))
-    emu_fail("wgmma: operands differ between the threads of a warpgroup");
+  // (the warpgroup's operands were checked uniform when its last warp arrived)
   WgmmaOp op{};
   op.d = d;
   op.n = n;
@@ -551,13 +764,288 @@ template <int N>
 inline void wgmma_fence_operand(uint32_t (&)[N][4]) {}
 
 // ------------------------------------------------------------------------------------------
+// Warp specialisation (sm_90a, csrc/pipeline.h): mbarriers, TMA tile loads, named barriers,
+// setmaxnreg, elect.sync. mbarrier operations are per thread (not collectives): a thread waiting
+// for a phase is blocked until the phase completes. A TMA load is performed at issue (eager) or
+// as late as the PTX ISA allows (lazy): when the phase it completes could otherwise complete
+// and a thread waits for it.
+
+// p .. p + bytes inside the shared-memory window, its shared address a multiple of `align`.
+inline void check_smem(const void* p, int64_t bytes, uint32_t align, const char* what) {
+  const char* c = static_cast<const char*>(p);
+  const char* lo = reinterpret_cast<const char*>(ssa_flash::smem_raw);
+  if (c < lo || c + bytes > lo + sizeof(ssa_flash::smem_raw))
+    fail(std::string(what) + ": address outside shared memory");
+  if (smem_u32(p) % align)
+    fail(std::string(what) + ": shared address " + hex(smem_u32(p)) + " not " + std::to_string(align) + "-byte aligned");
+}
+
+inline Mbar* find_mbar(const void* bar) {
+  for (Mbar& m : block()->mbars)
+    if (m.addr == bar) return &m;
+  return nullptr;
+}
+
+inline Mbar& mbar_of(const void* bar, const char* op) {
+  Mbar* m = find_mbar(bar);
+  if (m == nullptr) fail(std::string(op) + ": no mbarrier initialised at shared " + hex(smem_u32(bar)));
+  return *m;
+}
+
+// mbarrier.init.shared::cta.b64 [bar], count
+inline void mbar_init(uint64_t* bar, uint32_t count) {
+  check_smem(bar, 8, 8, "mbarrier.init");
+  if (count < 1 || count > (1u << 20) - 1) fail("mbarrier.init: count " + std::to_string(count) + " outside 1..2^20-1");
+  Mbar* m = find_mbar(bar);
+  if (m == nullptr) {
+    block()->mbars.emplace_back();
+    m = &block()->mbars.back();
+  } else if (m->waiters || !m->lazy.empty()) {
+    fail("mbarrier.init: the mbarrier at shared " + hex(smem_u32(bar)) + " is in use");
+  }
+  *m = Mbar();
+  m->addr = bar;
+  m->count = m->pending = count;
+}
+
+inline void fence_mbar_init() {}
+
+// The copy itself: box element (i0, i1, i2) from global coordinates coord + i (zeros outside the
+// tensor, as the hardware fills them) to the destination in box order; with the 128-byte swizzle
+// the 16-byte chunk index of the shared address (bits 4-6) is XORed with bits 7-9.
+inline void tma_perform(const TmaCopy& c) {
+  const uint32_t dst0 = smem_u32(c.dst);
+  char* const win = reinterpret_cast<char*>(ssa_flash::smem_raw);
+  for (int i2 = 0; i2 < c.box[2]; ++i2)
+    for (int i1 = 0; i1 < c.box[1]; ++i1)
+      for (int i0 = 0; i0 < c.box[0]; ++i0) {
+        const int64_t g[3] = {static_cast<int64_t>(c.coord[0]) + i0, static_cast<int64_t>(c.coord[1]) + i1,
+                              static_cast<int64_t>(c.coord[2]) + i2};
+        bool inside = true;
+        for (int d = 0; d < c.rank; ++d) inside = inside && g[d] >= 0 && g[d] < c.dims[d];
+        uint32_t a = dst0 + static_cast<uint32_t>(((i2 * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
+        if (c.swizzle_bytes == 128) a ^= ((a >> 7) & 7u) << 4;
+        char* out = win + (a - kSmemWindowBase);
+        if (inside) {
+          const char* src = c.base + g[0] * c.elem_bytes + (c.rank > 1 ? g[1] * c.strides[1] : 0) +
+                            (c.rank > 2 ? g[2] * c.strides[2] : 0);
+          std::memcpy(out, src, c.elem_bytes);
+        } else {
+          std::memset(out, 0, c.elem_bytes);
+        }
+      }
+}
+
+// The phase completes when no arrival is pending and the transaction count is zero: the next
+// phase starts (pending = count) and the threads waiting for the completed one resume. Lazy TMA
+// loads are performed here when they are all that is missing and a thread waits (`observed`: the
+// thread now asking).
+inline void mbar_try_complete(Mbar& m, bool observed) {
+  if (m.pending != 0) return;
+  if (!m.lazy.empty() && m.tx == m.lazy_bytes && (observed || m.waiters > 0)) {
+    for (const TmaCopy& c : m.lazy) tma_perform(c);
+    m.tx -= m.lazy_bytes;
+    m.lazy.clear();
+    m.lazy_bytes = 0;
+  }
+  if (m.tx != 0) return;
+  const int completed = static_cast<int>(m.phase & 1);
+  m.phase++;
+  m.pending = m.count;
+  if (m.waiters == 0) return;
+  for (Fiber& f : block()->fibers) {
+    if (f.state == kAtMbar && f.wait_mbar == m.addr && f.wait_parity == completed) {
+      release(f, 0);
+      m.waiters--;
+    }
+  }
+}
+
+// mbarrier.arrive (.expect_tx: the transaction count first raised by tx bytes)
+inline void mbar_arrive_impl(uint64_t* bar, uint32_t tx, const char* op) {
+  Mbar& m = mbar_of(bar, op);
+  m.tx += tx;
+  if (m.pending == 0) mbar_try_complete(m, true);  // (lazy loads that would have landed by now)
+  if (m.pending == 0)
+    fail(std::string(op) + ": more arrivals than the count (" + std::to_string(m.count) + ") of the mbarrier at shared " +
+         hex(smem_u32(bar)) + " in one phase");
+  m.pending--;
+  mbar_try_complete(m, false);
+  yield();  // a scheduling point: others may act on the arrival before this thread goes on
+}
+
+inline void mbar_arrive(uint64_t* bar) { mbar_arrive_impl(bar, 0, "mbarrier.arrive"); }
+inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  mbar_arrive_impl(bar, bytes, "mbarrier.arrive.expect_tx");
+}
+
+// mbarrier.try_wait.parity: true once the phase of parity `parity` has completed (the current
+// phase's parity differs). The hardware may time out and return false; here the thread blocks
+// until the phase completes (a deadlock, if it never does, is reported by the launch).
+inline bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  Mbar& m = mbar_of(bar, "mbarrier.try_wait");
+  if ((m.phase & 1) != (parity & 1)) return true;
+  mbar_try_complete(m, true);
+  if ((m.phase & 1) != (parity & 1)) return true;
+  Fiber& f = me();
+  f.state = kAtMbar;
+  f.wait_mbar = bar;
+  f.wait_parity = static_cast<int>(parity & 1);
+  m.waiters++;
+  yield();
+  return true;
+}
+
+// cp.async.bulk.tensor.{2,3}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes: the box at
+// coordinates c (innermost first) of the tensor map `d` (ssa_flash::TmaTileSpec) into `dst`,
+// completing the box's bytes on `bar`.
+template <typename Desc>
+inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, int c1, int c2) {
+  if (d->rank != rank)
+    fail("cp.async.bulk.tensor." + std::to_string(rank) + "d with a rank-" + std::to_string(d->rank) + " tensor map");
+  TmaCopy c{};
+  c.dst = static_cast<char*>(dst);
+  c.base = static_cast<const char*>(d->base);
+  c.rank = rank;
+  c.elem_bytes = d->elem_bytes;
+  c.swizzle_bytes = d->swizzle_bytes;
+  const int coord[3] = {c0, c1, c2};
+  for (int i = 0; i < 3; ++i) {
+    c.dims[i] = i < rank ? d->dims[i] : 1;
+    c.strides[i] = i < rank ? d->strides[i] : 0;
+    c.box[i] = i < rank ? d->box[i] : 1;
+    c.coord[i] = i < rank ? coord[i] : 0;
+    if (c.box[i] < 1 || c.box[i] > 256) fail("tensor map: box sizes are 1..256");
+    if (i > 0 && i < rank && c.strides[i] % 16) fail("tensor map: strides are multiples of 16 bytes");
+  }
+  if (c.swizzle_bytes != 0 && c.swizzle_bytes != 128) fail("tensor map: only no swizzle or the 128-byte one is emulated");
+  if (c.swizzle_bytes == 128 && c.box[0] * c.elem_bytes > 128)
+    fail("tensor map: with the 128-byte swizzle the box's inner dimension is at most 128 bytes");
+  if ((c.box[0] * c.elem_bytes) % 16) fail("tensor map: the box's inner dimension is a multiple of 16 bytes");
+  if (reinterpret_cast<uintptr_t>(c.base) % 16) fail("tensor map: the global address is 16-byte aligned");
+  check_smem(dst, c.bytes(), c.swizzle_bytes == 128 ? 1024 : 128, "cp.async.bulk.tensor destination");
+  Mbar& m = mbar_of(bar, "cp.async.bulk.tensor");
+  if (config().lazy_copies) {
+    m.lazy.push_back(c);
+    m.lazy_bytes += c.bytes();
+  } else {
+    tma_perform(c);
+    m.tx -= c.bytes();
+  }
+  mbar_try_complete(m, false);
+}
+
+// bar.sync / bar.arrive id, count: count threads (whole warps) of the block meet at barrier id;
+// bar.arrive counts its warp without waiting.
+inline void named_barrier(int id, int count, bool sync) {
+  if (id < 0 || id > 15) fail("bar.sync / bar.arrive: barrier ids are 0..15");
+  if (count <= 0 || count % 32 || count > block_barrier_count())
+    fail("bar.sync / bar.arrive: count " + std::to_string(count) + " is not a multiple of 32 up to the block's size");
+  Slot& s = deposit(sync ? kNamedSync : kNamedArrive);
+  s.arg[0] = id;
+  s.arg[1] = count;
+  finish_round();
+}
+
+inline void named_bar_sync(int id, int count) { named_barrier(id, count, true); }
+inline void named_bar_arrive(int id, int count) { named_barrier(id, count, false); }
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 n: no registers here; checked to be used as the PTX ISA
+// requires: n in 24..256, a multiple of 8, the same instruction by every warp of the warpgroup.
+inline void setmaxnreg(int n, bool inc) {
+  if (n < 24 || n > 256 || n % 8) fail("setmaxnreg: " + std::to_string(n) + " is not a multiple of 8 in 24..256");
+  Slot& s = deposit(kSetmaxnreg);
+  s.arg[0] = n;
+  s.arg[1] = inc;
+  finish_round();
+}
+
+template <int N>
+inline void setmaxnreg_inc() {
+  setmaxnreg(N, true);
+}
+template <int N>
+inline void setmaxnreg_dec() {
+  setmaxnreg(N, false);
+}
+
+// elect.sync with a full mask: one lane of the warp (here lane 0) is elected.
+inline bool elect_one() {
+  deposit(kElect);
+  finish_round();
+  return lane_id() == 0;
+}
+
+// What fiber f waits for (the deadlock report).
+inline std::string describe_wait(const Block& b, const Fiber& f) {
+  const int w = f.linear >> 5;
+  switch (f.state) {
+    case kRunnable: return "runnable";
+    case kDone: return "finished";
+    case kFailed: return "failed";
+    case kAtWarp:
+      return "at " + point_name(cur_slot(f)) + ", waiting for the rest of warp " + std::to_string(w) + " (" +
+             std::to_string(b.warp_arrived[w]) + " of " + std::to_string(warp_lanes(b, w)) + " lanes there)";
+    case kAtWarpgroup:
+      return "at " + point_name(cur_slot(f)) + ", waiting for the other warps of warpgroup " + std::to_string(w / 4) +
+             " (" + std::to_string(b.wg_arrived[w / 4]) + " of 4 there)";
+    case kAtBarrier: {
+      const NamedBar& nb = b.bars[f.wait_bar];
+      return "at " + point_name(cur_slot(f)) + " (" + std::to_string(nb.arrived) + " of " + std::to_string(nb.count) +
+             " threads arrived)";
+    }
+    case kAtMbar: {
+      const Mbar* m = nullptr;
+      for (const Mbar& x : b.mbars)
+        if (x.addr == f.wait_mbar) m = &x;
+      if (m == nullptr) return "waiting on a vanished mbarrier";
+      return "waiting on the mbarrier at shared " + hex(smem_u32(f.wait_mbar)) + " for the phase of parity " +
+             std::to_string(f.wait_parity) + " (phase " + std::to_string(m->phase) + ": " + std::to_string(m->pending) +
+             " of " + std::to_string(m->count) + " arrivals pending, " + std::to_string(m->tx) + " transaction bytes)";
+    }
+  }
+  return "?";
+}
+
+// No thread can run and not all have finished: what each waits for, consecutive threads alike
+// in one line.
+inline std::string describe_deadlock(const Block& b) {
+  std::string out = "deadlock: no thread can run and not all have finished";
+  int start = 0;
+  std::string cur = describe_wait(b, b.fibers[0]);
+  for (int i = 1; i <= b.threads; ++i) {
+    const std::string d = i < b.threads ? describe_wait(b, b.fibers[i]) : std::string();
+    if (i < b.threads && d == cur) continue;
+    out += (i - 1 > start ? "\n  threads " + std::to_string(start) + "-" + std::to_string(i - 1)
+                          : "\n  thread " + std::to_string(start)) + ": " + cur;
+    start = i;
+    cur = d;
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
 // Launch: blocks one after the other, threads as fibers.
 
 inline void trampoline() {
   yield();  // parks at the start: the first resume runs the kernel
   block()->body();
-  me().done = true;
-  _longjmp(block()->sched_jb, 1);
+  Block& b = *block();
+  Fiber& f = me();
+  f.done = true;
+  f.state = kDone;
+  b.live--;
+  const int w = f.linear >> 5;
+  b.warp_done[w]++;
+  if (b.warp_arrived[w]) {
+    std::string at = "a collective";
+    for (int l = 32 * w; l < 32 * w + warp_lanes(b, w); ++l)
+      if (b.fibers[l].state == kAtWarp) at = point_name(cur_slot(b.fibers[l]));
+    set_error("collective reached divergently: warp " + std::to_string(w) + ": lane " + std::to_string(f.linear & 31) +
+              " finished while other lanes wait at " + at);
+  }
+  if (!f.wgmma.empty()) set_error("a thread ended with a wgmma not waited for");
+  _longjmp(b.sched_jb, 1);
 }
 
 template <typename Params>
@@ -581,6 +1069,8 @@ struct Builtin {
 #define __launch_bounds__(...)
 #undef __shared__
 #define __shared__
+#undef __grid_constant__
+#define __grid_constant__
 #define threadIdx (::ssa_emu::Builtin::thread_idx())
 #define blockIdx (::ssa_emu::Builtin::block_idx())
 #define gridDim (::ssa_emu::Builtin::grid_dim())
@@ -640,6 +1130,10 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
         b.body = [&]() { kernel(p); };
         b.fibers.resize(threads);
         b.mma_cache.resize((threads + 31) / 32);
+        b.threads = b.live = threads;
+        b.warp_arrived.assign((threads + 31) / 32, 0);
+        b.warp_done.assign((threads + 31) / 32, 0);
+        b.wg_arrived.assign((threads + 127) / 128, 0);
         static std::vector<std::vector<char>> stacks;  // reused by every block
         if (static_cast<int>(stacks.size()) < threads) stacks.resize(threads);
         block() = &b;
@@ -660,31 +1154,32 @@ std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, in
         std::vector<int> order(threads);
         std::iota(order.begin(), order.end(), 0);
         std::string error;
+        const std::string where = " (block " + std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) + ")";
+        // passes over the threads (in a shuffled order), each running every runnable one up to its next
+        // wait; a pass that finds none runnable with threads unfinished is a deadlock
         while (true) {
           if (config().shuffle) std::shuffle(order.begin(), order.end(), rng);
+          int ran = 0;
           for (int i : order) {
-            if (b.fibers[i].done) continue;
+            if (b.fibers[i].state != kRunnable) continue;
             b.cur = i;
+            ++ran;
             if (_setjmp(b.sched_jb) == 0) _longjmp(b.fibers[i].jb, 1);
+            if (!b.error.empty()) break;
           }
-          int done = 0;
-          for (const Fiber& f : b.fibers) {
-            done += f.done;
-            if (f.done && !f.wgmma.empty())
-              error = std::string(name) + ": a thread ended with a wgmma not waited for";
+          if (!b.error.empty()) {
+            error = std::string(name) + ": " + b.error + where;
+            break;
           }
-          if (!error.empty()) break;
-          if (done == threads) break;
-          const Fiber& f0 = b.fibers[0];
-          for (const Fiber& f : b.fibers) {
-            if (f.done || f.syncs != f0.syncs || f.slot[(f.syncs - 1) & 1].kind != f0.slot[(f0.syncs - 1) & 1].kind) {
-              error = std::string(name) + ": threads diverged at a barrier or warp collective (block " +
-                      std::to_string(x) + "," + std::to_string(y) + "," + std::to_string(z) + ")";
-              break;
-            }
+          if (b.live == 0) break;
+          if (ran == 0) {
+            error = std::string(name) + where + ": " + describe_deadlock(b);
+            break;
           }
-          if (!error.empty()) break;
         }
+        for (const Mbar& m : b.mbars)
+          if (error.empty() && !m.lazy.empty())
+            error = std::string(name) + ": the block ended with TMA loads whose mbarrier phase never completed" + where;
         block() = nullptr;
         if (!error.empty()) return error;
       }
