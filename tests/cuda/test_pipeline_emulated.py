@@ -21,7 +21,6 @@ Skipped without the CUDA headers / a host compiler (1) or nvcc / cuobjdump (2).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 import background
+from emulation import harness
 
 pytestmark = pytest.mark.slow  # (builds; like test_csrc_compile's emulation tests)
 
@@ -44,16 +44,9 @@ NVCC = shutil.which("nvcc")
 D, BM, BN = 128, 128, 64
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("ssa_emu_harness_pipeline", ROOT / "tests" / "emu_harness.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _build_emu():
     """(library path, None) or (None, why)."""
-    inc = _harness().cuda_include_dir()
+    inc = harness().cuda_include_dir()
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if inc is None or cxx is None:
         return None, "CUDA headers (cuda_fp16.h) or a host C++ compiler not found"
