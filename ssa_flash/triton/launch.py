@@ -475,11 +475,9 @@ def _tma_ready(*tensors) -> bool:
     a trace or a test) has no pointer to read: its alignment is taken as the allocator's (16)."""
     for t in tensors:
         e = t.element_size()
-        if isinstance(t, FakeTensor) or t.is_meta:
-            if t.stride(-1) != 1 or any(st * e % 16 for st in t.stride()[:-1]):
-                return False
-            continue
-        if t.stride(-1) != 1 or any(st * e % 16 for st in t.stride()[:-1]) or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or any(st * e % 16 for st in t.stride()[:-1]):
+            return False
+        if not (t.is_meta or isinstance(t, FakeTensor)) and t.data_ptr() % 16:
             return False
     return True
 
