@@ -257,3 +257,17 @@ def test_triton_varlen_repacked():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_torch_compile_fullgraph():
+    """The slices, the zero rows and the varlen re-packing trace without a graph break."""
+    q, k, v = blhd(B=1, Lq=9, Lk=5, D=16, dtype=torch.float32)
+    dense = lambda q, k, v: flash_attn_func(q, k, v, causal=True, backend="triton", **SSA)  # noqa: E731
+    torch.testing.assert_close(torch.compile(dense, fullgraph=True, backend="aot_eager")(q, k, v), dense(q, k, v))
+    q, k, v = (t.detach().float() for t in packed([0, 3, 5], [2, 5, 4], D=16))
+    offsets_q, offsets_k = cu([0, 3, 5]), cu([2, 5, 4])
+    varlen = lambda q, k, v: flash_attn_varlen_func(q, k, v, offsets_q, offsets_k, 5, 5, causal=True,  # noqa: E731
+                                                    backend="triton")
+    torch.testing.assert_close(torch.compile(varlen, fullgraph=True, backend="aot_eager")(q, k, v), varlen(q, k, v))

@@ -121,11 +121,14 @@ def test_errors_name_the_argument():
 
 
 @needs_kernels
-def test_triton_kernels_on_broadcast_views():
-    """The Triton kernels take the zero-stride batch of broadcast keys: 5-D, forward and backward
+@pytest.mark.parametrize("qs,ks", [((2, 3, 2, 9, 16), (1, 3, 2, 11, 16)),   # zero-stride key batch
+                                   ((1, 2, 9, 16), (3, 2, 11, 16)),         # zero-stride query batch
+                                   ((2, 1, 9, 16), (2, 2, 11, 16))])        # zero-stride query heads
+def test_triton_kernels_on_broadcast_views(qs, ks):
+    """The Triton kernels take the zero-stride views of broadcast inputs, forward and backward,
     against the reference."""
-    q, k, v = (rand(2, 3, 2, 9, 16, dtype=torch.float32), rand(1, 3, 2, 11, 16, seed=1, dtype=torch.float32),
-               rand(1, 3, 2, 11, 16, seed=2, dtype=torch.float32))
+    q, k, v = (rand(*qs, dtype=torch.float32), rand(*ks, seed=1, dtype=torch.float32),
+               rand(*ks, seed=2, dtype=torch.float32))
     outs = [ssa_flash.ssa_attention(q, k, v, is_causal=True, b=0.8, n=1.6, backend=be) for be in ("triton", "reference")]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
     grads = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
