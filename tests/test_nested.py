@@ -67,6 +67,24 @@ def test_every_variant_against_each_sequence(name, fn, kw, causal):
             torch.testing.assert_close(g.unbind()[s], r[0].transpose(0, 1))
 
 
+def test_options_reach_the_packed_call():
+    """dropout, window, sinks, softcap, scale, deterministic: the nested call equals
+    varlen_attention on the packed rows with the same seed."""
+    qs, ks = sequences(LENS_Q, 2, 8, 0), sequences(LENS_K, 2, 8, 1)
+    (_, q), (_, k) = nested(qs), nested(ks)
+    kw = dict(dropout_p=0.3, is_causal=True, scale=0.4, window_size=(2, -1), sinks=0.5, softcap=3.0,
+              deterministic=True, return_lse=True, backend="reference")
+    torch.manual_seed(7)
+    out, lse = ssa_flash.ssa_attention(q, k, k, b=0.8, n=1.6, **kw)
+    cu_q = torch.tensor([0, 3, 8, 9, 13], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 4, 6, 12, 16], dtype=torch.int32, device=DEVICE)
+    torch.manual_seed(7)
+    ref, ref_lse = ssa_flash.varlen_attention(torch.cat(qs), torch.cat(ks), torch.cat(ks), cu_q, cu_k, 5, 6,
+                                              score="ssa", score_params=(0.8, 1.6), **kw)
+    torch.testing.assert_close(out.values().transpose(0, 1), ref)
+    torch.testing.assert_close(lse.values(), ref_lse)  # (Hq, total) both
+
+
 def test_packed_rows_are_views():
     """The kernels get views of the nested buffers, and the output shares the query's ragged
     dim (so residual additions work)."""
