@@ -40,6 +40,7 @@ Not taken (each raises ``NotImplementedError`` naming the argument when given): 
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -313,7 +314,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         if k is not None or v is not None:
             raise ValueError("cache_seqlens must be given with k and v (the rows where they are written)")
         cache_seqlens = cache_len
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     left, right = _fa_window(window_size, causal, cache_len)
     out, lse = ops.attention_with_kvcache(

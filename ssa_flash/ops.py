@@ -701,6 +701,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
 
     Args:
         query: ``(B, Hq, Lq, D)`` (or ``(Hq, Lq, D)``); key: ``(B, Hkv, Lk, D)``; value: ``(B, Hkv, Lk, Dv)``.
+            Also SDPA's other shapes (any leading batch dims, 2-D, batch and head dims broadcast:
+            ``ssa_flash._shapes``) and jagged nested ``(B, H, j, D)`` tensors (``ssa_flash._nested``).
         attn_mask: bool (True = attend) or float (added to ``phi(z)``), broadcastable to (B, Hq, Lq, Lk).
         dropout_p: in [0, 1]: SDPA's dropout on the final weights (after any temperature): each
             kept with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; the LSE
