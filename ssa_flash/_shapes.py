@@ -5,10 +5,13 @@ scaled_dot_product_attention`` takes them, brought to the kernels' ``(B, H, L, D
 
 The inputs are padded with leading size-1 dimensions to a common rank (at least 3), the batch
 dimensions (all but the last three) broadcast together into ``N...``, every tensor is expanded
-to ``N...`` (zero strides, no copy) and its batch dimensions merged into one ``B = prod(N...)``
-by ``reshape``, which is a view whenever the strides allow it: always for tensors whose batch
-dimensions are not broadcast or are all broadcast; a tensor broadcast over some batch
-dimensions and not others is copied (one stride cannot describe it). Heads follow SDPA too:
+to ``N...`` (zero strides, no copy) and its batch dimensions merged into one ``B = prod(N...)``:
+a view for tensors whose batch dimensions are not broadcast or are all broadcast. A tensor
+broadcast over some batch dimensions and not others cannot be one strided batch dimension
+(``(1, N2)`` keys against ``(N1, N2)`` queries); there the trailing batch dimensions are merged
+into the heads instead (``B = N1`` with the keys' zero stride, ``N2 * H`` heads, per-head
+parameters tiled to match), when that split gives views of every tensor; when none does, the
+tensors that need it are copied (``reshape``). Heads follow SDPA too:
 ``Hq == Hkv``; ``enable_gqa`` (query head ``h`` uses key/value head ``h // (Hq // Hkv)``); else
 one side with one head broadcast over the other's (one key/value head: grouped-query attention
 with one group; one query head: a zero-stride view of it). Masks broadcast to the output's
@@ -40,13 +43,63 @@ def _merge_batch(x: Tensor, batch: Tuple[int, ...], rows: Tuple[int, ...]) -> Te
     return x.expand(*batch, *rows).reshape(math.prod(batch), *rows)
 
 
+def _split_view(x: Tensor, batch: Tuple[int, ...], split: int) -> Optional[Tensor]:
+    """``x (..., H, L, D)`` expanded to ``(*batch, H, L, D)`` as the view ``(prod(batch[:split]),
+    prod(batch[split:]) * H, L, D)``: the batch dims after ``split`` merged into the heads, head
+    index ``r * H + h``. None where the strides allow no such view."""
+    rows = tuple(x.shape[-3:])
+    try:
+        return x.expand(*batch, *rows).view(math.prod(batch[:split]), math.prod(batch[split:]) * rows[0], *rows[1:])
+    except RuntimeError:
+        return None
+
+
+def _views(tensors, batch: Tuple[int, ...]):
+    """The 4-D views of ``tensors`` and how many times the heads repeat: batch dims merged into
+    ``B`` where the strides allow it; else the trailing batch dims that no tensor broadcasts
+    merged into the heads (``(1, N2)`` keys against ``(N1, N2)`` queries: ``B = N1`` with the keys'
+    zero stride, ``N2 * H`` heads); else (no split gives views) a copy (``reshape``)."""
+    for split in range(len(batch), -1, -1):
+        views = [_split_view(x, batch, split) for x in tensors]
+        if all(v is not None for v in views):
+            return views, math.prod(batch[split:])
+    return [_merge_batch(x, batch, tuple(x.shape[-3:])) for x in tensors], 1
+
+
+def _tile(x, heads: int, repeat: int):
+    """A per-head parameter ``(heads,)`` for heads repeated ``repeat`` times (index ``r * heads + h``);
+    numbers, ``()`` tensors and anything else pass unchanged (and are checked by the caller)."""
+    if repeat == 1 or not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != heads:
+        return x
+    return x.repeat(repeat)
+
+
+def tile_params(options: dict, names: Tuple[str, ...], heads: int, repeat: int) -> dict:
+    """``options`` with the per-head parameters among ``names`` (``score_params``, a dict or a
+    sequence of them, or single ones: ``sinks``, ``b``, ``n``) tiled by :func:`_tile`."""
+    if repeat == 1:
+        return options
+    options = dict(options)
+    for name in names:
+        x = options.get(name)
+        if isinstance(x, dict):
+            options[name] = {k: _tile(v, heads, repeat) for k, v in x.items()}
+        elif isinstance(x, (tuple, list)):
+            options[name] = type(x)(_tile(v, heads, repeat) for v in x)
+        else:
+            options[name] = _tile(x, heads, repeat)
+    return options
+
+
 def to_bhld(query: Tensor, key: Tensor, value: Optional[Tensor], attn_mask, enable_gqa: bool):
     """SDPA-shaped inputs as ``(B, H, L, D)`` views (see the module docstring).
 
-    Returns ``(query, key, value, attn_mask, enable_gqa, unview)``: the 4-D tensors (``value``
-    None if given None), the mask with its batch dims merged (None if None), the ``enable_gqa``
-    to run them with, and ``unview(x)`` that views an output ``(B, H, Lq, ...)`` back to SDPA's
-    shape (``(N..., H, Lq, ...)``; 2-D inputs: without the head dim)."""
+    Returns ``(query, key, value, attn_mask, enable_gqa, heads, repeat, unview)``: the 4-D
+    tensors (``value`` None if given None), the mask likewise (None if None), the ``enable_gqa``
+    to run them with, the output's heads ``H`` and how many times the 4-D views repeat them
+    (``repeat > 1``: batch dims merged into the heads, per-head parameters to be tiled by
+    :func:`tile_params`), and ``unview(x)`` that views an output ``(B, repeat * H, Lq, ...)`` back to
+    SDPA's shape (``(N..., H, Lq, ...)``; 2-D inputs: without the head dim)."""
     tensors = (query, key) if value is None else (query, key, value)
     names = ("query", "key", "value")
     for name, x in zip(names, tensors):
@@ -73,10 +126,8 @@ def to_bhld(query: Tensor, key: Tensor, value: Optional[Tensor], attn_mask, enab
         else:
             raise ValueError(f"query has {hq} heads but key/value have {hkv}: pass enable_gqa=True for "
                              f"grouped-query attention")
-    query = _merge_batch(query, batch, tuple(query.shape[-3:]))
-    key = _merge_batch(key, batch, tuple(key.shape[-3:]))
-    if value is not None:
-        value = _merge_batch(value, batch, tuple(value.shape[-3:]))
+    views, repeat = _views((query, key) if value is None else (query, key, value), batch)
+    query, key, value = views[0], views[1], (views[2] if value is not None else None)
     if isinstance(attn_mask, Tensor):
         if attn_mask.dim() > rank:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} has more dims than the output "
@@ -88,26 +139,35 @@ def to_bhld(query: Tensor, key: Tensor, value: Optional[Tensor], attn_mask, enab
         except RuntimeError:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the batch "
                              f"dims {batch}") from None
-        attn_mask = _merge_batch(mask, batch, tuple(mask.shape[-3:]))
+        if repeat == 1:  # only the batch dims merged; heads and rows expand later, as views
+            attn_mask = _merge_batch(mask, batch, tuple(mask.shape[-3:]))
+        else:  # some batch dims go into the heads: the mask's heads are expanded to the output's first
+            if mask.shape[-3] not in (1, heads):
+                raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {heads} heads")
+            mask = mask.expand(*mask.shape[:-3], heads, *mask.shape[-2:])
+            attn_mask = mask.expand(*batch, *mask.shape[-3:]).reshape(query.shape[0], query.shape[1],
+                                                                      *mask.shape[-2:])
     drop_heads = given_rank == 2  # (L, E) inputs: no batch dims, and the one head is dropped
 
     def unview(x: Tensor) -> Tensor:
-        x = x.view(*batch, *x.shape[1:])
+        x = x.view(*batch, heads, *x.shape[2:])
         return x[0] if drop_heads else x
 
-    return query, key, value, attn_mask, enable_gqa, unview
+    return query, key, value, attn_mask, enable_gqa, heads, repeat, unview
 
 
 def attention(attend: Callable, query: Tensor, key: Tensor, value: Tensor, attn_mask, enable_gqa: bool,
               return_lse: bool, **options):
     """``attend(q, k, v, mask, enable_gqa=..., return_lse=True, **options) -> (out, lse)`` on the
     ``(B, H, L, D)`` views of SDPA-shaped inputs, the results viewed back."""
-    query, key, value, attn_mask, enable_gqa, unview = to_bhld(query, key, value, attn_mask, enable_gqa)
+    query, key, value, attn_mask, enable_gqa, heads, repeat, unview = to_bhld(query, key, value, attn_mask, enable_gqa)
+    options = tile_params(options, ("score_params", "sinks"), heads, repeat)
     out, lse = attend(query, key, value, attn_mask, enable_gqa=enable_gqa, return_lse=True, **options)
     return (unview(out), unview(lse)) if return_lse else unview(out)
 
 
 def entropy(row_entropy: Callable, query: Tensor, key: Tensor, attn_mask, enable_gqa: bool, **options) -> Tensor:
     """``row_entropy(q, k, mask, enable_gqa=..., **options) -> (B, H, Lq)`` on the views."""
-    query, key, _, attn_mask, enable_gqa, unview = to_bhld(query, key, None, attn_mask, enable_gqa)
+    query, key, _, attn_mask, enable_gqa, heads, repeat, unview = to_bhld(query, key, None, attn_mask, enable_gqa)
+    options = tile_params(options, ("score_params", "sinks", "b", "n"), heads, repeat)
     return unview(row_entropy(query, key, attn_mask, enable_gqa=enable_gqa, **options))

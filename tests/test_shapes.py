@@ -78,20 +78,51 @@ def _same_storage(a, b):
 
 def test_views_not_copies():
     """Leading dims merged, broadcast keys, one query head broadcast, a (B, L, H, D) input
-    transposed: views of the caller's tensors. A key batch broadcast over some batch dims and
-    not others cannot be one strided view: copied (documented)."""
+    transposed, keys broadcast over the leading batch dim only (its trailing batch dim merged
+    into the heads): views of the caller's tensors. Where no split of the batch dims gives views
+    (that last case with the transposed query), the keys are copied (documented)."""
     base = torch.randn(2, 3, 5, 4, 8, device=DEVICE)         # (N1, N2, L, H, D)
     q = base.transpose(-3, -2)                               # (N1, N2, H, L, D), not contiguous
     k = torch.randn(1, 1, 4, 7, 8, device=DEVICE)
-    q4, k4, v4, _, gqa, _ = _shapes.to_bhld(q, k, k, None, False)
-    assert q4.shape == (6, 4, 5, 8) and k4.shape == (6, 4, 7, 8) and not gqa
+    q4, k4, v4, _, gqa, heads, repeat, _ = _shapes.to_bhld(q, k, k, None, False)
+    assert q4.shape == (6, 4, 5, 8) and k4.shape == (6, 4, 7, 8) and not gqa and (heads, repeat) == (4, 1)
     assert _same_storage(q4, base) and _same_storage(k4, k) and k4.stride(0) == 0
     q1 = torch.randn(2, 1, 5, 8, device=DEVICE)
-    q4, k4, _, _, _, _ = _shapes.to_bhld(q1, k[0].expand(2, 4, 7, 8), k[0].expand(2, 4, 7, 8), None, False)
+    q4, *_ = _shapes.to_bhld(q1, k[0].expand(2, 4, 7, 8), k[0].expand(2, 4, 7, 8), None, False)
     assert _same_storage(q4, q1) and q4.stride(1) == 0 and q4.shape == (2, 4, 5, 8)
     k_mixed = torch.randn(1, 3, 4, 7, 8, device=DEVICE)
-    _, k4, _, _, _, _ = _shapes.to_bhld(q, k_mixed, k_mixed, None, False)
+    q_contiguous = q.contiguous()
+    q4, k4, _, _, _, heads, repeat, _ = _shapes.to_bhld(q_contiguous, k_mixed, k_mixed, None, False)
+    assert q4.shape == (2, 12, 5, 8) and k4.shape == (2, 12, 7, 8) and (heads, repeat) == (4, 3)
+    assert _same_storage(q4, q_contiguous) and _same_storage(k4, k_mixed) and k4.stride(0) == 0
+    _, k4, *_ = _shapes.to_bhld(q, k_mixed, k_mixed, None, False)
     assert k4.shape == (6, 4, 7, 8) and not _same_storage(k4, k_mixed)
+
+
+def test_batch_dims_merged_into_heads_tile_the_parameters():
+    """Keys broadcast over the leading batch dim only: per-head b, n, sinks tensors and a float
+    mask with its own heads, against the call on copies flattened to (N1 N2, H, L, D); outputs,
+    lse and the gradients of q, k, v, b, sinks."""
+    q, k, v = rand(2, 3, 4, 5, 8), rand(1, 3, 4, 7, 8, seed=1), rand(1, 3, 4, 7, 8, seed=2)
+    mask = torch.randn(1, 3, 4, 5, 7, dtype=torch.float64, device=DEVICE)
+    b = torch.tensor([0.5, 0.8, 1.1, 1.4], dtype=torch.float64, device=DEVICE, requires_grad=True)
+    sinks = torch.tensor([0.1, -0.3, 0.2, 0.0], dtype=torch.float64, device=DEVICE, requires_grad=True)
+    kw = dict(n=1.6, is_causal=True, return_lse=True, backend="reference")
+    out, lse = ssa_flash.ssa_attention(q, k, v, attn_mask=mask, b=b, sinks=sinks, **kw)
+    flat = [x.expand(2, 3, 4, *x.shape[-2:]).reshape(6, 4, *x.shape[-2:]) for x in (q, k, v)]
+    b2, sinks2 = b.detach().requires_grad_(), sinks.detach().requires_grad_()
+    ref, ref_lse = ssa_flash.ssa_attention(*flat, attn_mask=mask.expand(2, 3, 4, 5, 7).reshape(6, 4, 5, 7),
+                                           b=b2, sinks=sinks2, **kw)
+    torch.testing.assert_close(out, ref.view(2, 3, 4, 5, 8))
+    torch.testing.assert_close(lse, ref_lse.view(2, 3, 4, 5))
+    ours = torch.autograd.grad(out.square().sum(), (q, k, v, b, sinks))
+    theirs = torch.autograd.grad(ref.square().sum(), (q, k, v, b2, sinks2))
+    for a, r in zip(ours, theirs):
+        torch.testing.assert_close(a, r)
+    ent = ssa_flash.attention_entropy(q, k, attn_mask=mask, b=b.detach(), n=1.6, backend="reference")
+    torch.testing.assert_close(ent, ssa_flash.attention_entropy(
+        *flat[:2], attn_mask=mask.expand(2, 3, 4, 5, 7).reshape(6, 4, 5, 7), b=b.detach(), n=1.6,
+        backend="reference").view(2, 3, 4, 5))
 
 
 def test_planned_4d_calls_do_not_reach_the_shapes(monkeypatch):
