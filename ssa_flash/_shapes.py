@@ -48,10 +48,18 @@ def _split_view(x: Tensor, batch: Tuple[int, ...], split: int) -> Optional[Tenso
     prod(batch[split:]) * H, L, D)``: the batch dims after ``split`` merged into the heads, head
     index ``r * H + h``. None where the strides allow no such view."""
     rows = tuple(x.shape[-3:])
-    try:
-        return x.expand(*batch, *rows).view(math.prod(batch[:split]), math.prod(batch[split:]) * rows[0], *rows[1:])
-    except RuntimeError:
+    x = x.expand(*batch, *rows)
+    if x.numel() and not (_mergeable(x, 0, split) and _mergeable(x, split, len(batch) + 1)):
         return None
+    return x.view(math.prod(batch[:split]), math.prod(batch[split:]) * rows[0], *rows[1:])
+
+
+def _mergeable(x: Tensor, start: int, stop: int) -> bool:
+    """Whether dims ``[start, stop)`` of ``x`` merge into one strided dim (a view): each stride
+    is the next one times the next size, size-1 dims aside. (Read off the strides rather than
+    tried with ``view``, so that torch.compile traces it.)"""
+    dims = [(x.shape[i], x.stride(i)) for i in range(start, stop) if x.shape[i] != 1]
+    return all(stride == next_stride * next_size for (_, stride), (next_size, next_stride) in zip(dims, dims[1:]))
 
 
 def _views(tensors, batch: Tuple[int, ...]):

@@ -165,3 +165,13 @@ def test_triton_kernels_on_broadcast_views(qs, ks):
     grads = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph():
+    """The normalisation traces without a graph break (strides read, never a view tried)."""
+    fn = lambda q, k: ssa_flash.ssa_attention(q, k, k, is_causal=True, backend="reference")  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for qs, ks in (((2, 3, 4, 5, 8), (1, 3, 4, 7, 8)), ((5, 8), (7, 8))):
+        q, k = rand(*qs), rand(*ks, seed=1)
+        torch.testing.assert_close(compiled(q, k), fn(q, k))
