@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import autograd, backends, reference, scores
+from . import _nested, _shapes, autograd, backends, reference, scores
 from .backends.spec import AttentionSpec, acc_dtype
 from .errors import BackendUnavailableError
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
@@ -589,6 +589,21 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         call_key = plan = None
     if plan is not None:
         return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
+    # SDPA's other layouts, reached only when no call plan matched (a planned call pays nothing):
+    # jagged nested tensors (ssa_flash._nested), other ranks and broadcast batch or head dims
+    # (ssa_flash._shapes); both call back here with (B, H, L, D) tensors of one batch size
+    if isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor) and (
+            query.is_nested or key.is_nested or value.is_nested or query.dim() != 4 or key.dim() != 4
+            or value.dim() != 4 or key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]
+            or (key.shape[1] != query.shape[1] and not enable_gqa)):
+        options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, score=score, score_params=score_params,
+                       adaptive=adaptive, poly=poly, threshold=threshold, backend=backend,
+                       deterministic=deterministic, window_size=window_size, sinks=sinks, softcap=softcap)
+        enable_gqa = _check_bool("enable_gqa", enable_gqa)
+        if query.is_nested or key.is_nested or value.is_nested:
+            return _nested.attention(varlen_attention, query, key, value, attn_mask, enable_gqa, return_lse,
+                                     **options)
+        return _shapes.attention(_attention, query, key, value, attn_mask, enable_gqa, return_lse, **options)
     score_arg, sinks_arg, backend_arg = score_params, sinks, backend
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     deterministic = _check_bool("deterministic", deterministic)
@@ -686,6 +701,8 @@ def ssa_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
 
     Args:
         query: ``(B, Hq, Lq, D)`` (or ``(Hq, Lq, D)``); key: ``(B, Hkv, Lk, D)``; value: ``(B, Hkv, Lk, Dv)``.
+            Also SDPA's other shapes (any leading batch dims, 2-D, batch and head dims broadcast:
+            ``ssa_flash._shapes``) and jagged nested ``(B, H, j, D)`` tensors (``ssa_flash._nested``).
         attn_mask: bool (True = attend) or float (added to ``phi(z)``), broadcastable to (B, Hq, Lq, Lk).
         dropout_p: in [0, 1]: SDPA's dropout on the final weights (after any temperature): each
             kept with probability ``1 - dropout_p`` and scaled by ``1 / (1 - dropout_p)``; the LSE
@@ -799,6 +816,14 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
                                      window_size=window_size, sinks=sinks, softcap=softcap, score=score,
                                      score_params=score_params)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
+    if isinstance(query, Tensor) and isinstance(key, Tensor) and (
+            query.is_nested or key.is_nested or query.dim() != 4 or key.dim() != 4
+            or key.shape[0] != query.shape[0] or (key.shape[1] != query.shape[1] and not enable_gqa)):
+        if query.is_nested or key.is_nested:
+            raise ValueError("attention_entropy does not take nested tensors")
+        return _shapes.entropy(attention_entropy, query, key, attn_mask, enable_gqa, is_causal=is_causal, scale=scale,
+                               b=b, n=n, backend=backend, window_size=window_size, sinks=sinks, softcap=softcap,
+                               score=score, score_params=score_params)
     _check_tensor("query", query)
     _check_tensor("key", key)
     unbatched = query.dim() == 3

@@ -102,9 +102,10 @@ def test_unhashable_or_unplanned_arguments_take_the_checked_path():
     out = ssa_flash.attention(q, k, v, window_size=[3, 0], backend=BACKEND)  # a list: hashed as a tuple
     ref = ssa_flash.attention(q, k, v, window_size=(3, 0), backend="reference")
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    ssa_flash.attention(q[0], k[0], v[0], backend=BACKEND)  # 3-D: never planned
     ssa_flash.attention(q, k, v, backend="reference")  # the reference: never planned
     assert len(ops._call_plans) == 1
+    ssa_flash.attention(q[0], k[0], v[0], backend=BACKEND)  # 3-D: planned as its (1, H, L, D) view
+    assert len(ops._call_plans) == 2
 
 
 def test_a_call_without_gradients_skips_the_autograd_function(monkeypatch):

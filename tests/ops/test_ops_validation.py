@@ -23,17 +23,17 @@ FNS = [ssa_flash.ssa_attention, ssa_flash.softmax_attention, ssa_flash.adaptive_
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_shape_errors(fn, backend):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="query"):
-        fn(q[0, 0], k, v, backend=backend)
+    with pytest.raises(ValueError, match="query must have at least 2 dims"):
+        fn(q[0, 0, 0], k, v, backend=backend)
     with pytest.raises(ValueError, match="head dim"):
         fn(q, k[..., :8], v, backend=backend)
-    with pytest.raises(ValueError, match="batch"):
-        fn(q, torch.cat([k, k]), torch.cat([v, v]), backend=backend)
+    with pytest.raises(ValueError, match="batch"):  # 2 and 3 do not broadcast (1 and 2 would: SDPA's rule)
+        fn(torch.cat([q, q]), torch.cat([k, k, k]), torch.cat([v, v, v]), backend=backend)
     with pytest.raises(ValueError, match="key .* and value"):
         fn(q, k, v[:, :, :5], backend=backend)
-    with pytest.raises(ValueError, match="enable_gqa"):
-        fn(q, k[:, :1], v[:, :1], backend=backend)
     q3 = torch.randn(1, 3, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="enable_gqa"):  # 3 query heads, 2 key heads (1 would broadcast)
+        fn(q3, k, v, backend=backend)
     with pytest.raises(ValueError, match="multiple"):
         fn(q3, k, v, enable_gqa=True, backend=backend)
 
