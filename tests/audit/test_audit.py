@@ -71,7 +71,7 @@ KNOWN_FAILURES = {
     # The adaptive backward with a boolean mask at D = 111 (head block 128), sm_90: its spill-free
     # tiles were 16 wide (dQ 128 x 16, dK/dV 16 x 64), which boolean masks no longer get on a GPU
     # (Triton 3.6 computed wrong gradients there on an H200: launch._launch); 32-wide and larger
-    # spill 0.3-1.8 KB (bench/NOTES.md, 2026-11-26, second GPU session).
+    # spill 0.3-1.8 KB (bench/NOTES.md, boolean masks and 16-wide tiles).
     "no_spills": {"sm90-bwd_dq-ssa_adaptive-causal-bool-d111-fp16", "sm90-bwd_dq-adaptive-causal-bool-d111-fp16",
                   "sm90-bwd_dkdv-adaptive-causal-bool-d111-fp16", "sm90-bwd_dkdv-ssa_adaptive-causal-bool-d111-fp16"},
     "no_repeated_tensor_work": set(),

@@ -193,36 +193,38 @@ def test_ring_module_under_ddp_and_fsdp():
 
 def _one_rank_fails(rank, world, results_dir, group_timeout_s):
     q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
-    start = time.monotonic()
+    # the group under test, with the short timeout, made once both ranks are here (the default
+    # group's timeout is a hang catcher: joining it may take long on a loaded machine)
+    dist.barrier()
+    group = dist.new_group(ranks=list(range(world)), timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
         if rank == 1:  # a bad argument on one rank only: it raises before communicating
-            sfd.ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], is_causal=True, backend="reference")
+            sfd.ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], group=group, is_causal=True, backend="reference")
         else:  # the other waits for a shard that never comes
-            sfd.ring_attention(q, q, q, is_causal=True, backend="reference")
+            sfd.ring_attention(q, q, q, group=group, is_causal=True, backend="reference")
     except Exception as err:  # noqa: BLE001
-        outcome = f"{type(err).__name__} after {time.monotonic() - start:.1f} s: {err}".replace("\n", " ")
+        outcome = f"{type(err).__name__}: {err}".replace("\n", " ")
     else:
         outcome = "no error"
     with open(os.path.join(results_dir, f"rank{rank}"), "w") as fh:
         fh.write(outcome)
     if rank == 1:  # stays in the group without communicating until the other has given up
-        deadline = time.monotonic() + group_timeout_s + 20
-        while not os.path.exists(os.path.join(results_dir, "rank0")) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(results_dir, "rank0")):  # (spawn's timeout catches a hang)
             time.sleep(0.2)
 
 
 @needs_gloo
 def test_failing_rank_raises_everywhere(tmp_path):
     """One rank fails on a bad argument (a ValueError naming it) and then stays alive without
-    communicating; the rank waiting on it raises at the process group's timeout (4 s here)
-    instead of hanging. (A failed rank that exits makes the others' receives fail at once.)"""
-    timeout = 4.0
-    spawn(_one_rank_fails, 2, str(tmp_path), timeout, timeout=120, group_timeout_s=timeout)
+    communicating; the rank waiting on it raises at the process group's timeout (10 s here)
+    instead of hanging. (A failed rank that exits makes the others' receives fail at once.) The
+    verdict does not depend on the machine's speed: the failed rank stays until the other has
+    raised, so the other's error can only be the timeout's."""
+    spawn(_one_rank_fails, 2, str(tmp_path), 10.0)
     r0 = (tmp_path / "rank0").read_text()
     r1 = (tmp_path / "rank1").read_text()
     assert r1.startswith("ValueError") and "is_causal" in r1, r1
-    assert r0 != "no error", r0
-    assert float(r0.split(" after ")[1].split(" s")[0]) < timeout + 10, r0
+    assert r0 != "no error" and "timed out" in r0.lower(), r0
 
 
 # --------------------------------------------------------------------------------------------

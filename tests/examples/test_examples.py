@@ -32,7 +32,7 @@ def run_example(name, out_dir, *extra):
 def tables(json_path):
     """examples/make_tables.py renders the JSON as the markdown tables of docs/reproduction.md."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_tables.py"), str(json_path)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

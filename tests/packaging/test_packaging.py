@@ -194,7 +194,7 @@ def test_setup_py_stops_early_on_an_old_setuptools(tmp_path):
     (fake / "command" / "build_py.py").write_text("class build_py:\n    pass\n")
     env = dict(_clean_env(), PYTHONPATH=str(tmp_path))
     proc = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--version"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert 'pip install -U "setuptools>=77"' in proc.stderr and "setup ran" not in proc.stderr + proc.stdout
 

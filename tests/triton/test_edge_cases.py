@@ -72,6 +72,24 @@ def test_nan_inf_inputs_propagate(mode, bad):
     torch.testing.assert_close(out[others], ref[others], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])
+def test_a_nan_key_reaches_only_the_rows_that_may_attend_to_it(mode):
+    """A NaN in the last key of head 0 (docs/reliability.md): every row of head 0 is NaN when it is
+    attended to and under an additive -inf mask (NaN + -inf is NaN); nothing is NaN when a boolean
+    mask or the causal diagonal excludes it (SDPA's CPU backends differ: tests/docs/test_sdpa_facts.py)."""
+    q, k, v = make_qkv(Lq=12, Lk=14, D=16, requires_grad=False)
+    k = k.clone()
+    k[0, 0, -1, 0] = float("nan")
+    keep = torch.ones(12, 14, dtype=torch.bool, device=DEVICE)
+    keep[:, -1] = False
+    additive = torch.zeros(12, 14, device=DEVICE).masked_fill(~keep, float("-inf"))
+    for kwargs, poisoned in (({}, True), ({"attn_mask": additive}, True), ({"attn_mask": keep}, False),
+                             ({"is_causal": True}, False)):
+        out = call(ssa_flash, mode, q, k, v, 1.0, 1.5, backend="triton", **kwargs)
+        assert out[0, 1].isfinite().all(), kwargs  # head 1 has no NaN key
+        assert (out[0, 0].isnan().all() if poisoned else out[0, 0].isfinite().all()), kwargs
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_decoding_shape(mode):
     """One new query against a long cache, with GQA and key padding (Lq = 1)."""
