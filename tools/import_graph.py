@@ -25,7 +25,7 @@ PACKAGE = "ssa_flash"
 LAYERS: Tuple[Tuple[str, Tuple[Tuple[str, ...], ...]], ...] = (
     ("contract", (("ssa_flash.spec", "ssa_flash.scores", "ssa_flash.conventions", "ssa_flash.errors",
                    "ssa_flash.temperature", "ssa_flash._version"),)),
-    ("kernels", (("ssa_flash.triton",), ("ssa_flash.reference",))),
+    ("kernels", (("ssa_flash.triton",), ("ssa_flash.reference",), ("ssa_flash._C",))),
     ("backends", (("ssa_flash.backends",),)),
     ("ops", (("ssa_flash.autograd",),)),
     ("public", (("ssa_flash.ops", "ssa_flash.cuda"),)),
@@ -36,9 +36,14 @@ LAYERS: Tuple[Tuple[str, Tuple[Tuple[str, ...], ...]], ...] = (
 )
 
 
+# compiled modules (no source to read): the CUDA extension built from csrc/
+EXTENSIONS = ("ssa_flash._C",)
+
+
 def modules(root: str = ROOT) -> Dict[str, str]:
-    """Every module of the package: dotted name -> path (a package by its ``__init__``)."""
-    out = {}
+    """Every module of the package: dotted name -> path (a package by its ``__init__``; an
+    extension of :data:`EXTENSIONS` by ``None``)."""
+    out: Dict[str, Optional[str]] = dict.fromkeys(EXTENSIONS)
     base = os.path.join(root, PACKAGE)
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
@@ -64,6 +69,9 @@ def imports(mods: Dict[str, str]) -> Dict[str, Set[str]]:
     a module, else ``x``)."""
     graph: Dict[str, Set[str]] = {}
     for name, path in mods.items():
+        if path is None:
+            graph[name] = set()
+            continue
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         is_package = path.endswith("__init__.py")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ptx_lockstep as P  # noqa: E402
 from ssa_flash import reference  # noqa: E402
 from ssa_flash.audit import compile as acomp  # noqa: E402
-from ssa_flash.backends.spec import AttentionSpec  # noqa: E402
+from ssa_flash.spec import AttentionSpec  # noqa: E402
 from ssa_flash.triton import launch, tiles  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The CUDA C++ backend: :class:`~ssa_flash.backends.spec.Backend` over the extension built from
+"""The CUDA C++ backend: :class:`~ssa_flash.spec.Backend` over the extension built from
 ``csrc/``, with everything the extension leaves to its caller: zero-padding of head dims to a
 multiple of 8, strides and alignment, mask conversion, the CUDA device and stream, and the
 reduction of the per-block db/dn partial sums.
@@ -47,7 +47,7 @@ from .. import scores
 from ..errors import BackendUnavailableError
 from . import _cuda_build
 from ._compile import constant_for_compile
-from .spec import AttentionSpec, TemperatureState
+from ..spec import AttentionSpec, TemperatureState
 
 __all__ = [
     "NAME",
@@ -526,7 +526,7 @@ def _spec_args(spec: AttentionSpec, scale: float, sinks: Optional[torch.Tensor])
 
 def _dropout_args(spec: AttentionSpec) -> dict:
     """The kernels' dropout: p and the (seed, offset) tensor (csrc/set_params.h rounds keep31 as
-    ``ssa_flash.reference.dropout_keep_threshold`` does)."""
+    ``ssa_flash.conventions.dropout_keep_threshold`` does)."""
     p = float(spec.dropout_p)
     return dict(dropout_p=p, drop_rng=spec.dropout_rng if p > 0 else None)
 

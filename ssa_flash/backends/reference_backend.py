@@ -1,4 +1,4 @@
-"""The reference backend: :class:`~ssa_flash.backends.spec.Backend` on materialised scores.
+"""The reference backend: :class:`~ssa_flash.spec.Backend` on materialised scores.
 
 The forward reuses the specification's logit rows (``ssa_flash.reference``); the backward is
 docs/design.md §1.2 / §1.3 written out on whole ``(B, Hq, Lq, Lk)`` matrices, in the accumulation dtype
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import reference as spec_code
 from .. import scores
-from .spec import AttentionSpec, TemperatureState, acc_dtype
+from ..spec import AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
            "backward_given_g"]

@@ -1,4 +1,4 @@
-"""The Triton backend: :class:`~ssa_flash.backends.spec.Backend` over ``ssa_flash.triton.launch``.
+"""The Triton backend: :class:`~ssa_flash.spec.Backend` over ``ssa_flash.triton.launch``.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
@@ -19,7 +19,7 @@ import torch
 
 from .. import scores
 from ..triton.interpreter import interpreting
-from .spec import AttentionSpec, TemperatureState
+from ..spec import AttentionSpec, TemperatureState
 
 __all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
            "row_dbeta", "backward_given_g", "dropout_mask"]

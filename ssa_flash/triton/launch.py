@@ -6,7 +6,7 @@ expanded (as a view) to ``(B, Hq, Lq, Lk)``; ``params`` is the score function's
 (``spec.score``, ``ssa_flash.scores``) tuple of per-head parameters, one contiguous ``(Hq,)`` tensor
 in the accumulation dtype per name in its ``params`` (``()`` for softmax; SSA ``(b, n)``, the logit
 scale ``(s,)``); the kernels are compiled for ``SCORE = score.id``. Per-row statistics are
-contiguous ``(B, Hq, Lq)``. ``spec`` is the backends' one :class:`~ssa_flash.backends.spec.AttentionSpec`
+contiguous ``(B, Hq, Lq)``. ``spec`` is the backends' one :class:`~ssa_flash.spec.AttentionSpec`
 (``spec.softcap`` turns on the kernels' ``SOFTCAP``; the sink logits, an ``(Hq,)`` tensor in the
 accumulation dtype, arrive as ``sinks=`` and turn on ``SINKS``; the layout fields reach these
 functions as ``layout=`` below).
@@ -47,8 +47,9 @@ import triton.language as tl
 # ssa_flash.temperature and imports no backend, so this import (the kernels' host side reading the
 # interface's data types) makes no cycle: tests/ops/test_backends.py checks the import graph.
 from .. import scores
-from ..backends.spec import AttentionSpec, TemperatureState
-from ..reference import dropout_keep_threshold
+from .._version import __version__ as _VERSION
+from ..conventions import dropout_keep_threshold, dropout_scale
+from ..spec import AttentionSpec, TemperatureState
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .dropout import dropout_mask_kernel
 from .row_entropy import row_entropy_kernel
@@ -306,11 +307,9 @@ def _cache_key(kernel, name, device, head_block, dtype, bucket, consts, cands) -
     functions it calls, as Triton keys its compiled kernels, the specialisation, the size bucket
     and the candidate list). None when it cannot be formed (nothing is cached then)."""
     try:
-        from .. import __version__ as ours
-
         source = _kernel_identity(kernel)
         parts = (f"gpu={_gpu_name(device)}", f"torch={torch.__version__}", f"triton={triton.__version__}",
-                 f"ssa_flash={ours}", f"kernel={source}", f"name={name}", f"head_block={head_block}",
+                 f"ssa_flash={_VERSION}", f"kernel={source}", f"name={name}", f"head_block={head_block}",
                  f"dtype={dtype}", f"bucket={bucket}", f"consts={sorted((k, repr(v)) for k, v in consts.items())}",
                  f"candidates={[tuple(_block_list(c)) for c in cands]}")
         return "\n".join(parts)
@@ -790,7 +789,7 @@ def _feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
         if spec.dropout_rng is None:
             raise ValueError("ssa_flash: dropout_p > 0 needs the (seed, offset) tensor spec.dropout_rng")
         p = float(spec.dropout_p)
-        hi, lo = _split_scale(1.0 / (1.0 - p) if p < 1.0 else 0.0)
+        hi, lo = _split_scale(dropout_scale(p))
         drop_args = (spec.dropout_rng, dropout_keep_threshold(p), hi, lo)
     window = spec.window_left >= 0 or spec.window_right >= 0
     unbounded = Lq + Lk
@@ -1451,7 +1450,7 @@ def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: Atten
 def row_dbeta(do, q, k, v, o, lse, dlse, mask, params, temp: TemperatureState, spec: AttentionSpec):
     """This shard's centred part of ``dbeta_i``, ``sum_j dS'_ij (l_ij - lse^l_i)`` ``(B, Hq, Lq)``
     over the keys given (adaptive only; the contract of
-    :meth:`ssa_flash.backends.spec.KeyShardTemperature.row_dbeta`): ``o``, ``lse`` and ``temp``
+    :meth:`ssa_flash.spec.KeyShardTemperature.row_dbeta`): ``o``, ``lse`` and ``temp``
     are those of whole rows. One launch of the dQ kernel with ``dbeta/dH = 1`` (its other outputs
     are discarded)."""
     if not spec.adaptive:

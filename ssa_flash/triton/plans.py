@@ -35,6 +35,9 @@ def clear() -> None:
     _plans.clear()
 
 
+direct.ON_CLEAR.append(clear)
+
+
 def get(key) -> Optional["Plan"]:
     plan = _plans.get(key)
     if plan is not None:

@@ -15,7 +15,7 @@ import torch
 import ssa_flash
 from ssa_flash import autograd, scores, backends, errors, reference
 from ssa_flash.backends import cuda_backend
-from ssa_flash.backends.spec import AttentionSpec, Backend
+from ssa_flash.spec import AttentionSpec, Backend
 
 from attn_testing import FLOORS, INTERPRETER, MODES, call, fa_tolerance_check, head_params
 from emulation import build_emulator
@@ -107,7 +107,7 @@ def _imports(path: Path):
     return found
 
 
-LAYERED = ["ssa_flash.autograd", "ssa_flash.backends", "ssa_flash.backends.spec", "ssa_flash.backends.triton_backend",
+LAYERED = ["ssa_flash.autograd", "ssa_flash.backends", "ssa_flash.spec", "ssa_flash.backends.triton_backend",
            "ssa_flash.backends.cuda_backend", "ssa_flash.backends.reference_backend", "ssa_flash.reference",
            "ssa_flash.temperature", "ssa_flash.errors", "ssa_flash.triton.launch"]
 

@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from ssa_flash import temperature  # noqa: E402
-from ssa_flash.backends.spec import AttentionSpec  # noqa: E402
+from ssa_flash.spec import AttentionSpec  # noqa: E402
 from ssa_flash.triton import direct, launch  # noqa: E402
 
 
@@ -151,8 +151,8 @@ def test_fused_temperature_matches_its_definition(poly, threshold):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ent = torch.linspace(0.0, 6.0, 1500, device=device).reshape(3, 500)
     beta, dbeta = fused.beta_from_entropy(ent, poly, threshold)
-    ref_beta, ref_dbeta = temperature.beta_from_entropy_torch(ent, poly, threshold)
-    gold_beta, gold_dbeta = temperature.beta_from_entropy_torch(ent.double(), poly, threshold)
+    ref_beta, ref_dbeta = temperature.beta_from_entropy(ent, poly, threshold)
+    gold_beta, gold_dbeta = temperature.beta_from_entropy(ent.double(), poly, threshold)
     # FlashAttention's rule against the float64 definition: the kernel's Horner form (FMAs on a
     # GPU) and torch's float32 ops round differently, and the default polynomial cancels (its terms
     # reach ~100 where beta is ~1-2.4), so neither is the other's reference (H200: 7e-6 apart)

@@ -140,7 +140,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
     """The launcher takes the backends' one spec type (nothing to convert, so ``deterministic``
     reaches it as given), and with ``deterministic`` every kernel launch of the forward, the
     statistics and the backward runs its first candidate untimed."""
-    from ssa_flash.backends import spec as bspec
+    from ssa_flash import spec as bspec
 
     assert launch.AttentionSpec is bspec.AttentionSpec and launch.TemperatureState is bspec.TemperatureState
     _no_timing(on_fake_gpu)

@@ -13,7 +13,7 @@ import torch
 import ssa_flash
 from ssa_flash import autograd as ssa_autograd
 from ssa_flash import scores
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 from attn_testing import DEVICE, needs_kernels
 
@@ -249,7 +249,7 @@ def test_a_score_function_without_its_maths_does_not_compile(tmp_path):
     script = textwrap.dedent("""
         import torch
         from ssa_flash import autograd as ssa_autograd
-        from ssa_flash.backends.spec import AttentionSpec
+        from ssa_flash.spec import AttentionSpec
         from ssa_flash.triton import logits
 
         logits.LOGIT_SCALE_ID.value = 99  # id 2 without its branches, before anything compiles

@@ -142,7 +142,7 @@ def test_a_warp_specialised_replay_installs_the_allocator(monkeypatch):
     """Triton's allocator (for the device-side tensor descriptors of the warp-specialised forward) is
     a context variable: a replay in another thread (a checkpointed forward recomputed by the
     autograd engine) must install it as the first launch did."""
-    from ssa_flash.backends.spec import AttentionSpec
+    from ssa_flash.spec import AttentionSpec
     from ssa_flash.triton import launch
 
     installed, launched = [], []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ssa_flash import autograd as ssa_autograd
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 from attn_testing import MODES, needs_kernels
 

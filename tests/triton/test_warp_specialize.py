@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ssa_flash.triton import launch, tiles
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 from attn_testing import DEVICE, INTERPRETER, call, check, head_params, make_qkv, needs_kernels
 import ssa_flash
