@@ -43,7 +43,7 @@ def _ssa_derivatives(z: Tensor, b: Tensor, n: Tensor):
     return n * b / u, (n * z / u, torch.sign(z) * torch.log1p(b * z.abs()))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScoreFunction:
     """One score function.
 
@@ -71,6 +71,9 @@ class ScoreFunction:
     """typical parameter values (tests draw per-head values around them, benchmarks use them)"""
     summary: str
     """one line for documentation and error messages"""
+
+    # (eq=False: each score function is one object of the registry, compared and hashed by
+    # identity, as cheaply as an int wherever it keys a cache)
 
 
 def _identity(z: Tensor) -> Tensor:

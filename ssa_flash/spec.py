@@ -49,6 +49,7 @@ Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
@@ -56,6 +57,8 @@ from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_chec
 import torch
 from torch import Tensor
 
+from . import scores
+from .scores import ScoreFunction
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW
 
 __all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
@@ -143,6 +146,12 @@ class AttentionSpec:
     softcap: float = 0.0
     """logit soft-capping (docs/design.md §1.6): the scaled score ``z`` becomes
     ``softcap * tanh(z / softcap)`` before the logit transform, masks are added after; 0: off"""
+
+    @functools.cached_property
+    def score_fn(self) -> ScoreFunction:
+        """The score function :attr:`score` names, resolved once per spec (``ValueError`` for an
+        unknown name): what the backends and the kernels' launchers take."""
+        return scores.get(self.score)
 
     def __post_init__(self):
         if self.poly is not DEFAULT_POLY:  # the default is a tuple of floats already

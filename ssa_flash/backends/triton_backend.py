@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from .. import scores
 from ..triton.interpreter import interpreting
 from ..spec import AttentionSpec, TemperatureState
 
@@ -108,7 +107,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
     try:  # every score function of the registry (ssa_flash/triton/logits.py has each one's maths)
-        scores.get(spec.score)
+        spec.score_fn
     except ValueError as err:
         return str(err)
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:

@@ -46,7 +46,6 @@ import triton.language as tl
 # The one spec type of every backend. The backends' interface module depends on nothing above
 # ssa_flash.temperature and imports no backend, so this import (the kernels' host side reading the
 # interface's data types) makes no cycle: tests/ops/test_backends.py checks the import graph.
-from .. import scores
 from .._version import __version__ as _VERSION
 from ..conventions import dropout_keep_threshold, dropout_scale
 from ..spec import AttentionSpec, TemperatureState
@@ -876,7 +875,7 @@ def _common_consts(q, spec: AttentionSpec, score: int, mask_kind, dv=None):
     if consts is None:
         even = _head_block(d) == d and (dv is None or _head_block(dv) == dv)
         consts = _common[key] = dict(
-            SCORE=score, CAUSAL=spec.causal, MASK_KIND=mask_kind,
+            SCORE=score.id, CAUSAL=spec.causal, MASK_KIND=mask_kind,
             BLOCK_D=_head_block(d), EVEN_D=even, ACC=_acc_dtype(q.dtype),
             DOT_PRECISION=dot_precision(q.dtype, arch), FAST_MATH=_fast_math(q),
         )
@@ -989,11 +988,6 @@ def _pad_head(x):
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def _score_id(spec: AttentionSpec) -> int:
-    """The registry id of ``spec.score`` (``ValueError`` for an unknown name)."""
-    return scores.get(spec.score).id
-
-
 def row_entropy(q, k, mask, params, spec: AttentionSpec, layout=None, sinks=None):
     """Entropy and log-sum-exp of ``softmax(l)`` per row (the sink an entry of the row if
     ``sinks``), each ``(B, Hq, Lq)`` (packed: ``(Hq, total_q)``), O(L) memory. ``params``: the
@@ -1012,7 +1006,7 @@ def row_entropy(q, k, mask, params, spec: AttentionSpec, layout=None, sinks=None
     acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
     ent, lse_l = _stat_for(lay, q, H), _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    score = _score_id(spec)
+    score = spec.score_fn
     score_params = kernel_params(score, params, q)  # q: a dummy for absent parameters
     consts = _common_consts(q4, spec, score, mask_kind)
     consts.update(VARLEN=lay.varlen)
@@ -1082,7 +1076,7 @@ def forward(q, k, v, mask, params, beta, spec: AttentionSpec, layout=None, sinks
         o = o4 = torch.empty((q.shape[0], H, q.shape[2], DV), device=q.device, dtype=q.dtype)
     lse = _stat_for(lay, q, H)
     mask_args, mask_kind = _mask_args(mask, q4)
-    score = _score_id(spec)
+    score = spec.score_fn
     score_params = kernel_params(score, params, q)
     consts = _common_consts(q4, spec, score, mask_kind, DV)
     consts.update(ADAPTIVE=spec.adaptive, BLOCK_DV=_head_block(DV), VARLEN=lay.varlen,
@@ -1241,7 +1235,7 @@ def _fwd_replay(plan, q, k, v, mask, params, beta, spec: AttentionSpec):
         _ensure_allocator()  # (a checkpointed forward recomputed in the autograd engine's thread)
     o = torch.empty(o_shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(lse_shape, device=q.device, dtype=lse_dtype)
-    _run_plan(plan, q.device, (q, k, v, o, lse, beta if spec.adaptive else q, kernel_params(score, params, q),
+    _run_plan(plan, q.device, (q, k, v, o, lse, beta if spec.adaptive else q, kernel_params(spec.score_fn, params, q),
                                _planned_mask(mask, q), (q, q, q),
                                None if drop_rest is None else (spec.dropout_rng, *drop_rest)))
     return o, lse
@@ -1300,7 +1294,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
     lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
     mask_args, mask_kind = _mask_args(mask, q4)
-    score = _score_id(spec)
+    score = spec.score_fn
     score_params = kernel_params(score, params, q)
     n_params = len(tuple(params))
     consts = _common_consts(q4, spec, score, mask_kind, DV)
