@@ -43,9 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import triton
 import triton.language as tl
 
-# The one spec type of every backend. The backends' interface module depends on nothing above
-# ssa_flash.temperature and imports no backend, so this import (the kernels' host side reading the
-# interface's data types) makes no cycle: tests/ops/test_backends.py checks the import graph.
+# The contract (spec, conventions) is below the kernels: tests/test_layers.py checks the graph.
 from .._version import __version__ as _VERSION
 from ..conventions import dropout_keep_threshold, dropout_scale
 from ..spec import AttentionSpec, TemperatureState
