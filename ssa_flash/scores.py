@@ -102,8 +102,13 @@ def get(name) -> ScoreFunction:
     """The score function called ``name`` (or with that id), or ``ValueError`` listing the names."""
     f = SCORES.get(name) if isinstance(name, str) else _BY_ID.get(name)
     if f is None:
-        raise ValueError(f"unknown score function {name!r}; choose one of {tuple(SCORES)}")
+        raise ValueError(unknown(name))
     return f
+
+
+def unknown(name) -> str:
+    """The message for a name (or id) that is no score function."""
+    return f"unknown score function {name!r}; choose one of {tuple(SCORES)}"
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,6 @@ Tensor conventions (all backends; inputs arrive validated by ``ssa_flash.ops``):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
@@ -58,7 +57,6 @@ import torch
 from torch import Tensor
 
 from . import scores
-from .scores import ScoreFunction
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW
 
 __all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
@@ -90,6 +88,9 @@ class AttentionSpec:
     """What the backends compute, apart from the tensors (docs/design.md §1).
 
     The score function's parameters are tensors, so they travel beside the spec (``params``), not in it.
+    ``score_fn``: the :class:`~ssa_flash.scores.ScoreFunction` that ``score`` names, resolved once at
+    construction (None for an unknown name, which the backends' ``supports`` report); the backends
+    and the kernels' launchers take it, not the name.
     """
 
     scale: float
@@ -147,13 +148,10 @@ class AttentionSpec:
     """logit soft-capping (docs/design.md §1.6): the scaled score ``z`` becomes
     ``softcap * tanh(z / softcap)`` before the logit transform, masks are added after; 0: off"""
 
-    @functools.cached_property
-    def score_fn(self) -> ScoreFunction:
-        """The score function :attr:`score` names, resolved once per spec (``ValueError`` for an
-        unknown name): what the backends and the kernels' launchers take."""
-        return scores.get(self.score)
-
     def __post_init__(self):
+        # the score function ``score`` names, resolved once per spec (None for an unknown name,
+        # which the backends' ``supports`` reports): what the backends and launchers take
+        object.__setattr__(self, "score_fn", scores.SCORES.get(self.score))
         if self.poly is not DEFAULT_POLY:  # the default is a tuple of floats already
             object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
 

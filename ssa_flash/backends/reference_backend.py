@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import reference as spec_code
+from .. import scores
 from ..spec import AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
@@ -35,7 +36,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
-    return None
+    return scores.unknown(spec.score) if spec.score_fn is None else None
 
 
 def _rows(q, k, mask, params, sinks, spec: AttentionSpec):

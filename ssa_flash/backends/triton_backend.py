@@ -8,7 +8,7 @@ logit soft-capping (compile-time switches: calls without them run the kernels co
 every score function of ``ssa_flash.scores`` (the kernels are compiled per score function,
 ``triton/logits.py``). No atomics (per-block partial sums of the score parameters' gradients reduced
 in a fixed order); ``spec.deterministic`` fixes the block configurations, which are otherwise timed
-(see ``launch._launch``).
+(see ``ssa_flash.triton.block_choice.launch_kernel``).
 Triton is imported on first use, so the package works without it.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from .. import scores
 from ..triton.interpreter import interpreting
 from ..spec import AttentionSpec, TemperatureState
 
@@ -106,10 +107,8 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
-    try:  # every score function of the registry (ssa_flash/triton/logits.py has each one's maths)
-        spec.score_fn
-    except ValueError as err:
-        return str(err)
+    if spec.score_fn is None:  # every score function of the registry (triton/logits.py has each one's maths)
+        return scores.unknown(spec.score)
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return (f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {q.shape[-1]}, "
                 f"value {v.shape[-1]}")
