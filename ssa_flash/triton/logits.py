@@ -70,7 +70,7 @@ def kernel_params(f: ScoreFunction, params, dummy) -> tuple:
 
 def poly_exp2_pays(score: ScoreFunction) -> bool:
     """Whether the score function's tiles are MUFU-bound enough at small head dims for the
-    polynomial ``exp2`` (``launch._poly_exp2_degree``): SSA's ``log2`` and reciprocal."""
+    polynomial ``exp2`` (``kernel_args.poly_exp2_degree``): SSA's ``log2`` and reciprocal."""
     return score is SSA
 
 
