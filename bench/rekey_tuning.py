@@ -1,7 +1,7 @@
 """Carry tuned block choices over a kernel edit that does not change their compiled code.
 
 The launcher files each tuned choice (``build/ssa-flash-cache/autotune/*.json`` on the GPU machine,
-``ssa_flash.triton.launch._cache_key``) under the kernel's Triton ``cache_key``: a hash of its source
+``ssa_flash.triton.tuning_cache.cache_key``) under the kernel's Triton ``cache_key``: a hash of its source
 and of every JIT function it calls. Any edit of a helper, even one reached only under a constexpr
 switch the cached specialisation has off (the dropout keep bits, say), changes that hash, and the
 next GPU session tunes again (session 4: 16 tunings, 117 s of a 243 s benchmark budget).
@@ -14,7 +14,7 @@ re-files the entry only if every candidate's PTX is the same text once its debug
 left out (:func:`code_text`: line numbers and source paths; ptxas is deterministic, so the machine
 code is the same and the timings that chose the entry were timings of it). It also checks that the old sources give the entry's own kernel
 hash (the revision is the one the entry was tuned at; ``--trust-old`` for entries filed before
-``launch._kernel_identity``, under Triton's ``cache_key``, which cannot be reproduced off the GPU
+``tuning_cache.kernel_identity``, under Triton's ``cache_key``, which cannot be reproduced off the GPU
 machine) and that the captured launch has exactly the
 entry's constexprs and candidates. Entries it cannot map to a launch the static audit can capture
 (``ssa_flash.audit.specs``: masks, dropout, windows, packed batches... are skipped for now) are left
@@ -43,7 +43,7 @@ ARCH_OF_GPU = {"H100": 90, "H200": 90, "H800": 90, "H20": 90, "GH200": 90, "A100
 
 
 def parse_key(text: str) -> Dict[str, str]:
-    """The ``name=value`` lines of a cache key (``launch._cache_key``) as a dict."""
+    """The ``name=value`` lines of a cache key (``tuning_cache.cache_key``) as a dict."""
     return dict(line.split("=", 1) for line in text.split("\n"))
 
 
@@ -52,7 +52,7 @@ def format_key(fields: Dict[str, str]) -> str:
 
 
 def cache_file_name(key: str) -> str:
-    """``launch._cache_path``'s file name for ``key``."""
+    """``tuning_cache.cache_path``'s file name for ``key``."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + ".json"
 
 
@@ -101,9 +101,9 @@ def _capture(v, candidate: int):
     tree's launcher; ``consts`` are the constexprs the launcher chose the candidates for (what
     its tuning key lists)."""
     from ssa_flash.audit import specs
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch, tuning_cache
 
-    original, seen = launch._candidates, []
+    original, seen = block_choice.candidate_blocks, []
 
     def pick(name, arch, head_block, dtype, consts, *args, **kwargs):
         cands = original(name, arch, head_block, dtype, consts, *args, **kwargs)
@@ -112,12 +112,12 @@ def _capture(v, candidate: int):
         seen.append(dict(consts))
         return cands[candidate:]
 
-    launch._candidates = pick
+    block_choice.candidate_blocks = pick
     try:
         with launch.capture_launches(v.arch) as cap:
             specs._call_host(v)
     finally:
-        launch._candidates = original
+        block_choice.candidate_blocks = original
     found = [kl for kl in cap if kl.name in (v.kernel, v.kernel + "_decode")]
     if len(found) != 1 or len(seen) != 1:
         raise RuntimeError(f"{v.id}: expected one {v.kernel} launch, captured {[kl.name for kl in cap]}")
@@ -125,8 +125,8 @@ def _capture(v, candidate: int):
 
 
 def _identity(kernel) -> Optional[str]:
-    """The tree's ``launch._kernel_identity`` of ``kernel``; None in trees from before it."""
-    from ssa_flash.triton import launch
+    """The tree's ``tuning_cache.kernel_identity`` of ``kernel``; None in trees from before it."""
+    from ssa_flash.triton import block_choice, launch, tuning_cache
 
     fn = getattr(launch, "_kernel_identity", None)
     return fn(kernel) if fn is not None else None
@@ -157,7 +157,7 @@ def worker(groups: List[Dict[str, str]], arch: int) -> dict:
     import triton
 
     from ssa_flash.audit import compile as audit_compile
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch, tuning_cache
 
     out = {"triton": triton.__version__, "groups": {}}
     for fields in groups:
@@ -176,7 +176,7 @@ def worker(groups: List[Dict[str, str]], arch: int) -> dict:
         if got != fields["consts"]:
             res["skip"] = f"the captured launch's constexprs differ: {got}"
             continue
-        cands = [tuple(launch._block_list(c)) for c in dict.fromkeys(first.candidates)]
+        cands = [tuple(tuning_cache.block_list(c)) for c in dict.fromkeys(first.candidates)]
         if str(cands) != fields["candidates"]:
             res["skip"] = f"the captured candidates {cands} differ"
             continue
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         why = why or o.get("skip") or n.get("skip")
         if not why and o["kernel"] != fields["kernel"] and not (args.trust_old and o["kernel"] is None):
             why = (f"--old gives kernel {str(o['kernel'])[-12:]}, the entry has {fields['kernel'][-12:]}"
-                   if o["kernel"] else "--old has no launch._kernel_identity (see --trust-old)")
+                   if o["kernel"] else "--old has no tuning_cache.kernel_identity (see --trust-old)")
         if not why and o["code"] != n["code"]:
             diff = [b for b in o["code"] if o["code"][b] != n["code"].get(b)]
             why = f"compiled code differs for {diff}"

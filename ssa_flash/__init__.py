@@ -22,7 +22,7 @@ from .ops import (
     varlen_attention,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "attention",

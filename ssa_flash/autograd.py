@@ -2,7 +2,7 @@
 
 Three operators, each opaque to ``torch.compile`` (Dynamo records a call and never traces into a
 backend) and each with a fake (meta) implementation that only computes output shapes. ``SPEC`` is
-the fields of :class:`~ssa_flash.backends.spec.AttentionSpec`, generated from it (today
+the fields of :class:`~ssa_flash.spec.AttentionSpec`, generated from it (today
 ``float scale, str score, bool causal, int group, bool adaptive, float[] poly, float threshold,
 bool deterministic, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k,
 Tensor? seqused_k, Tensor? k_start, int num_splits, float dropout_p, int window_left, int window_right,
@@ -55,10 +55,10 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
-from . import temperature
 from .backends import cuda_backend
+from .backends import beta_from_entropy
 from .backends import get as get_backend
-from .backends.spec import TENSOR_FIELDS, AttentionSpec, TemperatureState, acc_dtype
+from .spec import TENSOR_FIELDS, AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["attention", "row_entropy", "SPEC_SCHEMA"]
 
@@ -79,7 +79,7 @@ def _forward(q, k, v, params, sinks, mask, backend: str, spec: AttentionSpec):
     be = get_backend(backend)
     if spec.adaptive:
         ent, lse_l = be.row_entropy(q, k, mask, params, sinks, spec)
-        beta, dbeta_dh = temperature.beta_from_entropy(ent, spec.poly, spec.threshold)
+        beta, dbeta_dh = beta_from_entropy(ent, spec.poly, spec.threshold)
         out, lse = be.forward(q, k, v, mask, params, sinks, beta, spec)
         return out, lse, TemperatureState(beta, lse_l, ent, dbeta_dh)
     out, lse = be.forward(q, k, v, mask, params, sinks, None, spec)
@@ -276,7 +276,7 @@ row_entropy_op.register_fake(_row_entropy_fake)
 def attention(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...],
               mask: Optional[Tensor], backend: str, spec: AttentionSpec, sinks: Optional[Tensor] = None):
     """``(out, lse)`` through ``backend``'s kernels, differentiable in q, k, v, the score
-    parameters, sinks (and through ``lse``). Tensors as in ``ssa_flash.backends.spec``: q ``(B, Hq,
+    parameters, sinks (and through ``lse``). Tensors as in ``ssa_flash.spec``: q ``(B, Hq,
     Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``; ``params`` the score function's
     ``(Hq,)`` parameters in the accumulation dtype (``()`` for softmax); sinks ``(Hq,)`` in the accumulation dtype or None; mask None or expanded to
     ``(B, Hq, Lq, Lk)``. Returns out ``(B, Hq, Lq, Dv)`` in q's dtype and

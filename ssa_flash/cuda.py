@@ -21,7 +21,7 @@ from .backends import preferred_backend
 from .backends.cuda_backend import (MAX_HEAD_DIM, NVCC_FLAGS, SUPPORTED_DTYPES, VERIFIED_ARCHS,  # noqa: F401
                             _padded_head_dim, _smem_bytes, active_emulator, emulated, is_available,
                             load_extension, ready, source_dir, verified)
-from .backends.spec import AttentionSpec
+from .spec import AttentionSpec
 
 __all__ = [
     "is_available",
@@ -55,7 +55,7 @@ class CudaAttentionFunction:
     threshold, ext=None) -> (out, lse)``, differentiable in q, k, v, b, n, through
     ``torch.ops.ssa_flash.attn_fwd`` with ``backend="cuda"``. ``ext``: an object standing in for
     the extension (the CPU emulation of ``csrc/emu``), used for CPU tensors, backward included.
-    Tensors as the backend interface takes them (``ssa_flash.backends.spec``). New code: the
+    Tensors as the backend interface takes them (``ssa_flash.spec``). New code: the
     public functions, or ``with emulated(ext): ssa_attention(..., backend="cuda")``."""
 
     @staticmethod

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from . import _nested, _shapes, autograd, backends, reference, scores
-from .backends.spec import AttentionSpec, acc_dtype
+from .spec import AttentionSpec, acc_dtype
 from .errors import BackendUnavailableError
-from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
+from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD
 
 _log = logging.getLogger("ssa_flash")
 _fallbacks_logged: set = set()

@@ -43,7 +43,8 @@ from torch import Tensor
 
 from . import scores
 from .scores import ssa_logits
-from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD, polyval
+from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, dropout_keep_threshold
+from .temperature import polyval
 
 __all__ = [
     "dropout_keep_mask",
@@ -86,12 +87,6 @@ def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int, k1: i
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
     return c0, c1, c2, c3
-
-
-def dropout_keep_threshold(p: float) -> int:
-    """``keep31 = round((1 - p) 2^31)`` (at most 2^31 - 1): an element is kept iff its 32-bit
-    word is below ``2 keep31``, i.e. with probability ``1 - p`` to within 2^-32."""
-    return min(int(round((1.0 - float(p)) * 2.0**31)), 2**31 - 1)
 
 
 def dropout_keep_mask(seed: int, offset: int, shape, dropout_p: float, device=None) -> Tensor:

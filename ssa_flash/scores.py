@@ -43,7 +43,7 @@ def _ssa_derivatives(z: Tensor, b: Tensor, n: Tensor):
     return n * b / u, (n * z / u, torch.sign(z) * torch.log1p(b * z.abs()))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScoreFunction:
     """One score function.
 
@@ -72,6 +72,9 @@ class ScoreFunction:
     summary: str
     """one line for documentation and error messages"""
 
+    # (eq=False: each score function is one object of the registry, compared and hashed by
+    # identity, as cheaply as an int wherever it keys a cache)
+
 
 def _identity(z: Tensor) -> Tensor:
     return z
@@ -99,8 +102,13 @@ def get(name) -> ScoreFunction:
     """The score function called ``name`` (or with that id), or ``ValueError`` listing the names."""
     f = SCORES.get(name) if isinstance(name, str) else _BY_ID.get(name)
     if f is None:
-        raise ValueError(f"unknown score function {name!r}; choose one of {tuple(SCORES)}")
+        raise ValueError(unknown(name))
     return f
+
+
+def unknown(name) -> str:
+    """The message for a name (or id) that is no score function."""
+    return f"unknown score function {name!r}; choose one of {tuple(SCORES)}"
 
 
 @dataclass(frozen=True)

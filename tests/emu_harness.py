@@ -282,7 +282,7 @@ class Emulator:
         tensors only."""
         from ssa_flash import scores, temperature
         from ssa_flash.backends import cuda_backend as backend
-        from ssa_flash.backends.spec import AttentionSpec, TemperatureState
+        from ssa_flash.spec import AttentionSpec, TemperatureState
 
         if score is None:
             score, params = ("ssa", (b, n)) if b is not None else ("softmax", ())

@@ -254,22 +254,22 @@ def library_cases():
     import os
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
     from attn_testing import check, make_qkv
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch
 
     os.environ.setdefault("SSA_FLASH_AUTOTUNE", "0")  # the kernels not forced take their first choice
-    orig = launch._candidates
+    orig = block_choice.candidate_blocks
     base = torch.rand(34, 19, generator=torch.Generator().manual_seed(2)) > 0.25
     base[5] = False
     bad = []
     for kernel in ("fwd", "bwd_dq", "bwd_dkdv"):
-        launch._chosen_blocks.clear()
+        block_choice.chosen_blocks.clear()
         cands = orig(kernel, 90, 16, torch.float32, {"MASK_KIND": 1, "DROPOUT": True})
         for blk in cands + [launch.Blocks(16, 16, 4, 1)]:
             def pick(name, *a, _blk=blk, _k=kernel, **kw):
                 c = orig(name, *a, **kw)
                 return [_blk] if name == _k else c
-            launch._candidates = pick
-            launch._chosen_blocks.clear()
+            block_choice.candidate_blocks = pick
+            block_choice.chosen_blocks.clear()
             for kind, mask in (("bool", base), ("float", torch.zeros(34, 19).masked_fill(~base, float("-inf")))):
                 q, k, v = make_qkv(B=1, Hq=4, Hkv=2, Lq=34, Lk=19, D=16)
                 try:
@@ -279,7 +279,7 @@ def library_cases():
                     res = f"FAIL {str(err).splitlines()[0]}"
                     bad.append(f"library {kernel} {blk} {kind}")
                 print(f"library {kernel:8} {blk.m}x{blk.n} w{blk.warps} s{blk.stages} {kind:5}: {res}", flush=True)
-    launch._candidates = orig
+    block_choice.candidate_blocks = orig
     return bad
 
 

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import ptx_lockstep as P  # noqa: E402
 from ssa_flash import reference  # noqa: E402
 from ssa_flash.audit import compile as acomp  # noqa: E402
-from ssa_flash.backends.spec import AttentionSpec  # noqa: E402
-from ssa_flash.triton import launch, tiles  # noqa: E402
+from ssa_flash.spec import AttentionSpec  # noqa: E402
+from ssa_flash.triton import block_choice, launch, tiles  # noqa: E402
 
 
 def _leaves(x):
@@ -97,9 +97,9 @@ def main():
     rng = torch.tensor([seed, offset], dtype=torch.int64)
     spec = AttentionSpec(scale=D ** -0.5, causal=False, group=H // Hkv, adaptive=False, score="ssa",
                          **(dict(dropout_p=p, dropout_rng=rng) if drop else {}))
-    orig = launch._candidates
+    orig = block_choice.candidate_blocks
     if force:
-        launch._candidates = lambda *a, **kw: [tiles.Blocks(*force)]
+        block_choice.candidate_blocks = lambda *a, **kw: [tiles.Blocks(*force)]
     print(f"triton {triton.__version__}, sm_90 PTX of test_gqa_mask_lengths[ssa]'s launches ({dt}, bool mask, "
           f"dropout {p}) under the lockstep interpreter", flush=True)
     keep = reference.dropout_keep_mask(seed, offset, (B, H, Lq, Lk), p) if drop else None
@@ -117,7 +117,7 @@ def main():
             dq, dk, dv, _, _ = launch.backward(do, q, k, v, ref_o.detach().to(dt), lse, None, mask, (b, n), None, spec)
         simulate(cap)
     finally:
-        launch._candidates = orig
+        block_choice.candidate_blocks = orig
     fin = torch.isfinite(ref_lse)
     errs = {"out": (o.double() - ref_o).abs().max().item(),
             "lse": (lse.double()[fin] - ref_lse[fin]).abs().max().item()}

@@ -14,7 +14,7 @@ import os
 import sys
 
 import torch
-from ssa_flash.triton import launch, tiles
+from ssa_flash.triton import block_choice, launch, tiles
 from ssa_flash.audit import compile as acomp
 import triton
 out_dir, mode, mk = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -39,18 +39,18 @@ else:
 params = (meta(H, dtype=ACCT), meta(H, dtype=ACCT))
 spec = launch.AttentionSpec(scale=D ** -0.5, causal=False, group=2, adaptive=adaptive, score="ssa",
                             **(dict(dropout_p=0.45, dropout_rng=meta(2, dtype=torch.int64)) if DROP else {}))
-orig = launch._candidates
+orig = block_choice.candidate_blocks
 if force:
     def pick(*a, **kw):
         return [tiles.Blocks(*force)]
-    launch._candidates = pick
+    block_choice.candidate_blocks = pick
 with launch.capture_launches(90) as cap:
     beta = meta(B, H, Lq, dtype=ACCT) if adaptive else None
     launch.forward(q, k, v, mask, params, beta, spec)
     o, lse = meta(*q.shape), meta(B, H, Lq, dtype=ACCT)
     temp = launch.TemperatureState(*(meta(B, H, Lq, dtype=ACCT) for _ in range(4))) if adaptive else None
     launch.backward(o, q, k, v, o, lse, None, mask, params, temp, spec)
-launch._candidates = orig
+block_choice.candidate_blocks = orig
 for kl in cap:
     if only and kl.name != only:
         continue

@@ -127,7 +127,7 @@ def variants(archs: Sequence[int] = ARCHS, kernels: Sequence[str] = KERNELS, ops
 
 def _call_host(v: Variant):
     """Call the launcher's host function(s) that launch ``v.kernel`` with meta tensors."""
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch
 
     B, H, L, D = 2, 16, v.seqlen, v.head_dim
     hkv = H // v.group
@@ -182,7 +182,7 @@ def capture(v: Variant, candidate: int = 0):
     configuration number ``candidate`` (0: its first choice) among those it would try on this
     target (the table's candidates less those pruned for shared memory: the launcher falls back
     to later ones when a configuration does not fit the GPU)."""
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch
 
     if v.dtype == "tf32":  # float32 under torch's "high" matmul precision: TF32 dots
         before = torch.get_float32_matmul_precision()
@@ -191,7 +191,7 @@ def capture(v: Variant, candidate: int = 0):
             return capture(Variant(**dict(asdict(v), dtype="fp32")), candidate)
         finally:
             torch.set_float32_matmul_precision(before)
-    original = launch._candidates
+    original = block_choice.candidate_blocks
     if candidate:
         # the launcher's final list (the tables pruned, the warp-specialised forward added) shifted
         def pick(name, *args, **kwargs):
@@ -201,12 +201,12 @@ def capture(v: Variant, candidate: int = 0):
             if candidate >= len(cands):
                 raise IndexError(f"{v.id}: the launcher has only {len(cands)} block configurations")
             return cands[candidate:]
-        launch._candidates = pick
+        block_choice.candidate_blocks = pick
     try:
         with launch.capture_launches(v.arch) as cap:
             _call_host(v)
     finally:
-        launch._candidates = original
+        block_choice.candidate_blocks = original
     found = [kl for kl in cap if kl.name in (v.kernel, v.kernel + "_decode")]
     if len(found) != 1:
         raise RuntimeError(f"{v.id}: expected one {v.kernel} launch, captured {[kl.name for kl in cap]}")

@@ -5,10 +5,12 @@ Layers, each importing only the ones below it::
     ssa_flash.ops            public functions: validation, backend choice (this module's resolve)
     ssa_flash.autograd       torch.library custom ops + their one autograd formula
     ssa_flash.backends.*     triton / cuda / reference: one interface (spec.Backend)
-    ssa_flash.triton.launch, the CUDA extension (csrc/), ssa_flash.reference, ssa_flash.temperature
+    ssa_flash.triton.*, the CUDA extension (csrc/), ssa_flash.reference: the kernels
+    ssa_flash.spec, .scores, .conventions, .temperature, .errors: the contract
 
-(``ssa_flash.triton.launch`` takes the one ``spec.AttentionSpec`` / ``spec.TemperatureState``:
-``backends.spec`` holds data types only and imports nothing above ``ssa_flash.temperature``.)
+(The kernel layers take the one ``ssa_flash.spec.AttentionSpec`` / ``TemperatureState``; the
+contract imports nothing above it. ``tools/import_graph.py`` draws the graph and
+tests/test_layers.py holds the package to it.)
 
 Every backend module provides ``NAME``, ``unavailable_reason(device)``,
 ``supports(q, k, v, spec, sinks=None)``, ``row_entropy(q, k, mask, params, sinks, spec)``,
@@ -37,10 +39,11 @@ from ..errors import BackendUnavailableError
 from ..triton.interpreter import interpreting
 from . import cuda_backend, reference_backend, triton_backend
 from ._compile import constant_for_compile
-from .spec import AttentionSpec, Backend, KeyShardTemperature, TemperatureState
+from ..spec import AttentionSpec, Backend, KeyShardTemperature, TemperatureState
+from .temperature import beta_from_entropy
 
 __all__ = ["NAMES", "get", "available", "resolve", "forget", "auto_candidates", "preferred_backend", "AttentionSpec",
-           "TemperatureState", "Backend", "KeyShardTemperature", "BackendUnavailableError"]
+           "TemperatureState", "Backend", "KeyShardTemperature", "BackendUnavailableError", "beta_from_entropy"]
 
 NAMES = ("triton", "cuda", "reference")
 _MODULES = {"triton": triton_backend, "cuda": cuda_backend, "reference": reference_backend}

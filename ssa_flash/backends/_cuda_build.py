@@ -360,24 +360,30 @@ def _build(args, root) -> int:
         print(f"--arch {args.arch!r}: expected e.g. 90a, 80, 100a")
         return 2
     os.environ["TORCH_CUDA_ARCH_LIST"] = f"{m[1]}.{m[2]}{m[3]}"  # this GPU only, not the image's list
-    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)  # run as a script: the package's directory must not shadow top-level modules
-    sys.path.insert(0, root)
-    import torch
+    import subprocess
 
-    import ssa_flash
-    from ssa_flash.backends import cuda_backend
+    # the package in a fresh process (this module is below it: it imports none of it)
+    return subprocess.run([sys.executable, "-c", _FIRST_CALL, str(t0)], cwd=root).returncode
 
-    print(f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']}; "
-          f"{'prebuilt ssa_flash._C' if cuda_backend.ready() else 'JIT build'}", flush=True)
-    ext = cuda_backend.load_extension()
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-    ssa_flash.ssa_attention(q, q, q, backend="cuda")
-    torch.cuda.synchronize()
-    print(f"CUDA backend loaded and ran: {getattr(ext, '__file__', ext)} ({time.monotonic() - t0:.0f} s)")
-    why = cuda_backend.unavailable_reason(torch.device("cuda"))
-    print(f"unavailable_reason: {why!r}")
-    return 1 if why else 0
+
+# ``build``'s last step: load the CUDA backend (the prebuilt extension or a JIT build for
+# TORCH_CUDA_ARCH_LIST) and make one call; exit 1 when the backend is still unavailable.
+_FIRST_CALL = """
+import os, sys, time
+import torch
+import ssa_flash
+from ssa_flash.backends import cuda_backend
+print(f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']}; "
+      f"{'prebuilt ssa_flash._C' if cuda_backend.ready() else 'JIT build'}", flush=True)
+ext = cuda_backend.load_extension()
+q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+ssa_flash.ssa_attention(q, q, q, backend="cuda")
+torch.cuda.synchronize()
+print(f"CUDA backend loaded and ran: {getattr(ext, '__file__', ext)} ({time.monotonic() - float(sys.argv[1]):.0f} s)")
+why = cuda_backend.unavailable_reason(torch.device("cuda"))
+print(f"unavailable_reason: {why!r}")
+sys.exit(1 if why else 0)
+"""
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The CUDA C++ backend: :class:`~ssa_flash.backends.spec.Backend` over the extension built from
+"""The CUDA C++ backend: :class:`~ssa_flash.spec.Backend` over the extension built from
 ``csrc/``, with everything the extension leaves to its caller: zero-padding of head dims to a
 multiple of 8, strides and alignment, mask conversion, the CUDA device and stream, and the
 reduction of the per-block db/dn partial sums.
@@ -47,7 +47,7 @@ from .. import scores
 from ..errors import BackendUnavailableError
 from . import _cuda_build
 from ._compile import constant_for_compile
-from .spec import AttentionSpec, TemperatureState
+from ..spec import AttentionSpec, TemperatureState
 
 __all__ = [
     "NAME",
@@ -507,7 +507,7 @@ def _prep_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _score_params(params, spec: AttentionSpec) -> list:
     """The score function's per-head parameters as the kernels take them: (Hq,) contiguous
     float32 each, in the registry's order (``ssa_flash.scores``); a wrong count is a ValueError."""
-    names = scores.get(spec.score).params
+    names = spec.score_fn.params
     params = tuple(params)
     if len(params) != len(names):
         raise ValueError(f"ssa_flash CUDA backend: score function {spec.score!r} takes {len(names)} "
@@ -518,7 +518,7 @@ def _score_params(params, spec: AttentionSpec) -> list:
 def _spec_args(spec: AttentionSpec, scale: float, sinks: Optional[torch.Tensor]) -> dict:
     """The options every pass of the extension takes (csrc/api.cpp), each once, as the spec says
     them: the score function's id, the (non-negative) scale, causal, group, the window, soft-cap."""
-    return dict(sinks=None if sinks is None else sinks.float().contiguous(), score=scores.get(spec.score).id,
+    return dict(sinks=None if sinks is None else sinks.float().contiguous(), score=spec.score_fn.id,
                 scale=scale, causal=bool(spec.causal), group=int(spec.group),
                 window_left=int(spec.window_left), window_right=int(spec.window_right),
                 softcap=float(spec.softcap))
@@ -526,7 +526,7 @@ def _spec_args(spec: AttentionSpec, scale: float, sinks: Optional[torch.Tensor])
 
 def _dropout_args(spec: AttentionSpec) -> dict:
     """The kernels' dropout: p and the (seed, offset) tensor (csrc/set_params.h rounds keep31 as
-    ``ssa_flash.reference.dropout_keep_threshold`` does)."""
+    ``ssa_flash.conventions.dropout_keep_threshold`` does)."""
     p = float(spec.dropout_p)
     return dict(dropout_p=p, drop_rng=spec.dropout_rng if p > 0 else None)
 

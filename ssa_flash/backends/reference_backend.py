@@ -1,4 +1,4 @@
-"""The reference backend: :class:`~ssa_flash.backends.spec.Backend` on materialised scores.
+"""The reference backend: :class:`~ssa_flash.spec.Backend` on materialised scores.
 
 The forward reuses the specification's logit rows (``ssa_flash.reference``); the backward is
 docs/design.md §1.2 / §1.3 written out on whole ``(B, Hq, Lq, Lk)`` matrices, in the accumulation dtype
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import reference as spec_code
 from .. import scores
-from .spec import AttentionSpec, TemperatureState, acc_dtype
+from ..spec import AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
            "backward_given_g"]
@@ -36,7 +36,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
-    return None
+    return scores.unknown(spec.score) if spec.score_fn is None else None
 
 
 def _rows(q, k, mask, params, sinks, spec: AttentionSpec):
@@ -49,7 +49,7 @@ def _rows(q, k, mask, params, sinks, spec: AttentionSpec):
     if mask is not None and mask.is_floating_point():
         mask = mask.to(acc)
     l, allowed = spec_code._logit_rows(qa, ka, mask, spec.causal, spec.scale, spec.group > 1,
-                                       scores.get(spec.score), params, (spec.window_left, spec.window_right),
+                                       spec.score_fn, params, (spec.window_left, spec.window_right),
                                        spec.softcap)
     if sinks is not None:
         l, allowed = spec_code._with_sink(l, allowed, sinks.to(acc))
@@ -268,7 +268,7 @@ def _score_vjp(dl, zc, params, spec: AttentionSpec) -> Tuple[Tensor, Tuple[Tenso
     ``dz = dl * dphi/dz`` and ``dparam_h = sum_{b,i,j} dl * dphi/dparam`` over head ``h``, with the
     registry's derivatives (``scores.ScoreFunction.derivatives``). ``zc`` is the (capped) scaled
     score; everything in the accumulation dtype."""
-    dphi_dz, dphi_dparams = scores.get(spec.score).derivatives(zc, *(p.to(zc.dtype).view(1, -1, 1, 1) for p in params))
+    dphi_dz, dphi_dparams = spec.score_fn.derivatives(zc, *(p.to(zc.dtype).view(1, -1, 1, 1) for p in params))
     return dl * dphi_dz, tuple((dl * d).sum(dim=(0, 2, 3)) for d in dphi_dparams)
 
 

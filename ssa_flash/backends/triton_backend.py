@@ -1,4 +1,4 @@
-"""The Triton backend: :class:`~ssa_flash.backends.spec.Backend` over ``ssa_flash.triton.launch``.
+"""The Triton backend: :class:`~ssa_flash.spec.Backend` over ``ssa_flash.triton.launch``.
 
 Runs on CUDA tensors, and on CPU tensors through Triton's interpreter when ``TRITON_INTERPRET=1``
 was set before Triton was imported (slow: for tests). Every dtype; head dims up to 256; dense,
@@ -8,7 +8,7 @@ logit soft-capping (compile-time switches: calls without them run the kernels co
 every score function of ``ssa_flash.scores`` (the kernels are compiled per score function,
 ``triton/logits.py``). No atomics (per-block partial sums of the score parameters' gradients reduced
 in a fixed order); ``spec.deterministic`` fixes the block configurations, which are otherwise timed
-(see ``launch._launch``).
+(see ``ssa_flash.triton.block_choice.launch_kernel``).
 Triton is imported on first use, so the package works without it.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from .. import scores
 from ..triton.interpreter import interpreting
-from .spec import AttentionSpec, TemperatureState
+from ..spec import AttentionSpec, TemperatureState
 
 __all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
            "row_dbeta", "backward_given_g", "dropout_mask"]
@@ -107,10 +107,8 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def supports(q, k, v, spec: AttentionSpec, sinks=None) -> Optional[str]:
-    try:  # every score function of the registry (ssa_flash/triton/logits.py has each one's maths)
-        scores.get(spec.score)
-    except ValueError as err:
-        return str(err)
+    if spec.score_fn is None:  # every score function of the registry (triton/logits.py has each one's maths)
+        return scores.unknown(spec.score)
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return (f"head dims up to {MAX_HEAD_DIM} are supported by the kernels, got query {q.shape[-1]}, "
                 f"value {v.shape[-1]}")

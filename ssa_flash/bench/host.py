@@ -20,6 +20,12 @@ backward rows to SDPA's forward + backward; a feature SDPA has is compared with 
   Triton's or the driver's own launch cost is therefore not included on the CPU. One intra-op
   thread (tiny CPU tensors; SDPA's OpenMP threads only add noise at these sizes).
 
+Beside each row's time, ``python_calls``: the Python function calls one call makes after warm-up
+(:func:`python_calls`, ``sys.setprofile``'s ``call`` events: functions written in Python, the
+package's and torch's; C functions are not counted), the host path's length independent of the
+machine's speed (:data:`CALL_LIMITS`: the budget, tests/ops/test_host_path.py holds the plain rows
+to it).
+
 Writes ``<out>/<date>-<device>-host.json`` and prints a table.
 """
 from __future__ import annotations
@@ -28,6 +34,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from contextlib import ExitStack, contextmanager
 from typing import Callable, List, Optional
@@ -198,6 +205,34 @@ def _layout_cases(feature, op, backend, kw, device, dtype, B, H, L, D, passes) -
                  lambda: ssa_flash.attention_with_kvcache(q, kc, vc, cache_seqlens=used, is_causal=True, **kw))]
 
 
+CALL_LIMITS = {"fwd": 40, "fwd_bwd": 100}
+"""The host path's budget: Python function calls per forward and per forward + backward (every
+variant, both backends), counted by :func:`python_calls` (the row's call wrapper in :func:`cases`
+included)."""
+
+
+def python_calls(fn: Callable[[], object], warmup: int = 5) -> int:
+    """Python function calls made inside one ``fn()`` after ``warmup`` calls (``sys.setprofile``'s
+    ``call`` events below ``fn``'s own frame: every Python frame, generator expressions and
+    comprehensions included; C functions not). Deterministic for a given path, unlike a time:
+    SDPA's forward row counts 1 (its wrapper in :func:`cases`)."""
+    for _ in range(warmup):
+        fn()
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            count[0] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return count[0] - 1  # fn's own frame is not counted
+
+
 def host_time_us(fns: List[Callable[[], object]], device, reps: int = 200, per: int = 10) -> List[float]:
     """Median wall time of one call of each of ``fns`` in microseconds, measured in interleaved
     blocks of ``per`` calls (``reps`` calls of each in all), the device idle before each block:
@@ -343,7 +378,8 @@ def run(out_dir: Optional[str] = None, reps: int = 100, backends=("triton", "cud
                     us, base = host_time_us([case.fn, base_case.fn], device, reps=reps)
             except Exception as err:  # keep the row, say why
                 us, note = None, f"{type(err).__name__}: {err}"[:200]
-            row = {"op": case.op, "impl": case.impl, "feature": case.feature, "pass": case.pass_, "host_us": us}
+            row = {"op": case.op, "impl": case.impl, "feature": case.feature, "pass": case.pass_, "host_us": us,
+                   "python_calls": None if note else python_calls(case.fn)}
             if case.impl == "sdpa":
                 sdpa[(case.feature, case.pass_)] = case
             else:
@@ -393,7 +429,10 @@ def _line(row: dict) -> str:
     us = "-" if row["host_us"] is None else f"{row['host_us']:8.1f} us"
     ratio = row.get("ratio_to_sdpa")
     rtxt = "" if ratio is None else f"  {ratio:5.1f}x SDPA"
-    return f"{row['impl']:16s} {row['op']:13s} {row['feature']:8s} {row['pass']:8s} {us}{rtxt}{'  ' + row['note'] if row.get('note') else ''}"
+    calls = row.get("python_calls")
+    ctxt = "" if calls is None else f"  {calls:4d} calls"
+    return (f"{row['impl']:16s} {row['op']:13s} {row['feature']:8s} {row['pass']:8s} {us}{ctxt}{rtxt}"
+            f"{'  ' + row['note'] if row.get('note') else ''}")
 
 
 def render(results: dict) -> str:

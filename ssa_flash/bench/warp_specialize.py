@@ -50,14 +50,14 @@ def main(argv=None) -> int:
         print("warp-specialise timing: no CUDA device, skipped")
         return 0
     import ssa_flash
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch, tuning_cache
 
     os.environ["SSA_FLASH_AUTOTUNE"] = "0"
     H, D, tokens = 16, 128, 16384
     rows = []
     for knob in ("0", "1"):
-        os.environ[launch.WS_ENV] = knob
-        launch._chosen_blocks.clear()
+        os.environ[block_choice.WS_ENV] = knob
+        block_choice.chosen_blocks.clear()
         for op in args.ops.split(","):
             for L in (int(x) for x in args.lengths.split(",")):
                 B = max(1, tokens // L)
@@ -70,11 +70,11 @@ def main(argv=None) -> int:
                 else:
                     fn = lambda: ssa_flash.softmax_attention(q, k, v, backend="triton")  # noqa: E731
                 ms = _time_ms(fn)
-                chosen = [blk for key, blk in launch._chosen_blocks.items()
+                chosen = [blk for key, blk in block_choice.chosen_blocks.items()
                           if key[0] == "fwd" and isinstance(blk, launch.Blocks)]
                 tflops = 4 * B * H * L * L * D / (ms * 1e-3) / 1e12
                 row = dict(op=op, L=L, B=B, warp_specialize=knob == "1", ms=round(ms, 4), tflops=round(tflops, 1),
-                           blocks=[launch._block_list(c) for c in chosen])
+                           blocks=[tuning_cache.block_list(c) for c in chosen])
                 rows.append(row)
                 print(f"warp-specialise {knob}: {op} L={L} B={B}: {ms:.3f} ms, {tflops:.0f} TFLOP/s, blocks {row['blocks']}",
                       flush=True)

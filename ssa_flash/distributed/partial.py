@@ -45,7 +45,7 @@ Causal attention (top-left, ``j <= i``) with queries and keys cut at the same po
 skip it), or diagonal (the same positions: ``spec.causal=True`` on that pair). See
 :func:`causal_pair`.
 
-Conventions (``ssa_flash.backends.spec``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
+Conventions (``ssa_flash.spec``): ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``,
 ``v (B, Hkv, Lk, Dv)`` with any strides; ``b``, ``n`` ``(Hq,)`` in the accumulation dtype
 (float64 for float64 inputs, else float32) or None (softmax); per-row statistics ``(B, Hq, Lq)``
 in the accumulation dtype. The functions here make per-row statistics contiguous themselves, so
@@ -59,8 +59,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import backends, ops, temperature
-from ..backends.spec import AttentionSpec, KeyShardTemperature, TemperatureState, acc_dtype
+from .. import backends, ops
+from ..spec import AttentionSpec, KeyShardTemperature, TemperatureState, acc_dtype
 from ..errors import BackendUnavailableError
 
 __all__ = ["RowStats", "Visibility", "causal_pair", "resolve_backend", "empty_row_stats",
@@ -101,7 +101,7 @@ def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor, spec: Attenti
     """The backend name that runs partial attention of these inputs (``"auto"`` or a name, as
     in :func:`ssa_flash.ssa_attention`), or ``BackendUnavailableError`` saying why none can.
     The adaptive temperature needs a backend with ``row_dbeta``/``backward_given_g``
-    (:class:`~ssa_flash.backends.spec.KeyShardTemperature`); ``"auto"`` passes over one that
+    (:class:`~ssa_flash.spec.KeyShardTemperature`); ``"auto"`` passes over one that
     lacks them (the CUDA backend today) to the Triton backend, or the reference backend."""
     name = ops._resolve_backend(backend, q, k, v, spec)
     if spec.adaptive and not _has_key_shard_temperature(backends.get(name)):
@@ -157,9 +157,9 @@ def merge_entropy(x: RowStats, y: RowStats) -> RowStats:
 
 def temperature_state(stats: RowStats, spec: AttentionSpec) -> TemperatureState:
     """The adaptive temperature of whole rows from their merged statistics: ``beta`` and
-    ``d beta / d H`` (``ssa_flash.temperature.beta_from_entropy`` with ``spec.poly`` and
+    ``d beta / d H`` (``ssa_flash.backends.beta_from_entropy`` with ``spec.poly`` and
     ``spec.threshold``), packed with the statistics for the backward."""
-    beta, dbeta_dh = temperature.beta_from_entropy(stats.entropy, spec.poly, spec.threshold)
+    beta, dbeta_dh = backends.beta_from_entropy(stats.entropy, spec.poly, spec.threshold)
     return TemperatureState(beta, stats.lse, stats.entropy, dbeta_dh)
 
 

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
-from ..backends.spec import AttentionSpec, TemperatureState, acc_dtype
-from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
+from ..spec import AttentionSpec, TemperatureState, acc_dtype
+from ..conventions import DEFAULT_POLY, DEFAULT_THRESHOLD
 from . import partial as P
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "shard_positions"]

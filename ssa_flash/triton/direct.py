@@ -135,6 +135,10 @@ class _StubKernel:
 
 _stub_arch: Optional[int] = None
 
+ON_CLEAR: list = []
+"""Functions :meth:`Launcher.clear` calls: the caches of kept kernels' uses above this module
+(``plans.py`` registers its ``clear``), so this module imports none of them."""
+
 
 class Launcher:
     """The compiled kernels kept per specialisation, and their direct launch."""
@@ -145,12 +149,12 @@ class Launcher:
         self._signatures: dict = {}
 
     def clear(self) -> None:
-        """Forget the kept kernels, and the launch plans made of them (``plans.py``)."""
-        from . import plans
-
+        """Forget the kept kernels, and what was made of them (``plans.py``'s launch plans: the
+        functions of :data:`ON_CLEAR`)."""
         self._kept.clear()
         self._layouts.clear()
-        plans.clear()
+        for forget in ON_CLEAR:
+            forget()
 
     def _signature(self, kernel) -> _Signature:
         sig = self._signatures.get(kernel)

@@ -40,7 +40,7 @@ Attention sinks (``SINKS``, §6.2): a row starts from its sink logit instead of 
 import triton
 import triton.language as tl
 
-from ..scores import LOGIT_SCALE, SOFTMAX, SSA, get
+from ..scores import LOGIT_SCALE, SOFTMAX, SSA, ScoreFunction
 from .fast_math import copy_sign, exp2_poly, fast_recip, fast_tanh
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -55,10 +55,9 @@ LOGIT_SCALE_ID = tl.constexpr(LOGIT_SCALE.id)
 MAX_PARAMS = 2
 
 
-def kernel_params(score: int, params, dummy) -> tuple:
-    """``(P0, P1)``: the score function's per-head parameter tensors in registry order, ``dummy``
+def kernel_params(f: ScoreFunction, params, dummy) -> tuple:
+    """``(P0, P1)``: score function ``f``'s per-head parameter tensors in registry order, ``dummy``
     (any tensor, never read) for those it lacks. ``ValueError`` for a wrong count."""
-    f = get(score)
     params = tuple(params)
     if len(params) != len(f.params):
         raise ValueError(f"ssa_flash: score function {f.name!r} takes {len(f.params)} parameter(s) "
@@ -69,10 +68,10 @@ def kernel_params(score: int, params, dummy) -> tuple:
     return params + (dummy,) * (MAX_PARAMS - len(params))
 
 
-def poly_exp2_pays(score: int) -> bool:
+def poly_exp2_pays(score: ScoreFunction) -> bool:
     """Whether the score function's tiles are MUFU-bound enough at small head dims for the
-    polynomial ``exp2`` (``launch._poly_exp2_degree``): SSA's ``log2`` and reciprocal."""
-    return score == SSA.id
+    polynomial ``exp2`` (``kernel_args.poly_exp2_degree``): SSA's ``log2`` and reciprocal."""
+    return score is SSA
 
 
 @triton.jit

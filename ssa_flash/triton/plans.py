@@ -35,6 +35,9 @@ def clear() -> None:
     _plans.clear()
 
 
+direct.ON_CLEAR.append(clear)
+
+
 def get(key) -> Optional["Plan"]:
     plan = _plans.get(key)
     if plan is not None:
@@ -108,7 +111,7 @@ def make_launch(kernel, grid: tuple, args: tuple, consts: dict, options: dict, d
 
 def on_device(device: torch.device):
     """True when ``device`` is the current CUDA device (or no CUDA device is involved): the plan
-    can launch without entering it (``launch._on_device``'s context costs microseconds)."""
+    can launch without entering it (``block_choice.on_device``'s context costs microseconds)."""
     return device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device()
 
 

@@ -282,7 +282,7 @@ def block_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype, k
     default tiles cannot spare; ``window``: a local window (more index arithmetic per tile).
     Under the interpreter small blocks make the tests cross block boundaries at small lengths.
     On a GPU the launcher drops those whose shared memory cannot fit (:func:`prune`) and times
-    the others once (``launch._launch``)."""
+    the others once (``block_choice.launch_kernel``)."""
     if arch is None:
         return [Blocks(16, 16, 4, 1)]
     fam = family(arch)
@@ -339,3 +339,13 @@ def decode_candidates(arch: Optional[int], head_block: int, dtype: torch.dtype) 
         ladder = [b for b in ladder if b.n <= 32]
     cands = [b for b in ladder if fits(b, "fwd", head_block, dtype, arch)]
     return cands + [Blocks(16, 16, 4, 1)]
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv / next_power_of_2 are constexpr functions (Triton 3.9), ~10 us
+    # per host call
+    return -(-a // b)

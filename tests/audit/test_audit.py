@@ -70,7 +70,7 @@ KNOWN_FAILURES = {
     # SSA + adaptive temperature, dQ, with a mask, sm_90: 36 B with every tile tried (bench/NOTES.md)
     # The adaptive backward with a boolean mask at D = 111 (head block 128), sm_90: its spill-free
     # tiles were 16 wide (dQ 128 x 16, dK/dV 16 x 64), which boolean masks no longer get on a GPU
-    # (Triton 3.6 computed wrong gradients there on an H200: launch._launch); 32-wide and larger
+    # (Triton 3.6 computed wrong gradients there on an H200: block_choice.launch_kernel); 32-wide and larger
     # spill 0.3-1.8 KB (bench/NOTES.md, boolean masks and 16-wide tiles).
     "no_spills": {"sm90-bwd_dq-ssa_adaptive-causal-bool-d111-fp16", "sm90-bwd_dq-adaptive-causal-bool-d111-fp16",
                   "sm90-bwd_dkdv-adaptive-causal-bool-d111-fp16", "sm90-bwd_dkdv-ssa_adaptive-causal-bool-d111-fp16"},
@@ -788,7 +788,7 @@ def family_results():
 def check_family_first_choice(r):
     """None when the launcher's first choice for this specialisation compiles within the family's
     shared memory and registers and without spills, else what is wrong."""
-    from ssa_flash.triton import tiles
+    from ssa_flash.triton import block_choice, tiles
 
     if r is None:
         return "not audited"
@@ -827,7 +827,7 @@ def test_family_smem_estimate(family_results):
     every compiled first choice: never under by more than 16 KB + 10 % (so pruning by it never
     keeps a hopeless configuration by much), never over by more than 8 KB + 25 % (so it drops
     nothing that would fit by much)."""
-    from ssa_flash.triton import tiles
+    from ssa_flash.triton import block_choice, tiles
 
     by_id = {v.id: v for v in FAMILY_VARIANTS}
     checked = 0

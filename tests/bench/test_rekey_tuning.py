@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ssa_flash.triton import launch  # noqa: E402
+from ssa_flash.triton import launch, tiles, tuning_cache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("rekey_tuning", ROOT / "bench" / "rekey_tuning.py")
@@ -50,16 +50,16 @@ def test_code_text_drops_line_numbers_and_paths_only():
 
 
 def test_a_rekeyed_entry_is_where_the_launcher_looks(tmp_path, monkeypatch):
-    """The key text round-trips and the file name is launch._cache_path's."""
+    """The key text round-trips and the file name is tuning_cache.cache_path's."""
     monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path))
-    cands = launch.block_candidates(90, 128, __import__("torch").bfloat16, "fwd")
-    monkeypatch.setattr(launch, "_gpu_name", lambda device: "NVIDIA H200")
-    key = launch._cache_key(launch.attention_fwd_kernel, "fwd", None, 128, "torch.bfloat16", (1, 2), {"SCORE": 1},
+    cands = tiles.block_candidates(90, 128, __import__("torch").bfloat16, "fwd")
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "NVIDIA H200")
+    key = tuning_cache.cache_key(launch.attention_fwd_kernel, "fwd", None, 128, "torch.bfloat16", (1, 2), {"SCORE": 1},
                             cands)
     fields = rekey.parse_key(key)
     assert rekey.format_key(fields) == key
-    assert fields["kernel"] == launch._kernel_identity(launch.attention_fwd_kernel)
-    assert rekey.cache_file_name(key) == launch._cache_path(key).name
+    assert fields["kernel"] == tuning_cache.kernel_identity(launch.attention_fwd_kernel)
+    assert rekey.cache_file_name(key) == tuning_cache.cache_path(key).name
     assert rekey.gpu_arch(fields["gpu"]) == 90 and rekey.gpu_arch("Tesla V100-SXM2-16GB") is None
 
 

@@ -171,7 +171,7 @@ def test_logit_scale_parameter_count_is_checked(emu):
     """The backend takes exactly the registry's parameters for the score function (one for
     logit_scale) and says so otherwise."""
     from ssa_flash.backends import cuda_backend
-    from ssa_flash.backends.spec import AttentionSpec
+    from ssa_flash.spec import AttentionSpec
 
     q = torch.zeros(1, 2, 16, 32, dtype=torch.float16)
     spec = AttentionSpec(scale=0.5, score="logit_scale")

@@ -18,7 +18,7 @@ from attn_testing import CUDA, MODES, call, compare, detached_copy, head_params
 from emulation import cuda_backend_context
 from ssa_flash import reference
 from ssa_flash.backends import cuda_backend
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ssa_flash import backends, temperature
-from ssa_flash.backends.spec import AttentionSpec, KeyShardTemperature
+from ssa_flash.spec import AttentionSpec, KeyShardTemperature
 from ssa_flash.distributed import partial as P
 
 from attn_testing import INTERPRETER, MODES

@@ -24,7 +24,7 @@ from ssa_flash import scores
 from ssa_flash.backends import cuda_backend
 from ssa_flash.backends import get
 from ssa_flash.backends import triton_backend
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "support.md"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,

@@ -4,7 +4,6 @@ backend="auto"'s policy (the CUDA backend only where verified), the CUDA backend
 and the CUDA backend's Python glue run on the CPU through the emulation of its kernels."""
 from __future__ import annotations
 
-import ast
 import inspect
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +14,7 @@ import torch
 import ssa_flash
 from ssa_flash import autograd, scores, backends, errors, reference
 from ssa_flash.backends import cuda_backend
-from ssa_flash.backends.spec import AttentionSpec, Backend
+from ssa_flash.spec import AttentionSpec, Backend
 
 from attn_testing import FLOORS, INTERPRETER, MODES, call, fa_tolerance_check, head_params
 from emulation import build_emulator
@@ -77,65 +76,7 @@ def test_error_type_is_shared():
     assert issubclass(errors.BackendUnavailableError, RuntimeError)
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
-
-
-def _imports(path: Path):
-    """Package modules imported anywhere in ``path`` (function bodies included), resolved."""
-    mod = _module_name(path)
-    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("ssa_flash"))
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if not target.startswith("ssa_flash"):
-                continue
-            if node.module:  # `from . import x` loads x, not (again) the package it is in
-                found.add(target)
-            for a in node.names:  # `from . import cuda` imports a submodule
-                found.add(f"{target}.{a.name}")
-    return found
-
-
-LAYERED = ["ssa_flash.autograd", "ssa_flash.backends", "ssa_flash.backends.spec", "ssa_flash.backends.triton_backend",
-           "ssa_flash.backends.cuda_backend", "ssa_flash.backends.reference_backend", "ssa_flash.reference",
-           "ssa_flash.temperature", "ssa_flash.errors", "ssa_flash.triton.launch"]
-
-
-def test_layers_import_only_downwards():
-    """Nothing below ops.py imports ops, the ssa_flash.cuda facade, nn or the integrations, and
-    the import graph of ops and everything below it (lazy imports included) has no cycle."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {m: {t for t in _imports(modules[m]) if t in modules and t != m} for m in LAYERED + ["ssa_flash.ops"]}
-    upper = {"ssa_flash.ops", "ssa_flash.cuda", "ssa_flash.nn", "ssa_flash", "ssa_flash.integrations"}
-    for m in LAYERED:
-        assert not graph[m] & upper, f"{m} imports {graph[m] & upper}"
-    assert graph["ssa_flash.ops"] >= {"ssa_flash.autograd", "ssa_flash.backends"}
-
-    state = {}
-
-    def visit(m, stack):
-        state[m] = "open"
-        for t in graph.get(m, ()):
-            if state.get(t) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(stack + [m, t]))
-            if t not in state:
-                visit(t, stack + [m])
-        state[m] = "done"
-
-    for m in graph:
-        if m not in state:
-            visit(m, [])
+# The layers and import cycles: tests/test_layers.py (tools/import_graph.py, the whole package).
 
 
 # --------------------------------------------------------------------------------------------

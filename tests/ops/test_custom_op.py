@@ -9,7 +9,7 @@ import torch
 import ssa_flash
 from ssa_flash import autograd as ssa_autograd
 from ssa_flash.backends import cuda_backend
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 from ssa_flash.nn import SSAttention
 from ssa_flash.temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 from ssa_flash.triton import launch

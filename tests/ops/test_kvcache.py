@@ -8,7 +8,7 @@ import torch
 import ssa_flash
 from ssa_flash import reference
 from ssa_flash.errors import BackendUnavailableError
-from ssa_flash.triton import launch
+from ssa_flash.triton import launch, layouts
 
 from attn_testing import CUDA, DEVICE, MODES, head_params, host_values_only, needs_kernels
 
@@ -210,7 +210,7 @@ def test_num_splits_heuristic():
     assert h(16, 64, 132) == 8  # batch 1, 16 heads, one query, 8192 keys in tiles of 128
     assert h(256, 64, 132) == 1  # enough programs already
     assert h(16, 8, 132) == 2  # short cache: every split keeps >= 4 tiles
-    assert h(1, 10_000, 132) == launch.MAX_SPLITS
+    assert h(1, 10_000, 132) == layouts.MAX_SPLITS
     assert h(16, 3, 132) == 1
 
 

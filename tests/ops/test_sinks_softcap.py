@@ -15,7 +15,7 @@ from ssa_flash import scores
 from ssa_flash import autograd as ssa_autograd
 from ssa_flash import reference
 from ssa_flash.backends import cuda_backend, get, reference_backend, triton_backend
-from ssa_flash.backends.spec import AttentionSpec, TemperatureState
+from ssa_flash.spec import AttentionSpec, TemperatureState
 from ssa_flash.distributed import partial as P
 from ssa_flash.nn import SSAttention
 from ssa_flash.temperature import beta_from_entropy

@@ -169,6 +169,6 @@ def test_deterministic_algorithms_reach_the_backend(monkeypatch, request):
 
 
 def test_deterministic_algorithms_stop_the_tuning(deterministic_algorithms):
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import block_choice, launch
 
-    assert not launch._autotuning()
+    assert not block_choice.autotuning()

@@ -6,7 +6,7 @@ import torch
 
 import ssa_flash
 from ssa_flash import reference
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 from ssa_flash.errors import BackendUnavailableError
 from ssa_flash.triton import launch
 

@@ -403,7 +403,7 @@ def test_supports_refuses_inputs_on_a_gpu_without_an_image(fake_extension):
     from types import SimpleNamespace
 
     from ssa_flash.backends import cuda_backend
-    from ssa_flash.backends.spec import AttentionSpec
+    from ssa_flash.spec import AttentionSpec
 
     q = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 2, 8, 64))
     spec = AttentionSpec(scale=0.125)

@@ -8,8 +8,8 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from ssa_flash import temperature  # noqa: E402
-from ssa_flash.backends.spec import AttentionSpec  # noqa: E402
-from ssa_flash.triton import direct, launch  # noqa: E402
+from ssa_flash.spec import AttentionSpec  # noqa: E402
+from ssa_flash.triton import block_choice, direct, launch, tiles  # noqa: E402
 
 
 def test_spec_key_keys_what_triton_specialises_on():
@@ -127,7 +127,7 @@ def test_stub_mode_plans_as_on_a_gpu_and_launches_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("a kernel ran in stub mode")
 
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
     monkeypatch.setattr(launch, "attention_fwd_kernel", Refusing())
     q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
     spec = AttentionSpec(scale=0.125, causal=True)
@@ -135,15 +135,15 @@ def test_stub_mode_plans_as_on_a_gpu_and_launches_nothing(monkeypatch):
         for _ in range(2):
             out, lse = launch.forward(q, q, q, None, (), None, spec)
         assert out.shape == q.shape and lse.shape == q.shape[:-1]
-        chosen = [blk for key, blk in launch._chosen_blocks.items() if key[0] == "fwd"]
-        assert chosen and chosen[0] == launch.block_candidates(90, 64, torch.float16, "fwd")[0]
+        chosen = [blk for key, blk in block_choice.chosen_blocks.items() if key[0] == "fwd"]
+        assert chosen and chosen[0] == tiles.block_candidates(90, 64, torch.float16, "fwd")[0]
         assert direct.LAUNCHER._kept
     assert not direct.LAUNCHER._kept and direct.stub_arch() is None
 
 
 @pytest.mark.parametrize("poly,threshold", [(temperature.DEFAULT_POLY, 0.5), ((2.0,), 0.0), ((0.5, 1.0), 1.0)])
 def test_fused_temperature_matches_its_definition(poly, threshold):
-    from ssa_flash.triton import temperature as fused
+    from ssa_flash.triton import block_choice, temperature as fused, tiles
     from ssa_flash.triton.interpreter import interpreting
 
     if not (torch.cuda.is_available() or interpreting()):
@@ -151,8 +151,8 @@ def test_fused_temperature_matches_its_definition(poly, threshold):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ent = torch.linspace(0.0, 6.0, 1500, device=device).reshape(3, 500)
     beta, dbeta = fused.beta_from_entropy(ent, poly, threshold)
-    ref_beta, ref_dbeta = temperature.beta_from_entropy_torch(ent, poly, threshold)
-    gold_beta, gold_dbeta = temperature.beta_from_entropy_torch(ent.double(), poly, threshold)
+    ref_beta, ref_dbeta = temperature.beta_from_entropy(ent, poly, threshold)
+    gold_beta, gold_dbeta = temperature.beta_from_entropy(ent.double(), poly, threshold)
     # FlashAttention's rule against the float64 definition: the kernel's Horner form (FMAs on a
     # GPU) and torch's float32 ops round differently, and the default polynomial cancels (its terms
     # reach ~100 where beta is ~1-2.4), so neither is the other's reference (H200: 7e-6 apart)

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ssa_flash.backends.spec import AttentionSpec, TemperatureState
+from ssa_flash.spec import AttentionSpec, TemperatureState
 from ssa_flash.triton import direct, launch
 
 backend = make_backend(GPUTarget("cuda", 90, 32))

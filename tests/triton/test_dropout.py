@@ -13,7 +13,7 @@ import torch
 import ssa_flash
 from ssa_flash import backends, reference
 from ssa_flash.backends import cuda_backend
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 from attn_testing import DEVICE, MODES, call, check, head_params, make_qkv, needs_kernels
 
 pytestmark = needs_kernels

@@ -79,7 +79,7 @@ def test_copy_sign_lut():
 
 # --------------------------------------------------------------------------------------------
 # The polynomial exp2 (fast_math.exp2_poly) that moves half of the SSA forward's interior
-# exponentials from the MUFU unit to the FMA pipe at head dims <= 64 (launch._poly_exp2_degree).
+# exponentials from the MUFU unit to the FMA pipe at head dims <= 64 (kernel_args.poly_exp2_degree).
 
 from attn_testing import DEVICE, check, make_qkv, needs_kernels  # noqa: E402
 
@@ -120,7 +120,7 @@ def test_kernels_with_poly_exp2(monkeypatch, degree, bound, causal):
     through the polynomial: within its error of the exact kernels in float32 (and not identical:
     the paths ran), and FlashAttention's rule in float16."""
     import ssa_flash
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import kernel_args, launch
 
     from ssa_flash.triton.interpreter import interpreting
 
@@ -138,7 +138,7 @@ def test_kernels_with_poly_exp2(monkeypatch, degree, bound, causal):
         return [out] + list(torch.autograd.grad(out, (q, k, v, b, n), dout))
 
     exact = run()
-    monkeypatch.setattr(launch, "FORCE_POLY_EXP2", degree)
+    monkeypatch.setattr(kernel_args, "FORCE_POLY_EXP2", degree)
     poly = run()
     for name, e, p in zip(["out", "dq", "dk", "dv", "db", "dn"], exact, poly):
         diff = ((p - e).abs().max() / e.abs().max()).item()

@@ -60,9 +60,9 @@ def test_gradcheck_across_blocks(mode):
 @pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])
 def test_float64_bool_mask_as_additive_is_the_same_attention(mode, monkeypatch):
     """On a GPU a float64 call's boolean mask reaches the kernels as an additive 0 / -inf mask (a
-    Triton 3.6 limit: launch._bool_mask_as_additive). Both kinds give the same out, lse and
+    Triton 3.6 limit: kernel_args.bool_mask_as_additive). Both kinds give the same out, lse and
     gradients, empty rows and a broadcast (stride-0) batch dimension included."""
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import kernel_args, launch
 
     q, k, v = make_qkv(B=2, Hq=2, Hkv=2, Lq=5, Lk=7, D=4, dtype=torch.float64)
     b, n = head_params(2, dtype=torch.float64)
@@ -79,9 +79,9 @@ def test_float64_bool_mask_as_additive_is_the_same_attention(mode, monkeypatch):
 
     as_is = run()
     seen = []
-    original = launch._additive_from_bool
-    monkeypatch.setattr(launch, "_bool_mask_as_additive", lambda like: like.dtype == torch.float64)
-    monkeypatch.setattr(launch, "_additive_from_bool", lambda mask: seen.append(mask) or original(mask))
+    original = kernel_args.additive_from_bool
+    monkeypatch.setattr(kernel_args, "bool_mask_as_additive", lambda like: like.dtype == torch.float64)
+    monkeypatch.setattr(kernel_args, "additive_from_bool", lambda mask: seen.append(mask) or original(mask))
     converted = run()
     assert seen and all(t.dtype == torch.bool for t in seen)
     assert torch.isneginf(converted[1][:, :, 2]).all()

@@ -7,7 +7,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ssa_flash import scores  # noqa: E402
-from ssa_flash.triton import launch  # noqa: E402
+from ssa_flash.triton import block_choice, kernel_args, launch, tiles, tuning_cache  # noqa: E402
 
 
 class FakeKernel:
@@ -30,16 +30,16 @@ class FakeKernel:
 def on_fake_gpu(monkeypatch, tmp_path):
     """A pretend sm_90 GPU named "Fake GPU", an empty in-memory choice table and a tuning cache
     in a fresh folder."""
-    monkeypatch.setattr(launch, "_device_arch", lambda device: 90)
-    monkeypatch.setattr(launch, "_gpu_name", lambda device: "Fake GPU")
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setattr(block_choice, "device_arch", lambda device: 90)
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
     monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("SSA_FLASH_AUTOTUNE", raising=False)
     return monkeypatch
 
 
 def _launch(kernel, name="fwd", head_block=64, grid=1000, deterministic=False):
-    return launch._launch(kernel, name, lambda blk: (grid,), lambda blk: (), {"SCORE": scores.SSA.id},
+    return block_choice.launch_kernel(kernel, name, lambda blk: (grid,), lambda blk: (), {"SCORE": scores.SSA.id},
                           torch.device("cpu"), head_block, torch.bfloat16, deterministic)
 
 
@@ -53,16 +53,16 @@ def _prefer_last(on_fake_gpu, kernel, cands):
         timed.append(kernel.calls[-1])
         return 1.0 / (1 + cands.index(kernel.calls[-1]))
 
-    on_fake_gpu.setattr(launch, "_timed", fake_timed)
+    on_fake_gpu.setattr(block_choice, "timed", fake_timed)
     return timed
 
 
 def _no_timing(on_fake_gpu):
-    on_fake_gpu.setattr(launch, "_timed", lambda run: pytest.fail("timed a configuration"))
+    on_fake_gpu.setattr(block_choice, "timed", lambda run: pytest.fail("timed a configuration"))
 
 
 def test_autotune_picks_the_fastest_and_remembers(on_fake_gpu):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     times = {blk: 1.0 + i for i, blk in enumerate(cands)}
     fastest = cands[2]
     times[fastest] = 0.5
@@ -73,7 +73,7 @@ def test_autotune_picks_the_fastest_and_remembers(on_fake_gpu):
         timed.append(kernel.calls[-1])
         return times[kernel.calls[-1]]
 
-    on_fake_gpu.setattr(launch, "_timed", fake_timed)
+    on_fake_gpu.setattr(block_choice, "timed", fake_timed)
     kernel = FakeKernel(too_big=[cands[1]])
     assert _launch(kernel) == fastest
     assert cands[1] not in timed  # did not fit: never timed
@@ -87,14 +87,14 @@ def test_autotune_picks_the_fastest_and_remembers(on_fake_gpu):
 
 def test_autotune_off_takes_the_first_that_fits(on_fake_gpu):
     on_fake_gpu.setenv("SSA_FLASH_AUTOTUNE", "0")
-    on_fake_gpu.setattr(launch, "_timed", lambda run: pytest.fail("timed with autotuning off"))
-    cands = launch.block_candidates(90, 128, torch.bfloat16, "bwd_dkdv")
+    on_fake_gpu.setattr(block_choice, "timed", lambda run: pytest.fail("timed with autotuning off"))
+    cands = tiles.block_candidates(90, 128, torch.bfloat16, "bwd_dkdv")
     kernel = FakeKernel(too_big=[cands[0]])
     assert _launch(kernel, "bwd_dkdv", 128) == cands[1]
 
 
 def test_no_configuration_fits(on_fake_gpu):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     with pytest.raises(RuntimeError, match="no block configuration.*OutOfResources"):
         _launch(FakeKernel(too_big=cands))
 
@@ -118,7 +118,7 @@ def test_a_compile_error_of_every_configuration_says_its_cause(on_fake_gpu):
 
 
 def test_deterministic_takes_the_first_that_fits_untimed(on_fake_gpu):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     assert len(set(cands)) > 2
     kernel = FakeKernel()
     timed = _prefer_last(on_fake_gpu, kernel, cands)
@@ -130,7 +130,7 @@ def test_deterministic_takes_the_first_that_fits_untimed(on_fake_gpu):
     assert _launch(kernel, deterministic=True) == cands[0]
     assert not timed and kernel.calls == [cands[0]]
     # a configuration that does not build is skipped, still without timing
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
     kernel = FakeKernel(too_big=[cands[0]])
     timed = _prefer_last(on_fake_gpu, kernel, cands)
     assert _launch(kernel, deterministic=True) == cands[1] and not timed
@@ -140,7 +140,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
     """The launcher takes the backends' one spec type (nothing to convert, so ``deterministic``
     reaches it as given), and with ``deterministic`` every kernel launch of the forward, the
     statistics and the backward runs its first candidate untimed."""
-    from ssa_flash.backends import spec as bspec
+    from ssa_flash import spec as bspec
 
     assert launch.AttentionSpec is bspec.AttentionSpec and launch.TemperatureState is bspec.TemperatureState
     _no_timing(on_fake_gpu)
@@ -157,7 +157,7 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
     launch.backward(o, q, q, q, o, lse, None, None, (b, n), None, spec)
     for attr, name in (("attention_fwd_kernel", "fwd"), ("row_entropy_kernel", "row_entropy"),
                        ("attention_bwd_dq_kernel", "bwd_dq"), ("attention_bwd_dkdv_kernel", "bwd_dkdv")):
-        first = launch.block_candidates(90, 64, torch.bfloat16, name)[0]
+        first = tiles.block_candidates(90, 64, torch.bfloat16, name)[0]
         assert kernels[attr].calls == [first], attr
 
 
@@ -165,20 +165,20 @@ def test_deterministic_reaches_every_launch(on_fake_gpu):
 
 
 def test_tuned_choice_is_read_back_by_another_process(on_fake_gpu, tmp_path):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     kernel = FakeKernel()
     _prefer_last(on_fake_gpu, kernel, cands)
     assert _launch(kernel) == cands[-1]
     files = list((tmp_path / "cache" / "autotune").iterdir())
     assert len(files) == 1 and files[0].suffix == ".json"  # no temporary file left behind
     # "another process": nothing in memory; the choice comes from disk, one launch, no timing
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
     _no_timing(on_fake_gpu)
     kernel.calls.clear()
     assert _launch(kernel) == cands[-1] and kernel.calls == [cands[-1]]
     # another GPU model does not read it
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
-    on_fake_gpu.setattr(launch, "_gpu_name", lambda device: "Other GPU")
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
+    on_fake_gpu.setattr(tuning_cache, "gpu_name", lambda device: "Other GPU")
     timed = _prefer_last(on_fake_gpu, kernel, cands)
     _launch(kernel)
     assert timed
@@ -187,27 +187,27 @@ def test_tuned_choice_is_read_back_by_another_process(on_fake_gpu, tmp_path):
 def test_cache_key_names_what_decides_the_choice(on_fake_gpu):
     from ssa_flash import __version__
 
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
-    key = launch._cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
+    key = tuning_cache.cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
                             {"SCORE": scores.SSA.id}, cands)
     for part in ("Fake GPU", torch.__version__, triton.__version__, __version__, "attention_fwd_kernel", "1024"):
         assert part in key
-    other = launch._cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
+    other = tuning_cache.cache_key(launch.attention_fwd_kernel, "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024,
                               {"SCORE": scores.SOFTMAX.id}, cands)
-    assert launch._cache_path(key) != launch._cache_path(other)
+    assert tuning_cache.cache_path(key) != tuning_cache.cache_path(other)
 
 
 def test_cache_key_names_a_compiled_kernel(on_fake_gpu):
-    """The key names the kernel by :func:`launch._kernel_identity` of its source closure, not by
+    """The key names the kernel by :func:`tuning_cache.kernel_identity` of its source closure, not by
     Triton's ``cache_key`` (which differed between two machines for the same sources)."""
     class Compiled:
         fn = getattr(launch.attention_fwd_kernel, "fn", launch.attention_fwd_kernel)
         cache_key = "0123456789abcdef"
 
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
-    key = launch._cache_key(Compiled(), "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024, {}, cands)
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
+    key = tuning_cache.cache_key(Compiled(), "fwd", torch.device("cpu"), 64, torch.bfloat16, 1024, {}, cands)
     assert "kernel=attention_fwd_kernel:" in key and "0123456789abcdef" not in key
-    assert f"kernel={launch._kernel_identity(launch.attention_fwd_kernel)}\n" in key
+    assert f"kernel={tuning_cache.kernel_identity(launch.attention_fwd_kernel)}\n" in key
 
 
 _KERNEL_MODULE = """
@@ -242,7 +242,7 @@ def _identity_of(tmp_path, tag, scale=2, factor=3, other=1, padding=""):
     spec = importlib.util.spec_from_file_location("identity_kernels", path)  # one module name
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    identity = launch._kernel_identity(module.kernel)
+    identity = tuning_cache.kernel_identity(module.kernel)
     assert identity.startswith("kernel:")
     return identity.split(":", 1)[1]
 
@@ -258,19 +258,19 @@ def test_kernel_identity_follows_the_code_the_kernel_reaches(tmp_path):
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign", "not_a_candidate"])
 def test_a_damaged_cache_file_is_ignored(on_fake_gpu, damage):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     kernel = FakeKernel()
     _prefer_last(on_fake_gpu, kernel, cands)
     _launch(kernel)
-    (path,) = launch.cache_dir().iterdir()
+    (path,) = tuning_cache.cache_dir().iterdir()
     text = path.read_text()
     path.write_text({"garbage": "\x00not json{", "truncated": text[: len(text) // 2],
                      "foreign": text.replace('"key": "', '"key": "x'),
                      "not_a_candidate": text.replace('"blocks": [', '"blocks": [3, ')}[damage])
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
     timed = _prefer_last(on_fake_gpu, kernel, cands)
     assert _launch(kernel) == cands[-1] and timed  # tuned again, and the file mended
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
     _no_timing(on_fake_gpu)
     assert _launch(kernel) == cands[-1]
 
@@ -279,7 +279,7 @@ def test_an_unwritable_cache_does_not_break_a_call(on_fake_gpu, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     on_fake_gpu.setenv("SSA_FLASH_CACHE_DIR", str(blocker / "cache"))  # cannot be created
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     kernel = FakeKernel()
     _prefer_last(on_fake_gpu, kernel, cands)
     assert _launch(kernel) == cands[-1]
@@ -287,24 +287,24 @@ def test_an_unwritable_cache_does_not_break_a_call(on_fake_gpu, tmp_path):
 
 
 def test_a_stale_cached_choice_that_no_longer_builds_falls_back(on_fake_gpu):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     kernel = FakeKernel()
     _prefer_last(on_fake_gpu, kernel, cands)
     _launch(kernel)
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
     _no_timing(on_fake_gpu)
     assert _launch(FakeKernel(too_big=[cands[-1]])) == cands[0]
 
 
 def test_cache_location(monkeypatch, tmp_path):
     monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path))
-    assert launch.cache_dir() == tmp_path / "autotune"
+    assert tuning_cache.cache_dir() == tmp_path / "autotune"
     monkeypatch.delenv("SSA_FLASH_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert launch.cache_dir() == tmp_path / "xdg" / "ssa_flash" / "autotune"
+    assert tuning_cache.cache_dir() == tmp_path / "xdg" / "ssa_flash" / "autotune"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert launch.cache_dir() == tmp_path / "home" / ".cache" / "ssa_flash" / "autotune"
+    assert tuning_cache.cache_dir() == tmp_path / "home" / ".cache" / "ssa_flash" / "autotune"
 
 
 # --- candidates that cannot be built, slow tuning -------------------------------------------------
@@ -323,8 +323,8 @@ def test_a_candidate_that_does_not_build_is_skipped(on_fake_gpu, error):
     import triton.runtime.errors
 
     cls = getattr(triton.runtime.errors, error, None) or getattr(triton.compiler.errors, error)
-    assert issubclass(cls, launch._COMPILE_ERRORS)
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    assert issubclass(cls, block_choice.COMPILE_ERRORS)
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
 
     class Failing(FakeKernel):
         def __getitem__(self, grid):
@@ -339,7 +339,7 @@ def test_a_candidate_that_does_not_build_is_skipped(on_fake_gpu, error):
     kernel = Failing()
     timed = _prefer_last(on_fake_gpu, kernel, cands)
     assert _launch(kernel) == cands[-1] and cands[0] not in timed
-    on_fake_gpu.setattr(launch, "_chosen_blocks", {})
+    on_fake_gpu.setattr(block_choice, "chosen_blocks", {})
     assert _launch(kernel, deterministic=True) == cands[1]
 
 
@@ -355,19 +355,19 @@ def test_other_errors_are_not_swallowed(on_fake_gpu):
 
 
 def test_slow_tuning_logs_one_line(on_fake_gpu, caplog):
-    cands = launch.block_candidates(90, 64, torch.bfloat16, "fwd")
+    cands = tiles.block_candidates(90, 64, torch.bfloat16, "fwd")
     kernel = FakeKernel()
     _prefer_last(on_fake_gpu, kernel, cands)
-    on_fake_gpu.setattr(launch, "_SLOW_TUNING_S", 1e9)
+    on_fake_gpu.setattr(block_choice, "_SLOW_TUNING_S", 1e9)
     with caplog.at_level("INFO", logger="ssa_flash"):
         _launch(kernel, grid=1000)
     assert not [r for r in caplog.records if r.name == "ssa_flash"]
-    on_fake_gpu.setattr(launch, "_SLOW_TUNING_S", 0.0)
+    on_fake_gpu.setattr(block_choice, "_SLOW_TUNING_S", 0.0)
     with caplog.at_level("INFO", logger="ssa_flash"):
         _launch(kernel, grid=10)  # another size bucket: tuned again
     (rec,) = [r for r in caplog.records if r.name == "ssa_flash"]
     msg = rec.getMessage()
-    assert "\n" not in msg and "fwd" in msg and str(launch.cache_dir()) in msg and "SSA_FLASH_AUTOTUNE" in msg
+    assert "\n" not in msg and "fwd" in msg and str(tuning_cache.cache_dir()) in msg and "SSA_FLASH_AUTOTUNE" in msg
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -378,7 +378,7 @@ def test_tile_tables(arch, kernel, head_block):
     the transposed dK/dV kernel) covers both warpgroups' 64-row slices."""
     for masked in (False, True):
         for adaptive in (False, True):
-            for blk in launch.block_candidates(arch, head_block, torch.bfloat16, kernel, masked, adaptive):
+            for blk in tiles.block_candidates(arch, head_block, torch.bfloat16, kernel, masked, adaptive):
                 for size in (blk.m, blk.n):
                     assert size >= 16 and size & (size - 1) == 0
                 m_dim = blk.n if kernel == "bwd_dkdv" else blk.m
@@ -394,7 +394,7 @@ def test_capture_records_without_running():
     with launch.capture_launches(90) as cap:
         launch.forward(q, kv, kv, None, (b, n), None, spec)
     (kl,) = cap
-    assert kl.name == "fwd" and kl.blocks == launch.block_candidates(90, 64, torch.bfloat16, "fwd")[0]
+    assert kl.name == "fwd" and kl.blocks == tiles.block_candidates(90, 64, torch.bfloat16, "fwd")[0]
     assert kl.grid == (triton.cdiv(300, kl.blocks.m) * 2 * 4,)
     assert kl.constexprs["SCORE"] == scores.SSA.id and kl.constexprs["CAUSAL"] and kl.constexprs["FAST_MATH"]
     assert kl.constexprs["EVEN_D"]
@@ -446,7 +446,7 @@ def test_kernel_strides_are_one_argument_per_tensor():
     (Triton >= 3.3 takes tuples), not one parameter per axis; a capture passes them as tuples of
     ints, with a contiguous tensor's unit last stride among them (Triton specialises it as it
     would a scalar 1)."""
-    for kernel, names in launch._PARAMS.items():
+    for kernel, names in kernel_args.PARAMS.items():
         assert not [n for n in names if n.startswith("stride_")], kernel
         assert {"q_strides", "k_strides"} <= set(names), kernel
     q = torch.empty(1, 2, 40, 64, device="meta", dtype=torch.float16)
@@ -454,27 +454,27 @@ def test_kernel_strides_are_one_argument_per_tensor():
     with launch.capture_launches(90) as cap:
         launch.forward(q, q, q, None, (), None, spec)
     (kl,) = cap
-    strides = kl.args[launch._PARAMS["fwd"].index("q_strides")]
+    strides = kl.args[kernel_args.PARAMS["fwd"].index("q_strides")]
     assert strides == tuple(q.stride()) and strides[-1] == 1
 
 
 def test_kernel_signatures_are_short():
     """No attention kernel takes more than 25 runtime parameters: related ones travel as tuples
     (the problem's sizes, strides, per-row statistics, feature parameters)."""
-    assert {kernel: len(names) for kernel, names in launch._PARAMS.items() if len(names) > 25} == {}
+    assert {kernel: len(names) for kernel, names in kernel_args.PARAMS.items() if len(names) > 25} == {}
 
 
 def test_launch_arguments_are_named():
     """Launch sites name the kernels' arguments: the positional tuple follows each kernel's
     signature, and a misspelt or missing name is a TypeError naming it."""
-    names = launch._PARAMS["row_entropy"]
-    args = launch._positional("row_entropy", **{n: i for i, n in enumerate(reversed(names))})
+    names = kernel_args.PARAMS["row_entropy"]
+    args = kernel_args.positional("row_entropy", **{n: i for i, n in enumerate(reversed(names))})
     assert args == tuple(reversed(range(len(names))))
     full = {n: 0 for n in names}
     with pytest.raises(TypeError, match="stride_qx"):
-        launch._positional("row_entropy", **full, stride_qx=1)
+        kernel_args.positional("row_entropy", **full, stride_qx=1)
     del full["window"]
     with pytest.raises(TypeError, match="window"):
-        launch._positional("row_entropy", **full)
+        kernel_args.positional("row_entropy", **full)
     # every runtime parameter, none of the constexprs
     assert "Q" in names and "BLOCK_M" not in names and "VARLEN" not in names

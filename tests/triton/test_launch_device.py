@@ -18,7 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ssa_flash.triton import launch  # noqa: E402
+from ssa_flash.triton import block_choice, launch, tuning_cache  # noqa: E402
 
 
 class CurrentDevice:
@@ -70,9 +70,9 @@ def second_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device", current.enter)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         lambda: seen.append(("graph check", current.index)) or False)
-    monkeypatch.setattr(launch, "_device_arch", lambda device: 90 if device.type == "cuda" else None)
-    monkeypatch.setattr(launch, "_gpu_name", lambda device: "Fake GPU")
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setattr(block_choice, "device_arch", lambda device: 90 if device.type == "cuda" else None)
+    monkeypatch.setattr(tuning_cache, "gpu_name", lambda device: "Fake GPU")
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
     monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SSA_FLASH_AUTOTUNE", raising=False)
 
@@ -81,7 +81,7 @@ def second_gpu(monkeypatch, tmp_path):
         run()
         return 1.0
 
-    monkeypatch.setattr(launch, "_timed", fake_timed)
+    monkeypatch.setattr(block_choice, "timed", fake_timed)
     for name in KERNELS:
         monkeypatch.setattr(launch, name, RecordingKernel(name, current, seen))
     with torch._subclasses.fake_tensor.FakeTensorMode():
@@ -130,7 +130,7 @@ def test_dropout_mask_runs_on_the_generator_tensors_device(second_gpu):
 def test_cpu_and_meta_tensors_enter_no_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: pytest.fail(f"entered {device}"))
     for dev in ("cpu", "meta"):
-        with launch._on_device(torch.device(dev)):
+        with block_choice.on_device(torch.device(dev)):
             pass
 
 
@@ -216,19 +216,19 @@ def test_deterministic_backward_is_bitwise_the_same_in_two_processes(tmp_path, b
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_tuning_on_a_gpu_times_and_caches(tmp_path, monkeypatch):
     """The CUDA-event timer measures, and a tuned choice lands in the cache folder under the real
-    kernel's key (``launch._kernel_identity``) and is read back after the memory is cleared."""
+    kernel's key (``tuning_cache.kernel_identity``) and is read back after the memory is cleared."""
     import ssa_flash
 
     x = torch.randn(1 << 20, device="cuda")
-    assert launch._timed(lambda: x.mul_(1.0)) > 0
+    assert block_choice.timed(lambda: x.mul_(1.0)) > 0
     monkeypatch.setenv("SSA_FLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SSA_FLASH_AUTOTUNE", raising=False)
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
     q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16)
     out = ssa_flash.ssa_attention(q, q, q, backend="triton")
     files = list((tmp_path / "autotune").glob("*.json"))
     assert files, "nothing cached"
     assert all(json.loads(f.read_text())["key"].startswith("gpu=" + torch.cuda.get_device_name()) for f in files)
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
-    monkeypatch.setattr(launch, "_timed", lambda run: pytest.fail("timed again"))
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
+    monkeypatch.setattr(block_choice, "timed", lambda run: pytest.fail("timed again"))
     assert torch.equal(ssa_flash.ssa_attention(q, q, q, backend="triton"), out)

@@ -13,7 +13,7 @@ import torch
 import ssa_flash
 from ssa_flash import autograd as ssa_autograd
 from ssa_flash import scores
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 from attn_testing import DEVICE, needs_kernels
 
@@ -249,8 +249,8 @@ def test_a_score_function_without_its_maths_does_not_compile(tmp_path):
     script = textwrap.dedent("""
         import torch
         from ssa_flash import autograd as ssa_autograd
-        from ssa_flash.backends.spec import AttentionSpec
-        from ssa_flash.triton import logits
+        from ssa_flash.spec import AttentionSpec
+        from ssa_flash.triton import kernel_args, logits
 
         logits.LOGIT_SCALE_ID.value = 99  # id 2 without its branches, before anything compiles
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -272,7 +272,7 @@ def test_a_score_function_without_its_maths_does_not_compile(tmp_path):
 def test_kernels_are_compiled_per_score_function():
     """The launcher compiles the kernels for ``SCORE = score.id`` and passes the parameters as
     ``P0, P1`` (a dummy for the missing one); a wrong number of parameters is a ValueError."""
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import kernel_args, launch
 
     q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.float16)
     s = torch.empty(2, device="meta", dtype=torch.float32)
@@ -284,7 +284,7 @@ def test_kernels_are_compiled_per_score_function():
         assert [kl.constexprs["SCORE"] for kl in cap] == [score.id] * 3
         assert len(grads[3]) == len(score.params)
         fwd = cap[0]
-        p0, p1 = fwd.args[launch._PARAMS["fwd"].index("score_params")]
+        p0, p1 = fwd.args[kernel_args.PARAMS["fwd"].index("score_params")]
         assert (p0 is s) == bool(score.params) and (p1 is s) == (len(score.params) == 2)
     with pytest.raises(ValueError, match="logit_scale"):
         launch.forward(q, q, q, None, (s, s), None, AttentionSpec(scale=0.125, score="logit_scale"))

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 import ssa_flash  # noqa: E402
-from ssa_flash.triton import direct, plans  # noqa: E402
+from ssa_flash.triton import block_choice, direct, kernel_args, plans  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -142,21 +142,21 @@ def test_a_warp_specialised_replay_installs_the_allocator(monkeypatch):
     """Triton's allocator (for the device-side tensor descriptors of the warp-specialised forward) is
     a context variable: a replay in another thread (a checkpointed forward recomputed by the
     autograd engine) must install it as the first launch did."""
-    from ssa_flash.backends.spec import AttentionSpec
-    from ssa_flash.triton import launch
+    from ssa_flash.spec import AttentionSpec
+    from ssa_flash.triton import block_choice, kernel_args, launch
 
     installed, launched = [], []
-    monkeypatch.setattr(launch, "_ensure_allocator", lambda: installed.append(1))
+    monkeypatch.setattr(block_choice, "ensure_allocator", lambda: installed.append(1))
 
     class Kernel:
         def __getitem__(self, grid):
             return lambda *args, **consts: launched.append(args)
 
-    slots = tuple(launch._PARAMS["fwd"].index(n) for n in launch._FWD_SLOTS)
-    template = [None] * len(launch._PARAMS["fwd"])
+    slots = tuple(kernel_args.PARAMS["fwd"].index(n) for n in launch.FWD_SLOTS)
+    template = [None] * len(kernel_args.PARAMS["fwd"])
     q = torch.zeros(1, 2, 3, 4)
     for ws in (False, True):
         plan = plans.Plan([plans.Launch(None, (1,), template, slots, (Kernel(), {}))],
                           ((1, 2, 3, 4), (1, 2, 3), torch.float32, 0, None, ws))
-        launch._fwd_replay(plan, q, q, q, None, (), None, AttentionSpec(scale=1.0))
+        launch.fwd_replay(plan, q, q, q, None, (), None, AttentionSpec(scale=1.0))
     assert installed == [1] and len(launched) == 2 and launched[1][0] is q

@@ -10,7 +10,7 @@ from attn_testing import INTERPRETER, MODES, check, make_qkv, needs_kernels
 
 triton = pytest.importorskip("triton")
 
-from ssa_flash.triton import launch  # noqa: E402
+from ssa_flash.triton import kernel_args, launch  # noqa: E402
 
 
 @pytest.fixture
@@ -59,8 +59,8 @@ def test_precision_leaves_other_dtypes_and_targets_alone(restore_matmul_precisio
     for dtype in (torch.bfloat16, torch.float16):
         assert _captured_precisions(90, dtype) == {"ieee"}
     assert _captured_precisions(75, torch.float32) == {"ieee"}
-    assert launch.dot_precision(torch.float64, 90) == "ieee"
-    assert launch.dot_precision(torch.float32, None) == "ieee"
+    assert kernel_args.dot_precision(torch.float64, 90) == "ieee"
+    assert kernel_args.dot_precision(torch.float32, None) == "ieee"
 
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="the CPU interpreter's bfloat16 path")

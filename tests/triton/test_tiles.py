@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 
 from ssa_flash.audit import model  # noqa: E402
 from ssa_flash import scores  # noqa: E402
-from ssa_flash.triton import launch, tiles  # noqa: E402
+from ssa_flash.triton import block_choice, launch, tiles  # noqa: E402
 
 KERNELS = ("fwd", "row_entropy", "bwd_dq", "bwd_dkdv")
 HEAD_BLOCKS = (16, 32, 64, 128, 256)
@@ -100,15 +100,15 @@ def test_launcher_never_compiles_what_cannot_fit(monkeypatch, arch):
     huge = tiles.Blocks(128, 128, 8, 4)  # 128 KB of K/V buffers alone at D = 64
     small = tiles.Blocks(32, 32, 4, 2)
     assert not tiles.fits(huge, "fwd", 64, torch.bfloat16, arch) and tiles.fits(small, "fwd", 64, torch.bfloat16, arch)
-    monkeypatch.setattr(launch, "_device_arch", lambda device: arch)
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
-    monkeypatch.setattr(launch, "block_candidates", lambda *a, **k: [huge, small, huge])
-    monkeypatch.setattr(launch, "_timed", lambda run: (run(), 1.0)[1])
+    monkeypatch.setattr(block_choice, "device_arch", lambda device: arch)
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
+    monkeypatch.setattr(tiles, "block_candidates", lambda *a, **k: [huge, small, huge])
+    monkeypatch.setattr(block_choice, "timed", lambda run: (run(), 1.0)[1])
     for tune in ("0", "1"):
         monkeypatch.setenv("SSA_FLASH_AUTOTUNE", tune)
-        launch._chosen_blocks.clear()
+        block_choice.chosen_blocks.clear()
         kernel = RecordingKernel()
-        chosen = launch._launch(kernel, "fwd", lambda blk: (64,), lambda blk: (), {"SCORE": scores.SOFTMAX.id},
+        chosen = block_choice.launch_kernel(kernel, "fwd", lambda blk: (64,), lambda blk: (), {"SCORE": scores.SOFTMAX.id},
                                 torch.device("cpu"), 64, torch.bfloat16)
         assert chosen == small
         assert kernel.calls and huge not in kernel.calls

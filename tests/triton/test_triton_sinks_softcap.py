@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ssa_flash import autograd as ssa_autograd
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 
 from attn_testing import MODES, needs_kernels
 
@@ -235,7 +235,7 @@ def test_gradcheck_with_sinks_and_softcap(mode):
 
 
 def _captured(sinks, softcap):
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import kernel_args, launch
 
     q = torch.empty(1, 4, 64, 64, device="meta", dtype=torch.float16)
     k = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.float16)
@@ -255,16 +255,16 @@ def test_calls_without_them_launch_the_kernels_as_before():
     """Off, neither constexpr is passed and both arguments are None (constants to Triton): the
     launches are those of the kernels without these features (the audit compares their code).
     On, each kernel gets the switches it uses (the dK/dV kernel needs no sink)."""
-    from ssa_flash.triton import launch
+    from ssa_flash.triton import kernel_args, launch
 
     off = _captured(False, 0.0)
     assert set(off) == {"row_entropy", "fwd", "bwd_dq", "bwd_dkdv"}
     for name, kl in off.items():
         assert not {"SINKS", "SOFTCAP"} & set(kl.constexprs), name
-        params = launch._PARAMS[name]
+        params = kernel_args.PARAMS[name]
         assert all(kl.args[params.index(p)] is None for p in ("sinks", "softcap") if p in params), name
     on = _captured(True, 30.0)
     for name, kl in on.items():
         assert kl.constexprs.get("SOFTCAP") is True, name
         assert kl.constexprs.get("SINKS", False) is (name != "bwd_dkdv"), name
-    assert "sinks" not in launch._PARAMS["bwd_dkdv"]
+    assert "sinks" not in kernel_args.PARAMS["bwd_dkdv"]

@@ -11,8 +11,8 @@ compiled for sm_90: tests/audit/test_audit.py (slow)."""
 import pytest
 import torch
 
-from ssa_flash.triton import launch, tiles
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.triton import block_choice, launch, tiles, tuning_cache
+from ssa_flash.spec import AttentionSpec
 
 from attn_testing import DEVICE, INTERPRETER, call, check, head_params, make_qkv, needs_kernels
 import ssa_flash
@@ -27,15 +27,15 @@ def forced_ws(monkeypatch):
     if not INTERPRETER:
         pytest.skip("the interpreter's 16 x 16 configuration; on a GPU see SSA_FLASH_WARP_SPECIALIZE")
     monkeypatch.setattr(tiles, "warp_specialized_forward", lambda arch, hb, dtype: WS_BLOCKS)
-    monkeypatch.setattr(launch, "_triton_warp_specializes", lambda: True)
-    monkeypatch.setenv(launch.WS_ENV, "1")
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setattr(block_choice, "triton_warp_specializes", lambda: True)
+    monkeypatch.setenv(block_choice.WS_ENV, "1")
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
     yield
     launch.direct.LAUNCHER.clear()
 
 
 def _fwd_ws_taken():
-    return [b for key, b in launch._chosen_blocks.items()
+    return [b for key, b in block_choice.chosen_blocks.items()
             if key[0] == "fwd" and isinstance(b, tiles.Blocks) and b.ws]
 
 
@@ -51,7 +51,7 @@ def test_ws_forward_matches_reference(forced_ws, mode, causal, lq, lk):
     out, lse = call(ssa_flash, mode, q, k, v, b, n, backend="triton", **kw)
     assert _fwd_ws_taken(), "the launcher did not run the warp-specialised forward"
     # non-causal with whole key blocks (Lk a multiple of 128): the loop without index checks
-    full = [key for key in launch._chosen_blocks if key[0] == "fwd" and ("WS_FULL_BLOCKS", True) in key[5]]
+    full = [key for key in block_choice.chosen_blocks if key[0] == "fwd" and ("WS_FULL_BLOCKS", True) in key[5]]
     assert bool(full) == (not causal and lk % 128 == 0)
     gold_out, gold_lse = call(reference, mode, q.double(), k.double(), v.double(), b.double(), n.double(), **kw)
     naive_out, _ = call(reference, mode, q, k, v, b, n, **kw)
@@ -115,8 +115,8 @@ def test_ws_same_as_pointer_loads(forced_ws, monkeypatch):
     params = (b.detach().float(), n.detach().float())
     out_ws, lse_ws = launch.forward(q, k, v, None, params, None, spec)
     assert _fwd_ws_taken()
-    monkeypatch.setenv(launch.WS_ENV, "0")
-    monkeypatch.setattr(launch, "_chosen_blocks", {})
+    monkeypatch.setenv(block_choice.WS_ENV, "0")
+    monkeypatch.setattr(block_choice, "chosen_blocks", {})
     out, lse = launch.forward(q, k, v, None, params, None, spec)
     assert not _fwd_ws_taken()
     torch.testing.assert_close(out_ws, out, rtol=1e-3, atol=1e-3)
@@ -128,14 +128,14 @@ def test_ws_same_as_pointer_loads(forced_ws, monkeypatch):
 
 def _cands(monkeypatch, knob=None, arch=90, ws_ok=True, hb=128, dtype=torch.bfloat16, name="fwd"):
     if knob is None:
-        monkeypatch.delenv(launch.WS_ENV, raising=False)
+        monkeypatch.delenv(block_choice.WS_ENV, raising=False)
     else:
-        monkeypatch.setenv(launch.WS_ENV, knob)
-    return launch._candidates(name, arch, hb, dtype, {"MASK_KIND": 0}, ws_ok)
+        monkeypatch.setenv(block_choice.WS_ENV, knob)
+    return block_choice.candidate_blocks(name, arch, hb, dtype, {"MASK_KIND": 0}, ws_ok)
 
 
 def test_candidate_offered_second_on_sm90(monkeypatch):
-    monkeypatch.setattr(launch, "_triton_warp_specializes", lambda: True)
+    monkeypatch.setattr(block_choice, "triton_warp_specializes", lambda: True)
     for hb in (64, 128):
         cands = _cands(monkeypatch, hb=hb)
         ws = [c for c in cands if c.ws]
@@ -148,33 +148,33 @@ def test_candidate_offered_second_on_sm90(monkeypatch):
 @pytest.mark.parametrize("case", [dict(arch=80), dict(arch=100), dict(ws_ok=False), dict(hb=256), dict(hb=32),
                                   dict(dtype=torch.float32), dict(name="row_entropy"), dict(name="bwd_dq")])
 def test_candidate_refused(monkeypatch, case):
-    monkeypatch.setattr(launch, "_triton_warp_specializes", lambda: True)
+    monkeypatch.setattr(block_choice, "triton_warp_specializes", lambda: True)
     assert not any(c.ws for c in _cands(monkeypatch, "1", **case))
 
 
 def test_candidate_needs_triton_3_6(monkeypatch):
-    monkeypatch.setattr(launch.triton, "__version__", "3.5.1")
-    assert not launch._triton_warp_specializes()
+    monkeypatch.setattr(block_choice.triton, "__version__", "3.5.1")
+    assert not block_choice.triton_warp_specializes()
     assert not any(c.ws for c in _cands(monkeypatch, "1"))
-    monkeypatch.setattr(launch.triton, "__version__", "3.6.0")
-    assert launch._triton_warp_specializes()
+    monkeypatch.setattr(block_choice.triton, "__version__", "3.6.0")
+    assert block_choice.triton_warp_specializes()
     assert _cands(monkeypatch, "1")[0].ws
 
 
 def test_tma_ready():
     x = torch.empty(2, 4, 64, 128, dtype=torch.bfloat16)
-    assert launch._tma_ready(x, x.transpose(1, 2))
-    assert not launch._tma_ready(x[..., 1:])  # data pointer 2 bytes past an aligned one
-    assert not launch._tma_ready(torch.empty(2, 4, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
-    assert not launch._tma_ready(x.transpose(-1, -2))  # column stride 64
+    assert block_choice.tma_ready(x, x.transpose(1, 2))
+    assert not block_choice.tma_ready(x[..., 1:])  # data pointer 2 bytes past an aligned one
+    assert not block_choice.tma_ready(torch.empty(2, 4, 64, 132, dtype=torch.bfloat16)[..., :128])  # 264-byte rows
+    assert not block_choice.tma_ready(x.transpose(-1, -2))  # column stride 64
 
 
 def test_cache_round_trip(monkeypatch, tmp_path):
     """A tuned warp-specialised choice is filed with its flag and read back as itself."""
-    monkeypatch.setenv(launch.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(tuning_cache.CACHE_ENV, str(tmp_path))
     ws = tiles.Blocks(128, 64, 4, 2, True)
     plain = tiles.Blocks(128, 64, 4, 2)
-    launch._cache_store("k", ws, [(plain, 1.0), (ws, 0.5)])
-    assert launch._cache_load("k", [plain, ws]) == ws
-    launch._cache_store("k", plain, [])
-    assert launch._cache_load("k", [plain, ws]) == plain
+    tuning_cache.cache_store("k", ws, [(plain, 1.0), (ws, 0.5)])
+    assert tuning_cache.cache_load("k", [plain, ws]) == ws
+    tuning_cache.cache_store("k", plain, [])
+    assert tuning_cache.cache_load("k", [plain, ws]) == plain

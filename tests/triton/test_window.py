@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ssa_flash
 from ssa_flash import ops, reference
 from ssa_flash.backends import cuda_backend
-from ssa_flash.backends.spec import AttentionSpec
+from ssa_flash.spec import AttentionSpec
 from attn_testing import (DEVICE, FLOORS, INTERPRETER, call, check, fa_tolerance_check, head_params, make_qkv,
                           needs_kernels, rotating_modes)
 

@@ -1,4 +1,5 @@
-"""The interface between the custom ops and the backends.
+"""The interface between the custom ops and the backends (the contract: the kernel layers take
+these types, and this module imports nothing above ``ssa_flash.conventions``).
 
 * :class:`AttentionSpec`: what to compute, apart from the tensors. Its fields are also the trailing
   arguments of every ``torch.ops.ssa_flash`` op: :meth:`AttentionSpec.schema` writes them into the
@@ -55,7 +56,8 @@ from typing import NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_chec
 import torch
 from torch import Tensor
 
-from ..temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
+from . import scores
+from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW
 
 __all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
            "TENSOR_FIELDS"]
@@ -86,6 +88,9 @@ class AttentionSpec:
     """What the backends compute, apart from the tensors (docs/design.md §1).
 
     The score function's parameters are tensors, so they travel beside the spec (``params``), not in it.
+    ``score_fn``: the :class:`~ssa_flash.scores.ScoreFunction` that ``score`` names, resolved once at
+    construction (None for an unknown name, which the backends' ``supports`` report); the backends
+    and the kernels' launchers take it, not the name.
     """
 
     scale: float
@@ -129,9 +134,9 @@ class AttentionSpec:
     """KV cache: programs sharing each query block's keys (split-KV); 0: the backend decides"""
     dropout_p: float = 0.0
     """dropout probability in [0, 1] on the final weights (docs/design.md §1.5); 0: no dropout"""
-    window_left: int = -1
+    window_left: int = NO_WINDOW
     """local attention: query ``i`` sees keys ``j >= i - window_left``; -1: unbounded"""
-    window_right: int = -1
+    window_right: int = NO_WINDOW
     """... and keys ``j <= i + window_right``; -1: unbounded (top-left alignment, like ``causal``)"""
     dropout_rng: Optional[Tensor] = dataclasses.field(default=None, compare=False)
     """with ``dropout_p > 0``: the int64 ``(2,)`` tensor ``(seed, offset)`` keying the Philox
@@ -144,6 +149,9 @@ class AttentionSpec:
     ``softcap * tanh(z / softcap)`` before the logit transform, masks are added after; 0: off"""
 
     def __post_init__(self):
+        # the score function ``score`` names, resolved once per spec (None for an unknown name,
+        # which the backends' ``supports`` reports): what the backends and launchers take
+        object.__setattr__(self, "score_fn", scores.SCORES.get(self.score))
         if self.poly is not DEFAULT_POLY:  # the default is a tuple of floats already
             object.__setattr__(self, "poly", tuple(float(c) for c in self.poly))
 
@@ -201,7 +209,7 @@ class Backend(Protocol):
 
     The adaptive temperature is two passes with a host step between them, done once for every
     backend by the caller (``ssa_flash.autograd``): ``row_entropy`` gives each row's entropy,
-    ``ssa_flash.temperature.beta_from_entropy`` turns it into ``beta``, ``forward`` applies it.
+    ``ssa_flash.backends.beta_from_entropy`` turns it into ``beta``, ``forward`` applies it.
     A caller holding only part of the keys (ring attention) can merge the per-shard statistics
     before computing ``beta``, and merge the per-shard ``(out, lse)`` after ``forward``.
     """
