@@ -1,0 +1,156 @@
+"""Rows masked by finite values, however negative (transformers' padding masks at
+``torch.finfo(dtype).min``): every backend gives SDPA's forward and gradients there (docs/api.md,
+"Fully masked rows"), while ``-inf`` and boolean masks keep the empty-row rule (tests elsewhere).
+
+What SDPA's math path computes on a row whose keys all carry ``finfo(float32).min``: ``z + min``
+rounds to ``min`` for every key, so the row is uniform (the mean of ``v``) with the softmax's
+gradients; at ``finfo(float16).min`` added in float32 the logits keep their differences (to about
+0.004) and the row is ``softmax(z)``. The float64 gold (the mask converted exactly) has the same
+two behaviours, so the checks are FlashAttention's rule against it, as elsewhere; the LSE is
+compared on rows whose LSE is not saturated (a saturated row's LSE is a huge negative number
+whose value differs between backends, docs/api.md).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ssa_flash
+from attn_testing import FLOORS, MODES, detached_copy, fa_tolerance_check, head_params, make_qkv, rotating_modes, run
+from emulation import cuda_backend_context
+from ssa_flash import autograd
+from ssa_flash.backends.spec import AttentionSpec
+
+L, D = 24, 16
+
+# (mask dtype, the finite value, causal)
+MASKS = {
+    "fp32_min": (torch.float32, torch.finfo(torch.float32).min, False),
+    "bf16_min": (torch.bfloat16, torch.finfo(torch.bfloat16).min, False),
+    "fp16_min": (torch.float16, torch.finfo(torch.float16).min, False),
+    "fp32_1e30_causal": (torch.float32, -1e30, True),
+}
+
+
+def padding_mask(kind):
+    """``(L, L)``: rows 0-2 fully masked, rows 5.. masked from key 10 on (partially, also under
+    causal), row 8 at the value plus steps too small for the dtype to keep (fp32/bf16) or kept
+    (fp16: multiples of its spacing, 32, at 65504)."""
+    dtype, val, causal = MASKS[kind]
+    m = torch.zeros(L, L, dtype=torch.float64)
+    m[:3, :] = val
+    m[5:, 10:] = val
+    m[8, :] = val + 32.0 * (torch.arange(L) % 3)
+    return m.to(dtype), causal
+
+
+def _compare(ours, naive, gold, dtype):
+    floor = FLOORS[dtype]
+    fa_tolerance_check("out", ours[0], naive[0], gold[0], floor)
+    assert torch.isfinite(ours[1]).all(), "lse: every row has admissible keys"
+    plain = gold[1].abs() < 1e4  # rows whose LSE is not that of huge masked logits
+    fa_tolerance_check("lse", ours[1][plain], naive[1][plain], gold[1][plain], floor)
+    for name, grad in ours[2].items():
+        assert torch.isfinite(grad).all(), f"d{name} not finite"
+        gfloor = floor * (L if name in ("b", "n") else 4)
+        fa_tolerance_check(f"d{name}", grad, naive[2][name], gold[2][name], gfloor)
+
+
+def _check(backend, mode, kind, dtype=torch.float32, grads=True):
+    mask, causal = padding_mask(kind)
+    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=D, dtype=dtype, device="cpu", q_scale=2.0, requires_grad=grads)
+    b = n = None
+    if "ssa" in mode:
+        b, n = head_params(2, device="cpu")
+        if not grads:
+            b, n = b.detach(), n.detach()
+    dout = torch.randn(1, 2, L, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    kw = dict(attn_mask=mask, is_causal=causal)
+    ours = run(backend, mode, q, k, v, b, n, dout, **kw)
+    naive = run("reference", mode, q, k, v, b, n, dout, **kw)
+    c = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    gold = run("reference", mode, c(q), c(k), c(v), c(b), c(n), dout, attn_mask=mask.double(), is_causal=causal)
+    _compare(ours, naive, gold, dtype)
+    return ours
+
+
+@pytest.mark.parametrize("kind", list(MASKS))
+@pytest.mark.parametrize("mode", MODES)
+def test_reference_backend(mode, kind):
+    """The reference backend through the ops (its own forward and backward, not autograd of the
+    specification) against the specification in float64."""
+    mask, causal = padding_mask(kind)
+    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=D, device="cpu", q_scale=2.0)
+    b, n = head_params(2, device="cpu")
+    params = (b, n) if "ssa" in mode else ()
+    spec = AttentionSpec(scale=D ** -0.5, score="ssa" if params else "softmax", causal=causal,
+                         adaptive="adaptive" in mode)
+    out, lse = autograd.attention(q, k, v, params, mask.to(torch.float32).expand(1, 2, L, L), "reference", spec)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    ours = (out, lse, dict(zip("qkvbn", torch.autograd.grad((out * dout).sum(), (q, k, v, *params)))))
+    naive = run("reference", mode, q, k, v, *(params or (None, None)), dout, attn_mask=mask, is_causal=causal)
+    c = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    gold = run("reference", mode, c(q), c(k), c(v), *[c(p) for p in (params or (None, None))], dout,
+               attn_mask=mask.double(), is_causal=causal)
+    _compare(ours, naive, gold, torch.float32)
+
+
+@pytest.mark.parametrize("mode,kind", rotating_modes(list(MASKS)))
+def test_triton(mode, kind):
+    _check("triton", mode, kind)
+
+
+@pytest.mark.parametrize("kind", ["fp32_min", "fp16_min"])
+def test_triton_fully_masked_row_is_the_mean_of_v(kind):
+    """The fully masked rows are SDPA's: the mean of v at float32's minimum (z is lost in z + min),
+    softmax(z) at float16's (added in float32, z survives)."""
+    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=D, device="cpu", q_scale=2.0, requires_grad=False)
+    mask, _ = padding_mask(kind)
+    out = ssa_flash.softmax_attention(q, k, v, attn_mask=mask, backend="triton")
+    with sdpa_kernel(SDPBackend.MATH):
+        expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(torch.float32))
+    torch.testing.assert_close(out[:, :, :3], expect[:, :, :3], atol=1e-2 if kind == "fp16_min" else 1e-5,
+                               rtol=1e-2 if kind == "fp16_min" else 1e-5)
+    if kind == "fp32_min":
+        torch.testing.assert_close(out[:, :, :3], v.mean(dim=2, keepdim=True).expand(-1, -1, 3, -1))
+
+
+def test_sdpa_agrees_with_the_gold():
+    """The premise of this file: SDPA's math path on the CPU is what the float64 specification
+    gives, forward and gradients, on these masks (softmax). (Not its default CPU path: torch's
+    flash kernel for the CPU gives the right forward but wrong gradients at float32's minimum,
+    the LSE rounding this file's kernels avoid.)"""
+    for kind in ("fp32_min", "bf16_min", "fp16_min"):
+        mask, _ = padding_mask(kind)
+        q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=D, device="cpu", q_scale=2.0)
+        dout = torch.randn(1, 2, L, D, generator=torch.Generator().manual_seed(5))
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(torch.float32))
+        sdpa = (out, None, dict(zip("qkv", torch.autograd.grad((out * dout).sum(), (q, k, v)))))
+        c = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+        gold = run("reference", "softmax", c(q), c(k), c(v), None, None, dout, attn_mask=mask.double())
+        for i, name in ((0, "out"),):
+            torch.testing.assert_close(sdpa[i].double(), gold[i], atol=1e-2, rtol=1e-2, msg=name)
+        for name in "qkv":
+            torch.testing.assert_close(sdpa[2][name].double(), gold[2][name], atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])
+def test_cuda_emulated_forward(mode):
+    """The CUDA C++ kernels (emulated): the forward of finite-masked rows (float16 inputs)."""
+    ctx = cuda_backend_context()
+    mask, causal = padding_mask("fp32_min")
+    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=32, dtype=torch.float16, device="cpu", q_scale=2.0, requires_grad=False)
+    b, n = head_params(2, device="cpu")
+    kw = dict(attn_mask=mask, is_causal=causal)
+    with ctx():
+        out = ssa_flash.attention(q, k, v, backend="cuda", adaptive_temperature="adaptive" in mode,
+                                  score="ssa" if "ssa" in mode else "softmax",
+                                  score_params={"b": b.detach(), "n": n.detach()} if "ssa" in mode else None, **kw)
+    c = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    from attn_testing import call
+    from ssa_flash import reference
+    gold = call(reference, mode, c(q), c(k), c(v), c(b), c(n), attn_mask=mask.double(), is_causal=causal)
+    naive = call(reference, mode, q, k, v, b.half(), n.half(), attn_mask=mask, is_causal=causal)
+    assert torch.isfinite(out).all()
+    fa_tolerance_check("out", out, naive, gold, FLOORS[torch.float16])
