@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ssa_flash
 from attn_testing import FLOORS, MODES, detached_copy, fa_tolerance_check, head_params, make_qkv, rotating_modes, run
-from emulation import cuda_backend_context
+from emulation import build_emulator, cuda_backend_context  # noqa: F401  (build_emulator: conftest prebuilds it)
 from ssa_flash import autograd
 from ssa_flash.backends.spec import AttentionSpec
 
