@@ -112,6 +112,25 @@ def test_triton(mode, kind):
     _check("triton", mode, kind)
 
 
+@pytest.mark.parametrize("mode,extra", [
+    ("softmax", dict(window_size=(6, 2), is_causal=True, enable_gqa=True)),
+    ("ssa_adaptive", dict(enable_gqa=True, sinks=torch.tensor([0.3, -0.5]))),
+], ids=["window_causal_gqa", "gqa_sinks"])
+def test_triton_with_other_features(mode, extra):
+    """The recount of the backward (lse_residual.py) takes the same key ranges and row start
+    (a sink) as the main loops: a window with causality and GQA, sinks."""
+    mask, _ = padding_mask("fp32_min")
+    q, k, v = make_qkv(B=2, Hq=2, Hkv=1, Lq=L, D=D, device="cpu", q_scale=2.0)
+    b, n = head_params(2, device="cpu") if "ssa" in mode else (None, None)
+    dout = torch.randn(2, 2, L, D, generator=torch.Generator().manual_seed(5))
+    ours = run("triton", mode, q, k, v, b, n, dout, attn_mask=mask, **extra)
+    naive = run("reference", mode, q, k, v, b, n, dout, attn_mask=mask, **extra)
+    c = lambda t: detached_copy(t, torch.float64)  # noqa: E731
+    ex = {key: (val.double() if isinstance(val, torch.Tensor) else val) for key, val in extra.items()}
+    gold = run("reference", mode, c(q), c(k), c(v), c(b), c(n), dout, attn_mask=mask.double(), **ex)
+    _compare(ours, naive, gold, torch.float32)
+
+
 @pytest.mark.parametrize("kind", ["fp32_min", "fp16_min"])
 def test_triton_fully_masked_row_is_the_mean_of_v(kind):
     """The fully masked rows are SDPA's: the mean of v at float32's minimum (z is lost in z + min),
