@@ -8,6 +8,19 @@
 
 namespace ssa_flash {
 
+// A finite additive mask's base-2 contribution `m * mask_mult`, saturated at -2^100 instead of
+// (times beta under the adaptive temperature) overflowing to -inf (finfo(float32).min * log2(e) does): a row whose keys are all masked by
+// finite values keeps finite logits, SDPA's uniform row, instead of becoming an empty row. -inf
+// stays -inf (masked out), NaN stays NaN. As ssa_flash/triton/masks.py (MASK_FLOOR2).
+constexpr float kMaskFloor2 = 1.2676506002282294e30f;  // 2^100
+
+SSA_DEVICE float saturated_mask(float m, float mask_mult) {
+  // the floor scales with beta (mask_mult = log2(e) beta) as the logits do
+  const float add = m * mask_mult;
+  const float floor = mask_mult * (-kMaskFloor2 * 0.6931471805599453f);
+  return add < floor ? (m == neg_inf() ? m : floor) : add;
+}
+
 // l2 where key `col` is admissible for query `row`, else -inf: out of range (rows past the
 // queries are -inf too: the mask is not read there), outside the band (a window, or after the
 // query under causal), masked out; additive masks are added (times `mask_mult`, log2(e) times
@@ -29,7 +42,7 @@ SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int
     if (p.mask_kind == kMaskBool) {
       ok = static_cast<const uint8_t*>(p.mask)[off] != 0;
     } else {
-      l2 += static_cast<const float*>(p.mask)[off] * mask_mult;
+      l2 += saturated_mask(static_cast<const float*>(p.mask)[off], mask_mult);
     }
   }
   return ok ? l2 : neg_inf();

@@ -144,9 +144,18 @@ def _check_mask(attn_mask, query: Tensor, key: Tensor) -> Optional[Tensor]:
             raise RuntimeError
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Lq, Lk) = {full}") from None
-    if attn_mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError("attn_mask requires grad: gradients with respect to attn_mask are not supported")
+    # (a mask that requires grad: the expand is part of the graph, so autograd sums the gradient
+    # over the broadcast dims back to the mask's shape; _check_mask_grad says which backends)
     return attn_mask.expand(full)
+
+
+def _check_mask_grad(mask: Optional[Tensor], backend: str) -> None:
+    """A float mask that requires grad (a learned additive bias) is differentiable on the
+    reference backend (autograd through ``ssa_flash.reference``); the Triton and CUDA kernels do
+    not compute its gradient yet: ``ValueError`` naming the backend rather than a silent zero."""
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled() and backend != "reference":
+        raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
+                         "respect to attn_mask yet; backend='reference' does (O(Lq Lk) memory; docs/support.md)")
 
 
 def _check_number(name: str, x, *, positive: bool = False) -> float:
@@ -514,8 +523,8 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return None
-    if attn_mask is not None and type(attn_mask) is not Tensor:
-        return None
+    if attn_mask is not None and (type(attn_mask) is not Tensor or attn_mask.requires_grad):
+        return None  # (a learned mask: _check_mask_grad's backend rule, unplanned)
     if score_params is None:
         pkey = None
     elif type(score_params) is dict:
@@ -632,6 +641,8 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                          threshold=threshold, deterministic=deterministic, dropout_p=dropout_p,
                          window_left=left, window_right=right, dropout_rng=rng, softcap=softcap)
     backend = _resolve_backend(backend, query, key, value, spec, sinks)
+    if not _degenerate(query, key, value):
+        _check_mask_grad(mask, backend)
 
     if backend == "reference" or _degenerate(query, key, value):
         keep = None

@@ -227,12 +227,25 @@ def _masked_softmax(logits: Tensor, allowed: Tensor) -> Tensor:
     return probs.masked_fill(empty, 0.0)
 
 
+def _row_offset(logits: Tensor, allowed: Tensor) -> Tensor:
+    """The row maximum of the admissible logits, 0 for an empty row, as a constant (detached):
+    softmax is unchanged by it, and ``logits - offset`` is finite and small wherever ``logits``
+    are finite, however negative (a finite mask at ``finfo.min``)."""
+    m = logits.detach().masked_fill(~allowed, float("-inf")).amax(dim=-1)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def _entropy(logits: Tensor, allowed: Tensor) -> Tensor:
-    """Exact entropy ``-sum p log p`` (natural log) of softmax(logits) per row; 0 for empty rows."""
+    """Exact entropy ``-sum p log p`` (natural log) of softmax(logits) per row; 0 for empty rows.
+    ``log p`` from the logits less their row maximum (:func:`_row_offset`): ``logits - lse``
+    would lose ``log(sum)`` for rows at ``finfo.min``-sized logits."""
     p = _masked_softmax(logits, allowed)
     empty = ~allowed.any(dim=-1, keepdim=True)
-    logp = logits - torch.logsumexp(logits.masked_fill(empty, 0.0), dim=-1, keepdim=True)
-    return -(p * logp.masked_fill(~allowed, 0.0)).sum(-1)
+    rel = (logits - _row_offset(logits, allowed).unsqueeze(-1)).masked_fill(~allowed, float("-inf"))
+    logp = rel - torch.logsumexp(rel.masked_fill(empty, 0.0), dim=-1, keepdim=True)
+    # where p underflows to 0 so does p log p, and its gradient p (log p + 1): without the fill
+    # a finite mask of finfo.min would give log p = -3.4e38 and a gradient of 0 * inf
+    return -(p * logp.masked_fill(~allowed | (p == 0), 0.0)).sum(-1)
 
 
 def _adaptive_beta(logits, allowed, poly, threshold):
@@ -249,10 +262,15 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
                                   window_size, softcap)
     if sinks is not None:  # the sink is part of the row: of its entropy, temperature and LSE
         logits, allowed = _with_sink(logits, allowed, sinks)
+    lse_offset = 0.0
     if adaptive:
         beta = _adaptive_beta(logits, allowed, poly, threshold).unsqueeze(-1)
-        # zero the inadmissible entries before scaling: d(beta * -inf)/d beta would be NaN
-        logits = (beta * logits.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
+        # softmax(beta * l) = softmax(beta * (l - c)) for the row maximum c (_row_offset): beta * l
+        # alone can overflow where a finite mask is finfo.min. Zero the inadmissible entries before
+        # scaling: d(beta * -inf)/d beta would be NaN
+        c = _row_offset(logits, allowed).unsqueeze(-1)
+        lse_offset = (beta * c).squeeze(-1).clamp(min=torch.finfo(c.dtype).min)  # finite, as the kernels
+        logits = (beta * (logits - c).masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
     probs = _masked_softmax(logits, allowed)
     if sinks is not None:
         probs = probs[..., :-1]  # the sink's value vector is zero: drop its weight
@@ -270,7 +288,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if not return_lse:
         return out
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return out, torch.logsumexp(logits.to(lse_dtype), dim=-1)
+    return out, torch.logsumexp(logits.to(lse_dtype), dim=-1) + lse_offset
 
 
 # Every function below takes SDPA's arguments plus ``window_size=(left, right)`` (see

@@ -69,6 +69,9 @@ SLOW_TESTS = {
     "test_gpu_bench_tiny", "test_smoke_default_output_is_found_and_named_smoke",
     "test_build_ext_compiler_error_installs_pure_python", "test_cuda_section_on_a_known_kernel",
     "test_ops_gradcheck_reference_backend",
+    # tests/ops/test_finite_mask_rows.py's emulated CUDA backend (the emulator's build) and
+    # tests/ops/test_mask_grad.py's float64 gradchecks (a minute)
+    "test_cuda_emulated", "test_gradcheck_reference",
     # the CUDA kernels' sinks and soft-capping on the emulator (the -inf sink, entropy and
     # supports tests of that module stay in the fast tier)
     "test_cuda_sinks_softcap_variants", "test_cuda_sinks_softcap_causal_masked",

@@ -64,10 +64,20 @@ def _lse(s):
 
 
 def _tempered(l, allowed, beta):
-    if beta is None:
-        return l
-    # zero the inadmissible entries first: beta * -inf is fine, but keep the masked value exact
-    return (beta.unsqueeze(-1) * l.masked_fill(~allowed, 0.0)).masked_fill(~allowed, float("-inf"))
+    """``(s_rel, off)``: the (tempered) row ``s = beta * l`` as ``s_rel + off`` with ``off`` its
+    row maximum (0 for an empty row), so that ``s_rel`` is finite wherever ``l`` is, also where
+    ``beta * l`` alone would overflow (a finite mask at ``finfo.min``: docs/api.md, fully
+    masked rows); ``-inf`` where inadmissible. ``beta`` None: ``s = l``."""
+    off = spec_code._row_offset(l, allowed)
+    rel = (l - off.unsqueeze(-1)).masked_fill(~allowed, 0.0)
+    if beta is not None:  # (beta * off saturated at the dtype's lowest: the LSE stays finite)
+        rel, off = beta.unsqueeze(-1) * rel, (beta * off).clamp(min=torch.finfo(off.dtype).min)
+    return rel.masked_fill(~allowed, float("-inf")), off
+
+
+def _row_lse(s_rel, off):
+    """The LSE of the rows ``s_rel + off`` (:func:`_tempered`)."""
+    return _lse(s_rel) + off
 
 
 def _keep(shape, spec: AttentionSpec, device):
@@ -78,13 +88,23 @@ def _keep(shape, spec: AttentionSpec, device):
     return spec_code.dropout_keep_mask(seed, offset, shape, spec.dropout_p, device)
 
 
-def _weights(s, allowed, lse):
-    """``exp(s - lse)`` on admissible entries, else 0: the weights of rows whose log-sum-exp is
-    ``lse`` (of all the keys, which may be more than those of ``s``); rows with ``lse = -inf``
-    (no admissible key) get 0."""
-    lse = lse.to(s.dtype).unsqueeze(-1)
-    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(s - lse).masked_fill(~allowed, 0.0)
+def _weights(s_rel, off, allowed, lse):
+    """``(P, log P)``: ``exp(s - lse)`` and ``s - lse`` on admissible entries (else 0) of the
+    rows ``s = s_rel + off`` (:func:`_tempered`) whose log-sum-exp is ``lse`` (of all the keys,
+    which may be more than those of ``s``); rows with ``lse = -inf`` (no admissible key) get 0.
+
+    Where the keys given are the whole row (their own LSE equals ``lse`` up to its rounding) the
+    row's own LSE is used: a huge ``off`` (a finite mask at ``finfo.min``) leaves ``lse`` no
+    digits for ``log(sum)``, so ``s - lse`` would lose the row's normalisation."""
+    lse = lse.to(s_rel.dtype)
+    own_rel = _lse(s_rel)
+    own = own_rel + off
+    eps = torch.finfo(lse.dtype).eps
+    whole = torch.isfinite(own) & ((own - lse).abs() <= (lse.abs() + 1.0) * (4 * eps))
+    rel = torch.where(whole, own_rel, lse - off)
+    rel = torch.where(torch.isfinite(rel), rel, torch.zeros_like(rel)).unsqueeze(-1)
+    logp = (s_rel - rel).masked_fill(~allowed, 0.0)
+    return torch.exp(logp).masked_fill(~allowed, 0.0), logp
 
 
 def _group_sum(x, group: int):
@@ -192,7 +212,7 @@ def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
         _, (ent, lse_l) = _layout_rows(q, k, mask, params, spec, fn, 2)
         return ent, lse_l
     _, l, allowed = _rows(q, k, mask, params, sinks, spec)
-    return spec_code._entropy(l, allowed), _lse(l)
+    return spec_code._entropy(l, allowed), _row_lse(*_tempered(l, allowed, None))
 
 
 def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
@@ -208,7 +228,7 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
         out, (lse,) = _layout_rows(q, k, mask, params, spec, fn, 1, out_dim=v.shape[-1])
         return out, lse
     _, l, allowed = _rows(q, k, mask, params, sinks, spec)
-    s = _tempered(l, allowed, beta if spec.adaptive else None)
+    s, off = _tempered(l, allowed, beta if spec.adaptive else None)
     p = spec_code._masked_softmax(s, allowed)
     if sinks is not None:
         p = p[..., :-1]  # the sink's value vector is zero
@@ -217,7 +237,7 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
         p = spec_code._apply_dropout(p, spec.dropout_p, keep)
     va = v.to(p.dtype)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
-    return (p @ vr).to(q.dtype), _lse(s)
+    return (p @ vr).to(q.dtype), _row_lse(s, off)
 
 
 def _backward_packed(dout, q, k, v, out, lse, dlse, params, sinks, temp, spec: AttentionSpec):
@@ -277,9 +297,9 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=
     acc = z.dtype
     lk = z.shape[-1]  # keys; l, allowed have one more column (the sink) with sinks
     beta = temp.beta if spec.adaptive else None
-    s = _tempered(l, allowed, beta)
+    s, off = _tempered(l, allowed, beta)
     # P' = softmax(beta * l) normalised by the given lse: the whole row's, also for a key shard
-    p_s = _weights(s, allowed, lse)
+    p_s, _ = _weights(s, off, allowed, lse)
     do, o = dout.to(acc), out.to(acc)
     va = v.to(acc)
     vr = va.repeat_interleave(spec.group, dim=1) if spec.group > 1 else va
@@ -301,7 +321,7 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=
     if spec.adaptive:
         lse_l = temp.lse_l.to(acc)
         lse_l = torch.where(torch.isfinite(lse_l), lse_l, torch.zeros_like(lse_l))
-        logp = (l - lse_l.unsqueeze(-1)).masked_fill(~allowed, 0.0)  # log P, P = softmax(l)
+        p, logp = _weights(*_tempered(l, allowed, None), allowed, temp.lse_l)  # P = softmax(l), the whole row's
         # dbeta_i = sum_j dS'_ij l_ij summed centred (spec.KeyShardTemperature.row_dbeta): since
         # sum_j dS'_ij = dlse_i, it is sum_j dS'_ij (l_ij - lse^l_i) + lse^l_i dlse_i
         dbeta = (ds * logp).sum(-1)
@@ -310,7 +330,6 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=
         if dlse is not None:
             dbeta = dbeta + lse_l * dlse.to(acc)
         g = dbeta * temp.dbeta_dh if g is None else g.to(acc)
-        p = _weights(l, allowed, temp.lse_l)  # P = softmax(l), the whole row's
         dl = beta.unsqueeze(-1) * ds - g.unsqueeze(-1) * p * (logp + temp.entropy.unsqueeze(-1))
     else:
         dl = ds

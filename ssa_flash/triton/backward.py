@@ -70,6 +70,7 @@ from .extents import (interior_end, key_block_rows, query_block_rows, query_rows
                       tile_ptrs, window_key_bounds, window_query_bounds)
 from .logits import (LN2, LOG2E, SOFTMAX_ID, bwd_head_coefficients, dq_tile_terms, dscore_factor, safe_row_max,
                      store_param_grads, tile_logit_input_and_u)
+from .lse_residual import needs_residual, residual, row_residual_blocks, row_start_pair
 from .masks import boundary_logits
 from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
 
@@ -91,7 +92,8 @@ def _dq_key_blocks(dq, dq_ent, acc1, ent1, dbeta, acc0, ent0,
                    WINDOW: tl.constexpr, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Key blocks ``[lo, hi)`` of one query block of the dQ kernel. Grouped inputs:
     ``row_strides = (K, V, mask row, mask column)`` strides, ``sizes = (Lq, Lk, D, DV)``,
-    ``coefs = (cb, coef, cap_a)``, the rows' ``rows = (lse2, delta, beta, lse_l2, ent)``,
+    ``coefs = (cb, coef, cap_a)``, the rows' ``rows = (lse2, delta, beta, lse_l2, ent, lse2_lo,
+    lse_l2_lo)`` (the last two: the LSEs' residuals, ``lse_residual.py``, ``MASK_KIND == 2`` only),
     ``window = (left, right)``, ``dropout_args = (drop, drop_scale, start_m)``. Accumulates (unscaled):
     ``dq += ds K`` and the parameters' per-row gradient sums ``acc0, acc1`` (``logits.dq_tile_terms``:
     SSA ``ds = dl / u``, ``acc1 = rowsum(dl x)`` (dn), ``acc0 = rowsum(dl t / u)`` (db, ``SOFTCAP``
@@ -102,7 +104,7 @@ def _dq_key_blocks(dq, dq_ent, acc1, ent1, dbeta, acc0, ent0,
     stride_kn, stride_vn, stride_mask_m, stride_mask_n = row_strides
     Lq, Lk, D, DV = sizes
     cb, coef, cap_a = coefs
-    lse2, delta, beta, lse_l2, ent = rows
+    lse2, delta, beta, lse_l2, ent, lse2_lo, lse_l2_lo = rows
     win_left, win_right = window
     drop, drop_scale, start_m = dropout_args
     offs_d = tl.arange(0, BLOCK_D)
@@ -128,9 +130,12 @@ def _dq_key_blocks(dq, dq_ent, acc1, ent1, dbeta, acc0, ent0,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, False,
                                  win_left, win_right, WINDOW)
             if ADAPTIVE:
-                p = tl.exp2(l2 * beta[:, None] - lse2[:, None])
+                lt = l2 * beta[:, None] - lse2[:, None]
             else:
-                p = tl.exp2(l2 - lse2[:, None])
+                lt = l2 - lse2[:, None]
+            if MASK_KIND == 2:
+                lt = lt - lse2_lo[:, None]
+            p = tl.exp2(lt)
         else:
             if ADAPTIVE:
                 p = tl.exp2(x * (coef * beta)[:, None] - lse2[:, None])
@@ -147,7 +152,10 @@ def _dq_key_blocks(dq, dq_ent, acc1, ent1, dbeta, acc0, ent0,
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
-                log_p2 = tl.where(admissible, l2 - lse_l2[:, None], 0.0)
+                log_p2 = l2 - lse_l2[:, None]
+                if MASK_KIND == 2:
+                    log_p2 = log_p2 - lse_l2_lo[:, None]
+                log_p2 = tl.where(admissible, log_p2, 0.0)
                 dbeta += tl.sum(dl * log_p2, 1)
                 ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
             else:
@@ -183,8 +191,10 @@ def attention_bwd_dq_kernel(
     """dQ of one query block, with its share of the score function's parameter gradients and
     (adaptive) the temperature terms.
     Grouped arguments as in :func:`~.forward.attention_fwd_kernel`; ``row_stats = (LSE, DLSE,
-    DELTA, LSE2, stat_stride_h)`` the per-row statistics (the forward's LSE, the gradient reaching
-    it, delta and the base-2 LSE written here for the dK/dV kernel) and their head stride;
+    DELTA, LSE2, LSE2_LO, LSE_L2_HI, LSE_L2_LO, stat_stride_h)`` the per-row statistics (the
+    forward's LSE, the gradient reaching it, delta and the base-2 LSE written here for the dK/dV
+    kernel; with ``MASK_KIND == 2`` the recounted ``(hi, lo)`` pairs of ``lse_residual.py``,
+    ``LSE2`` being the first's ``hi``, written here, dummies otherwise) and their head stride;
     ``temperature = (BETA, LSE_L, ENT, DBETA_DH, G)`` the adaptive temperature's per-row tensors (dummies without),
     ``score_params = (P0, P1)`` as in the forward, ``param_parts = (DP0_PART, DP1_PART)`` the
     per-program partial sums of their gradients (``logits.store_param_grads``; dummies where
@@ -194,7 +204,7 @@ def attention_bwd_dq_kernel(
     ``DBETA_PART``: the keys are a shard of the rows' (:func:`~.launch.row_dbeta`), whose ``dbeta``
     is the shard's centred sum alone."""
     H, Lq, Lk, D, DV, GROUP, num_m_blocks = dims
-    LSE, DLSE, DELTA, LSE2, stat_stride_h = row_stats
+    LSE, DLSE, DELTA, LSE2, LSE2_LO, LSE_L2_HI, LSE_L2_LO, stat_stride_h = row_stats
     BETA, LSE_L, ENT, DBETA_DH, G = temperature
     DP0_PART, DP1_PART = param_parts
 
@@ -258,13 +268,37 @@ def attention_bwd_dq_kernel(
     a = 0
     if WINDOW:
         lo, a, mid, hi = window_key_bounds(m_block * BLOCK_M, hi, mid, win_left, win_right, BLOCK_M, BLOCK_N)
+    lse2_lo = zero_row
+    lse_l2_lo = zero_row
+    if MASK_KIND == 2:  # finite masks can make the LSE too large for float32 to resolve the weights
+        if needs_residual(lse2, lse_l2, ADAPTIVE):
+            sink_logit = 0.0
+            if SINKS:
+                sink_logit = tl.load(sinks[0] + off_h).to(ACC)
+            m_t, tot_t, m_u, tot_u = row_start_pair(sink_logit, beta, BLOCK_M, ACC, SINKS)
+            for STAGE in tl.static_range(3):
+                if STAGE != 0 or WINDOW:
+                    start, end = stage_range(STAGE, lo, a, mid, hi)
+                    m_t, tot_t, m_u, tot_u = row_residual_blocks(
+                        m_t, tot_t, m_u, tot_u, q, k_ptrs, mask_base, offs_m, start, end, k_strides[2],
+                        mask_strides[2], mask_strides[3], Lq, Lk, D, cb, coef, cap_a, beta, SCORE, ADAPTIVE,
+                        CAUSAL, MASK_KIND, STAGE != 1, EVEN_D, BLOCK_N, BLOCK_D, ACC, DOT_PRECISION, FAST_MATH,
+                        win_left, win_right, WINDOW, SOFTCAP)
+            lse2, lse2_lo = residual(m_t, tot_t, lse2)
+            if ADAPTIVE:
+                lse_l2, lse_l2_lo = residual(m_u, tot_u, lse_l2)
+        tl.store(LSE2 + row_stat, lse2, mask=row_ok)
+        tl.store(LSE2_LO + row_stat, lse2_lo, mask=row_ok)
+        if ADAPTIVE:
+            tl.store(LSE_L2_HI + row_stat, lse_l2, mask=row_ok)
+            tl.store(LSE_L2_LO + row_stat, lse_l2_lo, mask=row_ok)
     for STAGE in tl.static_range(3):
         if STAGE != 0 or WINDOW:
             start, end = stage_range(STAGE, lo, a, mid, hi)
             dq, dq_ent, acc1, ent1, dbeta, acc0, ent0 = _dq_key_blocks(
                 dq, dq_ent, acc1, ent1, dbeta, acc0, ent0, q, do, k_ptrs, v_ptrs, mask_base, offs_m,
                 start, end, (k_strides[2], v_strides[2], mask_strides[2], mask_strides[3]), (Lq, Lk, D, DV),
-                (cb, coef, cap_a), (lse2, delta, beta, lse_l2, ent), SCORE, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1,
+                (cb, coef, cap_a), (lse2, delta, beta, lse_l2, ent, lse2_lo, lse_l2_lo), SCORE, ADAPTIVE, CAUSAL, MASK_KIND, STAGE != 1,
                 EVEN_D, BLOCK_N, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_M,
                 POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, m_block * BLOCK_M),
                 WINDOW, DROPOUT, SOFTCAP)
@@ -274,7 +308,7 @@ def attention_bwd_dq_kernel(
         # -P'_sink delta (dP = 0), and its term of dbeta_i = sum_j dS'_ij l_ij is added here.
         SINK, DSINK_PART = sinks
         sink = tl.load(SINK + off_h).to(ACC)
-        p_sink = tl.exp2(sink * LOG2E * beta - lse2)
+        p_sink = tl.exp2(sink * LOG2E * beta - lse2 - lse2_lo)
         ds_sink = tl.where(row_ok, -p_sink * delta, 0.0)
         if ADAPTIVE:
             # (centred as the keys' terms; a sink of -inf: no term, where() first, so that no
@@ -298,8 +332,8 @@ def attention_bwd_dq_kernel(
         # the entropy path, adaptive only; P_sink temperature-free), one partial sum per program
         dsink = ds_sink * beta
         if ADAPTIVE:
-            p_sink_l = tl.exp2(sink * LOG2E - lse_l2)
-            log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2) * LN2, 0.0)
+            p_sink_l = tl.exp2(sink * LOG2E - lse_l2 - lse_l2_lo)
+            log_p_sink = tl.where(p_sink_l > 0.0, (sink * LOG2E - lse_l2 - lse_l2_lo) * LN2, 0.0)
             dsink -= tl.where(row_ok, g * p_sink_l * (log_p_sink + ent), 0.0)
         tl.store(DSINK_PART + bh * num_m_blocks + m_block, tl.sum(dsink, 0))
     store_param_grads(q, dq, acc0, acc1, P0, P1, DP0_PART, DP1_PART, (bh, num_m_blocks, m_block), off_h, scale,
@@ -322,14 +356,14 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
     (BLOCK_N keys x BLOCK_M queries). Grouped inputs as in :func:`_dq_key_blocks`:
     ``row_strides = (Q, dO, mask row, mask column)`` strides, ``sizes``, ``coefs = (cb, coef,
     ds_scale, cap_a)``, the row statistics' pointers ``row_ptrs = (LSE2, DELTA, BETA, LSE_L, ENT,
-    G)``, ``window``, ``dropout_args = (drop, drop_scale, start_n)``. Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
+    G, LSE2_LO, LSE_L2_HI, LSE_L2_LO)`` (the recounted pairs: ``MASK_KIND == 2`` only), ``window``, ``dropout_args = (drop, drop_scale, start_n)``. Accumulates ``dv += P'^T dO`` and ``dk += ds^T Q`` with
     this head's ``ds_scale`` applied (heads of a GQA group differ in it). With DROPOUT,
     ``dv += (M P')^T dO`` (the ``1 / (1 - p)`` is applied once, at the end) and
     ``dP' = r M (dO V^T)``; ``drop`` is this head's ``dropout.dropout_state`` tuple."""
     stride_qm, stride_dom, stride_mask_m, stride_mask_n = row_strides
     Lq, Lk, D, DV = sizes
     cb, coef, ds_scale, cap_a = coefs
-    LSE2, DELTA, BETA, LSE_L, ENT, G = row_ptrs
+    LSE2, DELTA, BETA, LSE_L, ENT, G, LSE2_LO, LSE_L2_HI, LSE_L2_LO = row_ptrs
     win_left, win_right = window
     drop, drop_scale, start_n = dropout_args
     offs_d = tl.arange(0, BLOCK_D)
@@ -352,12 +386,19 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                 do = tl.load(do_ptrs + start_m * stride_dom, mask=offs_dv[None, :] < DV, other=0.0)
             lse2 = tl.load(LSE2 + row_stat)
             delta = tl.load(DELTA + row_stat)
+        if MASK_KIND == 2:  # the LSEs' residuals (lse_residual.py)
+            lse2_lo = tl.load(LSE2_LO + row_stat, mask=offs_m < Lq, other=0.0)
+            if ADAPTIVE:
+                lse_l2_lo = tl.load(LSE_L2_LO + row_stat, mask=offs_m < Lq, other=0.0)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION, out_dtype=ACC)
         x, u, t = tile_logit_input_and_u(st, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
         if ADAPTIVE:
             row_ok = offs_m < Lq
             beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
-            lse_l2 = _masked_lse2(tl.load(LSE_L + row_stat, mask=row_ok, other=0.0).to(ACC))
+            if MASK_KIND == 2:  # the dQ kernel's recount (lse_residual.py)
+                lse_l2 = tl.load(LSE_L2_HI + row_stat, mask=row_ok, other=0.0)
+            else:
+                lse_l2 = _masked_lse2(tl.load(LSE_L + row_stat, mask=row_ok, other=0.0).to(ACC))
             ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
             g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
             l2 = x * coef
@@ -365,12 +406,18 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
                 l2 = boundary_logits(l2, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                      stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
                                      win_left, win_right, WINDOW)
-            pt = tl.exp2(l2 * beta[None, :] - lse2[None, :])
+            lt = l2 * beta[None, :] - lse2[None, :]
+            if MASK_KIND == 2:
+                lt = lt - lse2_lo[None, :]
+            pt = tl.exp2(lt)
         elif BOUNDARY or MASK_KIND != 0:
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, stride_mask_m,
                                  stride_mask_n, LOG2E, BOUNDARY, CAUSAL, MASK_KIND, True,
                                  win_left, win_right, WINDOW)
-            pt = tl.exp2(l2 - lse2[None, :])
+            lt = l2 - lse2[None, :]
+            if MASK_KIND == 2:
+                lt = lt - lse2_lo[None, :]
+            pt = tl.exp2(lt)
         else:
             pt = tl.exp2(x * coef - lse2[None, :])
         if DROPOUT:
@@ -386,7 +433,10 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
         if ADAPTIVE:
             if BOUNDARY or MASK_KIND != 0:
                 admissible = l2 != float("-inf")
-                log_p2 = tl.where(admissible, l2 - lse_l2[None, :], 0.0)
+                log_p2 = l2 - lse_l2[None, :]
+                if MASK_KIND == 2:
+                    log_p2 = log_p2 - lse_l2_lo[None, :]
+                log_p2 = tl.where(admissible, log_p2, 0.0)
                 ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[None, :]), 0.0)
             else:
                 log_p2 = l2 - lse_l2[None, :]
@@ -426,9 +476,10 @@ def attention_bwd_dkdv_kernel(
     """dK and dV of one key block (of one key/value head, over the query heads of its group).
     Grouped arguments as in :func:`attention_bwd_dq_kernel`; ``dims = (H, HKV, Lq, Lk, D, DV,
     GROUP, num_n_blocks)`` (key/value heads too, key blocks per (batch, key/value head));
-    ``row_stats = (LSE2, DELTA, stat_stride_h)``; ``temperature = (BETA, LSE_L, ENT, G)``."""
+    ``row_stats = (LSE2, DELTA, LSE2_LO, LSE_L2_HI, LSE_L2_LO, stat_stride_h)`` (the recounted
+    pairs: ``MASK_KIND == 2`` only, else dummies); ``temperature = (BETA, LSE_L, ENT, G)``."""
     H, HKV, Lq, Lk, D, DV, GROUP, num_n_blocks = dims
-    LSE2, DELTA, stat_stride_h = row_stats
+    LSE2, DELTA, LSE2_LO, LSE_L2_HI, LSE_L2_LO, stat_stride_h = row_stats
     BETA, LSE_L, ENT, G = temperature
 
     # where this program's rows lie (extents.py: dense or packed)
@@ -484,7 +535,7 @@ def attention_bwd_dkdv_kernel(
             dk, dv = _dkdv_query_blocks(
                 dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_n, start, end,
                 (q_strides[2], do_strides[2], mask_strides[2], mask_strides[3]), (Lq, Lk, D, DV),
-                (cb, coef, ds_scale, cap_a), (LSE2, DELTA, BETA, LSE_L, ENT, G), SCORE, ADAPTIVE, CAUSAL, MASK_KIND,
+                (cb, coef, ds_scale, cap_a), (LSE2, DELTA, BETA, LSE_L, ENT, G, LSE2_LO, LSE_L2_HI, LSE_L2_LO), SCORE, ADAPTIVE, CAUSAL, MASK_KIND,
                 STAGE != 1, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_DV, ACC, DOT_PRECISION, FAST_MATH, BLOCK_N,
                 POLY_EXP2 if STAGE == 1 else 0, (win_left, win_right), (drop, drop_scale, start_n),
                 WINDOW, DROPOUT, SOFTCAP)

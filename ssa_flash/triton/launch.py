@@ -48,7 +48,7 @@ from .layouts import check_packed_offsets as _check_packed_offsets, kernel_name 
 from .layouts import merge_block_s as _merge_block_s, packed_view as _packed_view, resolve_layout as _resolve_layout
 from .layouts import split_count as _splits, stat_for as _stat_for, unaligned as _unaligned
 from .logits import kernel_params
-from .masks import MASK_NONE
+from .masks import MASK_ADD, MASK_NONE
 from .row_entropy import row_entropy_kernel
 from .splitkv import merge_entropy_kernel, merge_output_kernel
 from .tiles import Blocks, cdiv as _cdiv
@@ -361,6 +361,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
     lse2 = _stat_for(lay, q, H)  # the LSE in base 2, -inf (empty rows) as 0: written by the dQ kernel
     acc_torch = delta.dtype
     mask_args, mask_kind = _mask_args(mask, q4)
+    lse_lo = _lse_residuals(lay, q, H, mask_kind, spec.adaptive, lse2)
     score = spec.score_fn
     score_params = kernel_params(score, params, q)
     n_params = len(tuple(params))
@@ -400,7 +401,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
         param_parts = kernel_params(score, parts["dparams"], q)
         return _positional(
             "bwd_dq", Q=q4, K=k4, V=v4, O=o4, DO=do4, DQ=dq4,
-            row_stats=(lse, dlse if dlse is not None else q, delta, lse2, lay.stat_stride_h),
+            row_stats=(lse, dlse if dlse is not None else q, delta, lse2, *lse_lo, lay.stat_stride_h),
             temperature=(beta, lse_l, ent, dbeta_dh, g),
             param_parts=param_parts, **common_args, o_strides=_strides(o4), dq_strides=_strides(dq4),
             dims=(H, lay.Lq, lay.Lk, D, DV, spec.group, num_m), sinks=sink_args, softcap=logit_args["softcap"])
@@ -424,7 +425,7 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
 
     def dkdv_args(blk):
         return _positional(
-            "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, DK=dk4, DV_OUT=dv4, row_stats=(lse2, delta, lay.stat_stride_h),
+            "bwd_dkdv", Q=q4, K=k4, V=v4, DO=do4, DK=dk4, DV_OUT=dv4, row_stats=(lse2, delta, *lse_lo, lay.stat_stride_h),
             temperature=(beta, lse_l, ent, g), **common_args, dk_strides=_strides(dk4), dv_strides=_strides(dv4),
             dims=(H, HKV, lay.Lq, lay.Lk, D, DV, spec.group, _cdiv(lay.Lk, blk.n)),
             softcap=logit_args["softcap"])
@@ -448,6 +449,18 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
     if sinks is not None:
         dsinks = parts["dsinks"].view(B, H, -1).sum(dim=(0, 2))
     return dq, dk, dv, dparams, dsinks
+
+
+def _lse_residuals(lay: _Layout, q, H: int, mask_kind: int, adaptive: bool, dummy) -> tuple:
+    """``(LSE2_LO, LSE_L2_HI, LSE_L2_LO)``, the backward's buffers of the recounted LSEs
+    (``lse_residual.py``): per-row statistics with an additive mask (the last two with the
+    adaptive temperature only), ``dummy`` otherwise (never read)."""
+    if mask_kind != MASK_ADD:
+        return dummy, dummy, dummy
+    lo = _stat_for(lay, q, H)
+    if not adaptive:
+        return lo, lo, lo
+    return lo, _stat_for(lay, q, H), _stat_for(lay, q, H)
 
 
 # the tensors a call passes to each backward kernel (plans.py), by their parameters' names
@@ -490,6 +503,9 @@ def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: Atten
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty(stat_shape, device=dev, dtype=acc)
     lse2 = torch.empty(stat_shape, device=dev, dtype=acc)
+    lse_lo = (lse2,) * 3
+    if mask is not None and (mask.is_floating_point() or kernel_args.bool_mask_as_additive(q)):  # MASK_ADD: residuals
+        lse_lo = tuple(torch.empty(stat_shape, device=dev, dtype=acc) for _ in range(3))
     if spec.adaptive:
         beta, lse_l, ent, dbeta_dh = temp
         g = torch.empty(stat_shape, device=dev, dtype=acc)
@@ -500,9 +516,11 @@ def _bwd_replay(plan, do, q, k, v, o, lse, dlse, mask, params, temp, spec: Atten
     mask = _planned_mask(mask, q)
     dropout = None if drop_rest is None else (spec.dropout_rng, *drop_rest)
     _run_plan(plan, dev,
-              (q, k, v, o, do, dq, (lse, q if dlse is None else dlse, delta, lse2, h), (beta, lse_l, ent, dbeta_dh, g),
+              (q, k, v, o, do, dq, (lse, q if dlse is None else dlse, delta, lse2, *lse_lo, h),
+               (beta, lse_l, ent, dbeta_dh, g),
                score_params, kernel_params(score, parts, q), mask, (q, q), dropout),
-              (q, k, v, do, dk, dv, (lse2, delta, h), (beta, lse_l, ent, g), score_params, mask, (q, q), dropout))
+              (q, k, v, do, dk, dv, (lse2, delta, *lse_lo, h), (beta, lse_l, ent, g), score_params, mask, (q, q),
+               dropout))
     B, H = q.shape[0], q.shape[1]
     dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts)
     return dq, dk, dv, dparams, None

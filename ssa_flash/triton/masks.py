@@ -7,13 +7,25 @@ inside the band ``i - left <= j <= i + right``), so they need no index checks; b
 (ragged ends, the causal diagonal, the window's edges) check every element. Tiles wholly outside
 the causal triangle or the window are never visited (loop bounds, ``extents.py``). An attention
 mask applies to every tile. ``MASK_KIND``: 0 none, 1 boolean (True = attend), 2 additive float.
+
+A finite additive mask stays finite, however negative (``torch.finfo(dtype).min`` padding masks):
+its base-2 contribution ``mask * mask_scale`` is saturated at ``-MASK_FLOOR2`` (2^100, times
+``beta`` under the adaptive temperature) instead of overflowing to ``-inf`` (``finfo(float32).min * log2(e)`` does), so a row whose keys are all masked
+that way keeps finite logits (SDPA's uniform row) rather than becoming an empty row; ``-inf``
+stays ``-inf``. 2^100 leaves room for ``beta`` (< 2^27) and for any finite logit beside it
+without overflow, and is far below any logit that matters (docs/api.md, fully masked rows).
 """
 import triton
 import triton.language as tl
 
+LN2 = tl.constexpr(0.6931471805599453)
+
 MASK_NONE = 0
 MASK_BOOL = 1
 MASK_ADD = 2
+
+#: the saturation of a finite additive mask's base-2 contribution (module docstring)
+MASK_FLOOR2 = tl.constexpr(2.0 ** 100)
 
 
 @triton.jit
@@ -26,7 +38,8 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
     (``BOUNDARY`` tiles only), the attention mask (every tile).
     The tile is (queries, keys), or (keys, queries) with ``KEYS_FIRST`` (the dK/dV kernel's
     transposed tiles). An additive mask (natural-log units) is multiplied by ``mask_scale``
-    (``log2(e)``, times the query's temperature if any; broadcastable to the tile). Interior
+    (``log2(e)``, times the query's temperature if any; broadcastable to the tile), a finite one
+    saturated at ``-MASK_FLOOR2`` (module docstring). Interior
     tiles without a mask return ``l2`` untouched: this function then costs nothing."""
     if KEYS_FIRST:
         q_idx = offs_q[None, :]
@@ -55,7 +68,13 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
             else:
                 admissible = raw != 0
         else:
-            l2 = l2 + raw.to(l2.dtype) * mask_scale
+            raw = raw.to(l2.dtype)
+            # the floor in natural-log units, so that beta (in mask_scale) scales it as it scales
+            # the rest of the logit: the backward's beta * l2 meets the forward's logits
+            floor = mask_scale * (-MASK_FLOOR2 * LN2)
+            add = tl.where(raw == float("-inf"), raw,
+                           tl.maximum(raw * mask_scale, floor, propagate_nan=tl.PropagateNan.ALL))
+            l2 = l2 + add
     if BOUNDARY or MASK_KIND == 1:
         l2 = tl.where(admissible, l2, float("-inf"))
     return l2
