@@ -11,6 +11,8 @@ namespace hopper {
 
 using Ex2Quarter = MufuBudget<2, 0>;  // a quarter of ex2 on the FMA pipe
 using Ex2Lg2Quarter = MufuBudget<2, 2>;  // and a quarter of lg2
+using Ex2Eighth = MufuBudget<1, 0>;
+using Ex2ThreeEighths = MufuBudget<3, 0>;
 
 #define SSA_WS_FWD_INSTANCE(D, SCORE, ADAPTIVE, MUFU)                                                \
   template __global__ void attn_fwd_ws_kernel<WsFwdTraits<D, __nv_bfloat16, MUFU>, SCORE, ADAPTIVE>( \
@@ -26,6 +28,9 @@ SSA_WS_FWD_INSTANCE(64, Ssa, false, Ex2Quarter)
 SSA_WS_FWD_INSTANCE(128, Ssa, false, Ex2Quarter)
 SSA_WS_FWD_INSTANCE(64, Ssa, false, Ex2Lg2Quarter)
 SSA_WS_FWD_INSTANCE(64, Softmax, false, Ex2Quarter)
+SSA_WS_FWD_INSTANCE(64, Softmax, false, Ex2Eighth)
+SSA_WS_FWD_INSTANCE(64, Ssa, false, Ex2ThreeEighths)
+SSA_WS_FWD_INSTANCE(128, Ssa, false, Ex2Eighth)
 
 #ifdef SSA_FLASH_WS_FWD_HOST
 // the host side: tensor-map encoding and the launch (compiled, not run here)

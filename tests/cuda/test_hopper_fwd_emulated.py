@@ -8,7 +8,10 @@ warpgroups in ping-pong, the next S issued before the current block's transform)
    and wgmma at issue or at their wait ("lazy"), threads in order or shuffled; bitwise the same
    results in every mode and schedule; the MUFU budgets (a share of ex2 / lg2 on the FMA pipe);
    deliberately broken variants (a V read without its wait, K waited on with the wrong phase, a
-   stage freed before its P V GEMM read it) reported as errors or wrong results.
+   stage freed before its P V GEMM read it) reported as errors or wrong results; and through the
+   CUDA backend's own glue (the sm_90a emulator built with SSA_FLASH_HOPPER_FWD=1): the dispatch
+   picks the warp-specialised forward where it takes the call (the adaptive temperature's beta
+   from today's row-entropy pass) and today's kernel for a masked call.
 2. Compiled with nvcc for sm_90a (csrc/hopper/fwd_instances.cu): TMA loads (UTMALDG), the register
    split (USETMAXREG 24 / 240), HGMMA with the overlap (a wgmma.wait_group 1 in the main loop:
    the S of the next block is in flight while the P V GEMM is waited for... see
@@ -77,8 +80,20 @@ def _build_cubin():
     return Path(built["cubin"]).read_bytes(), built["log"], sass
 
 
+def _build_backend_emu():
+    """The CUDA backend's emulator (tests/emu_harness.py) for sm_90a with the Hopper forward on,
+    head dims 64 and 128, no soft-capping / sink instances: (library, None) or (None, why)."""
+    h = harness()
+    if h.cuda_include_dir() is None:
+        return None, "CUDA headers (cuda_fp16.h) not found"
+    return h.build(background.tmpdir("hopper_fwd_backend_emu"), head_dims=(64, 128), sm90=True, extras=False,
+                   hopper_fwd=True), None
+
+
 def prebuild(items):
     names = {f for item in items for f in item.fixturenames}
+    if "backend_emu" in names:
+        background.submit("hopper_fwd.backend_emu", _build_backend_emu)
     if "emu" in names:
         background.submit("hopper_fwd.emu", _build_emu)
     if "cubin" in names:
@@ -99,6 +114,14 @@ def emu():
         getattr(dll, name).restype = ctypes.c_float
         getattr(dll, name).argtypes = [ctypes.c_float]
     return dll
+
+
+@pytest.fixture(scope="module")
+def backend_emu():
+    lib, why = background.submit("hopper_fwd.backend_emu", _build_backend_emu).result()
+    if lib is None:
+        pytest.skip(why)
+    return harness().Emulator(lib)
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +319,45 @@ def test_hopper_fwd_faults_are_reported(emu, fault):
         err, out, _ = _run(emu, q, k, v, "softmax", params, beta, False, 0.125, fault=fault, lazy=lazy, seed=3)
         shown.append(err != "" or not torch.equal(out, good[1]))
     assert any(shown), f"fault {fault} went unnoticed in both copy orders"
+
+
+@pytest.mark.parametrize("mode,dtype,shape,kw", [
+    ("softmax", FP16, dict(Lq=150, Lk=200, D=64, Hq=2, Hkv=1), dict(is_causal=True, enable_gqa=True)),
+    ("ssa", BF16, dict(Lq=130, Lk=260, D=128, Hq=2), dict()),
+    ("adaptive", BF16, dict(Lq=129, Lk=129, D=64, Hq=2), dict(is_causal=True)),
+    ("ssa_adaptive", FP16, dict(Lq=100, Lk=300, D=128, Hq=4, Hkv=2), dict(enable_gqa=True)),
+    ("ssa", FP16, dict(Lq=64, Lk=64, D=48, Hq=1), dict(is_causal=True)),  # D 48: padded to 64
+])
+def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
+    """ssa_flash's functions with backend="cuda" on the sm_90a emulator with the Hopper forward on:
+    out and LSE pass FlashAttention's rule, and the warp-specialised kernel is what ran."""
+    import ssa_flash
+    from attn_testing import call, compare, head_params, make_qkv
+    from ssa_flash import reference
+
+    q, k, v = make_qkv(dtype=dtype, device="cpu", requires_grad=False, **shape)
+    b, n = head_params(q.shape[1], device="cpu") if mode.startswith("ssa") else (None, None)
+    b, n = (None, None) if b is None else (b.detach(), n.detach())
+    before = backend_emu.launches("attn_fwd_ws_kernel")
+    with ssa_flash.cuda.emulated(backend_emu):
+        ours = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend="cuda", **kw)
+    assert backend_emu.launches("attn_fwd_ws_kernel") == before + 1
+    naive = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    gold = call(reference, mode, d(q), d(k), d(v), d(b), d(n), return_lse=True, **kw)
+    compare((*ours, {}), (*naive, {}), (*gold, {}), dtype, q.shape[-2], k.shape[-2])
+
+
+def test_hopper_fwd_dispatch_routes_masks_to_todays_kernel(backend_emu):
+    import ssa_flash
+    from attn_testing import make_qkv
+
+    q, k, v = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=70, Lk=90, D=64)
+    before_ws, before = backend_emu.launches("attn_fwd_ws_kernel"), backend_emu.launches("attn_fwd_kernel")
+    with ssa_flash.cuda.emulated(backend_emu):
+        ssa_flash.softmax_attention(q, k, v, attn_mask=torch.rand(70, 90) > 0.3, backend="cuda")
+    assert backend_emu.launches("attn_fwd_ws_kernel") == before_ws
+    assert backend_emu.launches("attn_fwd_kernel") == before + 1
 
 
 # ------------------------------------------------------------------------------------------
