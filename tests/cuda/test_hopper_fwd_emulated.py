@@ -409,4 +409,3 @@ def test_hopper_fwd_static_model(cubin):
         key = (row["head_dim"], row["score"], row["adaptive"], row["ex2_poly_eighths"], row["lg2_poly_eighths"])
         fresh = by[key]["interior"]["per_element"]["total"]
         assert abs(row["interior"]["per_element"]["total"] - fresh) <= 0.03 * fresh, (key, fresh)
-    assert len(committed["kernels"]) == len(rows)
