@@ -68,10 +68,13 @@ def setuptools_problem(version: str):
             f"    {UPGRADE_HINT}\nthen the install command again.")
 
 
-def csrc_files(patterns=("*.h", "*.cuh", "*.cu", "*.cpp")):
+def csrc_files(patterns=("*.h", "*.cuh", "*.cu", "*.cpp"), recursive=False):
+    """csrc/'s files matching ``patterns``: the top level, or with ``recursive`` every subfolder
+    too (the headers of csrc/hopper/ that the units include)."""
     out = []
     for pattern in patterns:
-        out.extend(sorted(glob.glob(os.path.join(CSRC, pattern))))
+        where = os.path.join(CSRC, "**", pattern) if recursive else os.path.join(CSRC, pattern)
+        out.extend(sorted(glob.glob(where, recursive=recursive)))
     return out
 
 
@@ -85,8 +88,10 @@ class BuildPyWithSources(build_py):
             return
         dest = os.path.join(self.build_lib, "ssa_flash", "_csrc")
         os.makedirs(dest, exist_ok=True)
-        for path in csrc_files():
-            shutil.copy2(path, dest)
+        for path in csrc_files(recursive=True):
+            target = os.path.join(dest, os.path.relpath(path, CSRC))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(path, target)
 
 
 def build_flag() -> str:

@@ -168,14 +168,19 @@ def arch_count(value: str) -> int:
 
 
 def csrc_hash(csrc) -> str:
-    """sha256 of the extension's sources (``csrc/*.h``, ``*.cuh``, ``*.cu``, ``*.cpp``, top level:
-    what the objects are compiled from), each file's name and bytes in name order."""
+    """sha256 of the extension's sources (``csrc/*.h``, ``*.cuh``, ``*.cu``, ``*.cpp``, with the
+    headers of its subfolders such as ``csrc/hopper/`` that the units include; not the CPU
+    emulator's ``csrc/emu/``): what the objects are compiled from, each file's path relative to
+    ``csrc`` and its bytes, in path order."""
     import hashlib
     from pathlib import Path
 
+    root = Path(csrc)
     h = hashlib.sha256()
-    for path in sorted(p for p in Path(csrc).iterdir() if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file()):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    paths = sorted(p for p in root.rglob("*") if p.suffix in (".h", ".cuh", ".cu", ".cpp") and p.is_file()
+                   and p.relative_to(root).parts[0] != "emu")
+    for path in paths:
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 

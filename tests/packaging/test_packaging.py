@@ -145,6 +145,8 @@ def test_wheel_from_the_sdist_ships_py_typed_csrc_and_license(sdist, tmp_path):
     assert "ssa_flash/py.typed" in names
     assert "ssa_flash/_csrc/api.cpp" in names
     assert any(n.startswith("ssa_flash/_csrc/") and n.endswith(".cu") for n in names)
+    # the headers of csrc/ subfolders that the units include (launch_impl.h: hopper/fwd_launch.h)
+    assert "ssa_flash/_csrc/hopper/fwd_launch.h" in names
     assert any(re.fullmatch(r"ssa_flash-[^/]+\.dist-info/licenses/LICENSE", n) for n in names), sorted(names)[-10:]
 
 
