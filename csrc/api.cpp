@@ -66,42 +66,35 @@ const float* head_tensor(const Tensor& t, const char* name, const Tensor& q) {
   return t.data_ptr<float>();
 }
 
-// What every pass takes, as AttentionSpec (ssa_flash/backends/spec.py) says it, one encoding per
-// option: score (the registry id) with its per-head parameters `params` (in the registry's order),
-// scale (>= 0: the Python side applies a negative one to -q), causal, group, window_left /
-// window_right (window_size, -1: that side unbounded), softcap (0: off), dropout_p (0: none) with
-// drop_rng, the int64 (seed, offset) on the device; mask (boolean / uint8, or float32 additive,
-// expanded to (B, H, Lq, Lk), any strides; its kind is its dtype); sinks. The value checks
-// (set_params.h, check_call) run once per call, in the pass, before any allocation; this checks
-// the tensors.
-struct Spec {
-  int64_t score;
-  double scale;
-  bool causal;
-  int64_t group, window_left, window_right;
-  double softcap, dropout_p;
-};
-
+// The call described from the tensors and the options every pass takes, as the Python side
+// (ssa_flash/backends/cuda_backend.py) passes them from the AttentionSpec (ssa_flash/spec.py): score
+// (the registry id) with its per-head parameters `params` (in the registry's order), scale (>= 0:
+// the Python side applies a negative one to -q), causal, group, window_left / window_right
+// (window_size, -1: that side unbounded), softcap (0: off), dropout as ssa_flash/conventions.py
+// encodes it (drop_keep31, drop_scale) with drop_rng, the int64 (seed, offset) on the device, or
+// none; mask (boolean / uint8, or float32 additive, expanded to (B, H, Lq, Lk), any strides; its
+// kind is its dtype); sinks. The value checks (set_params.h, check_call) run once per call, in the
+// pass, before any allocation; this checks the tensors.
 AttnCall describe(const Tensor& q, const Tensor& k, int64_t dim_v, const optional<Tensor>& mask,
-                  const std::vector<Tensor>& params, const optional<Tensor>& sinks, const Spec& sp,
-                  const optional<Tensor>& rng) {
+                  const std::vector<Tensor>& params, const optional<Tensor>& sinks, int64_t score, double scale,
+                  bool causal, int64_t group, int64_t window_left, int64_t window_right, double softcap) {
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "ssa_flash: key does not match query");
   AttnCall c{};
   c.batch = q.size(0);
   c.heads = q.size(1);
   c.heads_kv = k.size(1);
-  c.group = sp.group;
+  c.group = group;
   c.len_q = q.size(2);
   c.len_k = k.size(2);
   c.dim = q.size(3);
   c.dim_v = dim_v;
   c.bf16 = q.scalar_type() == at::kBFloat16;
-  c.score = sp.score;
-  c.scale = sp.scale;
-  c.causal = sp.causal;
-  c.window_left = sp.window_left;
-  c.window_right = sp.window_right;
-  c.softcap = sp.softcap;
+  c.score = score;
+  c.scale = scale;
+  c.causal = causal;
+  c.window_left = window_left;
+  c.window_right = window_right;
+  c.softcap = softcap;
   c.q = operand(q);
   c.k = operand(k);
   c.mask_kind = ssa_flash::kMaskNone;
@@ -128,14 +121,19 @@ AttnCall describe(const Tensor& q, const Tensor& k, int64_t dim_v, const optiona
               " score parameters, got ", params.size());
   for (size_t i = 0; i < params.size(); ++i) c.score_param[i] = head_tensor(params[i], "a score parameter", q);
   if (sinks.has_value()) c.sinks = head_tensor(*sinks, "sinks", q);
-  c.dropout_p = sp.dropout_p;
-  if (rng.has_value()) {
-    TORCH_CHECK(rng->is_cuda() && rng->device() == q.device() && rng->scalar_type() == at::kLong &&
-                    rng->numel() == 2 && rng->is_contiguous(),
-                "ssa_flash: the dropout rng must be a contiguous int64 (2,) tensor (seed, offset) on ", q.device());
-    c.drop_rng = rng->data_ptr<int64_t>();
-  }
   return c;
+}
+
+// Dropout on a described call: the keep threshold and scale of ssa_flash/conventions.py, the
+// (seed, offset) tensor; none without the tensor.
+void set_dropout(AttnCall& c, const Tensor& q, int64_t drop_keep31, double drop_scale, const optional<Tensor>& rng) {
+  if (!rng.has_value()) return;
+  TORCH_CHECK(rng->is_cuda() && rng->device() == q.device() && rng->scalar_type() == at::kLong &&
+                  rng->numel() == 2 && rng->is_contiguous(),
+              "ssa_flash: the dropout rng must be a contiguous int64 (2,) tensor (seed, offset) on ", q.device());
+  c.drop_rng = rng->data_ptr<int64_t>();
+  c.drop_keep31 = drop_keep31;
+  c.drop_scale = drop_scale;
 }
 
 // check_call, once per call, before the pass allocates anything
@@ -151,16 +149,17 @@ cudaStream_t as_stream(int64_t handle) { return reinterpret_cast<cudaStream_t>(h
 std::tuple<Tensor, Tensor> fwd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                                const std::vector<Tensor>& params, const optional<Tensor>& sinks,
                                const optional<Tensor>& beta, int64_t score, double scale, bool causal, int64_t group,
-                               int64_t window_left, int64_t window_right, double softcap, double dropout_p,
-                               const optional<Tensor>& drop_rng, int64_t stream_handle) {
+                               int64_t window_left, int64_t window_right, double softcap, int64_t drop_keep31,
+                               double drop_scale, const optional<Tensor>& drop_rng, int64_t stream_handle) {
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   check_qkv_like(v, "value", q);
   TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
               "ssa_flash: value does not match key");
   check_stat(beta, "beta", q);
-  const Spec sp{score, scale, causal, group, window_left, window_right, softcap, dropout_p};
-  AttnCall c = describe(q, k, v.size(3), mask, params, sinks, sp, drop_rng);
+  AttnCall c = describe(q, k, v.size(3), mask, params, sinks, score, scale, causal, group, window_left, window_right,
+                        softcap);
+  set_dropout(c, q, drop_keep31, drop_scale, drop_rng);
   c.beta = stat_ptr(beta);
   check(c);
   Tensor o = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
@@ -179,8 +178,8 @@ std::tuple<Tensor, Tensor> row_entropy(const Tensor& q, const Tensor& k, const o
   check_qkv_like(q, "query", q);
   check_qkv_like(k, "key", q);
   // (the statistics are of the undropped rows)
-  const Spec sp{score, scale, causal, group, window_left, window_right, softcap, 0.0};
-  AttnCall c = describe(q, k, q.size(3), mask, params, sinks, sp, c10::nullopt);
+  AttnCall c = describe(q, k, q.size(3), mask, params, sinks, score, scale, causal, group, window_left, window_right,
+                        softcap);
   check(c);
   Tensor ent = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor lse = at::empty_like(ent);
@@ -210,7 +209,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
     const optional<Tensor>& dlse, const optional<Tensor>& mask, const std::vector<Tensor>& params,
     const optional<Tensor>& sinks, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, int64_t score, double scale, bool causal,
-    int64_t group, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    int64_t group, int64_t window_left, int64_t window_right, double softcap, int64_t drop_keep31, double drop_scale,
     const optional<Tensor>& drop_rng, bool deterministic, int64_t stream_handle) {
   check_qkv_like(q_in, "query", q_in);
   check_qkv_like(dout_in, "grad_out", q_in);
@@ -231,8 +230,9 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
   TORCH_CHECK(beta.has_value() == lse_l.has_value() && beta.has_value() == entropy.has_value() &&
                   beta.has_value() == dbeta_dh.has_value(),
               "ssa_flash: give all of beta, lse_l, entropy, dbeta_dh or none");
-  const Spec sp{score, scale, causal, group, window_left, window_right, softcap, dropout_p};
-  AttnCall c = describe(q, k, v.size(3), mask, params, sinks, sp, drop_rng);
+  AttnCall c = describe(q, k, v.size(3), mask, params, sinks, score, scale, causal, group, window_left, window_right,
+                        softcap);
+  set_dropout(c, q, drop_keep31, drop_scale, drop_rng);
   c.deterministic = deterministic;
   c.beta = stat_ptr(beta);
   check(c);
@@ -272,7 +272,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "attention forward: (out, lse)", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"),
         py::arg("params"), py::arg("sinks"), py::arg("beta"), py::arg("score"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
-        py::arg("dropout_p"), py::arg("drop_rng"), py::arg("stream"));
+        py::arg("drop_keep31"), py::arg("drop_scale"), py::arg("drop_rng"), py::arg("stream"));
   m.def("row_entropy", &row_entropy, "row-entropy pass: (entropy, lse) of softmax(l)", py::arg("q"), py::arg("k"),
         py::arg("mask"), py::arg("params"), py::arg("sinks"), py::arg("score"), py::arg("scale"), py::arg("causal"),
         py::arg("group"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("stream"));
@@ -280,6 +280,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("dlse"), py::arg("mask"),
         py::arg("params"), py::arg("sinks"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
         py::arg("dbeta_dh"), py::arg("score"), py::arg("scale"), py::arg("causal"), py::arg("group"),
-        py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"),
-        py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"));
+        py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("drop_keep31"),
+        py::arg("drop_scale"), py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"));
 }

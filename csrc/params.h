@@ -45,7 +45,7 @@ struct AttnShape {
   // Dropout (docs/design.md section 1.5), nullptr drop_rng without: the int64 (seed, offset) on the device;
   // weight (b, h, i, j) is kept iff its Philox word is below drop_keep_below (dropout.h, drop_bits;
   // ssa_flash.reference.dropout_keep_mask), kept weights scaled by drop_scale = 1 / (1 - p)
-  // (0 for p = 1, where nothing is kept).
+  // (0 for p = 1, where nothing is kept); both as ssa_flash/conventions.py computes them.
   const int64_t* drop_rng;
   uint32_t drop_keep_below;
   float drop_scale;

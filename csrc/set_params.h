@@ -42,9 +42,12 @@ struct AttnCall {
   // the score function's per-head parameters, (H,) float32 each, in the registry's order: its
   // kParams entries set, the others null
   const float* score_param[kMaxScoreParams];
-  // dropout: probability p in [0, 1] (0: none) and the int64 (seed, offset) on the device (null
-  // without dropout)
-  double dropout_p;
+  // dropout, as ssa_flash/conventions.py encodes it (the one place): a weight is kept iff its
+  // Philox word is below 2 drop_keep31 (dropout_keep_threshold), kept weights scaled by drop_scale
+  // (dropout_scale); drop_rng the int64 (seed, offset) on the device, null without dropout (then
+  // drop_keep31 and drop_scale are not read)
+  int64_t drop_keep31;
+  double drop_scale;
   const int64_t* drop_rng;
   // operands (q, k, v in every pass; o, dout, dq, dk, dv as the pass needs; the forward's output
   // o; dq absent on the fused backward path, whose dQ goes to dq_accum)
@@ -112,21 +115,13 @@ inline std::string check_call(const AttnCall& c) {
       return "score function " + std::to_string(c.score) + " takes " + std::to_string(nparams) +
              " per-head parameters; parameter " + std::to_string(i) + (i < nparams ? " missing" : " given");
   }
-  if (!std::isfinite(c.dropout_p) || c.dropout_p < 0 || c.dropout_p > 1)
-    return "dropout_p must be in [0, 1], got " + std::to_string(c.dropout_p);
-  if ((c.dropout_p > 0) != (c.drop_rng != nullptr))
-    return "dropout_p > 0 needs the (seed, offset) tensor, and only then";
+  if (c.drop_rng != nullptr && (c.drop_keep31 < 0 || c.drop_keep31 > 2147483647))
+    return "drop_keep31 must be in [0, 2^31 - 1], got " + std::to_string(c.drop_keep31);
+  if (c.drop_rng != nullptr && (!std::isfinite(c.drop_scale) || c.drop_scale < 0))
+    return "drop_scale must be finite and >= 0, got " + std::to_string(c.drop_scale);
   if (!std::isfinite(c.softcap) || c.softcap < 0)
     return "softcap must be finite and >= 0 (0: off), got " + std::to_string(c.softcap);
   return std::string();
-}
-
-// keep31 = round((1 - p) 2^31), at most 2^31 - 1: a weight is kept iff its Philox word is below
-// 2 keep31 (dropout.h; ssa_flash.reference.dropout_keep_threshold, whose round() is half to
-// even, as nearbyint in the default rounding mode).
-inline int64_t dropout_keep31(double p) {
-  const double k = std::nearbyint((1.0 - p) * 2147483648.0);
-  return k > 2147483647.0 ? int64_t(2147483647) : static_cast<int64_t>(k);
 }
 
 // The fields of AttnShape (params.h) every pass shares.
@@ -151,9 +146,9 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
   static_assert(kMaxScoreParams == 2, "params.h: score_param0, score_param1");
   s.score_param0 = c.score_param[0];
   s.score_param1 = c.score_param[1];
-  s.drop_rng = c.dropout_p > 0 ? c.drop_rng : nullptr;
-  s.drop_keep_below = s.drop_rng ? static_cast<uint32_t>(2 * dropout_keep31(c.dropout_p)) : 0u;
-  s.drop_scale = s.drop_rng ? static_cast<float>(c.dropout_p < 1 ? 1.0 / (1.0 - c.dropout_p) : 0.0) : 0.0f;
+  s.drop_rng = c.drop_rng;
+  s.drop_keep_below = s.drop_rng ? static_cast<uint32_t>(2 * c.drop_keep31) : 0u;
+  s.drop_scale = s.drop_rng ? static_cast<float>(c.drop_scale) : 0.0f;
 }
 
 // Sinks and soft-capping (the last fields of FwdParams and BwdParams): s' = (c / scale)
@@ -200,7 +195,6 @@ inline FwdParams fwd_params(const AttnCall& c) {
 // the statistics are of the undropped rows (no dropout).
 inline FwdParams row_entropy_params(AttnCall c) {
   c.dim_v = c.dim;
-  c.dropout_p = 0.0;
   c.drop_rng = nullptr;
   FwdParams p{};
   set_shape(p, c);

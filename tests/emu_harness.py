@@ -108,7 +108,7 @@ class AttnCall(ctypes.Structure):
         *((nm, _I64) for nm in ("causal", "window_left", "window_right", "deterministic", "mask_kind")),
         ("mask", _PTR),
         *((nm, _I64) for nm in ("mask_sb", "mask_sh", "mask_sm", "mask_sn")),
-        ("score_param", _PTR * MAX_SCORE_PARAMS), ("dropout_p", _F64), ("drop_rng", _PTR),
+        ("score_param", _PTR * MAX_SCORE_PARAMS), ("drop_keep31", _I64), ("drop_scale", _F64), ("drop_rng", _PTR),
         *((nm, Operand) for nm in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")),
         *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum")),
         ("dparam_part", _PTR * MAX_SCORE_PARAMS), ("sinks", _PTR),
@@ -177,7 +177,7 @@ class Emulator:
 
     @staticmethod
     def _describe(q, k, dim_v, mask, params, sinks, score, scale, causal, group, window_left, window_right,
-                  softcap, dropout_p=0.0, drop_rng=None) -> AttnCall:
+                  softcap, drop_keep31=0, drop_scale=0.0, drop_rng=None) -> AttnCall:
         """What csrc/api.cpp's describe() fills from the tensors (the mask's kind from its dtype)."""
         B, H, Lq, D = q.shape
         c = AttnCall(batch=B, heads=H, heads_kv=k.shape[1], group=group, len_q=Lq, len_k=k.shape[2], dim=D,
@@ -199,7 +199,8 @@ class Emulator:
         for i, t in enumerate(params):
             c.score_param[i] = _ptr(t)
         c.sinks, c.softcap = _ptr(sinks), float(softcap)
-        c.dropout_p, c.drop_rng = float(dropout_p), _ptr(drop_rng)
+        if drop_rng is not None:
+            c.drop_keep31, c.drop_scale, c.drop_rng = int(drop_keep31), float(drop_scale), _ptr(drop_rng)
         return c
 
     def _run(self, op: int, call: AttnCall, keep) -> None:
@@ -209,9 +210,9 @@ class Emulator:
             raise RuntimeError(err.decode())
 
     def fwd(self, q, k, v, mask, params, sinks, beta, score, scale, causal, group, window_left, window_right,
-            softcap, dropout_p, drop_rng, stream=0):
+            softcap, drop_keep31, drop_scale, drop_rng, stream=0):
         c = self._describe(q, k, v.shape[-1], mask, params, sinks, score, scale, causal, group, window_left,
-                           window_right, softcap, dropout_p, drop_rng)
+                           window_right, softcap, drop_keep31, drop_scale, drop_rng)
         o, lse = _nan((*q.shape[:3], v.shape[-1]), q.dtype), _nan(q.shape[:3])
         c.v, c.o, c.lse, c.beta = _operand(v), _operand(o), _ptr(lse), _ptr(beta)
         self._run(0, c, (q, k, v, mask, params, beta, drop_rng, sinks))
@@ -254,9 +255,10 @@ class Emulator:
         return {nm: int(getattr(plan, nm)) for nm, _ in BwdPlan._fields_}
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, params, sinks, beta, lse_l, entropy, dbeta_dh, score, scale,
-            causal, group, window_left, window_right, softcap, dropout_p, drop_rng, deterministic, stream=0):
+            causal, group, window_left, window_right, softcap, drop_keep31, drop_scale, drop_rng, deterministic,
+            stream=0):
         c = self._describe(q, k, v.shape[-1], mask, params, sinks, score, scale, causal, group, window_left,
-                           window_right, softcap, dropout_p, drop_rng)
+                           window_right, softcap, drop_keep31, drop_scale, drop_rng)
         c.deterministic = int(deterministic)
         c.v, c.o, c.dout = _operand(v), _operand(o), _operand(dout)
         c.lse, c.dlse, c.beta, c.lse_l, c.entropy, c.dbeta_dh = map(_ptr, (lse, dlse, beta, lse_l, entropy, dbeta_dh))

@@ -165,7 +165,8 @@ def report(graph: Dict[str, Set[str]]) -> str:
     lines = ["layers, lowest first:"]
     for li, (layer, groups) in enumerate(LAYERS):
         members = [sorted(m for m in graph if place(m) == (li, gi)) for gi in range(len(groups))]
-        lines.append(f"  {li} {layer}: " + " | ".join(", ".join(m.replace("ssa_flash.", "") for m in g) for g in members))
+        names = " | ".join(", ".join(m.replace("ssa_flash.", "") for m in g) for g in members)
+        lines.append(f"  {li} {layer}: {names}")
     bad = bad_arrows(graph)
     lines.append(f"arrows: {sum(len(d) for d in graph.values())}; against the layers: {len(bad)}")
     lines += [f"  {a} -> {b} ({why})" for a, b, why in bad]

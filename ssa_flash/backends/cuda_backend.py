@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import scores
+from ..conventions import dropout_keep_threshold, dropout_scale
 from ..errors import BackendUnavailableError
 from . import _cuda_build
 from ._compile import constant_for_compile
@@ -525,10 +526,12 @@ def _spec_args(spec: AttentionSpec, scale: float, sinks: Optional[torch.Tensor])
 
 
 def _dropout_args(spec: AttentionSpec) -> dict:
-    """The kernels' dropout: p and the (seed, offset) tensor (csrc/set_params.h rounds keep31 as
-    ``ssa_flash.conventions.dropout_keep_threshold`` does)."""
+    """The kernels' dropout as ``ssa_flash.conventions`` encodes it (the keep threshold and the
+    kept weights' scale) and the (seed, offset) tensor; no tensor without dropout."""
     p = float(spec.dropout_p)
-    return dict(dropout_p=p, drop_rng=spec.dropout_rng if p > 0 else None)
+    if p > 0:
+        return dict(drop_keep31=dropout_keep_threshold(p), drop_scale=dropout_scale(p), drop_rng=spec.dropout_rng)
+    return dict(drop_keep31=0, drop_scale=0.0, drop_rng=None)
 
 
 def _sinks_grad(sinks: torch.Tensor, lse: torch.Tensor, rowstat: torch.Tensor,

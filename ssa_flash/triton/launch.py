@@ -279,7 +279,8 @@ def _plan_launch(kernel, name: str, slots: tuple, blk: Blocks, grid: tuple, args
     in configuration ``blk`` with ``grid``, runtime ``args`` and ``consts`` (as :func:`_run` made
     it), its tensor slots those of the parameters named in ``slots``; None if nothing was kept."""
     grid, kconsts = _split_grid(grid, consts)
-    return plans.make_launch(kernel, grid, args, _block_consts(kconsts, blk), _options(blk, block_choice.device_arch(device)), device,
+    return plans.make_launch(kernel, grid, args, _block_consts(kconsts, blk),
+                             _options(blk, block_choice.device_arch(device)), device,
                              tuple(_PARAMS[name].index(n) for n in slots))
 
 

@@ -769,27 +769,30 @@ def test_emulated_call_struct_layout(emu_lib):
 def test_emulated_call_is_checked(emu_lib):
     """The shared checks (csrc/set_params.h, check_call) run on the emulator's calls as on the
     extension's: a negative scale (the Python wrapper applies it to -q), a bad group, an unknown
-    score function id, a parameter count that is not the score function's, dropout without its
-    seed."""
+    score function id, a parameter count that is not the score function's, a dropout keep threshold
+    or scale out of range."""
     harness, lib = emu_lib
     emu = harness.Emulator(lib)
     q = torch.zeros(1, 2, 16, 32, dtype=torch.float16)
     s = torch.ones(2)
     # (q, k, v, mask, params, sinks, beta, score, scale, causal, group, window_left, window_right,
-    #  softcap, dropout_p, drop_rng)
+    #  softcap, drop_keep31, drop_scale, drop_rng)
     with pytest.raises(RuntimeError, match="scale must be finite and >= 0"):
-        emu.fwd(q, q, q, None, (), None, None, 0, -0.5, False, 1, -1, -1, 0.0, 0.0, None)
+        emu.fwd(q, q, q, None, (), None, None, 0, -0.5, False, 1, -1, -1, 0.0, 0, 0.0, None)
     with pytest.raises(RuntimeError, match="group"):
         emu.row_entropy(q, q, None, (), None, 0, 0.5, False, 2, -1, -1, 0.0)
     with pytest.raises(RuntimeError, match="unknown score function id 7"):
-        emu.fwd(q, q, q, None, (), None, None, 7, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
+        emu.fwd(q, q, q, None, (), None, None, 7, 0.5, False, 1, -1, -1, 0.0, 0, 0.0, None)
     with pytest.raises(RuntimeError, match="takes 1 per-head parameters; parameter 0 missing"):
-        emu.fwd(q, q, q, None, (), None, None, 2, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
+        emu.fwd(q, q, q, None, (), None, None, 2, 0.5, False, 1, -1, -1, 0.0, 0, 0.0, None)
     with pytest.raises(RuntimeError, match="takes 0 per-head parameters; parameter 0 given"):
-        emu.fwd(q, q, q, None, (s,), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
-    with pytest.raises(RuntimeError, match="dropout_p > 0 needs"):
-        emu.fwd(q, q, q, None, (), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 0.1, None)
-    o, lse = emu.fwd(q, q, q, None, (s,), None, None, 2, 0.5, False, 1, -1, -1, 0.0, 0.0, None)
+        emu.fwd(q, q, q, None, (s,), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 0, 0.0, None)
+    rng = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="drop_keep31 must be in"):
+        emu.fwd(q, q, q, None, (), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 2**31, 1.0, rng)
+    with pytest.raises(RuntimeError, match="drop_scale must be finite"):
+        emu.fwd(q, q, q, None, (), None, None, 0, 0.5, False, 1, -1, -1, 0.0, 2**30, float("inf"), rng)
+    o, lse = emu.fwd(q, q, q, None, (s,), None, None, 2, 0.5, False, 1, -1, -1, 0.0, 0, 0.0, None)
     assert not o.isnan().any() and not lse.isnan().any()
 
 
