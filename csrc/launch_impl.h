@@ -155,7 +155,9 @@ std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan
       std::string err = launch_variant<T, Dq>(
           "attn_bwd_dq_kernel (pre-pass)",
           [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, true>(S, A, C, K); }, score,
-          adaptive, query_grid<Dq>(p), bwd_prep_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
+          adaptive, query_grid<Dq>(p),
+          // (an additive mask's recount of the LSE needs the K buffers: lse_residual.h)
+          bwd_prep_smem_bytes(D, sizeof(T), adaptive || p.mask_kind == kMaskAdd, path), stream, p);
       if (!err.empty()) return err;
       using Tr = FusedTraits<D, T>;
       return launch_variant<T, Tr>(

@@ -131,6 +131,10 @@ struct BwdParams : AttnShape {
   const float* sinks;
   bool softcap;
   float cap_in, cap_out;
+  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 2) float32, the
+  // residuals (lo of the tempered row, lo of l) of the LSEs the dQ kernel / pre-pass recounted,
+  // whose hi parts it writes to rowstat's lse slots (lse_residual.h); 0 where not recounted
+  float* lse_lo;
 };
 
 }  // namespace ssa_flash
