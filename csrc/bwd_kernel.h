@@ -74,8 +74,6 @@ struct RowStats {
   float lse_l2_lo;
 };
 
-SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
-
 // The base-2 exponent of P'_ij, beta l2 - lse2 (beta = 1 without kAdaptive), for a row's
 // statistics r. Checked scores of an additive-mask call: (beta l2 - hi) - lo, the recounted pair
 // with beta l2 rounded as the recount rounded it (lse_residual.h; hi = lse2, lo = 0 where the
@@ -218,9 +216,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
   const int r_hi = r_lo + Frag::kHi;
   const bool ok_lo = r_lo < p.len_q, ok_hi = r_hi < p.len_q;
 
-  // (Q: the passes over the keys, and an additive mask's recount of the LSE in the pre-pass too)
-  if (!kPrep || kAdaptive || p.mask_kind == kMaskAdd)
-    load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
+  if (!kPrep || kAdaptive) load_tile<kBlockM, kD, LQ, kNThreads>(sQ, q, p.q_sm, m0, p.len_q, p.dim, tid);
   load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, m0, p.len_q, p.dim_v, tid);
   cp_async_commit();
 
@@ -285,14 +281,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     st_lo.delta = d_lo;
     st_hi.delta = d_hi;
   }
-  // Additive masks: the rows whose LSE float32 cannot resolve get the recounted pairs
-  // (lse_residual.h), before anything reads their statistics. (A vote: the branch is the CTA's.)
-  if (p.mask_kind == kMaskAdd) {
-    const bool huge = needs_residual(st_lo.lse2) || needs_residual(st_hi.lse2) ||
-                      (kAdaptive && (needs_residual(st_lo.lse_l2) || needs_residual(st_hi.lse_l2)));
-    if (__syncthreads_or(huge))
-      recount_rows<Tr, Score, kAdaptive, kCap, kSink, kWg, LQ, LK>(p, ctx, key_blocks(p, m0, kBlockM, kBlockN, false),
-                                                                  sQ, sK, k, blk.head, r_lo, st_lo, st_hi, tid);
+  // Additive masks: the pairs of the recount kernel (lse_residual.h), in place of the LSEs
+  if (p.mask_kind == kMaskAdd && r_lo < p.stat_rows) {  // (stat_rows: a multiple of 16)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      RowStats& st = half ? st_hi : st_lo;
+      const float4 v = *reinterpret_cast<const float4*>(
+          p.lse_lo + lse_pair_offset(blk.batch_head(p) * p.stat_rows + r_lo + half * Frag::kHi));
+      st.lse2 = v.x;
+      st.lse_l2 = v.y;
+      st.lse2_lo = v.z;
+      st.lse_l2_lo = v.w;
+    }
   }
   // this thread's rows in the workspace (written by the rank-0 lane of each row; rows past len_q
   // get their zeros too). g is written after the dbeta pass.
@@ -315,11 +315,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         // kept here, not in registers through the pass: the SSA kernel at D = 64 has none to
         // spare on sm_90a)
         ws[kG] = (st.lse2 + st.lse2_lo) * (half ? dlse_hi : dlse_lo);
-      }
-      if (p.mask_kind == kMaskAdd) {  // the residuals, for the key-block kernels
-        float* lo = p.lse_lo + (blk.batch_head(p) * p.stat_rows + r_lo + half * Frag::kHi) * 2;
-        lo[0] = st.lse2_lo;
-        lo[1] = st.lse_l2_lo;
       }
     }
   }
@@ -770,9 +765,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
               r.beta = 1.0f;
               r.lse_l2 = r.ent = r.g = 0.0f;
             }
-            if (kCheck && p.mask_kind == kMaskAdd) {  // the dQ kernel's recounted residuals (lse_residual.h)
+            if (kCheck && p.mask_kind == kMaskAdd) {  // the recounted residuals (lse_residual.h)
               const float2 lo =
-                  *reinterpret_cast<const float2*>(p.lse_lo + ((head0 + hh) * p.stat_rows + mm + lq) * 2);
+                  *reinterpret_cast<const float2*>(p.lse_lo + lse_pair_offset((head0 + hh) * p.stat_rows + mm + lq) + 2);
               r.lse2_lo = lo.x;
               r.lse_l2_lo = lo.y;
             }

@@ -149,15 +149,24 @@ template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
   using Dq = DqTraits<D, T>;
+  if (p.mask_kind == kMaskAdd) {
+    // additive masks: the rows whose LSE float32 cannot resolve, recounted (lse_residual.h)
+    std::string err = launch_variant<T, Dq>(
+        "attn_bwd_lse_recount_kernel",
+        [](auto S, auto A, auto C, auto K) {
+          return &attn_bwd_lse_recount_kernel<Dq, decltype(S), decltype(A)::value, decltype(C)::value,
+                                              decltype(K)::value>;
+        },
+        score, adaptive, query_grid<Dq>(p), dq_smem_bytes(D, sizeof(T), path), stream, p);
+    if (!err.empty()) return err;
+  }
   if constexpr (D <= 128) {
     if (plan.fused) {
       // pre-pass: delta (and the adaptive g), then the fused kernel
       std::string err = launch_variant<T, Dq>(
           "attn_bwd_dq_kernel (pre-pass)",
           [](auto S, auto A, auto C, auto K) { return dq_kernel<Dq, true>(S, A, C, K); }, score,
-          adaptive, query_grid<Dq>(p),
-          // (an additive mask's recount of the LSE needs the K buffers: lse_residual.h)
-          bwd_prep_smem_bytes(D, sizeof(T), adaptive || p.mask_kind == kMaskAdd, path), stream, p);
+          adaptive, query_grid<Dq>(p), bwd_prep_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
       if (!err.empty()) return err;
       using Tr = FusedTraits<D, T>;
       return launch_variant<T, Tr>(

@@ -131,9 +131,10 @@ struct BwdParams : AttnShape {
   const float* sinks;
   bool softcap;
   float cap_in, cap_out;
-  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 2) float32, the
-  // residuals (lo of the tempered row, lo of l) of the LSEs the dQ kernel / pre-pass recounted,
-  // whose hi parts it writes to rowstat's lse slots (lse_residual.h); 0 where not recounted
+  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 4) float32, per
+  // query row the LSEs as (hi, lo) pairs in base 2, (hi, hi of l, lo, lo of l), written by the
+  // recount kernel, read by the other backward kernels (lse_residual.h; lo = 0 where the float
+  // LSE serves)
   float* lse_lo;
 };
 

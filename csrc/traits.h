@@ -197,8 +197,7 @@ constexpr int bwd_fused_smem_bytes(int d, int elem_bytes, bool adaptive, int pat
          key_block_drop_bytes(d);
 }
 // Shared memory of the fused backward's pre-pass (the dQ kernel with kPrep): delta only needs the
-// dO tile (after the unused Q tile); the adaptive dbeta pass, and an additive mask's recount of
-// the LSE (lse_residual.h), need the dQ kernel's tiles (`adaptive`: either).
+// dO tile (after the unused Q tile); the adaptive dbeta pass needs the dQ kernel's tiles.
 constexpr int bwd_prep_smem_bytes(int d, int elem_bytes, bool adaptive, int path = kPathSm80) {
   return adaptive ? dq_smem_bytes(d, elem_bytes, path)
                   : max_int(2 * dq_block_m(d) * smem_row(d) * elem_bytes,

@@ -171,19 +171,24 @@ def test_sdpa_agrees_with_the_gold():
 @pytest.mark.parametrize("mode", ["softmax", "ssa", "ssa_adaptive"])
 def test_cuda_emulated(mode, kind, deterministic):
     """The CUDA C++ backend (emulated, float16 inputs) on finite-masked rows: its forward, and its
-    backward, whose dQ kernel (or the fused path's pre-pass) recounts the rows whose LSE float32
-    cannot resolve and whose key-block kernels use the recounted pairs (csrc/lse_residual.h).
+    backward, whose recount kernel recounts the rows whose LSE float32 cannot resolve and whose
+    other kernels use the recounted pairs (csrc/lse_residual.h).
     Both backward paths: the fused kernel (deterministic=False, which the emulator's plan fuses at
     this head dim) and the two-kernel one; softmax, SSA (its b, n gradients too) and SSA with
     the adaptive temperature (its lse_l recounted as well)."""
-    ctx = cuda_backend_context()
+    check_cuda_rows(cuda_backend_context(), mode, kind, deterministic)
+
+
+def check_cuda_rows(ctx, mode, kind, deterministic, D=32):
+    """test_cuda_emulated's check in the context ``ctx()`` (the extension, or an emulator of the
+    head dim ``D``: the sm_90a path's wgmma tiles need 64 or 128)."""
     mask, causal = padding_mask(kind)
-    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=32, dtype=torch.float16, device="cpu", q_scale=2.0)
+    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=D, dtype=torch.float16, device="cpu", q_scale=2.0)
     ssa = "ssa" in mode
     b, n = head_params(2, device="cpu")
     b.requires_grad_(ssa)
     n.requires_grad_(ssa)
-    dout = torch.randn(1, 2, L, 32, generator=torch.Generator().manual_seed(3)).half()
+    dout = torch.randn(1, 2, L, D, generator=torch.Generator().manual_seed(3)).half()
     kw = dict(attn_mask=mask, is_causal=causal)
     variant = dict(adaptive_temperature="adaptive" in mode, score="ssa" if ssa else "softmax",
                    score_params={"b": b, "n": n} if ssa else None)
