@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ssa_flash
 from attn_testing import FLOORS, MODES, detached_copy, fa_tolerance_check, head_params, make_qkv, rotating_modes, run
+import emulation
 from emulation import build_emulator, cuda_backend_context  # noqa: F401  (build_emulator: conftest prebuilds it)
 from ssa_flash import autograd
 from ssa_flash.spec import AttentionSpec
@@ -212,3 +213,25 @@ def check_cuda_rows(ctx, mode, kind, deterministic, D=32):
     for name, a, e in zip("qkvbn", grads, gold_grads):
         tol = 1e-2 * (L if name in "bn" else 1)
         torch.testing.assert_close(a.double(), e, atol=tol, rtol=1e-2, msg=name)
+
+
+
+@pytest.fixture(scope="module")
+def emulator_sm90(tmp_path_factory):
+    """An emulator of the sm_90a code path at D = 64 (its own build: about a minute)."""
+    h = emulation.harness()
+    if h.cuda_include_dir() is None:
+        pytest.skip("CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built")
+    return h.Emulator(h.build(tmp_path_factory.mktemp("emu90"), head_dims=(64,), sm90=True, extras=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kind,deterministic", [("softmax", "fp32_min", False), ("ssa", "bf16_min", True),
+                                                     ("ssa_adaptive", "fp32_min", False),
+                                                     ("ssa_adaptive", "bf16_min", True)])
+def test_cuda_emulated_sm90_path(emulator_sm90, mode, kind, deterministic):
+    """test_cuda_emulated's check on the emulated sm_90a code path (the recount kernel's and the
+    backward's GEMMs as wgmma on swizzled tiles, which the kernels use at D = 64 / 128)."""
+    before = emulator_sm90.wgmma_issued()
+    check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm90), mode, kind, deterministic, D=64)
+    assert emulator_sm90.wgmma_issued() > before, "the sm_90a path's wgmma ran"
