@@ -1,0 +1,170 @@
+// The consumers' step of the sm_90a backward (bwd_tile.h): for one 64-row query block of one
+// query head, against this warpgroup's 64 keys of the CTA's 128.
+//
+// Per step, consumer warpgroup c (keys n0 + 64 c ..), in the layout of the transposed scores
+// (rows keys, columns queries: wgmma's m64 is the warpgroup's keys):
+//   S^T = K_c Q^T, dP^T = V_c dO^T          (wgmma, both operands in shared memory; waited for)
+//   P^T, dS^T = score_grad(S^T, dP^T, row statistics of the columns)   (bwd_kernel.h)
+//   dS^T -> shared memory (this warpgroup's 64 rows of the step's dS^T buffer)
+//   dV += P^T dO, dK += dS^T Q               (wgmma, A from registers; issued, not waited for)
+//   barrier of both consumers (dS^T complete)
+//   dQ_part = dS K                           (wgmma, both operands MN-major, bwd_gemm.h)
+//   wait for dV / dK: the stage (Q, dO, statistics) is released to the producer
+//   wait for dQ: red.global.add into the float32 accumulator (dQ / scale)
+// D = 128: dQ_part is the columns of panel c over all 128 keys; D = 64: every column over the
+// warpgroup's own 64 keys (BwdTile::kDqSplitCols).
+#pragma once
+
+#include "../bwd_kernel.h"  // RowStats, RowStat, score_grad
+#include "../frag.h"
+#include "../gemm_wgmma.h"
+#include "../memory.h"
+#include "bwd_gemm.h"
+#include "bwd_tile.h"
+
+namespace ssa_flash {
+namespace hopper {
+
+// Deliberately broken variants of the kernel, which the emulation must report (tests/cuda/
+// test_hopper_bwd.py): a consumer that never waits for a stage to be full, a producer waiting on
+// the empty barrier with the wrong parity, consumers that release a stage as soon as it is full
+// (before their GEMMs read it), and consumers that never release it.
+enum BwdBug : int { kBwdOk = 0, kBwdNoFullWait, kBwdWrongEmptyParity, kBwdEarlyRelease, kBwdNoRelease, kBwdBugs };
+
+// Named barriers of the backward (bwd-local ids): both consumers' dS^T of a step in shared memory.
+constexpr int kBarDsReady = kFirstNamedBarrier + 0;
+
+// One consumer warpgroup's state over the CTA's steps: its 64 keys' dK / dV accumulators (rows
+// 16 w + g (+ 8) of warp w, the wgmma layout) and this thread's sums of the score function's
+// parameter terms (logits.h, Score::grad; per query head, reset by the caller).
+template <typename Tile, typename Score, bool kAdaptive, int kBug = kBwdOk>
+struct BwdConsumer {
+  using T = typename Tile::Elem;
+  static constexpr int kD = Tile::kD, kM = Tile::kBlockM;
+  static constexpr int kNStat = Tile::stat_count(kAdaptive);
+  using QTile = typename Tile::QTile;
+  using KTile = typename Tile::KTile;
+  using DsTile = typename Tile::DsTile;
+
+  float dk[kD / 8][4];
+  float dv[kD / 8][4];
+  float dpar0, dpar1;
+  int c, warp, lane;  // consumer warpgroup, warp in it, lane
+
+  SSA_DEVICE void init(int consumer) {
+    c = consumer;
+    warp = warp_idx_in_warpgroup();
+    lane = static_cast<int>(threadIdx.x) % 32;
+    zero(dk);
+    zero(dv);
+    dpar0 = dpar1 = 0.0f;
+  }
+
+  // The row statistics of query lq of the step (the stage's [query][kNStat] floats).
+  static SSA_DEVICE RowStats stats(const float* st) {
+    RowStats r;
+    const float2 ld = *reinterpret_cast<const float2*>(st);
+    r.lse2 = ld.x;
+    r.delta = ld.y;
+    if constexpr (kAdaptive) {
+      const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
+      const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
+      r.beta = bl.x;
+      r.lse_l2 = bl.y;
+      r.ent = eg.x;
+      r.g = eg.y;
+    } else {
+      r.beta = 1.0f;
+      r.lse_l2 = r.ent = r.g = 0.0f;
+    }
+    return r;
+  }
+
+  // One step: query rows [m, m + 64) of the query head whose (batch, head) row index is bh and
+  // logit context ctx; sK, sV the CTA's tiles, sQ, sdO, sStat the stage's, sDsT the step's dS^T
+  // buffer, full / empty the stage's mbarriers (parity: the stage's phase), dq_rows the float32
+  // accumulator's row m of this head. kCheck: bounds and the causal diagonal (mask.h).
+  template <bool kCheck>
+  SSA_DEVICE void step(const BwdParams& p, const LogitCtx& ctx, int n0, int m, const T* sK, const T* sV,
+                       const T* sQ, const T* sdO, const float* sStat, T* sDsT, uint64_t* full, uint64_t* empty,
+                       uint32_t parity, float* dq_rows) {
+    if (kBug != kBwdNoFullWait) mbar_wait(full, parity);
+    if (kBug == kBwdEarlyRelease) mbar_arrive(empty);
+    const int g = lane / 4, t = lane % 4;
+
+    // S^T = K_c Q^T, dP^T = V_c dO^T
+    float s[kM / 8][4], dp[kM / 8][4];
+    wg_gemm_nt<T, kM, kD, KTile, QTile>(s, sK + KTile::offset(64 * c, 0), sQ);
+    wg_gemm_nt<T, kM, kD, KTile, QTile>(dp, sV + KTile::offset(64 * c, 0), sdO);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(s);
+    wgmma_fence_operand(dp);
+
+    // P^T (into s) and dS^T (into dp, before the final scale): element (nt, i) is key
+    // n0 + 64 c + 16 warp + g + 8 (i / 2), query m + 8 nt + 2 t + i % 2
+    const int key_lo = n0 + 64 * c + 16 * warp + g;
+#pragma unroll
+    for (int nt = 0; nt < kM / 8; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int lq = 8 * nt + 2 * t + cc;
+        const RowStats r = stats(sStat + lq * kNStat);
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int i = cc + 2 * hi;
+          float pp;
+          dp[nt][i] = score_grad<Score, kAdaptive, kCheck>(p, ctx, s[nt][i], dp[nt][i], m + lq, key_lo + 8 * hi, r,
+                                                           pp, dpar0, dpar1);
+          s[nt][i] = pp;
+        }
+      }
+    }
+    uint32_t pw[kM / 16][4], da[kM / 16][4];
+    acc_to_frag<T, kM>(pw, s);
+    acc_to_frag<T, kM>(da, dp);
+
+    // dS^T into this warpgroup's rows of the buffer (pairs of adjacent queries per 32-bit store),
+    // made visible to the tensor cores (async proxy) before the barrier
+    const int row_lo = 64 * c + 16 * warp + g;
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = row_lo + 8 * (j & 1), col = 16 * kk + 8 * (j >> 1) + 2 * t;
+        *reinterpret_cast<uint32_t*>(sDsT + DsTile::offset(row, col)) = da[kk][j];
+      }
+    }
+    fence_proxy_async();
+
+    // dV += P^T dO, dK += dS^T Q
+    wg_gemm_rn<T, kD, kM, QTile>(dv, pw, sdO);
+    wg_gemm_rn<T, kD, kM, QTile>(dk, da, sQ);
+    wgmma_commit();
+
+    // dQ (part) = dS K once both consumers' dS^T are in place
+    named_bar_sync(kBarDsReady, Tile::kConsumerThreads);
+    constexpr int kDqKeys = Tile::kDqSplitCols ? Tile::kBlockN : 64;
+    const int key0 = Tile::kDqSplitCols ? 0 : 64 * c, col0 = Tile::kDqSplitCols ? 64 * c : 0;
+    float dq[8][4];
+    wg_gemm_tt<T, kDqKeys, DsTile, KTile>(dq, sDsT + DsTile::offset(key0, 0), sK + KTile::offset(key0, col0));
+    wgmma_commit();
+
+    wgmma_wait<1>();  // dV, dK: Q, dO and the statistics are no longer read
+    wgmma_fence_operand(dv);
+    wgmma_fence_operand(dk);
+    if (kBug != kBwdEarlyRelease && kBug != kBwdNoRelease) mbar_arrive(empty);
+    wgmma_wait<0>();
+    wgmma_fence_operand(dq);
+    // element (nt, i): query row 16 warp + g + 8 (i / 2), column col0 + 8 nt + 2 t + i % 2
+    float* at = dq_rows + (16 * warp + g) * kD + col0 + 2 * t;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      red_add2(at + 8 * nt, dq[nt][0], dq[nt][1]);
+      red_add2(at + 8 * kD + 8 * nt, dq[nt][2], dq[nt][3]);
+    }
+  }
+};
+
+}  // namespace hopper
+}  // namespace ssa_flash
