@@ -82,14 +82,15 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw: th, the capped score in
 // units of cap_out, which ctx holds) before the transform; the parameter terms sum over th
 // (cap_out applied with the partial) and dz takes the extra factor 1 - th^2 (docs/maths.md
-// section 6.1).
-template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+// section 6.1). kMaskable = false: the call has no mask (apply_mask).
+template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, bool kMaskable = true,
+          typename P>
 SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& dpar0, float& dpar1) {
   typename Score::Elem el;
   const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
   float l2 = Score::logit(ctx, s, Score::mult(ctx, 1.0f), el);
-  if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
+  if (kCheck) l2 = apply_mask<kBand, kMaskable>(p, ctx, l2, row, col, kLog2e);
   const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
   p_out = pp;
   float dl = pp * (dp - r.delta);

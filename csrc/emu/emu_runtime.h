@@ -759,6 +759,12 @@ inline void wgmma_ss_tt(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accu
   wgmma_issue(&d[0][0], N, nullptr, da, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value, true);
 }
 
+// Both operands from shared memory, A K-major, B MN-major (imm-trans-b = 1; csrc/hopper/bwd_gemm.h).
+template <typename T, int N>
+inline void wgmma_ss_tb(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_issue(&d[0][0], N, nullptr, da, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value, false);
+}
+
 inline void wgmma_commit() { me().wgmma.commit(); }
 
 template <int N>

@@ -22,7 +22,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
   using T = typename Tile::Elem;
   using Smem = BwdSmem<Tile, kAdaptive>;
   constexpr int kStages = Tile::kStages, kM = Tile::kBlockM, kN = Tile::kBlockN, kD = Tile::kD;
-  constexpr int kNStat = Tile::stat_count(kAdaptive);
+  using Stats = BwdStatLayout<Tile, kAdaptive>;
+  constexpr int kNStat = Stats::kCount;
   const BwdParams& p = hp.p;
 
   extern __shared__ uint4 smem_raw[];
@@ -80,8 +81,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
             tma_load_3d(reinterpret_cast<T*>(st + Smem::kDo) + panel * Tile::QTile::kPanelElems, &hp.tma_do, bar,
                         64 * panel, m, bh);
           }
-          constexpr int kBox = Tile::stat_box(kAdaptive);
-          for (int i = 0; i < Tile::stat_loads(kAdaptive); ++i)
+          constexpr int kBox = Stats::kBox;
+          for (int i = 0; i < Stats::kLoads; ++i)
             tma_load_2d(reinterpret_cast<float*>(st + Smem::kStat) + i * kBox, &hp.tma_stat, bar, kNStat * m + i * kBox,
                         bh);
           pos.advance();
@@ -98,7 +99,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
   mbar_wait(kv_full, 0);
   RingPos<kStages> pos;
   int ds_buf = 0;
-  const int consumer_warp = 4 * cons.c + cons.warp;
   for (int head = 0; head < steps.group; ++head) {
     const int hh = hk * p.group + head;
     const LogitCtx ctx = Score::template setup<false>(p, bb, hh);
@@ -116,11 +116,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
     int tile = 0;
     for (; tile < steps.n_checked; ++tile) run(Bool<true>(), tile);
     for (; tile < steps.tiles; ++tile) run(Bool<false>(), tile);
-    store_dparams<Score, Tile::kConsumerWarps>(p, cons.dpar0, cons.dpar1, bb, hh, key_block, gridDim.x, consumer_warp,
-                                               cons.lane);
+    store_dparams<Score, Tile::kConsumerWarps>(p, cons.dpar0, cons.dpar1, bb, hh, key_block, gridDim.x,
+                                               thread_idx_again());
     cons.dpar0 = cons.dpar1 = 0.0f;
   }
-  store_dk_dv<T, kD>(p, cons.dk, cons.dv, bb, hk, n0 + 64 * cons.c + 16 * cons.warp + cons.lane / 4, cons.lane);
+  store_dk_dv<T, kD>(p, cons.dk, cons.dv, bb, hk, n0, thread_idx_again());
 }
 
 }  // namespace ssa_flash

@@ -95,9 +95,10 @@ std::string hopper_bwd_params(const BwdParams& p, bool adaptive, HopperBwdParams
     return TmaTileSpec{base, 3, 2, 128, {kD, len, bh}, {0, 2 * sm, 2 * sh}, {64, box_rows, 1}};
   };
   const int64_t bh = static_cast<int64_t>(p.batch) * p.heads, bhk = static_cast<int64_t>(p.batch) * p.heads_kv;
-  const int n = Tile::stat_count(adaptive);
+  const int n = dkdv_stat_count(adaptive);
+  const int box = adaptive ? BwdStatLayout<Tile, true>::kBox : BwdStatLayout<Tile, false>::kBox;
   const TmaTileSpec stat{p.rowstat, 2, 4, 0, {static_cast<int64_t>(n) * p.stat_rows, bh, 1},
-                         {0, 4 * static_cast<int64_t>(n) * p.stat_rows, 0}, {Tile::stat_box(adaptive), 1, 1}};
+                         {0, 4 * static_cast<int64_t>(n) * p.stat_rows, 0}, {box, 1, 1}};
   std::string err = make_tma(rows(p.q, p.len_q, p.q_sm, p.q_sh, bh, Tile::kBlockM), hp.tma_q);
   if (err.empty()) err = make_tma(rows(p.dout, p.len_q, p.do_sm, p.do_sh, bh, Tile::kBlockM), hp.tma_do);
   if (err.empty()) err = make_tma(rows(p.k, p.len_k, p.k_sm, p.k_sh, bhk, Tile::kBlockN), hp.tma_k);

@@ -41,7 +41,7 @@ template <typename Tile, typename Score, bool kAdaptive, int kBug = kBwdOk>
 struct BwdConsumer {
   using T = typename Tile::Elem;
   static constexpr int kD = Tile::kD, kM = Tile::kBlockM;
-  static constexpr int kNStat = Tile::stat_count(kAdaptive);
+  static constexpr int kNStat = BwdStatLayout<Tile, kAdaptive>::kCount;
   using QTile = typename Tile::QTile;
   using KTile = typename Tile::KTile;
   using DsTile = typename Tile::DsTile;
@@ -113,8 +113,8 @@ struct BwdConsumer {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
           const int i = cc + 2 * hi;
-          float pp;
-          dp[nt][i] = score_grad<Score, kAdaptive, kCheck>(p, ctx, s[nt][i], dp[nt][i], m + lq, key_lo + 8 * hi, r,
+          float pp;  // (checks: bounds and causality only, no window or mask: bwd_launch.h routes them away)
+          dp[nt][i] = score_grad<Score, kAdaptive, kCheck, true, false, false>(p, ctx, s[nt][i], dp[nt][i], m + lq, key_lo + 8 * hi, r,
                                                            pp, dpar0, dpar1);
           s[nt][i] = pp;
         }
@@ -122,7 +122,7 @@ struct BwdConsumer {
     }
     uint32_t pw[kM / 16][4], da[kM / 16][4];
     acc_to_frag<T, kM>(pw, s);
-    acc_to_frag<T, kM>(da, dp);
+    acc_to_frag<T, kM>(da, dp);  // (only to store: the dK GEMM reads dS^T from shared memory)
 
     // dS^T into this warpgroup's rows of the buffer (pairs of adjacent queries per 32-bit store),
     // made visible to the tensor cores (async proxy) before the barrier
@@ -137,19 +137,20 @@ struct BwdConsumer {
     }
     fence_proxy_async();
 
-    // dV += P^T dO, dK += dS^T Q
+    // dV += P^T dO (A from registers)
     wg_gemm_rn<T, kD, kM, QTile>(dv, pw, sdO);
-    wg_gemm_rn<T, kD, kM, QTile>(dk, da, sQ);
     wgmma_commit();
 
-    // dQ (part) = dS K once both consumers' dS^T are in place
+    // once both consumers' dS^T are in place: dK += dS^T Q (A from shared memory: dS^T's registers
+    // are free by now) and dQ (part) = dS K
     named_bar_sync(kBarDsReady, Tile::kConsumerThreads);
+    wg_gemm_sn<T, kD, kM, DsTile, QTile>(dk, sDsT + DsTile::offset(64 * c, 0), sQ);
+    wgmma_commit();
     constexpr int kDqKeys = Tile::kDqSplitCols ? Tile::kBlockN : 64;
     const int key0 = Tile::kDqSplitCols ? 0 : 64 * c, col0 = Tile::kDqSplitCols ? 64 * c : 0;
     float dq[8][4];
     wg_gemm_tt<T, kDqKeys, DsTile, KTile>(dq, sDsT + DsTile::offset(key0, 0), sK + KTile::offset(key0, col0));
     wgmma_commit();
-
     wgmma_wait<1>();  // dV, dK: Q, dO and the statistics are no longer read
     wgmma_fence_operand(dv);
     wgmma_fence_operand(dk);

@@ -40,11 +40,17 @@ struct BwdTile {
   static constexpr int kKElems = KTile::elems(kBlockN, kD);
   static constexpr int kQElems = QTile::elems(kBlockM, kD);
   static constexpr int kDsElems = DsTile::elems(kBlockN, kBlockM);
-  // per query row of a step: lse, delta (and adaptive: beta, lse_l, entropy, g), float32
-  static constexpr int stat_count(bool adaptive) { return dkdv_stat_count(adaptive); }
-  // the statistics of a step arrive in loads of at most 256 floats (a TMA box dimension)
-  static constexpr int stat_loads(bool adaptive) { return (stat_count(adaptive) * kBlockM + 255) / 256; }
-  static constexpr int stat_box(bool adaptive) { return stat_count(adaptive) * kBlockM / stat_loads(adaptive); }
+};
+
+// The row statistics of a step in shared memory: kCount floats per query row (lse, delta and,
+// adaptive, beta, lse_l, entropy, g: bwd_kernel.h's RowStat), [query][kCount], delivered by kLoads
+// TMA loads of kBox floats (a box dimension is at most 256).
+template <typename Tile, bool kAdaptive>
+struct BwdStatLayout {
+  static constexpr int kCount = dkdv_stat_count(kAdaptive);
+  static constexpr int kLoads = (kCount * Tile::kBlockM + 255) / 256;
+  static constexpr int kBox = kCount * Tile::kBlockM / kLoads;
+  static_assert(kBox * kLoads == kCount * Tile::kBlockM && kBox * 4 % 16 == 0, "whole 16-byte boxes");
 };
 
 // Byte offsets of the CTA's shared memory (from its 1024-byte aligned start): K, V, the ring's
@@ -54,7 +60,7 @@ struct BwdSmem {
   using T = typename Tile::Elem;
   static constexpr int kK = 0;
   static constexpr int kV = kK + Tile::kKElems * 2;
-  static constexpr int kStatBytes = Tile::stat_count(kAdaptive) * Tile::kBlockM * 4;
+  static constexpr int kStatBytes = BwdStatLayout<Tile, kAdaptive>::kCount * Tile::kBlockM * 4;
   static constexpr int kStageBytes = 2 * Tile::kQElems * 2 + (kStatBytes + 1023) / 1024 * 1024;
   static constexpr int kStage0 = kV + Tile::kKElems * 2;
   // within a stage
@@ -75,7 +81,7 @@ struct BwdSmem {
 // the emulation), in the views bwd_launch.h, make_bwd_tma, builds:
 //   q, dout: (D, Lq, B H) boxes 64 x 64 x 1, 128-byte swizzle (one load per 64-column panel);
 //   k, v:    (D, Lk, B Hkv) boxes 64 x 128 x 1, 128-byte swizzle;
-//   stat:    the workspace (B, H, stat_rows, n) as (n stat_rows, B H) floats, box stat_box x 1.
+//   stat:    the workspace (B, H, stat_rows, n) as (n stat_rows, B H) floats, box BwdStatLayout::kBox x 1.
 // Rows past Lq / Lk are outside the maps: TMA fills them with zeros.
 struct HopperBwdParams {
   BwdParams p;
