@@ -112,11 +112,15 @@ SSA_DEVICE void wgmma_fence_operand(uint32_t (&a)[N][4]) {
 // Both operands from shared memory, both K-major: d (64 x N) [+]= A (desc da) * B (desc db).
 template <typename T, int N>
 SSA_DEVICE void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate) {
-  static_assert(N == 32 || N == 64, "wgmma_ss: N = 32 or 64");
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss: N = 32, 64 or 128");
 #if SSA_FLASH_WGMMA
   if constexpr (N == 32) {
     if constexpr (ElemInfo<T>::kIsBF16) SSA_WG_SS(32, SSA_WG_R16, "bf16", "16", "17", "18", SSA_WG_D4(0));
     else SSA_WG_SS(32, SSA_WG_R16, "f16", "16", "17", "18", SSA_WG_D4(0));
+  } else if constexpr (N == 128) {
+    if constexpr (ElemInfo<T>::kIsBF16)
+      SSA_WG_SS(128, SSA_WG_R64, "bf16", "64", "65", "66", SSA_WG_D4(0), SSA_WG_D4(4), SSA_WG_D4(8), SSA_WG_D4(12));
+    else SSA_WG_SS(128, SSA_WG_R64, "f16", "64", "65", "66", SSA_WG_D4(0), SSA_WG_D4(4), SSA_WG_D4(8), SSA_WG_D4(12));
   } else {
     if constexpr (ElemInfo<T>::kIsBF16) SSA_WG_SS(64, SSA_WG_R32, "bf16", "32", "33", "34", SSA_WG_D4(0), SSA_WG_D4(4));
     else SSA_WG_SS(64, SSA_WG_R32, "f16", "32", "33", "34", SSA_WG_D4(0), SSA_WG_D4(4));

@@ -20,7 +20,8 @@ namespace ssa_flash {
 //   nonneg(ctx)                   makes the row multiplier >= 0 (the forward's interior loop takes
 //                                 the row max of x, below); true: the caller negates Q instead
 //   mult(ctx, beta)               a row's multiplier, the adaptive temperature beta included
-//   x(ctx, s)                     the interior value of a score: logit = x * mult (before masks)
+//   x<kPolyLg2>(ctx, s)           the interior value of a score: logit = x * mult (before masks);
+//                                 kPolyLg2 (default false): a logarithm in it on the FMA pipe
 //   logit(ctx, s, mult, e)        the same logit, keeping in e (Score::Elem) what grad needs
 //   grad(ctx, dl, s, e, dpar0, dpar1)  d logit / d s times dl (dl: the gradient of the natural-log
 //                                 logit phi), adding parameter i's per-element term to dpar<i>
@@ -63,6 +64,7 @@ struct Softmax {
   }
   static SSA_DEVICE bool nonneg(LogitCtx&) { return false; }
   static SSA_DEVICE float mult(const LogitCtx& c, float beta) { return c.c * beta; }
+  template <bool kPolyLg2 = false>
   static SSA_DEVICE float x(const LogitCtx&, float s) { return s; }
   static SSA_DEVICE float logit(const LogitCtx&, float s, float mult, Elem&) { return s * mult; }
   static SSA_DEVICE float grad(const LogitCtx&, float dl, float, const Elem&, float&, float&) { return dl; }
@@ -106,7 +108,12 @@ struct Ssa {
     return neg;
   }
   static SSA_DEVICE float mult(const LogitCtx& c, float beta) { return c.n * beta; }
-  static SSA_DEVICE float x(const LogitCtx& c, float s) { return xor_sign(lg2(fmaf(c.c, fabsf(s), 1.0f)), s); }
+  // kPolyLg2: the logarithm on the FMA pipe (fast_math.h, lg2_poly; a MufuBudget's share)
+  template <bool kPolyLg2 = false>
+  static SSA_DEVICE float x(const LogitCtx& c, float s) {
+    const float u = fmaf(c.c, fabsf(s), 1.0f);
+    return xor_sign(kPolyLg2 ? lg2_poly(u) : lg2(u), s);
+  }
   static SSA_DEVICE float logit(const LogitCtx& c, float s, float mult, Elem& e) {
     e.u = fmaf(c.c, fabsf(s), 1.0f);
     e.t = xor_sign(lg2(e.u), s);
@@ -151,6 +158,7 @@ struct LogitScale {
     return neg;
   }
   static SSA_DEVICE float mult(const LogitCtx& c, float beta) { return c.c * beta; }
+  template <bool kPolyLg2 = false>
   static SSA_DEVICE float x(const LogitCtx&, float s) { return s; }
   static SSA_DEVICE float logit(const LogitCtx&, float s, float mult, Elem&) { return s * mult; }
   static SSA_DEVICE float grad(const LogitCtx& c, float dl, float s, const Elem&, float& ds, float&) {

@@ -32,15 +32,18 @@ namespace ssa_flash {
 
 // Host-side description of a tiled TMA load (what cuTensorMapEncodeTiled takes; see above).
 // Dimensions innermost first: dims[0] contiguous, strides[d] the bytes between consecutive
-// indices of dimension d >= 1 (multiples of 16; strides[0] unused).
+// indices of dimension d >= 1 (multiples of 16; strides[0] unused). Entries past `rank` unused.
+// (Rank 4 is the attention kernels' (head dim, rows, head, batch) view of a (B, H, L, D) tensor
+// with any batch and head strides.)
+constexpr int kTmaMaxRank = 4;
 struct TmaTileSpec {
   const void* base;
-  int rank;           // 2 or 3
+  int rank;           // 2, 3 or 4
   int elem_bytes;     // 2: fp16 / bf16
   int swizzle_bytes;  // 0 or 128
-  int64_t dims[3];
-  int64_t strides[3];
-  int box[3];  // the tile's extent per dimension (box[0] * elem_bytes <= 128 with the swizzle)
+  int64_t dims[kTmaMaxRank];
+  int64_t strides[kTmaMaxRank];
+  int box[kTmaMaxRank];  // the tile's extent per dimension (box[0] * elem_bytes <= 128 with the swizzle)
 };
 
 #ifdef SSA_FLASH_EMULATE
@@ -72,6 +75,10 @@ SSA_DEVICE void tma_load_2d(void* smem, const TmaDesc* desc, uint64_t* bar, int 
 
 SSA_DEVICE void tma_load_3d(void* smem, const TmaDesc* desc, uint64_t* bar, int c0, int c1, int c2) {
   ssa_emu::tma_load(smem, desc, bar, 3, c0, c1, c2);
+}
+
+SSA_DEVICE void tma_load_4d(void* smem, const TmaDesc* desc, uint64_t* bar, int c0, int c1, int c2, int c3) {
+  ssa_emu::tma_load(smem, desc, bar, 4, c0, c1, c2, c3);
 }
 #else
 // ------------------------------------------------------------------------------------------
@@ -185,6 +192,19 @@ SSA_DEVICE void tma_load_3d(void* smem, const TmaDesc* desc, uint64_t* bar, int 
       : "memory");
 #else
   (void)smem; (void)desc; (void)bar; (void)c0; (void)c1; (void)c2;
+  __trap();
+#endif
+}
+
+SSA_DEVICE void tma_load_4d(void* smem, const TmaDesc* desc, uint64_t* bar, int c0, int c1, int c2, int c3) {
+#if SSA_FLASH_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(smem_u32(smem)),
+      "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+#else
+  (void)smem; (void)desc; (void)bar; (void)c0; (void)c1; (void)c2; (void)c3;
   __trap();
 #endif
 }

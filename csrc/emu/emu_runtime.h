@@ -136,9 +136,9 @@ struct TmaCopy {
   char* dst;
   const char* base;
   int rank, elem_bytes, swizzle_bytes;
-  int64_t dims[3], strides[3];
-  int box[3], coord[3];
-  int64_t bytes() const { return static_cast<int64_t>(box[0]) * box[1] * box[2] * elem_bytes; }
+  int64_t dims[4], strides[4];
+  int box[4], coord[4];
+  int64_t bytes() const { return static_cast<int64_t>(box[0]) * box[1] * box[2] * box[3] * elem_bytes; }
 };
 
 // An mbarrier object (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"),
@@ -832,19 +832,20 @@ inline void fence_mbar_init() {}
 inline void tma_perform(const TmaCopy& c) {
   const uint32_t dst0 = smem_u32(c.dst);
   char* const win = reinterpret_cast<char*>(ssa_flash::smem_raw);
+  for (int i3 = 0; i3 < c.box[3]; ++i3)
   for (int i2 = 0; i2 < c.box[2]; ++i2)
     for (int i1 = 0; i1 < c.box[1]; ++i1)
       for (int i0 = 0; i0 < c.box[0]; ++i0) {
-        const int64_t g[3] = {static_cast<int64_t>(c.coord[0]) + i0, static_cast<int64_t>(c.coord[1]) + i1,
-                              static_cast<int64_t>(c.coord[2]) + i2};
+        const int64_t g[4] = {static_cast<int64_t>(c.coord[0]) + i0, static_cast<int64_t>(c.coord[1]) + i1,
+                              static_cast<int64_t>(c.coord[2]) + i2, static_cast<int64_t>(c.coord[3]) + i3};
         bool inside = true;
         for (int d = 0; d < c.rank; ++d) inside = inside && g[d] >= 0 && g[d] < c.dims[d];
-        uint32_t a = dst0 + static_cast<uint32_t>(((i2 * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
+        uint32_t a = dst0 + static_cast<uint32_t>((((i3 * c.box[2] + i2) * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
         if (c.swizzle_bytes == 128) a ^= ((a >> 7) & 7u) << 4;
         char* out = win + (a - kSmemWindowBase);
         if (inside) {
-          const char* src = c.base + g[0] * c.elem_bytes + (c.rank > 1 ? g[1] * c.strides[1] : 0) +
-                            (c.rank > 2 ? g[2] * c.strides[2] : 0);
+          const char* src = c.base + g[0] * c.elem_bytes;
+          for (int d = 1; d < c.rank; ++d) src += g[d] * c.strides[d];
           std::memcpy(out, src, c.elem_bytes);
         } else {
           std::memset(out, 0, c.elem_bytes);
@@ -912,11 +913,11 @@ inline bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   return true;
 }
 
-// cp.async.bulk.tensor.{2,3}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes: the box at
+// cp.async.bulk.tensor.{2,3,4}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes: the box at
 // coordinates c (innermost first) of the tensor map `d` (ssa_flash::TmaTileSpec) into `dst`,
 // completing the box's bytes on `bar`.
 template <typename Desc>
-inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, int c1, int c2) {
+inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, int c1, int c2, int c3 = 0) {
   if (d->rank != rank)
     fail("cp.async.bulk.tensor." + std::to_string(rank) + "d with a rank-" + std::to_string(d->rank) + " tensor map");
   TmaCopy c{};
@@ -925,8 +926,8 @@ inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, 
   c.rank = rank;
   c.elem_bytes = d->elem_bytes;
   c.swizzle_bytes = d->swizzle_bytes;
-  const int coord[3] = {c0, c1, c2};
-  for (int i = 0; i < 3; ++i) {
+  const int coord[4] = {c0, c1, c2, c3};
+  for (int i = 0; i < 4; ++i) {
     c.dims[i] = i < rank ? d->dims[i] : 1;
     c.strides[i] = i < rank ? d->strides[i] : 0;
     c.box[i] = i < rank ? d->box[i] : 1;

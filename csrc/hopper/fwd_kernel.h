@@ -1,0 +1,89 @@
+// The sm_90a warp-specialised forward (docs/design.md section 4.4), built from the parts beside it:
+// fwd_traits.h (tiles, register budgets, shared storage), tile_scheduler.h, fwd_mainloop.h (the
+// producer's loads, a consumer's key-block loop), fwd_epilogue.h, named_barriers.h, ring.h.
+// Templated on the score policy (logits.h) and the adaptive temperature (beta per row, given).
+//
+// CTA (384 threads): warpgroup 0 the producer (setmaxnreg down to 24; one elected thread issues
+// every TMA load), warpgroups 1 and 2 the consumers (setmaxnreg up to 240), rows 64 (wg - 1) ..
+// of the 128-row query tile each. Takes: any score function, adaptive or not, causal (top-left) or
+// not, GQA, any Lq, Lk (ragged ends), head dims up to 64 / 128 padded; no masks, dropout, windows,
+// sinks or soft-capping (fwd_launch.h routes those to csrc/fwd_kernel.h).
+#pragma once
+
+#include "../logits.h"
+#include "../pipeline.h"
+#include "../smem_layout.h"
+#include "fwd_epilogue.h"
+#include "fwd_mainloop.h"
+#include "fwd_params.h"
+#include "fwd_traits.h"
+#include "named_barriers.h"
+#include "tile_scheduler.h"
+
+namespace ssa_flash {
+namespace hopper {
+
+template <typename Tr, typename Score, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
+  using T = typename Tr::T;
+  const FwdParams& p = hp.p;
+  extern __shared__ uint4 smem_raw[];
+  FwdSharedStorage<Tr>& ss = *align_smem_1024<FwdSharedStorage<Tr>>(smem_raw);
+
+  const Tile tile = SingleTileScheduler::query_tile(p);
+  const int m0 = tile.block * Tr::kBlockM;
+  const FwdKeyBlocks kb = fwd_key_blocks(p, m0, Tr::kBlockM, Tr::kBlockN);
+
+  if (threadIdx.x == 0) {
+    ss.q_full.init();
+    ss.ring.init(Tr::kConsumerThreads);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  const int wg = warpgroup_idx();
+  if (wg == 0) {
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    if (warp_idx_in_warpgroup() == 0 && elect_one()) fwd_produce<Tr>(hp, ss, tile, m0, kb);
+    return;
+  }
+
+  setmaxnreg_inc<Tr::kConsumerRegs>();
+  const int c = wg - 1;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  LogitCtx ctx = Score::template setup<false>(p, tile.batch, tile.head);
+  const bool negate_q = Score::nonneg(ctx);
+  const int64_t stat0 = (static_cast<int64_t>(tile.batch) * p.heads + tile.head) * p.len_q;
+  FwdConsumer<Tr, Score, kAdaptive> cons;
+  cons.init(p, ctx, m0 + 64 * c + 16 * warp_idx_in_warpgroup() + Frag::row(lane), stat0);
+
+  if (kb.n > 0) {
+    T* const sQ = ss.q + Tr::QTile::offset(64 * c, 0);
+    if (c == 1) named_bar_arrive(turn_barrier(0), Tr::kConsumerThreads);  // consumer 0 issues first
+    ss.q_full.wait();
+    if (negate_q) {
+      // n sgn(s) = |n| sgn(-s): this warpgroup's 64 rows of Q negated once (sign bits; each panel's
+      // rows 64 c .. 64 c + 63 are contiguous), visible to its wgmma after the proxy fence
+      const int t = static_cast<int>(threadIdx.x) % 128;
+#pragma unroll 1
+      for (int panel = 0; panel < Tr::kHeadDim / 64; ++panel) {
+        uint4* rows = reinterpret_cast<uint4*>(sQ + panel * Tr::QTile::kPanelElems);
+        for (int i = t; i < 64 * 64 / 8; i += 128) {
+          uint4 w = rows[i];
+          w.x ^= 0x80008000u;
+          w.y ^= 0x80008000u;
+          w.z ^= 0x80008000u;
+          w.w ^= 0x80008000u;
+          rows[i] = w;
+        }
+      }
+      fence_proxy_async();
+      named_bar_sync(warpgroup_barrier(c), 128);
+    }
+    cons.run(ss, sQ, p, ctx, kb, c);
+  }
+  fwd_epilogue<T, Tr::kHeadDim / 8>(p, cons.o, cons.m, cons.l, cons.row0, tile.batch, tile.head, lane);
+}
+
+}  // namespace hopper
+}  // namespace ssa_flash

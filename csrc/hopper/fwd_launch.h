@@ -1,0 +1,177 @@
+// Host side of the sm_90a warp-specialised forward (fwd_kernel.h): which calls it takes
+// (fwd_ws_declines, the one decision; launch_impl.h run_fwd asks it), the TMA tensor maps of a
+// call (fwd_tma_specs: what cuTensorMapEncodeTiled takes; in the CPU emulation TmaDesc is that
+// spec itself), the grid, shared memory and launch (run_fwd_ws). No torch here.
+//
+// SSA_FLASH_HOPPER_FWD (default 0): whether builds hold the kernel and the dispatch may pick it.
+// Off by default until it has passed on a GPU (docs/cuda.md): the emulation and the sm_90a SASS
+// are checked here (tests/cuda/test_hopper_fwd_emulated.py), the driver-side encoding of its
+// tensor maps (encode_tma below) and the kernel on a device are not.
+#pragma once
+
+#ifndef SSA_FLASH_EMULATE
+#include <cuda.h>
+#include <cuda_runtime.h>
+#endif
+
+#include <string>
+
+#include "../dispatch.h"
+#include "../launch_kernel.h"
+#include "../params.h"
+#include "fwd_kernel.h"
+#include "fwd_params.h"
+#include "fwd_traits.h"
+#include "tile_scheduler.h"
+
+#ifndef SSA_FLASH_HOPPER_FWD
+#define SSA_FLASH_HOPPER_FWD 0
+#endif
+
+namespace ssa_flash {
+namespace hopper {
+
+// nullptr if the warp-specialised forward takes the call on a device of architecture `arch`
+// (100 major + 10 minor), else why not (the call then runs csrc/fwd_kernel.h). Masks, dropout,
+// windows, sinks and soft-capping are compile-time features of today's kernel only; head dims
+// other than 64 / 128 (after padding: 40..64, 104..128) likewise.
+inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
+  if (!SSA_FLASH_HOPPER_FWD) return "not in this build (SSA_FLASH_HOPPER_FWD=0)";
+  if (arch != 900) return "not sm_90";
+  const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
+  if (d != 64 && d != 128) return "head dim: 64 and 128 (padded) only";
+  if ((d == 64 && !SSA_FLASH_HEAD_DIM_64) || (d == 128 && !SSA_FLASH_HEAD_DIM_128)) return "head dim not in this build";
+  if (p.mask_kind != kMaskNone) return "masks";
+  if (p.drop_rng != nullptr) return "dropout";
+  if (p.window) return "local windows";
+  if (p.sinks != nullptr) return "attention sinks";
+  if (p.softcap) return "soft-capping";
+  if (p.heads > 65535 || p.batch > 65535) return "grid";
+  return nullptr;
+}
+
+// The rank-4 (head dim, rows, head, batch) view of a (B, H, L, D) tensor of 16-bit elements with
+// element strides (s_row, s_head, s_batch), 128-byte swizzle, box 64 x box_rows x 1 x 1 (rows and
+// head dim past the tensor read as zeros). Empty extents become 1 (the kernel then loads nothing).
+inline TmaTileSpec tma_spec_bhld(const void* base, int64_t dim, int64_t rows, int64_t heads, int64_t batch,
+                                 int64_t s_row, int64_t s_head, int64_t s_batch, int box_rows) {
+  auto at_least_1 = [](int64_t x) { return x > 0 ? x : int64_t(1); };
+  TmaTileSpec t{};
+  t.base = base;
+  t.rank = 4;
+  t.elem_bytes = 2;
+  t.swizzle_bytes = 128;
+  const int64_t dims[4] = {at_least_1(dim), at_least_1(rows), at_least_1(heads), at_least_1(batch)};
+  const int64_t strides[4] = {0, 2 * s_row, 2 * s_head, 2 * s_batch};
+  const int box[4] = {64, box_rows, 1, 1};
+  for (int i = 0; i < 4; ++i) {
+    t.dims[i] = dims[i];
+    // (a stride of an extent-1 dimension is never used; some callers pass 0 there)
+    t.strides[i] = dims[i] == 1 && i > 0 ? 16 : strides[i];
+    t.box[i] = box[i];
+  }
+  return t;
+}
+
+struct FwdTmaSpecs {
+  TmaTileSpec q, k, v;
+};
+
+template <typename Tr>
+FwdTmaSpecs fwd_tma_specs(const FwdParams& p) {
+  FwdTmaSpecs s;
+  s.q = tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb, Tr::kBlockM);
+  s.k = tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN);
+  s.v = tma_spec_bhld(p.v, p.dim_v, p.len_k, p.heads_kv, p.batch, p.v_sm, p.v_sh, p.v_sb, Tr::kBlockN);
+  return s;
+}
+
+#ifdef SSA_FLASH_EMULATE
+template <typename T>
+std::string encode_tma(const TmaTileSpec& spec, TmaDesc* out) {
+  *out = spec;
+  return std::string();
+}
+#else
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+// Not yet run on a device.
+template <typename T>
+std::string encode_tma(const TmaTileSpec& spec, TmaDesc* out) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = []() -> Encode {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (encode == nullptr) return "cuTensorMapEncodeTiled: not available from the driver";
+  cuuint64_t dims[kTmaMaxRank], strides[kTmaMaxRank];
+  cuuint32_t box[kTmaMaxRank], elem_strides[kTmaMaxRank];
+  for (int i = 0; i < spec.rank; ++i) {
+    dims[i] = static_cast<cuuint64_t>(spec.dims[i]);
+    strides[i] = static_cast<cuuint64_t>(spec.strides[i]);
+    box[i] = static_cast<cuuint32_t>(spec.box[i]);
+    elem_strides[i] = 1;
+  }
+  const CUresult r = encode(out, ElemInfo<T>::kIsBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            static_cast<cuuint32_t>(spec.rank), const_cast<void*>(spec.base), dims, strides + 1, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            spec.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return "cuTensorMapEncodeTiled failed (error " + std::to_string(static_cast<int>(r)) + ")";
+  return std::string();
+}
+#endif
+
+// The kernel's parameters for a call: p and its three tensor maps.
+template <typename T, typename Tr>
+std::string make_fwd_ws_params(const FwdParams& p, HopperFwdParams& hp) {
+  const FwdTmaSpecs specs = fwd_tma_specs<Tr>(p);
+  hp.p = p;
+  std::string err = encode_tma<T>(specs.q, &hp.tma_q);
+  if (err.empty()) err = encode_tma<T>(specs.k, &hp.tma_k);
+  if (err.empty()) err = encode_tma<T>(specs.v, &hp.tma_v);
+  return err;
+}
+
+template <typename Tr>
+dim3 fwd_ws_grid(const AttnShape& p) {
+  return SingleTileScheduler::grid((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
+}
+
+// Launches the (Score, kAdaptive) instance at padded head dim kD with MUFU budget Mufu.
+template <typename T, int kD, typename Mufu = MufuAll>
+std::string run_fwd_ws_hdim(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
+  using Tr = WsFwdTraits<kD, T, Mufu>;
+  HopperFwdParams hp;
+  const std::string err = make_fwd_ws_params<T, Tr>(p, hp);
+  if (!err.empty()) return err;
+  auto kernel = feature_switch(score, adaptive, [](auto S, auto A) {
+    return &attn_fwd_ws_kernel<Tr, decltype(S), decltype(A)::value>;
+  });
+  return detail::launch<T>(kernel, "attn_fwd_ws_kernel", fwd_ws_grid<Tr>(p), Tr::kThreads, ws_fwd_smem_bytes<Tr>(), stream,
+                           hp);
+}
+
+// The call fwd_ws_declines took (padded head dim 64 or 128).
+template <typename T>
+std::string run_fwd_ws(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
+  if constexpr (SSA_FLASH_HOPPER_FWD) {
+    const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
+    if constexpr (SSA_FLASH_HEAD_DIM_64)
+      if (d == 64) return run_fwd_ws_hdim<T, 64>(p, score, adaptive, stream);
+    if constexpr (SSA_FLASH_HEAD_DIM_128)
+      if (d == 128) return run_fwd_ws_hdim<T, 128>(p, score, adaptive, stream);
+    return "attn_fwd_ws_kernel: head dim " + std::to_string(d) + " not taken";
+  } else {
+    (void)p; (void)score; (void)adaptive; (void)stream;
+    return "attn_fwd_ws_kernel: not in this build (SSA_FLASH_HOPPER_FWD=0)";
+  }
+}
+
+}  // namespace hopper
+}  // namespace ssa_flash

@@ -1,0 +1,105 @@
+// The CPU emulation's entry point for the sm_90a warp-specialised forward (csrc/hopper/):
+// tests/cuda/test_hopper_fwd_emulated.py builds it with the host compiler (c++ -std=c++17 -shared
+// -fPIC -DSSA_FLASH_EMULATE -DSSA_FLASH_EMULATE_SM90 -DSSA_FLASH_HOPPER_FWD=1 -I csrc ...) and
+// calls hopper_fwd_run through ctypes.
+#ifndef SSA_FLASH_EMULATE
+#define SSA_FLASH_EMULATE 1
+#endif
+
+#include <cstdint>
+#include <string>
+
+#include "hopper/fwd_launch.h"
+
+namespace {
+
+using namespace ssa_flash;
+using namespace ssa_flash::hopper;
+
+// the MUFU budgets the tests run (fast_math.h MufuBudget: eighths of ex2 / lg2 on the FMA pipe)
+template <int kI>
+using MufuOf = std::conditional_t<kI == 0, MufuAll,
+                                  std::conditional_t<kI == 1, MufuBudget<2, 0>,
+                                                     std::conditional_t<kI == 2, MufuBudget<0, 2>, MufuBudget<4, 4>>>>;
+constexpr int kMufuVariants = 4;
+
+template <typename T, int kD, int kMufu = 0>
+std::string run_mufu(int mufu, const FwdParams& p, int score, bool adaptive) {
+  if constexpr (kMufu < kMufuVariants) {
+    if (mufu != kMufu) return run_mufu<T, kD, kMufu + 1>(mufu, p, score, adaptive);
+    return run_fwd_ws_hdim<T, kD, MufuOf<kMufu>>(p, score, adaptive, nullptr);
+  }
+  return "unknown MUFU budget";
+}
+
+// a broken variant (FwdFault), softmax only
+template <typename T, int kD, int kFault = 1>
+std::string run_fault(int fault, const FwdParams& p) {
+  if constexpr (kFault < kFaults) {
+    if (fault != kFault) return run_fault<T, kD, kFault + 1>(fault, p);
+    using Tr = WsFwdTraits<kD, T, MufuAll, kFault>;
+    HopperFwdParams hp;
+    const std::string err = make_fwd_ws_params<T, Tr>(p, hp);
+    if (!err.empty()) return err;
+    return detail::launch<T>(&attn_fwd_ws_kernel<Tr, Softmax, false>, "attn_fwd_ws_kernel", fwd_ws_grid<Tr>(p),
+                             Tr::kThreads, ws_fwd_smem_bytes<Tr>(), nullptr, hp);
+  }
+  return "unknown fault";
+}
+
+template <typename T>
+std::string run_typed(int d, int mufu, int fault, const FwdParams& p, int score, bool adaptive) {
+  if (fault != 0) return d == 64 ? run_fault<T, 64>(fault, p) : run_fault<T, 128>(fault, p);
+  return d == 64 ? run_mufu<T, 64>(mufu, p, score, adaptive) : run_mufu<T, 128>(mufu, p, score, adaptive);
+}
+
+}  // namespace
+
+// Shapes as FwdParams (csrc/params.h): q (B, H, Lq, dim), k (B, Hkv, Lk, dim), v (B, Hkv, Lk,
+// dim_v), o (B, H, Lq, dim_v), 16-bit (bf16 != 0: bfloat16), with element strides strides[0..11]
+// = q_sb, q_sh, q_sm, k_*, v_*, o_*; lse (B, H, Lq) float; beta (B, H, Lq) or null; param0 / 1 the
+// score's per-head parameters (H) or null. Returns "" or the error (a declined call, the
+// emulator's report).
+extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q,
+                                      const void* k, const void* v, void* o, float* lse, const float* beta,
+                                      const float* param0, const float* param1, int batch, int heads, int heads_kv,
+                                      int len_q, int len_k, int dim, int dim_v, float scale, int causal,
+                                      const int64_t* strides, int lazy, unsigned seed) {
+  ssa_emu::config().lazy_copies = lazy != 0;
+  ssa_emu::config().seed = seed;
+  ssa_emu::config().shuffle = seed != 0;
+  FwdParams p{};
+  p.batch = batch;
+  p.heads = heads;
+  p.heads_kv = heads_kv;
+  p.group = heads / heads_kv;
+  p.len_q = len_q;
+  p.len_k = len_k;
+  p.dim = dim;
+  p.dim_v = dim_v;
+  p.scale = scale;
+  p.causal = causal != 0;
+  set_band(p, -1, -1);
+  p.mask_kind = kMaskNone;
+  p.score_param0 = param0;
+  p.score_param1 = param1;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = o;
+  int64_t* const fields[12] = {&p.q_sb, &p.q_sh, &p.q_sm, &p.k_sb, &p.k_sh, &p.k_sm,
+                               &p.v_sb, &p.v_sh, &p.v_sm, &p.o_sb, &p.o_sh, &p.o_sm};
+  for (int i = 0; i < 12; ++i) *fields[i] = strides[i];
+  p.lse = lse;
+  p.beta = adaptive ? beta : nullptr;
+  static std::string err;
+  const char* why = fwd_ws_declines(p, 900);
+  if (why != nullptr) {
+    err = std::string("declined: ") + why;
+    return err.c_str();
+  }
+  const int d = padded_head_dim(dim > dim_v ? dim : dim_v);
+  err = bf16 ? run_typed<__nv_bfloat16>(d, mufu, fault, p, score, adaptive != 0)
+             : run_typed<__half>(d, mufu, fault, p, score, adaptive != 0);
+  return err.c_str();
+}
