@@ -20,6 +20,7 @@
 #include "../gemm_wgmma.h"
 #include "../memory.h"
 #include "bwd_gemm.h"
+#include "named_barriers.h"
 #include "bwd_tile.h"
 
 namespace ssa_flash {
@@ -30,9 +31,6 @@ namespace hopper {
 // the empty barrier with the wrong parity, consumers that release a stage as soon as it is full
 // (before their GEMMs read it), and consumers that never release it.
 enum BwdBug : int { kBwdOk = 0, kBwdNoFullWait, kBwdWrongEmptyParity, kBwdEarlyRelease, kBwdNoRelease, kBwdBugs };
-
-// Named barriers of the backward (bwd-local ids): both consumers' dS^T of a step in shared memory.
-constexpr int kBarDsReady = kFirstNamedBarrier + 0;
 
 // One consumer warpgroup's state over the CTA's steps: its 64 keys' dK / dV accumulators (rows
 // 16 w + g (+ 8) of warp w, the wgmma layout) and this thread's sums of the score function's
@@ -143,7 +141,7 @@ struct BwdConsumer {
 
     // once both consumers' dS^T are in place: dK += dS^T Q (A from shared memory: dS^T's registers
     // are free by now) and dQ (part) = dS K
-    named_bar_sync(kBarDsReady, Tile::kConsumerThreads);
+    named_bar_sync(kBarConsumers, Tile::kConsumerThreads);  // (named_barriers.h)
     wg_gemm_sn<T, kD, kM, DsTile, QTile>(dk, sDsT + DsTile::offset(64 * c, 0), sQ);
     wgmma_commit();
     constexpr int kDqKeys = Tile::kDqSplitCols ? Tile::kBlockN : 64;
