@@ -121,6 +121,8 @@ def model_loop(kernel_sass: str, D: int) -> dict:
         "mufu_per_element": round(mufu_pe, 3), "tensor_macs_per_element": tensor_pe,
         "hgmma": sum(c for op, c in ops.items() if op.startswith("HGMMA")),
         "red": sum(c for op, c in ops.items() if op.startswith("RED")),
+        # spill traffic inside the loop (ptxas's spill counts are the kernel's, loop or not)
+        "local_in_loop": sum(c for op, c in ops.items() if op.startswith(("LDL", "STL"))),
         "per_element_by_class": {k: round(v * per, 3) for k, v in sorted(classes.items())},
         "clocks_per_element": {k: round(v, 5) for k, v in clocks.items()},
         "bound": bound, "bound_tflops": round(tflops, 1), "serial_tflops": round(serial, 1),
@@ -148,12 +150,12 @@ def audit(out_dir: Path) -> list:
 
 
 def format_rows(rows) -> str:
-    head = (f"{'instance':34} {'spill':>6} {'instr/el':>8} {'mufu/el':>7} {'tensor/el':>9} {'bound':>6} {'TFLOP/s':>8} "
+    head = (f"{'instance':34} {'spill':>6} {'in loop':>7} {'instr/el':>8} {'mufu/el':>7} {'tensor/el':>9} {'bound':>6} {'TFLOP/s':>8} "
             f"{'serial':>7}")
     lines = [head]
     for r in rows:
         name = f"{r['dtype']} D{r['D']} {r['score']}{' adaptive' if r['adaptive'] else ''}"
-        lines.append(f"{name:34} {r['spill_stores']:>6} {r['per_element']:>8} {r['mufu_per_element']:>7} "
+        lines.append(f"{name:34} {r['spill_stores']:>6} {r['local_in_loop']:>7} {r['per_element']:>8} {r['mufu_per_element']:>7} "
                      f"{r['tensor_macs_per_element']:>9} {r['bound']:>6} {r['bound_tflops']:>8} {r['serial_tflops']:>7}")
     return "\n".join(lines)
 
