@@ -24,7 +24,6 @@ wheels) and prints one row per instance.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import shutil
@@ -44,12 +43,12 @@ ELEMENTS_PER_THREAD = 64 * 64 // 128  # one consumer warpgroup's step
 
 def _sass_count():
     """tools/sass_count.py (its SASS parsing, loop finding, ptxas report reading)."""
-    if "sass_count" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("sass_count", ROOT / "tools" / "sass_count.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["sass_count"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["sass_count"]
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import sass_count
+    finally:
+        sys.path.pop(0)
+    return sass_count
 
 
 def build(out_dir: Path):

@@ -14,7 +14,6 @@ Skipped without nvcc / cuobjdump. Compiling the 16 instances takes ~2 minutes (s
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -36,12 +35,13 @@ SPILLING = {(64, "ssa", False), (64, "ssa", True), (128, "softmax", False), (128
 
 
 def _model():
-    if "hopper_bwd_model" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("hopper_bwd_model", ROOT / "tools" / "hopper_bwd_model.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["hopper_bwd_model"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["hopper_bwd_model"]
+    """tools/hopper_bwd_model.py."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import hopper_bwd_model
+    finally:
+        sys.path.pop(0)
+    return hopper_bwd_model
 
 
 def _build():
