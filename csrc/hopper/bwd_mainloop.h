@@ -40,6 +40,10 @@ struct BwdConsumer {
   using T = typename Tile::Elem;
   static constexpr int kD = Tile::kD, kM = Tile::kBlockM;
   static constexpr int kNStat = BwdStatLayout<Tile, kAdaptive>::kCount;
+  // the step's scores in 1 or 2 parts of queries (see step): what ptxas spilled least with, per
+  // instance (spill bytes whole / halved, sm_90a, nvcc 13.0: D 64 SSA 68 / 0, D 64 SSA adaptive
+  // 28 / 76, D 64 softmax 0 / 0 either way, D 128 everything fewer whole)
+  static constexpr int kParts = kD == 64 && !(kAdaptive && Score::kParams > 0) ? 2 : 1;
   using QTile = typename Tile::QTile;
   using KTile = typename Tile::KTile;
   using DsTile = typename Tile::DsTile;
@@ -78,6 +82,49 @@ struct BwdConsumer {
     return r;
   }
 
+  // The gradients of queries [kQ kPart, kQ kPart + kQ) of a step (kQ = 64 / kParts): P^T (packed into pw, the A
+  // fragments of dV += P^T dO) and dS^T (before the final scale; into this warpgroup's rows of the
+  // step's dS^T buffer, pairs of adjacent queries per 32-bit store, fenced for the tensor cores).
+  // Element (nt, i) of s / dp is key n0 + 64 c + 16 warp + g + 8 (i / 2), query
+  // m + kQ kPart + 8 nt + 2 t + i % 2. Checks (kCheck): bounds and causality only (no window or
+  // mask: bwd_launch.h routes them away).
+  template <bool kCheck, int kPart>
+  SSA_DEVICE void grad_part(const BwdParams& p, const LogitCtx& ctx, int n0, int m, float (&s)[kM / kParts / 8][4],
+                            float (&dp)[kM / kParts / 8][4], const float* sStat, T* sDsT, uint32_t (&pw)[kM / 16][4]) {
+    constexpr int kQ = kM / kParts;
+    const int g = lane / 4, t = lane % 4;
+    const int key_lo = n0 + 64 * c + 16 * warp + g;
+#pragma unroll
+    for (int nt = 0; nt < kQ / 8; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int lq = kPart * kQ + 8 * nt + 2 * t + cc;
+        const RowStats r = stats(sStat + lq * kNStat);
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int i = cc + 2 * hi;
+          float pp;
+          dp[nt][i] = score_grad<Score, kAdaptive, kCheck, true, false, false>(p, ctx, s[nt][i], dp[nt][i], m + lq,
+                                                                             key_lo + 8 * hi, r, pp, dpar0, dpar1);
+          s[nt][i] = pp;
+        }
+      }
+    }
+    constexpr int kK0 = kPart * kQ / 16;  // the part's first 16-query block
+    acc_to_frag<T, kQ>(*reinterpret_cast<uint32_t(*)[kQ / 16][4]>(&pw[kK0]), s);
+    uint32_t da[kQ / 16][4];
+    acc_to_frag<T, kQ>(da, dp);
+    const int row_lo = 64 * c + 16 * warp + g;
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // (acc_to_frag: rows g, g + 8, g, g + 8; columns 2 t, 2 t, 2 t + 8, 2 t + 8)
+        const int row = row_lo + 8 * (j & 1), col = 16 * (kK0 + kk) + 8 * (j >> 1) + 2 * t;
+        *reinterpret_cast<uint32_t*>(sDsT + DsTile::offset(row, col)) = da[kk][j];
+      }
+    }
+  }
+
   // One step: query rows [m, m + 64) of the query head whose (batch, head) row index is bh and
   // logit context ctx; sK, sV the CTA's tiles, sQ, sdO, sStat the stage's, sDsT the step's dS^T
   // buffer, full / empty the stage's mbarriers (parity: the stage's phase), dq_rows the float32
@@ -88,50 +135,28 @@ struct BwdConsumer {
                        uint32_t parity, float* dq_rows) {
     if (kBug != kBwdNoFullWait) mbar_wait(full, parity);
     if (kBug == kBwdEarlyRelease) mbar_arrive(empty);
-    const int g = lane / 4, t = lane % 4;
 
-    // S^T = K_c Q^T, dP^T = V_c dO^T
-    float s[kM / 8][4], dp[kM / 8][4];
-    wg_gemm_nt<T, kM, kD, KTile, QTile>(s, sK + KTile::offset(64 * c, 0), sQ);
-    wg_gemm_nt<T, kM, kD, KTile, QTile>(dp, sV + KTile::offset(64 * c, 0), sdO);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operand(s);
-    wgmma_fence_operand(dp);
-
-    // P^T (into s) and dS^T (into dp, before the final scale): element (nt, i) is key
-    // n0 + 64 c + 16 warp + g + 8 (i / 2), query m + 8 nt + 2 t + i % 2
-    const int key_lo = n0 + 64 * c + 16 * warp + g;
+    // S^T = K_c Q^T, dP^T = V_c dO^T in kParts parts of the queries, a wgmma group each: a later
+    // part's GEMMs run while an earlier part's gradients are computed (and ptxas keeps only that
+    // part's gradient work in flight)
+    constexpr int kQ = kM / kParts;
+    float s[kParts][kQ / 8][4], dp[kParts][kQ / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < kM / 8; ++nt) {
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int lq = 8 * nt + 2 * t + cc;
-        const RowStats r = stats(sStat + lq * kNStat);
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          const int i = cc + 2 * hi;
-          float pp;  // (checks: bounds and causality only, no window or mask: bwd_launch.h routes them away)
-          dp[nt][i] = score_grad<Score, kAdaptive, kCheck, true, false, false>(p, ctx, s[nt][i], dp[nt][i], m + lq, key_lo + 8 * hi, r,
-                                                           pp, dpar0, dpar1);
-          s[nt][i] = pp;
-        }
-      }
+    for (int h = 0; h < kParts; ++h) {
+      wg_gemm_nt_rows<T, kQ, kD, KTile, QTile>(s[h], sK + KTile::offset(64 * c, 0), sQ + QTile::offset(h * kQ, 0));
+      wg_gemm_nt_rows<T, kQ, kD, KTile, QTile>(dp[h], sV + KTile::offset(64 * c, 0), sdO + QTile::offset(h * kQ, 0));
+      wgmma_commit();
     }
-    uint32_t pw[kM / 16][4], da[kM / 16][4];
-    acc_to_frag<T, kM>(pw, s);
-    acc_to_frag<T, kM>(da, dp);  // (only to store: the dK GEMM reads dS^T from shared memory)
-
-    // dS^T into this warpgroup's rows of the buffer (pairs of adjacent queries per 32-bit store),
-    // made visible to the tensor cores (async proxy) before the barrier
-    const int row_lo = 64 * c + 16 * warp + g;
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int row = row_lo + 8 * (j & 1), col = 16 * kk + 8 * (j >> 1) + 2 * t;
-        *reinterpret_cast<uint32_t*>(sDsT + DsTile::offset(row, col)) = da[kk][j];
-      }
+    uint32_t pw[kM / 16][4];
+    wgmma_wait<kParts - 1>();
+    wgmma_fence_operand(s[0]);
+    wgmma_fence_operand(dp[0]);
+    grad_part<kCheck, 0>(p, ctx, n0, m, s[0], dp[0], sStat, sDsT, pw);
+    if constexpr (kParts == 2) {
+      wgmma_wait<0>();
+      wgmma_fence_operand(s[1]);
+      wgmma_fence_operand(dp[1]);
+      grad_part<kCheck, 1>(p, ctx, n0, m, s[1], dp[1], sStat, sDsT, pw);
     }
     fence_proxy_async();
 
@@ -156,7 +181,7 @@ struct BwdConsumer {
     wgmma_wait<0>();
     wgmma_fence_operand(dq);
     // element (nt, i): query row 16 warp + g + 8 (i / 2), column col0 + 8 nt + 2 t + i % 2
-    float* at = dq_rows + (16 * warp + g) * kD + col0 + 2 * t;
+    float* at = dq_rows + (16 * warp + lane / 4) * kD + col0 + 2 * (lane % 4);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       red_add2(at + 8 * nt, dq[nt][0], dq[nt][1]);
