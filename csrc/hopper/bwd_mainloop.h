@@ -3,16 +3,20 @@
 //
 // Per step, consumer warpgroup c (keys n0 + 64 c ..), in the layout of the transposed scores
 // (rows keys, columns queries: wgmma's m64 is the warpgroup's keys):
-//   S^T = K_c Q^T, dP^T = V_c dO^T          (wgmma, both operands in shared memory; waited for)
+//   S^T = K_c Q^T, dP^T = V_c dO^T   (wgmma, both operands in shared memory; in kParts query
+//                                     groups, each waited for before its gradients)
 //   P^T, dS^T = score_grad(S^T, dP^T, row statistics of the columns)   (bwd_kernel.h)
-//   dS^T -> shared memory (this warpgroup's 64 rows of the step's dS^T buffer)
-//   dV += P^T dO, dK += dS^T Q               (wgmma, A from registers; issued, not waited for)
-//   barrier of both consumers (dS^T complete)
-//   dQ_part = dS K                           (wgmma, both operands MN-major, bwd_gemm.h)
+//   dS^T -> shared memory            (this warpgroup's 64 rows of the step's dS^T buffer)
+//   dV += P^T dO                     (wgmma, P^T from registers)
+//   barrier of both consumers        (dS^T complete)
+//   dK += dS^T Q                     (wgmma, dS^T from shared memory, Q N-major: bwd_gemm.h)
+//   dQ_part = dS K                   (wgmma, both operands MN-major: bwd_gemm.h)
 //   wait for dV / dK: the stage (Q, dO, statistics) is released to the producer
 //   wait for dQ: red.global.add into the float32 accumulator (dQ / scale)
 // D = 128: dQ_part is the columns of panel c over all 128 keys; D = 64: every column over the
-// warpgroup's own 64 keys (BwdTile::kDqSplitCols).
+// warpgroup's own 64 keys (BwdTile::kDqSplitCols). The dS^T buffers alternate per step: the
+// barrier of step i + 1 comes after both consumers' dQ GEMMs of step i, so the buffer of step i is
+// free again at step i + 2.
 #pragma once
 
 #include "../bwd_kernel.h"  // RowStats, RowStat, score_grad
