@@ -11,6 +11,7 @@
 #include "bwd_epilogue.h"
 #include "bwd_mainloop.h"
 #include "bwd_tile.h"
+#include "ring.h"  // tma_load_tile
 
 namespace ssa_flash {
 
@@ -60,27 +61,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
       prefetch_tma_desc(&hp.tma_k);
       prefetch_tma_desc(&hp.tma_v);
       prefetch_tma_desc(&hp.tma_stat);
-      const int kv_row = bb * p.heads_kv + hk;
       mbar_arrive_expect_tx(kv_full, Smem::kKvTxBytes);
-      for (int panel = 0; panel < kD / 64; ++panel) {
-        tma_load_3d(sK + panel * Tile::KTile::kPanelElems, &hp.tma_k, kv_full, 64 * panel, n0, kv_row);
-        tma_load_3d(sV + panel * Tile::KTile::kPanelElems, &hp.tma_v, kv_full, 64 * panel, n0, kv_row);
-      }
+      tma_load_tile<kN, kD>(sK, &hp.tma_k, kv_full, n0, hk, bb);
+      tma_load_tile<kN, kD>(sV, &hp.tma_v, kv_full, n0, hk, bb);
       RingPos<kStages> pos;
       for (int head = 0; head < steps.group; ++head) {
-        const int bh = bb * p.heads + hk * p.group + head;
+        const int hh = hk * p.group + head, bh = bb * p.heads + hh;
         for (int tile = 0; tile < steps.tiles; ++tile) {
           const int m = steps.first + tile * kM;
           mbar_wait(&empty[pos.stage], kBug == kBwdWrongEmptyParity ? pos.phase : pos.phase ^ 1);
           char* const st = stage(pos.stage);
           uint64_t* const bar = &full[pos.stage];
           mbar_arrive_expect_tx(bar, Smem::kStepTxBytes);
-          for (int panel = 0; panel < kD / 64; ++panel) {
-            tma_load_3d(reinterpret_cast<T*>(st + Smem::kQ) + panel * Tile::QTile::kPanelElems, &hp.tma_q, bar,
-                        64 * panel, m, bh);
-            tma_load_3d(reinterpret_cast<T*>(st + Smem::kDo) + panel * Tile::QTile::kPanelElems, &hp.tma_do, bar,
-                        64 * panel, m, bh);
-          }
+          tma_load_tile<kM, kD>(reinterpret_cast<T*>(st + Smem::kQ), &hp.tma_q, bar, m, hh, bb);
+          tma_load_tile<kM, kD>(reinterpret_cast<T*>(st + Smem::kDo), &hp.tma_do, bar, m, hh, bb);
           constexpr int kBox = Stats::kBox;
           for (int i = 0; i < Stats::kLoads; ++i)
             tma_load_2d(reinterpret_cast<float*>(st + Smem::kStat) + i * kBox, &hp.tma_stat, bar, kNStat * m + i * kBox,

@@ -15,6 +15,7 @@
 #include "../launch_impl.h"
 #include "../set_params.h"
 #include "bwd_kernel.h"
+#include "fwd_launch.h"  // tma_spec_bhld
 
 namespace ssa_flash {
 namespace hopper {
@@ -29,10 +30,6 @@ inline const char* hopper_bwd_unsupported(const BwdParams& p, int score, bool de
   if (p.dim != p.dim_v || (p.dim != 64 && p.dim != 128)) return "head dims: D = Dv = 64 or 128";
   if (p.mask_kind != kMaskNone || p.drop_rng != nullptr || p.window) return "masks, dropout and windows";
   if (p.sinks != nullptr || p.softcap) return "sinks and soft-capping";
-  // the (batch, head) pairs of q, dO, k, v as one TMA dimension
-  if (p.q_sb != p.heads * p.q_sh || p.do_sb != p.heads * p.do_sh || p.k_sb != p.heads_kv * p.k_sh ||
-      p.v_sb != p.heads_kv * p.v_sh)
-    return "layout: the batch stride must be heads times the head stride";
   return nullptr;
 }
 
@@ -70,8 +67,8 @@ inline std::string make_tma(const TmaTileSpec& spec, TmaDesc& out) {
       return "cuTensorMapEncodeTiled not found in the driver";
     encode = reinterpret_cast<Encode>(fn);
   }
-  cuuint64_t dims[3], strides[2];
-  cuuint32_t box[3], elem_strides[3] = {1, 1, 1};
+  cuuint64_t dims[kTmaMaxRank], strides[kTmaMaxRank];
+  cuuint32_t box[kTmaMaxRank], elem_strides[kTmaMaxRank] = {1, 1, 1, 1};
   for (int i = 0; i < spec.rank; ++i) {
     dims[i] = static_cast<cuuint64_t>(spec.dims[i]);
     box[i] = static_cast<cuuint32_t>(spec.box[i]);
@@ -86,23 +83,29 @@ inline std::string make_tma(const TmaTileSpec& spec, TmaDesc& out) {
 #endif
 }
 
-// The kernel's parameters: p and the tensor maps of bwd_tile.h's HopperBwdParams.
+// The kernel's parameters: p and the tensor maps of bwd_tile.h's HopperBwdParams (q, dO, k, v:
+// fwd_launch.h's rank-4 (head dim, rows, head, batch) views, any batch / head strides).
+// (make_tma, not fwd_launch.h's encode_tma: that one encodes 16-bit elements only, the
+// statistics are float32.)
 template <typename Tile>
 std::string hopper_bwd_params(const BwdParams& p, bool adaptive, HopperBwdParams& hp) {
   hp.p = p;
-  constexpr int kD = Tile::kD;
-  auto rows = [&](const void* base, int64_t len, int64_t sm, int64_t sh, int64_t bh, int box_rows) {
-    return TmaTileSpec{base, 3, 2, 128, {kD, len, bh}, {0, 2 * sm, 2 * sh}, {64, box_rows, 1}};
-  };
-  const int64_t bh = static_cast<int64_t>(p.batch) * p.heads, bhk = static_cast<int64_t>(p.batch) * p.heads_kv;
+  const int64_t bh = static_cast<int64_t>(p.batch) * p.heads;
   const int n = dkdv_stat_count(adaptive);
   const int box = adaptive ? BwdStatLayout<Tile, true>::kBox : BwdStatLayout<Tile, false>::kBox;
-  const TmaTileSpec stat{p.rowstat, 2, 4, 0, {static_cast<int64_t>(n) * p.stat_rows, bh, 1},
-                         {0, 4 * static_cast<int64_t>(n) * p.stat_rows, 0}, {box, 1, 1}};
-  std::string err = make_tma(rows(p.q, p.len_q, p.q_sm, p.q_sh, bh, Tile::kBlockM), hp.tma_q);
-  if (err.empty()) err = make_tma(rows(p.dout, p.len_q, p.do_sm, p.do_sh, bh, Tile::kBlockM), hp.tma_do);
-  if (err.empty()) err = make_tma(rows(p.k, p.len_k, p.k_sm, p.k_sh, bhk, Tile::kBlockN), hp.tma_k);
-  if (err.empty()) err = make_tma(rows(p.v, p.len_k, p.v_sm, p.v_sh, bhk, Tile::kBlockN), hp.tma_v);
+  const TmaTileSpec stat{p.rowstat, 2, 4, 0, {static_cast<int64_t>(n) * p.stat_rows, bh},
+                         {0, 4 * static_cast<int64_t>(n) * p.stat_rows}, {box, 1}};
+  std::string err = make_tma(
+      tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb, Tile::kBlockM), hp.tma_q);
+  if (err.empty())
+    err = make_tma(tma_spec_bhld(p.dout, p.dim_v, p.len_q, p.heads, p.batch, p.do_sm, p.do_sh, p.do_sb, Tile::kBlockM),
+                   hp.tma_do);
+  if (err.empty())
+    err = make_tma(tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tile::kBlockN),
+                   hp.tma_k);
+  if (err.empty())
+    err = make_tma(tma_spec_bhld(p.v, p.dim_v, p.len_k, p.heads_kv, p.batch, p.v_sm, p.v_sh, p.v_sb, Tile::kBlockN),
+                   hp.tma_v);
   if (err.empty()) err = make_tma(stat, hp.tma_stat);
   return err;
 }

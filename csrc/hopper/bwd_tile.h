@@ -78,9 +78,9 @@ struct BwdSmem {
 
 // The kernel's parameters: today's BwdParams (every pointer, stride and size the kernels read)
 // and the tensor maps of the TMA loads (pipeline.h: a CUtensorMap on the device, a TmaTileSpec in
-// the emulation), in the views bwd_launch.h, make_bwd_tma, builds:
-//   q, dout: (D, Lq, B H) boxes 64 x 64 x 1, 128-byte swizzle (one load per 64-column panel);
-//   k, v:    (D, Lk, B Hkv) boxes 64 x 128 x 1, 128-byte swizzle;
+// the emulation), in the views bwd_launch.h, hopper_bwd_params, builds:
+//   q, dout: (D, Lq, H, B) boxes 64 x 64 x 1 x 1, 128-byte swizzle (one load per 64-column panel);
+//   k, v:    (D, Lk, Hkv, B) boxes 64 x 128 x 1 x 1, 128-byte swizzle;
 //   stat:    the workspace (B, H, stat_rows, n) as (n stat_rows, B H) floats, box BwdStatLayout::kBox x 1.
 // Rows past Lq / Lk are outside the maps: TMA fills them with zeros.
 struct HopperBwdParams {

@@ -2,7 +2,7 @@
 softmax / SSA, fixed / adaptive temperature) compiled for sm_90a with nvcc, their SASS read
 (tools/hopper_bwd_model.py, which also gives the static bound model of the main loop):
 
-* every instance has the TMA loads (UTMALDG, 2-D and 3-D) and the descriptor prefetch, the
+* every instance has the TMA loads (UTMALDG, 2-D statistics and 4-D tiles) and the descriptor prefetch, the
   mbarrier operations (SYNCS), wgmma (HGMMA, with the both-transposed dQ GEMM and the
   N-major-B dK GEMM), the roles' register budgets (USETMAXREG 24 / 240), the consumers'
   named barrier and dQ's red.global.add (RED);
@@ -88,7 +88,7 @@ def hopper_sass():
 def test_hopper_bwd_sass(hopper_sass, inst):
     row, sass = hopper_sass[inst]
     ops = set(re.findall(r"\b([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_x]+)*)\b", sass))
-    for prefix in ("UTMALDG.2D", "UTMALDG.3D", "UTMACCTL.PF", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK", "HGMMA.64x",
+    for prefix in ("UTMALDG.2D", "UTMALDG.4D", "UTMACCTL.PF", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK", "HGMMA.64x",
                    "BAR.SYNC", "RED", "ELECT"):
         assert any(o.startswith(prefix) for o in ops), f"no {prefix} in the SASS"
     assert re.search(r"HGMMA\.64x64x16\.F32\S* \S+, gdesc\[\w+\]\.tnspA\.tnspB", sass), "no dQ = dS K wgmma"
