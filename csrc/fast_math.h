@@ -59,9 +59,9 @@ SSA_DEVICE float tanh_approx(float x) {
 
 // 2^x for x <= 0 (finite or -inf: 2^-126 then, ~1e-38; callers use it where no -inf occurs): x
 // = j + f, |f| <= 1/2, by adding 1.5 2^23 (the round-to-nearest trick: j lands in the low mantissa
-// bits), 2^f by a degree-4 minimax polynomial (relative error 2.6e-6, as ssa_flash/triton/
-// fast_math.py exp2_poly), j added to the exponent field. 9 instructions: FMNMX, 3 FADD, 4 FFMA,
-// one integer shift-add.
+// bits), 2^f by a degree-4 minimax polynomial (relative error 2.6e-6, 5.3e-6 evaluated in float32;
+// as ssa_flash/triton/fast_math.py exp2_poly), times 2^j. 10 instructions: FMNMX, 3 FADD, 4 FFMA, an integer
+// add-shift, an FMUL.
 SSA_DEVICE float ex2_poly(float x) {
   x = fmaxf(x, -126.0f);
   const float t = x + 12582912.0f;
@@ -70,7 +70,10 @@ SSA_DEVICE float ex2_poly(float x) {
   p = fmaf(p, f, 0.24024744899936581f);
   p = fmaf(p, f, 0.6931218141369884f);
   p = fmaf(p, f, 0.9999992614102138f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+  // 2^j as a float (t's low bits hold j: (bits + 127) << 23 is j + 127 in the exponent field), then
+  // one FMUL: the result comes from the float pipe (written by an integer add, it made ptxas
+  // serialise the forward's wgmma when it lands in an accumulator register)
+  return p * __int_as_float((__float_as_int(t) + 127) << 23);
 }
 
 // log2(u) for finite u >= 1 (SSA's u = 1 + b scale |s|): the exponent field e and the mantissa
@@ -107,7 +110,7 @@ struct MufuBudget {
     else return ex2(x);
   }
   template <int kIdx>
-  static constexpr bool poly_lg2() { return kIdx % 8 < kLg2Poly_; }
+  static constexpr bool kPolyLg2At = kIdx % 8 < kLg2Poly_;
 };
 using MufuAll = MufuBudget<0, 0>;
 

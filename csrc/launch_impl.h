@@ -11,9 +11,19 @@
 #include "bwd_kernel.h"
 #include "dispatch.h"
 #include "fwd_kernel.h"
-#include "hopper/fwd_launch.h"
 #include "launch.h"
 #include "launch_kernel.h"
+
+// SSA_FLASH_HOPPER_FWD (default 0): the build holds the sm_90a warp-specialised forward
+// (csrc/hopper/) and run_fwd dispatches to it where hopper::fwd_ws_declines takes the call. Off
+// until it has passed on a GPU; csrc/hopper/ is also not among the sources setup.py ships yet
+// (it copies csrc's top level).
+#ifndef SSA_FLASH_HOPPER_FWD
+#define SSA_FLASH_HOPPER_FWD 0
+#endif
+#if SSA_FLASH_HOPPER_FWD
+#include "hopper/fwd_launch.h"
+#endif
 #include "params.h"
 #include "traits.h"
 
@@ -146,9 +156,11 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, int score, bool adapt
 // that decides) takes the call, today's kernel otherwise.
 template <typename T>
 std::string run_fwd(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
+#if SSA_FLASH_HOPPER_FWD
   int arch = 0, max_optin = 0;
   if (device_info(arch, max_optin).empty() && hopper::fwd_ws_declines(p, arch) == nullptr)
     return hopper::run_fwd_ws<T>(p, score, adaptive, stream);
+#endif
   return head_dim_switch(p.dim, p.dim_v, [&](auto D) { return fwd_hdim<T, decltype(D)::value>(p, score, adaptive, stream); });
 }
 

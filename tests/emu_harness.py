@@ -54,7 +54,8 @@ def cuda_include_dir() -> Optional[Path]:
 
 
 def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str = "-O1",
-          sm75: bool = False, sm70: bool = False, sm90: bool = False, extras: bool = True) -> Path:
+          sm75: bool = False, sm70: bool = False, sm90: bool = False, extras: bool = True,
+          hopper_fwd: bool = False) -> Path:
     """Compiles csrc/emu/emu_main.cpp (and through it every kernel) for the host; returns the
     shared library. ``head_dims`` limits the instantiated head dims (compile time); ``sm75``
     emulates the Turing code path (fp16 m16n8k16 as two m16n8k8; use eager copies, as sm_75's
@@ -62,7 +63,9 @@ def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str =
     sm_70 accumulator layout, P / dS through per-warp shared memory; fp16 only); ``sm90`` the
     sm_90a one (the kernels' wgmma paths, swizzled shared-memory tiles read through descriptors).
     ``extras=False`` leaves out the soft-capping / sink instances (``SSA_FLASH_EXTRAS=0``, csrc/dispatch.h):
-    about a third of the compile time."""
+    about a third of the compile time. ``hopper_fwd`` (with ``sm90``): the build holds the sm_90a
+    warp-specialised forward and the dispatch picks it where it takes the call
+    (``SSA_FLASH_HOPPER_FWD=1``, csrc/launch_impl.h)."""
     inc = cuda_include_dir()
     if inc is None:
         raise RuntimeError("CUDA headers (cuda_fp16.h) not found")
@@ -70,9 +73,11 @@ def build(out_dir, head_dims: Sequence[int] = (32, 64, 96, 128, 256), opt: str =
     if cxx is None:
         raise RuntimeError("no host C++ compiler")
     suffix = "_sm75" if sm75 else "_sm70" if sm70 else "_sm90" if sm90 else ""
-    out = Path(out_dir) / f"libssa_emu{suffix}{'' if extras else '_noextras'}.so"
+    out = Path(out_dir) / f"libssa_emu{suffix}{'' if extras else '_noextras'}{'_hopper' if hopper_fwd else ''}.so"
     defs = [f"-DSSA_FLASH_HEAD_DIM_{d}={int(d in head_dims)}" for d in (32, 64, 96, 128, 256)]
     defs.append(f"-DSSA_FLASH_EXTRAS={int(extras)}")
+    if hopper_fwd:
+        defs.append("-DSSA_FLASH_HOPPER_FWD=1")
     cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
            *defs, *(["-DSSA_FLASH_EMULATE_SM75"] if sm75 else []),
            *(["-DSSA_FLASH_EMULATE_SM70"] if sm70 else []),
@@ -157,6 +162,8 @@ class Emulator:
         self.lib.ssa_emu_layout_name.restype = ctypes.c_char_p
         self.lib.ssa_emu_layout_name.argtypes = [ctypes.c_int]
         self.lib.ssa_emu_wgmma_issued.restype = ctypes.c_long
+        self.lib.ssa_emu_launches.restype = ctypes.c_long
+        self.lib.ssa_emu_launches.argtypes = [ctypes.c_char_p]
         self.lazy_copies = lazy_copies
         self.seed = seed
 
@@ -218,6 +225,10 @@ class Emulator:
         c.lse, c.entropy = _ptr(lse_l), _ptr(ent)
         self._run(1, c, (q, k, mask, params, sinks))
         return ent, lse_l
+
+    def launches(self, kernel: str) -> int:
+        """Launches of the kernel named ``kernel`` (e.g. ``attn_fwd_ws_kernel``) so far, in this process."""
+        return int(self.lib.ssa_emu_launches(kernel.encode()))
 
     def wgmma_issued(self) -> int:
         """wgmma operations (per thread) issued in this process so far (by any emulator library)."""

@@ -116,3 +116,10 @@ extern "C" const char* ssa_emu_layout_name(int i) {
 // wgmma operations issued (per thread) in this process so far, by any emulator library loaded
 // (emu_runtime.h, Config): it grows only while a kernel runs its sm_90a path.
 extern "C" long ssa_emu_wgmma_issued() { return ssa_emu::config().wgmma_issued; }
+
+// launches of the kernel `name` so far (which kernel the dispatch chose)
+extern "C" long ssa_emu_launches(const char* name) {
+  for (const auto& l : ssa_emu::config().launches)
+    if (l.first == name) return l.second;
+  return 0;
+}

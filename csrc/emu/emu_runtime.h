@@ -184,6 +184,16 @@ struct Config {
   // wgmma issued, counted per thread (tests: the path ran). Process-wide, like every static of
   // these inline functions: GCC makes them unique symbols, shared by all emulator libraries loaded.
   long wgmma_issued = 0;
+  // launches per kernel name (tests: which kernel a dispatch chose)
+  std::vector<std::pair<std::string, long>> launches;
+  void count_launch(const char* name) {
+    for (auto& l : launches)
+      if (l.first == name) {
+        ++l.second;
+        return;
+      }
+    launches.emplace_back(name, 1);
+  }
 };
 
 inline Config& config() {
@@ -1126,6 +1136,7 @@ template <typename Params>
 std::string launch(void (*kernel)(const Params), const char* name, dim3 grid, int threads,
                    int smem_bytes, const Params& p) {
   if (smem_bytes > static_cast<int>(sizeof(ssa_flash::smem_raw))) return std::string(name) + ": smem too big";
+  config().count_launch(name);
   std::mt19937 rng(config().seed);
   constexpr size_t kStack = 512 * 1024;
   // blocks one after the other, in a shuffled order when threads are shuffled (a GPU runs them

@@ -27,7 +27,11 @@ template <typename Tr, typename Score, bool kAdaptive>
 __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
   using T = typename Tr::T;
   const FwdParams& p = hp.p;
+#ifdef SSA_FLASH_EMULATE
+  uint4* const smem_raw = ssa_flash::smem_raw;  // (the emulation's; a block-scope extern would name hopper::smem_raw)
+#else
   extern __shared__ uint4 smem_raw[];
+#endif
   FwdSharedStorage<Tr>& ss = *align_smem_1024<FwdSharedStorage<Tr>>(smem_raw);
 
   const Tile tile = SingleTileScheduler::query_tile(p);

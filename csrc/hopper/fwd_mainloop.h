@@ -170,7 +170,7 @@ struct FwdConsumer {
         const int row = row0 + hi * Frag::kHi;
         if (col >= p.len_k || (p.causal && col > row)) x = neg_inf();
       } else {
-        x = Score::template x<Mufu::template poly_lg2<kE>()>(ctx, s[nt][i]);
+        x = Score::template x<Mufu::template kPolyLg2At<kE>>(ctx, s[nt][i]);
       }
       s[nt][i] = x;
       mx[hi] = fmaxf(mx[hi], x);
@@ -205,6 +205,33 @@ struct FwdConsumer {
     else softmax<false>(s, alpha, p, ctx, n0);
   }
 
+  // Key block `it` >= 1 of the order (see the file comment); pos moves on to its stage.
+  template <bool kCheck>
+  SSA_DEVICE void step(FwdSharedStorage<Tr>& ss, const T* sQ, const FwdParams& p, const LogitCtx& ctx,
+                       const FwdKeyBlocks& kb, int c, int it, Pos& pos, float (&s)[kNT][4], uint32_t (&pa)[kBN / 16][4],
+                       float (&alpha)[2]) {
+    constexpr int kTurnThreads = Tr::kConsumerThreads;
+    const Pos prev = pos;
+    pos.advance();
+    if (Tr::kFault == kFaultWrongKPhase) mbar_wait(&ss.ring.full[Tr::kPartK][pos.stage], pos.phase ^ 1);
+    else ss.ring.wait(pos, Tr::kPartK);
+    named_bar_sync(turn_barrier(c), kTurnThreads);
+    issue_s(s, sQ, ss.k[pos.stage]);
+    if (Tr::kFault != kFaultNoVWait) ss.ring.wait(prev, Tr::kPartV);
+    if (Tr::kFault == kFaultEarlyRelease) ss.ring.release(prev);
+    issue_pv(pa, ss.v[prev.stage]);
+    named_bar_arrive(turn_barrier(1 - c), kTurnThreads);
+    wgmma_wait<1>();  // S_j; O += P V still in flight
+    wgmma_fence_operand(s);
+    softmax<kCheck>(s, alpha, p, ctx, kb.block(it) * kBN);
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+    wgmma_fence_operand(pa);  // (P_{j-1}'s registers stay untouched until its GEMM is done)
+    if (Tr::kFault != kFaultEarlyRelease) ss.ring.release(prev);
+    rescale_o(alpha);
+    acc_to_frag<T, kBN>(pa, s);
+  }
+
   // The whole key-block loop of consumer warpgroup c (0 / 1) over kb (kb.n >= 1). sQ: this
   // warpgroup's 64 rows of the Q tile.
   SSA_DEVICE void run(FwdSharedStorage<Tr>& ss, const T* sQ, const FwdParams& p, const LogitCtx& ctx,
@@ -225,26 +252,11 @@ struct FwdConsumer {
     softmax_at(kb.n_checked > 0, s, alpha, p, ctx, kb.block(0) * kBN);
     acc_to_frag<T, kBN>(pa, s);
 
-    for (int it = 1; it < kb.n; ++it) {
-      const Pos prev = pos;
-      pos.advance();
-      if (Tr::kFault == kFaultWrongKPhase) mbar_wait(&ss.ring.full[Tr::kPartK][pos.stage], pos.phase ^ 1);
-      else ss.ring.wait(pos, Tr::kPartK);
-      named_bar_sync(turn_barrier(c), kTurnThreads);
-      issue_s(s, sQ, ss.k[pos.stage]);
-      if (Tr::kFault != kFaultNoVWait) ss.ring.wait(prev, Tr::kPartV);
-      issue_pv(pa, ss.v[prev.stage]);
-      named_bar_arrive(turn_barrier(1 - c), kTurnThreads);
-      wgmma_wait<1>();  // S_j; O += P V still in flight
-      wgmma_fence_operand(s);
-      if (Tr::kFault == kFaultEarlyRelease) ss.ring.release(prev);
-      softmax_at(it < kb.n_checked, s, alpha, p, ctx, kb.block(it) * kBN);
-      wgmma_wait<0>();
-      wgmma_fence_operand(o);
-      if (Tr::kFault != kFaultEarlyRelease) ss.ring.release(prev);
-      rescale_o(alpha);
-      acc_to_frag<T, kBN>(pa, s);
-    }
+    // the other checked blocks, then the interior ones (loops of their own: the interior loop
+    // holds no check, and the static audit counts it alone)
+    int it = 1;
+    for (; it < kb.n_checked; ++it) step<true>(ss, sQ, p, ctx, kb, c, it, pos, s, pa, alpha);
+    for (; it < kb.n; ++it) step<false>(ss, sQ, p, ctx, kb, c, it, pos, s, pa, alpha);
 
     // the last block's P V
     ss.ring.wait(pos, Tr::kPartV);

@@ -70,8 +70,10 @@ SSA_DEVICE void tma_load_tile(T* smem, const TmaDesc* desc, uint64_t* bar, int r
     tma_load_4d(smem + panel * kRows * 64, desc, bar, 64 * panel, row, head, batch);
 }
 template <int kRows, int kD>
-constexpr uint32_t tma_tile_bytes() {
-  return static_cast<uint32_t>(kRows * kD * 2);
+constexpr uint32_t kTmaTileBytes = static_cast<uint32_t>(kRows * kD * 2);
+template <int kRows, int kD>
+SSA_DEVICE constexpr uint32_t tma_tile_bytes() {
+  return kTmaTileBytes<kRows, kD>;
 }
 
 }  // namespace hopper

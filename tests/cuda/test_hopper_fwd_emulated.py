@@ -1,0 +1,412 @@
+"""The sm_90a warp-specialised forward (csrc/hopper/: a TMA producer warpgroup, two consumer
+warpgroups in ping-pong, the next S issued before the current block's transform):
+
+1. In the CPU emulation (csrc/emu; tests/cuda/hopper_fwd_emu.cpp built with the host compiler)
+   against a float64 reference under FlashAttention's error rule (tests/attn_testing.py), over
+   every score function (softmax, SSA, logit scale) with and without a given adaptive temperature
+   beta, causal or not, GQA, ragged and unequal lengths, D 64 / 128, float16 / bfloat16, TMA loads
+   and wgmma at issue or at their wait ("lazy"), threads in order or shuffled; bitwise the same
+   results in every mode and schedule; the MUFU budgets (a share of ex2 / lg2 on the FMA pipe);
+   deliberately broken variants (a V read without its wait, K waited on with the wrong phase, a
+   stage freed before its P V GEMM read it) reported as errors or wrong results; and through the
+   CUDA backend's own glue (the sm_90a emulator built with SSA_FLASH_HOPPER_FWD=1): the dispatch
+   picks the warp-specialised forward where it takes the call (the adaptive temperature's beta
+   from today's row-entropy pass) and today's kernel for a masked call.
+2. Compiled with nvcc for sm_90a (csrc/hopper/fwd_instances.cu): TMA loads (UTMALDG), the register
+   split (USETMAXREG 24 / 240), HGMMA with the overlap (a wgmma.wait_group 1 in the main loop:
+   the S of the next block is in flight while the P V GEMM is waited for... see
+   test_hopper_fwd_sass), no spills (ptxas -v).
+
+Build: ~2-4 minutes for the emulation library (background), ~2 minutes nvcc; the tests ~1 minute.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import background
+from attn_testing import FLOORS, fa_tolerance_check
+from emulation import harness
+from ssa_flash import scores
+
+pytestmark = pytest.mark.slow  # (builds)
+
+HERE = Path(__file__).resolve().parent
+CSRC = HERE.parents[1] / "csrc"
+NVCC = shutil.which("nvcc")
+SCORE_IDS = {f.name: f.id for f in scores.SCORES.values()}
+FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE = 1, 2, 3  # fwd_traits.h FwdFault
+MUFU_EX2_QUARTER, MUFU_LG2_QUARTER, MUFU_HALF_BOTH = 1, 2, 3  # hopper_fwd_emu.cpp MufuOf
+
+
+def _build_emu():
+    inc = harness().cuda_include_dir()
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if inc is None or cxx is None:
+        return None, "CUDA headers (cuda_fp16.h) or a host C++ compiler not found"
+    out = background.tmpdir("hopper_fwd_emu") / "libhopper_fwd.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
+           "-DSSA_FLASH_EMULATE_SM90", "-DSSA_FLASH_HOPPER_FWD=1", "-I", str(CSRC), "-I", str(inc),
+           str(HERE / "hopper_fwd_emu.cpp"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    return out, None
+
+
+def _build_cubin():
+    """(cubin bytes, ptxas -v output, cuobjdump SASS text), or None without nvcc / cuobjdump."""
+    if NVCC is None:
+        return None
+    try:
+        from ssa_flash.audit import hopper
+        from ssa_flash.audit.compile import tool
+
+        cuobjdump = tool("cuobjdump")
+        tool("nvdisasm")
+    except (ImportError, FileNotFoundError):
+        return None
+    built = hopper.build(CSRC, background.tmpdir("hopper_fwd_sm90a"), host=True)
+    if built["cubin"] is None:
+        raise RuntimeError(f"nvcc failed:\n{built['log']}")
+    sass = subprocess.run([cuobjdump, "-sass", str(built["cubin"])], capture_output=True, text=True, check=True).stdout
+    return Path(built["cubin"]).read_bytes(), built["log"], sass
+
+
+def _build_backend_emu():
+    """The CUDA backend's emulator (tests/emu_harness.py) for sm_90a with the Hopper forward on,
+    head dims 64 and 128, no soft-capping / sink instances: (library, None) or (None, why)."""
+    h = harness()
+    if h.cuda_include_dir() is None:
+        return None, "CUDA headers (cuda_fp16.h) not found"
+    return h.build(background.tmpdir("hopper_fwd_backend_emu"), head_dims=(64, 128), sm90=True, extras=False,
+                   hopper_fwd=True), None
+
+
+def prebuild(items):
+    names = {f for item in items for f in item.fixturenames}
+    if "backend_emu" in names:
+        background.submit("hopper_fwd.backend_emu", _build_backend_emu)
+    if "emu" in names:
+        background.submit("hopper_fwd.emu", _build_emu)
+    if "cubin" in names:
+        background.submit("hopper_fwd.sm90a", _build_cubin)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    lib, why = background.submit("hopper_fwd.emu", _build_emu).result()
+    if lib is None:
+        pytest.skip(why)
+    dll = ctypes.CDLL(str(lib))
+    dll.hopper_fwd_run.restype = ctypes.c_char_p
+    P, I = ctypes.c_void_p, ctypes.c_int
+    dll.hopper_fwd_run.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, ctypes.c_float, I, P,
+                                   I, ctypes.c_uint]
+    for name in ("hopper_ex2_poly", "hopper_lg2_poly"):
+        getattr(dll, name).restype = ctypes.c_float
+        getattr(dll, name).argtypes = [ctypes.c_float]
+    return dll
+
+
+@pytest.fixture(scope="module")
+def backend_emu():
+    lib, why = background.submit("hopper_fwd.backend_emu", _build_backend_emu).result()
+    if lib is None:
+        pytest.skip(why)
+    return harness().Emulator(lib)
+
+
+@pytest.fixture(scope="module")
+def cubin():
+    built = background.submit("hopper_fwd.sm90a", _build_cubin).result()
+    if built is None:
+        pytest.skip("nvcc or cuobjdump not found")
+    return built
+
+
+# ------------------------------------------------------------------------------------------
+# inputs, the kernel, the reference
+
+def _params(score, heads, g, negative_n=False):
+    if score == "softmax":
+        return []
+    if score == "ssa":
+        b = 0.5 + torch.rand(heads, generator=g, dtype=torch.float64)
+        n = 1.0 + 1.5 * torch.rand(heads, generator=g, dtype=torch.float64)
+        if negative_n:
+            n[0] = -n[0]  # a head whose multiplier is negative: the kernel negates its Q tile
+        return [b, n]
+    return [0.5 + torch.rand(heads, generator=g, dtype=torch.float64)]
+
+
+def _inputs(dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, seed, negative_n=False, transposed=False):
+    g = torch.Generator().manual_seed(seed)
+    if transposed:  # (B, L, H, D) memory, viewed as (B, H, L, D)
+        q = torch.randn(B, Lq, H, D, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(B, Lk, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+        v = torch.randn(B, Lk, Hkv, Dv, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+        k = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype)
+        v = torch.randn(B, Hkv, Lk, Dv, generator=g).to(dtype)
+    params = _params(score, H, g, negative_n)
+    beta = 1.0 + 2.0 * torch.rand(B, H, Lq, generator=g, dtype=torch.float64) if adaptive else None
+    return q, k, v, params, beta
+
+
+def _run(emu, q, k, v, score, params, beta, causal, scale, mufu=0, fault=0, lazy=False, seed=1):
+    """(error or "", out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) float32)."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    o = torch.full((B, H, Lq, Dv), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, H, Lq), float("nan"))
+    strides = torch.tensor([*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3]], dtype=torch.int64)
+    p0 = params[0].float().contiguous() if len(params) > 0 else None
+    p1 = params[1].float().contiguous() if len(params) > 1 else None
+    bt = beta.float().contiguous() if beta is not None else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    err = emu.hopper_fwd_run(int(q.dtype == torch.bfloat16), SCORE_IDS[score], int(beta is not None), mufu, fault,
+                             ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse), ptr(bt), ptr(p0), ptr(p1), B, H, Hkv, Lq, Lk,
+                             D, Dv, scale, int(causal), ptr(strides), int(lazy), seed)
+    return err.decode(), o, lse
+
+
+def _reference(q, k, v, score, params, beta, causal, scale, dtype):
+    """(out, lse) of softmax(beta * phi(scale q k^T)) v, causal top-left, the matmuls and the
+    softmax in ``dtype`` (FlashAttention's naive reference in the kernel's precision) or float64
+    (the gold). An empty row: out 0, lse -inf."""
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    H, Hkv = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    z = (q @ k.transpose(-1, -2)).to(acc) * scale
+    l = scores.SCORES[score].phi(z, *[p.to(acc).view(-1, 1, 1) for p in params])
+    if beta is not None:
+        l = l * beta.to(acc)[..., None]
+    if causal:
+        allowed = torch.ones(z.shape[-2:], dtype=torch.bool).tril()
+        l = l.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(l, -1)
+    w = torch.nan_to_num(torch.softmax(l, -1)).to(dtype)
+    return (w @ v), lse
+
+
+def _check(emu, dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, causal, seed=0, lazy=False, sched=1, mufu=0,
+           negative_n=False, transposed=False):
+    q, k, v, params, beta = _inputs(dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, seed, negative_n, transposed)
+    scale = D ** -0.5
+    err, out, lse = _run(emu, q, k, v, score, params, beta, causal, scale, mufu=mufu, lazy=lazy, seed=sched)
+    assert err == "", err
+    naive = _reference(q, k, v, score, params, beta, causal, scale, dtype)
+    gold = _reference(q, k, v, score, params, beta, causal, scale, torch.float64)
+    fa_tolerance_check("out", out, naive[0], gold[0], FLOORS[dtype])
+    finite = torch.isfinite(gold[1])
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf exactly on the rows with no admissible key"
+    fa_tolerance_check("lse", lse[finite], naive[1][finite], gold[1][finite], FLOORS[dtype])
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------
+# 1. emulation
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (dtype, B, H, Hkv, Lq, Lk, D, Dv, causal): every score function x adaptive x D goes through
+# _MATRIX below with these shapes rotating: one key block, ragged lengths, Lq != Lk (both ways),
+# GQA 2:1 and 4:1, a D below the padded one (TMA's zero fill of the columns), Dv != D
+_SHAPES = [
+    (BF16, 1, 2, 2, 128, 128, 64, 64, True),
+    (FP16, 1, 2, 1, 200, 333, 128, 128, False),
+    (BF16, 2, 4, 1, 77, 260, 64, 48, True),
+    (FP16, 1, 2, 2, 300, 130, 120, 128, True),
+    (FP16, 1, 2, 1, 129, 129, 64, 64, False),
+    (BF16, 1, 2, 2, 256, 384, 128, 112, True),
+]
+_MATRIX = [(score, adaptive, *_SHAPES[(3 * i + j) % len(_SHAPES)])
+           for i, score in enumerate(SCORE_IDS) for j, adaptive in enumerate((False, True)) for _ in range(1)]
+_MATRIX += [(score, adaptive, *_SHAPES[(3 * i + j + 1) % len(_SHAPES)])
+            for i, score in enumerate(SCORE_IDS) for j, adaptive in enumerate((False, True))]
+
+
+@pytest.mark.parametrize("score,adaptive,dtype,B,H,Hkv,Lq,Lk,D,Dv,causal", _MATRIX)
+def test_hopper_fwd_matches_reference(emu, score, adaptive, dtype, B, H, Hkv, Lq, Lk, D, Dv, causal):
+    # lazy TMA / wgmma on odd cases, shuffled threads throughout
+    lazy = (Lq + Lk) % 2 == 1
+    _check(emu, dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, causal, seed=Lq + Lk, lazy=lazy, sched=Lk)
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_hopper_fwd_random_cases(emu, seed):
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    score, adaptive, causal = pick(list(SCORE_IDS)), pick([False, True]), pick([False, True])
+    D = pick([64, 128])
+    dtype = pick([BF16, FP16])
+    Hkv = pick([1, 2])
+    H = Hkv * pick([1, 2])
+    Lq, Lk = (int(x) for x in torch.randint(1, 300, (2,), generator=g))
+    _check(emu, dtype, 1, H, Hkv, Lq, Lk, D, D, score, adaptive, causal, seed=seed, lazy=bool(seed % 2), sched=seed,
+           transposed=bool(seed % 3 == 0))
+
+
+def test_hopper_fwd_negative_ssa_exponent(emu):
+    """SSA with n < 0 on one head: the row multiplier is made >= 0 by negating that head's Q tile in
+    shared memory (each consumer its 64 rows, then the async-proxy fence)."""
+    _check(emu, FP16, 1, 2, 2, 130, 200, 64, 64, "ssa", False, True, seed=5, negative_n=True)
+
+
+def test_hopper_fwd_empty_keys(emu):
+    """Lk = 0: no key block; output 0 and LSE -inf, the producer loads nothing."""
+    q, k, v, params, beta = _inputs(BF16, 1, 2, 2, 70, 0, 64, 64, "ssa", False, 0)
+    err, out, lse = _run(emu, q, k, v, "ssa", params, beta, False, 0.125)
+    assert err == "" and torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+
+
+def test_hopper_fwd_schedule_independent(emu):
+    """TMA loads and wgmma at issue or at their wait, threads in order or shuffled: bitwise equal."""
+    q, k, v, params, beta = _inputs(BF16, 1, 2, 1, 190, 300, 128, 128, "ssa", True, 3)
+    first = _run(emu, q, k, v, "ssa", params, beta, True, 0.09, lazy=False, seed=0)
+    assert first[0] == ""
+    for lazy, seed in ((True, 0), (False, 77), (True, 1234)):
+        again = _run(emu, q, k, v, "ssa", params, beta, True, 0.09, lazy=lazy, seed=seed)
+        assert again[0] == ""
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2]), f"lazy={lazy} seed={seed}"
+
+
+@pytest.mark.parametrize("mufu", [MUFU_EX2_QUARTER, MUFU_LG2_QUARTER, MUFU_HALF_BOTH])
+@pytest.mark.parametrize("score,D", [("ssa", 128), ("softmax", 64), ("ssa", 64)])
+def test_hopper_fwd_mufu_budget(emu, mufu, score, D):
+    """A share of the interior blocks' ex2 / lg2 on the FMA pipe (fast_math.h ex2_poly, lg2_poly)
+    passes the same error rule; the results differ from the all-MUFU kernel's (the share ran)."""
+    out, lse = _check(emu, BF16, 1, 2, 2, 256, 384, D, D, score, False, False, seed=mufu, mufu=mufu)
+    base, _ = _check(emu, BF16, 1, 2, 2, 256, 384, D, D, score, False, False, seed=mufu, mufu=0)
+    if not (score == "softmax" and mufu == MUFU_LG2_QUARTER):  # (softmax has no lg2)
+        assert not torch.equal(out, base), "the MUFU budget changed nothing"
+
+
+def test_fast_math_poly(emu):
+    """ex2_poly: relative error below 1e-5 on [-126, 0] (5.3e-6 measured); lg2_poly: absolute error below 5e-7 plus the
+    float32 rounding of the result on [1, 2^20] (lg2.approx: ~2^-22)."""
+    import math
+
+    xs = torch.linspace(-126.0, 0.0, 20001, dtype=torch.float64).tolist()
+    worst = max(abs(emu.hopper_ex2_poly(x) / math.exp2(x) - 1) for x in xs)
+    assert worst < 1e-5, worst
+    us = (2.0 ** torch.linspace(0.0, 20.0, 20001, dtype=torch.float64)).tolist() + [1.0, 1.0 + 2 ** -23, 1.999999]
+    # (plus the float32 rounding of the result: half an ulp of log2 u)
+    worst = max(abs(emu.hopper_lg2_poly(u) - math.log2(ctypes.c_float(u).value)) - 2 ** -24 * math.log2(u) for u in us)
+    assert worst < 5e-7, worst
+
+
+@pytest.mark.parametrize("fault", [FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE])
+def test_hopper_fwd_faults_are_reported(emu, fault):
+    """Each broken variant gives an emulator error or a wrong result in at least one of the two
+    legal copy orders (softmax, bfloat16, D 64, 5 key blocks through the 3-stage ring), as the
+    hardware may land copies either way: a V read without its wait shows when V lands late (lazy),
+    a stage freed early when the next load lands at once (eager)."""
+    q, k, v, params, beta = _inputs(BF16, 1, 2, 2, 128, 640, 64, 64, "softmax", False, 0)
+    shown = []
+    for lazy in (False, True):
+        good = _run(emu, q, k, v, "softmax", params, beta, False, 0.125, lazy=lazy, seed=3)
+        assert good[0] == ""
+        err, out, _ = _run(emu, q, k, v, "softmax", params, beta, False, 0.125, fault=fault, lazy=lazy, seed=3)
+        shown.append(err != "" or not torch.equal(out, good[1]))
+    assert any(shown), f"fault {fault} went unnoticed in both copy orders"
+
+
+@pytest.mark.parametrize("mode,dtype,shape,kw", [
+    ("softmax", FP16, dict(Lq=150, Lk=200, D=64, Hq=2, Hkv=1), dict(is_causal=True, enable_gqa=True)),
+    ("ssa", BF16, dict(Lq=130, Lk=260, D=128, Hq=2), dict()),
+    ("adaptive", BF16, dict(Lq=129, Lk=129, D=64, Hq=2), dict(is_causal=True)),
+    ("ssa_adaptive", FP16, dict(Lq=100, Lk=300, D=128, Hq=4, Hkv=2), dict(enable_gqa=True)),
+    ("ssa", FP16, dict(Lq=64, Lk=64, D=48, Hq=1), dict(is_causal=True)),  # D 48: padded to 64
+])
+def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
+    """ssa_flash's functions with backend="cuda" on the sm_90a emulator with the Hopper forward on:
+    out and LSE pass FlashAttention's rule, and the warp-specialised kernel is what ran."""
+    import ssa_flash
+    from attn_testing import call, compare, head_params, make_qkv
+    from ssa_flash import reference
+
+    q, k, v = make_qkv(dtype=dtype, device="cpu", requires_grad=False, **shape)
+    b, n = head_params(q.shape[1], device="cpu") if mode.startswith("ssa") else (None, None)
+    b, n = (None, None) if b is None else (b.detach(), n.detach())
+    before = backend_emu.launches("attn_fwd_ws_kernel")
+    with ssa_flash.cuda.emulated(backend_emu):
+        ours = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend="cuda", **kw)
+    assert backend_emu.launches("attn_fwd_ws_kernel") == before + 1
+    naive = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    gold = call(reference, mode, d(q), d(k), d(v), d(b), d(n), return_lse=True, **kw)
+    compare((*ours, {}), (*naive, {}), (*gold, {}), dtype, q.shape[-2], k.shape[-2])
+
+
+def test_hopper_fwd_dispatch_routes_masks_to_todays_kernel(backend_emu):
+    import ssa_flash
+    from attn_testing import make_qkv
+
+    q, k, v = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=70, Lk=90, D=64)
+    before_ws, before = backend_emu.launches("attn_fwd_ws_kernel"), backend_emu.launches("attn_fwd_kernel")
+    with ssa_flash.cuda.emulated(backend_emu):
+        ssa_flash.softmax_attention(q, k, v, attn_mask=torch.rand(70, 90) > 0.3, backend="cuda")
+    assert backend_emu.launches("attn_fwd_ws_kernel") == before_ws
+    assert backend_emu.launches("attn_fwd_kernel") == before + 1
+
+
+# ------------------------------------------------------------------------------------------
+# 2. sm_90a build
+
+def _kernels(sass):
+    """{mangled kernel name: its SASS}"""
+    parts = re.split(r"\n\s*Function : (\S+)\n", sass)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_hopper_fwd_sass(cubin):
+    _, ptxas, sass = cubin
+    kernels = _kernels(sass)
+    assert len(kernels) >= 10, list(kernels)
+    # every instance: no spills, no stack
+    for line in re.findall(r"ptxas info\s*: Used .*|.*bytes stack frame.*", ptxas):
+        if "stack frame" in line:
+            assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", line), line
+    for name, text in kernels.items():
+        ops = set(re.findall(r"\b([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_x]+)*)\b", text))
+        opcodes = {o.split(".")[0] for o in ops}
+        for op in ("UTMALDG", "HGMMA", "USETMAXREG", "SYNCS", "BAR"):
+            assert op in opcodes, f"{name}: {op} not in the SASS"
+        assert any(o.startswith("UTMALDG.4D") for o in ops), name
+        assert re.search(r"USETMAXREG\.DEALLOC\S* 0x18\b", text) and re.search(r"USETMAXREG\.TRY_ALLOC\S* \w+, 0xf0\b", text)
+        assert not {"LDL", "STL"} & opcodes, f"{name}: local memory"
+        # the overlap: a wait for all but the newest wgmma group (S of this block done, O += P V
+        # still running) between the issue of both and the transform
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text, f"{name}: no wgmma.wait_group 1"
+        assert re.search(r"HGMMA\.64x128x16\.F32\.BF16", text), f"{name}: no 64x128 S wgmma"
+
+
+def test_hopper_fwd_static_model(cubin):
+    """ssa_flash.audit.hopper reads every instance: a checked and an interior consumer loop; the
+    interior one's tensor work is 2 D multiply-adds per score (S and P V, nothing repeated), its
+    MUFU work one ex2 per score for softmax and ex2 + lg2 for SSA (plus per-row terms), and a
+    MUFU budget takes its share off (a quarter of ex2: 0.25 fewer per score)."""
+    from ssa_flash.audit import hopper
+
+    rows = hopper.analyse(cubin[0], cubin[1])
+    by = {(r["head_dim"], r["score"], r["adaptive"], r["ex2_poly_eighths"], r["lg2_poly_eighths"]): r for r in rows}
+    for key, r in by.items():
+        it = r["interior"]
+        assert r["main_loops"] == 2 and it is not None, key
+        assert it["macs_per_element"] == 2 * key[0], key
+        assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, key
+    mufu = lambda key: by[key]["interior"]["per_element"]["mufu"]  # noqa: E731
+    assert 1.0 <= mufu((128, "softmax", False, 0, 0)) < 1.1
+    assert 2.0 <= mufu((128, "ssa", False, 0, 0)) < 2.1
+    assert abs(mufu((128, "ssa", False, 0, 0)) - mufu((128, "ssa", False, 2, 0)) - 0.25) < 0.01
+    assert abs(mufu((64, "ssa", False, 0, 0)) - mufu((64, "ssa", False, 2, 2)) - 0.5) < 0.01
