@@ -80,21 +80,6 @@ SSA_DEVICE void wgmma_ss_tb(float (&d)[N / 8][4], uint64_t da, uint64_t db, int 
 // (a [key][query] Sw128Tile, one 64-query panel: k steps of 16 keys are 16 rows, 2048 bytes on),
 // sB the same key's row in the first column's panel of a [key][d] Sw128Tile (N-major, the 64
 // columns of one panel). Only issues: the caller commits and waits.
-// acc (64 x kN) = A (64 x kK) B^T as gemm_wgmma.h's wg_gemm_nt, B any kN of the rows of its LB
-// tile (sB: the first of them, a multiple of 8 rows into the tile; kN = 32: half a 64-row tile).
-template <typename T, int kN, int kK, typename LA, typename LB>
-SSA_DEVICE void wg_gemm_nt_rows(float (&acc)[kN / 8][4], const T* sA, const T* sB) {
-  static_assert(LA::kRows % 64 == 0 && LB::kRows >= kN, "wg_gemm_nt_rows: 64 rows of A, kN rows of B");
-  const uint64_t da = wgmma_desc(sA, 16, 1024), db = wgmma_desc(sB, 16, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    const int panel = kk / 4, within = (kk % 4) * 32;  // bytes
-    wgmma_ss<T, kN>(acc, desc_add(da, panel * LA::kPanelBytes + within), desc_add(db, panel * LB::kPanelBytes + within),
-                    kk > 0);
-  }
-}
-
 // acc (64 x kN, f32) += A (64 x kK) B: A the 64 rows of a K-major tile LA from sA (k along its
 // columns: 16 k per step, +32 bytes inside a panel), B a kK-row tile LB read N-major (as
 // wg_gemm_rn's B: 16 rows per step, 2048 bytes on; the next 64 columns a panel on). Only issues.

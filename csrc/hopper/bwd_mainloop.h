@@ -147,8 +147,8 @@ struct BwdConsumer {
     float s[kParts][kQ / 8][4], dp[kParts][kQ / 8][4];
 #pragma unroll
     for (int h = 0; h < kParts; ++h) {
-      wg_gemm_nt_rows<T, kQ, kD, KTile, QTile>(s[h], sK + KTile::offset(64 * c, 0), sQ + QTile::offset(h * kQ, 0));
-      wg_gemm_nt_rows<T, kQ, kD, KTile, QTile>(dp[h], sV + KTile::offset(64 * c, 0), sdO + QTile::offset(h * kQ, 0));
+      wg_gemm_nt<T, kQ, kD, KTile, QTile>(s[h], sK + KTile::offset(64 * c, 0), sQ + QTile::offset(h * kQ, 0));
+      wg_gemm_nt<T, kQ, kD, KTile, QTile>(dp[h], sV + KTile::offset(64 * c, 0), sdO + QTile::offset(h * kQ, 0));
       wgmma_commit();
     }
     uint32_t pw[kM / 16][4];
