@@ -38,6 +38,28 @@ def _build():
     return h, h.build(background.tmpdir("emulator"), head_dims=HEAD_DIMS)
 
 
+def build_test_library(source, out_dir, name, defines=()):
+    """A test's own emulation entry point (``source``, a .cpp including csrc headers) built with the
+    host compiler into ``out_dir / name``, with ``defines`` (``-D`` flags): (library path, None), or
+    (None, why) without the CUDA headers or a host compiler; a failed build raises."""
+    import os
+    import shutil
+    import subprocess
+
+    inc = harness().cuda_include_dir()
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if inc is None or cxx is None:
+        return None, "CUDA headers (cuda_fp16.h) or a host C++ compiler not found"
+    out = Path(out_dir) / name
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
+           *defines, "-I", str(csrc), "-I", str(inc), str(source), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    return out, None
+
+
 def prebuild():
     background.submit("emulation.emulator", _build)
 

@@ -3,10 +3,10 @@
 // call (fwd_tma_specs: what cuTensorMapEncodeTiled takes; in the CPU emulation TmaDesc is that
 // spec itself), the grid, shared memory and launch (run_fwd_ws). No torch here.
 //
-// SSA_FLASH_HOPPER_FWD (default 0): whether builds hold the kernel and the dispatch may pick it.
-// Off by default until it has passed on a GPU (docs/cuda.md): the emulation and the sm_90a SASS
-// are checked here (tests/cuda/test_hopper_fwd_emulated.py), the driver-side encoding of its
-// tensor maps (encode_tma below) and the kernel on a device are not.
+// SSA_FLASH_HOPPER_FWD (launch_kernel.h, default 0): whether builds hold the kernel and the
+// dispatch may pick it; off until it has passed on a GPU (docs/cuda.md): the emulation and the
+// sm_90a SASS are checked (tests/cuda/test_hopper_fwd_emulated.py), the driver-side encoding of
+// its tensor maps (encode_tma below) and the kernel on a device are not.
 #pragma once
 
 #ifndef SSA_FLASH_EMULATE
@@ -23,10 +23,6 @@
 #include "fwd_params.h"
 #include "fwd_traits.h"
 #include "tile_scheduler.h"
-
-#ifndef SSA_FLASH_HOPPER_FWD
-#define SSA_FLASH_HOPPER_FWD 0
-#endif
 
 namespace ssa_flash {
 namespace hopper {
@@ -46,7 +42,7 @@ inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
   if (p.window) return "local windows";
   if (p.sinks != nullptr) return "attention sinks";
   if (p.softcap) return "soft-capping";
-  if (p.heads > 65535 || p.batch > 65535) return "grid";
+  if (p.heads > 65535 || p.batch > 65535 || p.len_q == 0) return "grid";
   return nullptr;
 }
 

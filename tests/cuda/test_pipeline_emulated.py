@@ -21,7 +21,6 @@ Skipped without the CUDA headers / a host compiler (1) or nvcc / cuobjdump (2).
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import shutil
 import subprocess
@@ -31,7 +30,7 @@ import pytest
 import torch
 
 import background
-from emulation import harness
+from emulation import build_test_library
 
 pytestmark = pytest.mark.slow  # (builds; like test_csrc_compile's emulation tests)
 
@@ -46,17 +45,7 @@ D, BM, BN = 128, 128, 64
 
 def _build_emu():
     """(library path, None) or (None, why)."""
-    inc = harness().cuda_include_dir()
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if inc is None or cxx is None:
-        return None, "CUDA headers (cuda_fp16.h) or a host C++ compiler not found"
-    out = background.tmpdir("ws_probe_emu") / "libws_probe.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
-           "-I", str(CSRC), "-I", str(inc), str(HERE / "ws_probe_emu.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"probe emulation build failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    return out, None
+    return build_test_library(HERE / "ws_probe_emu.cpp", background.tmpdir("ws_probe_emu"), "libws_probe.so")
 
 
 def _build_cubin():
