@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,29 +28,19 @@ import torch
 
 import background
 from attn_testing import FLOORS, fa_tolerance_check, head_params
-from emulation import harness
+from emulation import build_test_library, harness
 from ssa_flash import reference, scores, temperature
 
 pytestmark = pytest.mark.slow  # (builds, and runs the emulation)
 
 HERE = Path(__file__).resolve().parent
-CSRC = HERE.parents[1] / "csrc"
 (OK, NO_FULL_WAIT, WRONG_EMPTY_PARITY, EARLY_RELEASE, NO_RELEASE) = range(5)  # bwd_mainloop.h, BwdBug
 
 
 def _build():
     """(library path, None) or (None, why)."""
-    inc = harness().cuda_include_dir()
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if inc is None or cxx is None:
-        return None, "CUDA headers (cuda_fp16.h) or a host C++ compiler not found"
-    out = background.tmpdir("hopper_bwd_emu") / "libhopper_bwd.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", "-U_FORTIFY_SOURCE", "-DSSA_FLASH_EMULATE",
-           "-DSSA_FLASH_EMULATE_SM90", "-I", str(CSRC), "-I", str(inc), str(HERE / "hopper_bwd_emu.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"hopper backward emulation build failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    return out, None
+    return build_test_library(HERE / "hopper_bwd_emu.cpp", background.tmpdir("hopper_bwd_emu"), "libhopper_bwd.so",
+                              defines=("-DSSA_FLASH_EMULATE_SM90",))
 
 
 def prebuild(items):
