@@ -71,6 +71,28 @@ struct RowStats {
 
 SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 
+// The statistics of one query row from a step's copy of the workspace (its kNStat floats, RowStat
+// order; 8-byte aligned): the key-block kernels' (and the sm_90a backward's) per-query read.
+template <bool kAdaptive>
+SSA_DEVICE RowStats load_row_stats(const float* st) {
+  RowStats r;
+  const float2 ld = *reinterpret_cast<const float2*>(st);
+  r.lse2 = ld.x;
+  r.delta = ld.y;
+  if (kAdaptive) {
+    const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
+    const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
+    r.beta = bl.x;
+    r.lse_l2 = bl.y;
+    r.ent = eg.x;
+    r.g = eg.y;
+  } else {
+    r.beta = 1.0f;
+    r.lse_l2 = r.ent = r.g = 0.0f;
+  }
+  return r;
+}
+
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
 // respect to z / scale's dot product, before the final scale), accumulating the score
 // function's parameter terms in dpar0, dpar1 (logits.h, Score::grad; per-head factors applied once
@@ -723,22 +745,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-            const float* st = stat + lq * kNStat;
-            RowStats r;
-            const float2 ld = *reinterpret_cast<const float2*>(st);
-            r.lse2 = ld.x;
-            r.delta = ld.y;
-            if (kAdaptive) {
-              const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
-              const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
-              r.beta = bl.x;
-              r.lse_l2 = bl.y;
-              r.ent = eg.x;
-              r.g = eg.y;
-            } else {
-              r.beta = 1.0f;
-              r.lse_l2 = r.ent = r.g = 0.0f;
-            }
+            const RowStats r = load_row_stats<kAdaptive>(stat + lq * kNStat);
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {
               const int i = c + 2 * hi;

@@ -19,7 +19,7 @@
 // free again at step i + 2.
 #pragma once
 
-#include "../bwd_kernel.h"  // RowStats, RowStat, score_grad
+#include "../bwd_kernel.h"  // RowStats, load_row_stats, score_grad
 #include "../frag.h"
 #include "../gemm_wgmma.h"
 #include "../memory.h"
@@ -66,26 +66,6 @@ struct BwdConsumer {
     dpar0 = dpar1 = 0.0f;
   }
 
-  // The row statistics of query lq of the step (the stage's [query][kNStat] floats).
-  static SSA_DEVICE RowStats stats(const float* st) {
-    RowStats r;
-    const float2 ld = *reinterpret_cast<const float2*>(st);
-    r.lse2 = ld.x;
-    r.delta = ld.y;
-    if constexpr (kAdaptive) {
-      const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
-      const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
-      r.beta = bl.x;
-      r.lse_l2 = bl.y;
-      r.ent = eg.x;
-      r.g = eg.y;
-    } else {
-      r.beta = 1.0f;
-      r.lse_l2 = r.ent = r.g = 0.0f;
-    }
-    return r;
-  }
-
   // The gradients of queries [kQ kPart, kQ kPart + kQ) of a step (kQ = 64 / kParts): P^T (packed into pw, the A
   // fragments of dV += P^T dO) and dS^T (before the final scale; into this warpgroup's rows of the
   // step's dS^T buffer, pairs of adjacent queries per 32-bit store, fenced for the tensor cores).
@@ -103,7 +83,7 @@ struct BwdConsumer {
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
         const int lq = kPart * kQ + 8 * nt + 2 * t + cc;
-        const RowStats r = stats(sStat + lq * kNStat);
+        const RowStats r = load_row_stats<kAdaptive>(sStat + lq * kNStat);  // (bwd_kernel.h)
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
           const int i = cc + 2 * hi;
