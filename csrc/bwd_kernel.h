@@ -84,6 +84,28 @@ SSA_DEVICE float weight_exp2(const P& p, float l2, const RowStats& r) {
   return kAdaptive ? fmaf(l2, r.beta, -r.lse2) : l2 - r.lse2;
 }
 
+// The statistics of one query row from a step's copy of the workspace (its kNStat floats, RowStat
+// order; 8-byte aligned): the key-block kernels' (and the sm_90a backward's) per-query read.
+template <bool kAdaptive>
+SSA_DEVICE RowStats load_row_stats(const float* st) {
+  RowStats r;
+  const float2 ld = *reinterpret_cast<const float2*>(st);
+  r.lse2 = ld.x;
+  r.delta = ld.y;
+  if (kAdaptive) {
+    const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
+    const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
+    r.beta = bl.x;
+    r.lse_l2 = bl.y;
+    r.ent = eg.x;
+    r.g = eg.y;
+  } else {
+    r.beta = 1.0f;
+    r.lse_l2 = r.ent = r.g = 0.0f;
+  }
+  return r;
+}
+
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
 // respect to z / scale's dot product, before the final scale), accumulating the score
 // function's parameter terms in dpar0, dpar1 (logits.h, Score::grad; per-head factors applied once
@@ -95,15 +117,16 @@ SSA_DEVICE float weight_exp2(const P& p, float l2, const RowStats& r) {
 // kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw: th, the capped score in
 // units of cap_out, which ctx holds) before the transform; the parameter terms sum over th
 // (cap_out applied with the partial) and dz takes the extra factor 1 - th^2 (docs/maths.md
-// section 6.1).
-template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+// section 6.1). kMaskable = false: the call has no mask (apply_mask).
+template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, bool kMaskable = true,
+          typename P>
 SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& dpar0, float& dpar1) {
   typename Score::Elem el;
   const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
   float l2 = Score::logit(ctx, s, Score::mult(ctx, 1.0f), el);
-  if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
-  const float pp = ex2(weight_exp2<kAdaptive, kCheck>(p, l2, r));
+  if (kCheck) l2 = apply_mask<kBand, kMaskable>(p, ctx, l2, row, col, kLog2e);
+  const float pp = ex2(weight_exp2<kAdaptive, kCheck && kMaskable>(p, l2, r));
   p_out = pp;
   float dl = pp * (dp - r.delta);
   if (kAdaptive) {
@@ -749,22 +772,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-            const float* st = stat + lq * kNStat;
-            RowStats r;
-            const float2 ld = *reinterpret_cast<const float2*>(st);
-            r.lse2 = ld.x;
-            r.delta = ld.y;
-            if (kAdaptive) {
-              const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
-              const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
-              r.beta = bl.x;
-              r.lse_l2 = bl.y;
-              r.ent = eg.x;
-              r.g = eg.y;
-            } else {
-              r.beta = 1.0f;
-              r.lse_l2 = r.ent = r.g = 0.0f;
-            }
+            RowStats r = load_row_stats<kAdaptive>(stat + lq * kNStat);
             if (kCheck && p.mask_kind == kMaskAdd) {  // the recounted residuals (lse_residual.h)
               const float2 lo =
                   *reinterpret_cast<const float2*>(p.lse_lo + lse_pair_offset((head0 + hh) * p.stat_rows + mm + lq) + 2);
