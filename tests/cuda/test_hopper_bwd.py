@@ -89,8 +89,7 @@ class Case:
             logits, allowed = reference._logit_rows(self.q.double(), self.k.double(), None, causal, self.scale,
                                                     self.group > 1, self.score, tuple(p.double() for p in self.params))
             ent = reference._entropy(logits, allowed)
-            beta, dbdh = temperature.beta_from_entropy_torch(ent, temperature.DEFAULT_POLY,
-                                                             temperature.DEFAULT_THRESHOLD)
+            beta, dbdh = temperature.beta_from_entropy(ent, temperature.DEFAULT_POLY, temperature.DEFAULT_THRESHOLD)
             self.entropy, self.beta, self.dbeta_dh = ent.float(), beta.float(), dbdh.float()
             self.lse_l = torch.logsumexp(logits, dim=-1).float()
 
