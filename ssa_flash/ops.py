@@ -353,14 +353,6 @@ def _check_score(score, score_params, heads: int, like: Tensor) -> Tuple[scores.
                     for name, rule, x in zip(f.params, f.rules, values))
 
 
-def _legacy_score(score, score_params, ssa: bool, b, n) -> tuple:
-    """``(score, score_params)`` of a function that also takes ``ssa=``, ``b=``, ``n=``: ``score``
-    if given, else SSA with ``(b, n)`` or softmax."""
-    if score is not None:
-        return score, score_params
-    return (scores.SSA, (b, n)) if ssa else (scores.SOFTMAX, ())
-
-
 def _check_variant(query: Tensor, score, score_params, adaptive: bool, poly, threshold, sinks, softcap):
     """The variant's parameters checked for ``query``'s heads: ``(score, params, poly, threshold,
     sinks, softcap)``: the score function and its parameters as (Hq,) tensors
@@ -934,12 +926,11 @@ def _check_packed_qkv(query, key, value, enable_gqa: bool) -> int:
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                      dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                     enable_gqa: bool = False, *, ssa: bool = True, b: Scalar = 1.0, n: Scalar = 1.5,
+                     enable_gqa: bool = False, *, score: Optional[str] = None, score_params=None,
                      adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                      threshold: float = DEFAULT_THRESHOLD, window_size: Tuple[int, int] = (-1, -1),
                      return_lse: bool = False, backend: str = "auto", deterministic: bool = False,
-                     sinks: Optional[Scalar] = None, softcap: float = 0.0, score: Optional[str] = None,
-                     score_params=None):
+                     sinks: Optional[Scalar] = None, softcap: float = 0.0):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``varlen``
     layout): no padding, no mask.
 
@@ -963,19 +954,19 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             seed) sliced to ``[s, :, :Lq_s, :Lk_s]`` is its keep mask.
         window_size: ``(left, right)`` as in :func:`ssa_attention`, positions counted from each
             sequence's start (top-left, like ``is_causal``).
-        is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic,
-            sinks, softcap: as in :func:`ssa_attention`; ``b``, ``n`` are used only with
-            ``ssa=True``; a sink is per row (a sequence with no key puts its rows on the sink).
-        ssa: SSA logits (True) or softmax logits (False).
-        score, score_params: any score function, as in :func:`attention`; when ``score`` is given,
-            ``ssa``, ``b`` and ``n`` are not used.
+        score, score_params: the score function and its per-head parameters, as in
+            :func:`attention`; None (the default): softmax (SSA: ``score="ssa",
+            score_params={"b": b, "n": n}``).
+        is_causal, scale, enable_gqa, adaptive_temperature, poly, threshold, deterministic,
+            sinks, softcap: as in :func:`attention`; a sink is per row (a sequence with no key
+            puts its rows on the sink).
         backend: "auto", "triton" or "reference" ("cuda": the CUDA C++ backend does not implement
             packed batches; ``auto`` never picks it for them).
 
     Returns:
         ``out (total_q, Hq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (Hq, total_q)``
         (float32, float64 for float64 inputs; ``-inf`` on rows with no key and no sink).
-        Differentiable in query, key, value, b, n and sinks (and through ``lse``). Under
+        Differentiable in query, key, value, the score's parameters and sinks (and through ``lse``). Under
         ``torch.autocast``, query, key and value in the autocast dtype, as in :func:`ssa_attention`.
     """
     cast = _autocast_dtype(query)
@@ -983,13 +974,12 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         query, key, value = _autocast(cast, query, key, value)
         with torch.autocast(query.device.type, enabled=False):
             return varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    dropout_p, is_causal, scale, enable_gqa, ssa=ssa, b=b, n=n,
-                                    adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
+                                    dropout_p, is_causal, scale, enable_gqa, score=score,
+                                    score_params=score_params, adaptive_temperature=adaptive_temperature, poly=poly,
+                                    threshold=threshold,
                                     window_size=window_size, return_lse=return_lse, backend=backend,
-                                    deterministic=deterministic, sinks=sinks, softcap=softcap, score=score,
-                                    score_params=score_params)
+                                    deterministic=deterministic, sinks=sinks, softcap=softcap)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
-    ssa = _check_bool("ssa", ssa)
     adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
     deterministic = _check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     group = _check_packed_qkv(query, key, value, enable_gqa)
@@ -1011,7 +1001,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     # a side that excludes nothing in the longest sequences excludes nothing in any
     left, right = _effective_window(_check_window(window_size), max_seqlen_q, max_seqlen_k, is_causal)
     score, params, poly, threshold, sinks, softcap = _check_variant(
-        query, *_legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks, softcap)
+        query, "softmax" if score is None else score, score_params, adaptive_temperature, poly, threshold, sinks,
+        softcap)
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
@@ -1074,13 +1065,13 @@ def _append_to_cache(cache: Tensor, new: Tensor, cache_seqlens: Tensor) -> None:
 def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                            key: Optional[Tensor] = None, value: Optional[Tensor] = None, *,
                            is_causal: bool = False, scale: Optional[float] = None,
-                           enable_gqa: bool = False, ssa: bool = True, b: Scalar = 1.0,
-                           n: Scalar = 1.5, adaptive_temperature: bool = False,
+                           enable_gqa: bool = False, score: Optional[str] = None, score_params=None,
+                           adaptive_temperature: bool = False,
                            poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
                            window_size: Tuple[int, int] = (-1, -1), return_lse: bool = False,
                            cache_leftpad: Optional[Tensor] = None, num_splits: int = 0,
                            backend: str = "auto", sinks: Optional[Scalar] = None,
-                           softcap: float = 0.0, score: Optional[str] = None, score_params=None):
+                           softcap: float = 0.0):
     """Attention of a few queries over a KV cache (decoding), with the keys split across programs.
 
     Batch element ``b`` of ``k_cache``/``v_cache`` holds ``cache_seqlens[b]`` valid rows. If ``key``
@@ -1113,8 +1104,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             cache rows ``j`` with ``pos_i - left <= j <= pos_i + right``, ``pos_i = cache_len - Lq +
             i`` (-1: that side unbounded); key blocks outside it are skipped (Mistral-style decoding
             with a sliding window: ``is_causal=True, window_size=(W - 1, -1)``).
-        is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold, sinks,
-            softcap, score, score_params: as in :func:`varlen_attention` (a batch element with no row to attend puts
+        is_causal, scale, enable_gqa, score, score_params, adaptive_temperature, poly, threshold,
+            sinks, softcap: as in :func:`varlen_attention` (a batch element with no row to attend puts
             its rows on the sink: output 0, ``lse = s_h``).
         backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
 
@@ -1123,7 +1114,6 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         element with no row to attend (or a query row seeing none) gets 0 and ``lse = -inf``.
     """
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
-    ssa = _check_bool("ssa", ssa)
     adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
     group = _check_cache(query, k_cache, v_cache, key, value, enable_gqa)
     B, Lcache = query.shape[0], k_cache.shape[2]
@@ -1146,7 +1136,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
     score, params, poly, threshold, sinks, softcap = _check_variant(
-        query, *_legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks, softcap)
+        query, "softmax" if score is None else score, score_params, adaptive_temperature, poly, threshold, sinks,
+        softcap)
     used = seqlens if lnew == 0 else seqlens + lnew
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,

@@ -250,10 +250,34 @@ def test_numpy_bool_flags_of_the_other_functions():
     torch.testing.assert_close(ent, ssa_flash.attention_entropy(q, k, is_causal=True, backend="reference"))
     packed = [t[0].transpose(0, 1) for t in (q, k, v)]
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    got = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=np.bool_(True), ssa=np.bool_(True),
-                                     backend="reference")
-    want = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, backend="reference")
+    got = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=np.bool_(True), score="ssa",
+                                     score_params=(1.0, 1.5), adaptive_temperature=np.bool_(True), backend="reference")
+    want = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, score="ssa", score_params=(1.0, 1.5),
+                                      adaptive_temperature=True, backend="reference")
     torch.testing.assert_close(got, want)
+
+
+def test_packed_and_cache_functions_default_to_softmax_and_refuse_the_legacy_score_arguments():
+    """One score API: varlen_attention, attention_with_kvcache (and ring_attention) take
+    score= / score_params= as attention does, softmax by default; ssa=, b=, n= are gone."""
+    q, k, v = (t.cpu() for t in qkv())
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    dense = ssa_flash.softmax_attention(q, k, v, is_causal=True, backend="reference")[0].transpose(0, 1)
+    torch.testing.assert_close(ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, backend="reference"),
+                               dense)
+    ssa = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, score="ssa",
+                                     score_params={"b": 0.7, "n": 2.0}, backend="reference")
+    torch.testing.assert_close(ssa, ssa_flash.ssa_attention(q, k, v, is_causal=True, b=0.7, n=2.0,
+                                                            backend="reference")[0].transpose(0, 1))
+    lengths = torch.tensor([8], dtype=torch.int32)
+    cache = ssa_flash.attention_with_kvcache(q[:, :, -1:], k, v, lengths, backend="reference")
+    torch.testing.assert_close(cache, ssa_flash.softmax_attention(q[:, :, -1:], k, v, backend="reference"))
+    for legacy in (dict(ssa=True), dict(b=1.0), dict(n=1.5)):
+        with pytest.raises(TypeError, match=next(iter(legacy))):
+            ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, backend="reference", **legacy)
+        with pytest.raises(TypeError, match=next(iter(legacy))):
+            ssa_flash.attention_with_kvcache(q, k, v, lengths, backend="reference", **legacy)
 
 
 def test_dropout_mask_on_meta():
