@@ -442,9 +442,10 @@ def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: A
 # Public functions
 
 
-def _degenerate(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """No query rows, keys, or head dim: the kernels launch nothing, the reference handles it."""
-    return query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0
+def _degenerate(query: Tensor, key: Tensor, value: Tensor, key_dim: int = 2) -> bool:
+    """No query rows, keys (dim ``key_dim`` of ``key``), or head dim: the kernels launch nothing,
+    the reference backend takes the call."""
+    return query.numel() == 0 or key.shape[key_dim] == 0 or value.shape[-1] == 0
 
 
 # one C call (~0.15 us) answers "no autocast anywhere" on the hot path (torch >= 2.4; else the
@@ -636,7 +637,9 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if not _degenerate(query, key, value):
         _check_mask_grad(mask, backend)
 
-    if backend == "reference" or _degenerate(query, key, value):
+    if _degenerate(query, key, value):
+        out, lse = autograd.attention(query, key, value, params, mask, "reference", spec, **_sink_arg(sinks))
+    elif backend == "reference":
         keep = None
         if rng is not None:
             keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
@@ -854,12 +857,13 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
                          window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, key, key, spec, sinks)
     with torch.no_grad():
-        if backend == "reference" or _degenerate(query, key, key):
+        if backend == "reference" and not _degenerate(query, key, key):
             ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, score=score.name,
                                               score_params=params, window_size=(left, right), sinks=sinks,
                                               softcap=softcap)
             ent = ent.to(acc_dtype(query.dtype))
         else:
+            backend = "reference" if _degenerate(query, key, key) else backend
             ent = autograd.row_entropy(query, key, params, mask, backend, spec, **_sink_arg(sinks))
     return ent.squeeze(0) if unbatched else ent
 
@@ -1010,7 +1014,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
                          max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
                          window_right=right, dropout_rng=rng, softcap=softcap)
     backend = _resolve_backend(backend, query, key, value, spec, sinks)
-    if backend == "reference" or query.numel() == 0 or key.shape[0] == 0 or value.shape[-1] == 0:
+    degenerate = _degenerate(query, key, value, key_dim=0)
+    if backend == "reference" and not degenerate:
         keep = None
         if rng is not None:
             keep = _dropout_keep(rng, (cu_q.shape[0] - 1, query.shape[1], max_seqlen_q, max_seqlen_k), dropout_p)
@@ -1020,6 +1025,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             threshold=threshold, window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks,
             softcap=softcap)
     else:
+        backend = "reference" if degenerate else backend
         out, lse = autograd.attention(query, key, value, params, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
@@ -1144,7 +1150,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
                          num_splits=num_splits, window_left=left, window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, k_cache, v_cache, spec, sinks)
     with torch.no_grad():
-        if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
+        degenerate = _degenerate(query, k_cache, v_cache)
+        if backend == "reference" and not degenerate:
             out, lse = reference.attention_with_kvcache(
                 query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
                 enable_gqa=group > 1, score=score.name, score_params=params, adaptive_temperature=adaptive_temperature,
@@ -1154,7 +1161,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             if key is not None:
                 _append_to_cache(k_cache, key, seqlens)
                 _append_to_cache(v_cache, value, seqlens)
-            out, lse = autograd.attention(query, k_cache, v_cache, params, None, backend, spec, **_sink_arg(sinks))
+            out, lse = autograd.attention(query, k_cache, v_cache, params, None, "reference" if degenerate else backend,
+                                          spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 

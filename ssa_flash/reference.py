@@ -231,6 +231,8 @@ def _row_offset(logits: Tensor, allowed: Tensor) -> Tensor:
     """The row maximum of the admissible logits, 0 for an empty row, as a constant (detached):
     softmax is unchanged by it, and ``logits - offset`` is finite and small wherever ``logits``
     are finite, however negative (a finite mask at ``finfo.min``)."""
+    if logits.shape[-1] == 0:  # no key at all: every row is empty
+        return logits.new_zeros(logits.shape[:-1]).detach()
     m = logits.detach().masked_fill(~allowed, float("-inf")).amax(dim=-1)
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
