@@ -157,13 +157,10 @@ def _check_softcap(softcap) -> float:
     return softcap
 
 
-def _score_of(score, score_params, ssa=False, b=None, n=None):
-    """``(ScoreFunction, params)``: ``score`` (a name) with ``score_params`` (a mapping by
-    parameter name or a sequence in the registry's order), else SSA's ``(b, n)`` if ``ssa``, else
-    softmax."""
-    if score is None:
-        return (scores.SSA, (b, n)) if ssa else (scores.SOFTMAX, ())
-    f = scores.get(score)
+def _score_of(score, score_params):
+    """``(ScoreFunction, params)``: ``score`` (a name; None: softmax) with ``score_params`` (a
+    mapping by parameter name or a sequence in the registry's order)."""
+    f = scores.get("softmax" if score is None else score)
     given = score_params if score_params is not None else ()
     if isinstance(given, dict):
         missing = [p for p in f.params if p not in given]
@@ -362,7 +359,7 @@ def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, e
     entropy that drives the adaptive temperature)."""
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    f, params = _score_of(score, score_params, b is not None, b, n)
+    f, params = _score_of(*(("ssa", (b, n)) if b is not None else (score, score_params)))
     logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, f, params,
                                   window_size, softcap)
     if sinks is not None:
