@@ -353,14 +353,6 @@ def _check_score(score, score_params, heads: int, like: Tensor) -> Tuple[scores.
                     for name, rule, x in zip(f.params, f.rules, values))
 
 
-def _legacy_score(score, score_params, ssa: bool, b, n) -> tuple:
-    """``(score, score_params)`` of a function that also takes ``ssa=``, ``b=``, ``n=``: ``score``
-    if given, else SSA with ``(b, n)`` or softmax."""
-    if score is not None:
-        return score, score_params
-    return (scores.SSA, (b, n)) if ssa else (scores.SOFTMAX, ())
-
-
 def _check_variant(query: Tensor, score, score_params, adaptive: bool, poly, threshold, sinks, softcap):
     """The variant's parameters checked for ``query``'s heads: ``(score, params, poly, threshold,
     sinks, softcap)``: the score function and its parameters as (Hq,) tensors
@@ -450,9 +442,10 @@ def _resolve_backend(backend, query: Tensor, key: Tensor, value: Tensor, spec: A
 # Public functions
 
 
-def _degenerate(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """No query rows, keys, or head dim: the kernels launch nothing, the reference handles it."""
-    return query.numel() == 0 or key.shape[2] == 0 or value.shape[-1] == 0
+def _degenerate(query: Tensor, key: Tensor, value: Tensor, key_dim: int = 2) -> bool:
+    """No query rows, keys (dim ``key_dim`` of ``key``), or head dim: the kernels launch nothing,
+    the reference backend takes the call."""
+    return query.numel() == 0 or key.shape[key_dim] == 0 or value.shape[-1] == 0
 
 
 # one C call (~0.15 us) answers "no autocast anywhere" on the hot path (torch >= 2.4; else the
@@ -644,7 +637,9 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if not _degenerate(query, key, value):
         _check_mask_grad(mask, backend)
 
-    if backend == "reference" or _degenerate(query, key, value):
+    if _degenerate(query, key, value):
+        out, lse = autograd.attention(query, key, value, params, mask, "reference", spec, **_sink_arg(sinks))
+    elif backend == "reference":
         keep = None
         if rng is not None:
             keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
@@ -862,12 +857,13 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
                          window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, key, key, spec, sinks)
     with torch.no_grad():
-        if backend == "reference" or _degenerate(query, key, key):
+        if backend == "reference" and not _degenerate(query, key, key):
             ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, score=score.name,
                                               score_params=params, window_size=(left, right), sinks=sinks,
                                               softcap=softcap)
             ent = ent.to(acc_dtype(query.dtype))
         else:
+            backend = "reference" if _degenerate(query, key, key) else backend
             ent = autograd.row_entropy(query, key, params, mask, backend, spec, **_sink_arg(sinks))
     return ent.squeeze(0) if unbatched else ent
 
@@ -934,12 +930,11 @@ def _check_packed_qkv(query, key, value, enable_gqa: bool) -> int:
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                      dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                     enable_gqa: bool = False, *, ssa: bool = True, b: Scalar = 1.0, n: Scalar = 1.5,
+                     enable_gqa: bool = False, *, score: Optional[str] = None, score_params=None,
                      adaptive_temperature: bool = False, poly: Sequence[float] = DEFAULT_POLY,
                      threshold: float = DEFAULT_THRESHOLD, window_size: Tuple[int, int] = (-1, -1),
                      return_lse: bool = False, backend: str = "auto", deterministic: bool = False,
-                     sinks: Optional[Scalar] = None, softcap: float = 0.0, score: Optional[str] = None,
-                     score_params=None):
+                     sinks: Optional[Scalar] = None, softcap: float = 0.0):
     """Attention over a packed batch of variable-length sequences (FlashAttention's ``varlen``
     layout): no padding, no mask.
 
@@ -963,19 +958,19 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             seed) sliced to ``[s, :, :Lq_s, :Lk_s]`` is its keep mask.
         window_size: ``(left, right)`` as in :func:`ssa_attention`, positions counted from each
             sequence's start (top-left, like ``is_causal``).
-        is_causal, scale, enable_gqa, b, n, adaptive_temperature, poly, threshold, deterministic,
-            sinks, softcap: as in :func:`ssa_attention`; ``b``, ``n`` are used only with
-            ``ssa=True``; a sink is per row (a sequence with no key puts its rows on the sink).
-        ssa: SSA logits (True) or softmax logits (False).
-        score, score_params: any score function, as in :func:`attention`; when ``score`` is given,
-            ``ssa``, ``b`` and ``n`` are not used.
+        score, score_params: the score function and its per-head parameters, as in
+            :func:`attention`; None (the default): softmax (SSA: ``score="ssa",
+            score_params={"b": b, "n": n}``).
+        is_causal, scale, enable_gqa, adaptive_temperature, poly, threshold, deterministic,
+            sinks, softcap: as in :func:`attention`; a sink is per row (a sequence with no key
+            puts its rows on the sink).
         backend: "auto", "triton" or "reference" ("cuda": the CUDA C++ backend does not implement
             packed batches; ``auto`` never picks it for them).
 
     Returns:
         ``out (total_q, Hq, Dv)`` in the input dtype, or ``(out, lse)`` with ``lse (Hq, total_q)``
         (float32, float64 for float64 inputs; ``-inf`` on rows with no key and no sink).
-        Differentiable in query, key, value, b, n and sinks (and through ``lse``). Under
+        Differentiable in query, key, value, the score's parameters and sinks (and through ``lse``). Under
         ``torch.autocast``, query, key and value in the autocast dtype, as in :func:`ssa_attention`.
     """
     cast = _autocast_dtype(query)
@@ -983,13 +978,12 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
         query, key, value = _autocast(cast, query, key, value)
         with torch.autocast(query.device.type, enabled=False):
             return varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    dropout_p, is_causal, scale, enable_gqa, ssa=ssa, b=b, n=n,
-                                    adaptive_temperature=adaptive_temperature, poly=poly, threshold=threshold,
+                                    dropout_p, is_causal, scale, enable_gqa, score=score,
+                                    score_params=score_params, adaptive_temperature=adaptive_temperature, poly=poly,
+                                    threshold=threshold,
                                     window_size=window_size, return_lse=return_lse, backend=backend,
-                                    deterministic=deterministic, sinks=sinks, softcap=softcap, score=score,
-                                    score_params=score_params)
+                                    deterministic=deterministic, sinks=sinks, softcap=softcap)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
-    ssa = _check_bool("ssa", ssa)
     adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
     deterministic = _check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     group = _check_packed_qkv(query, key, value, enable_gqa)
@@ -1011,7 +1005,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     # a side that excludes nothing in the longest sequences excludes nothing in any
     left, right = _effective_window(_check_window(window_size), max_seqlen_q, max_seqlen_k, is_causal)
     score, params, poly, threshold, sinks, softcap = _check_variant(
-        query, *_legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks, softcap)
+        query, "softmax" if score is None else score, score_params, adaptive_temperature, poly, threshold, sinks,
+        softcap)
     rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
@@ -1019,7 +1014,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
                          max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
                          window_right=right, dropout_rng=rng, softcap=softcap)
     backend = _resolve_backend(backend, query, key, value, spec, sinks)
-    if backend == "reference" or query.numel() == 0 or key.shape[0] == 0 or value.shape[-1] == 0:
+    degenerate = _degenerate(query, key, value, key_dim=0)
+    if backend == "reference" and not degenerate:
         keep = None
         if rng is not None:
             keep = _dropout_keep(rng, (cu_q.shape[0] - 1, query.shape[1], max_seqlen_q, max_seqlen_k), dropout_p)
@@ -1029,6 +1025,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
             threshold=threshold, window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks,
             softcap=softcap)
     else:
+        backend = "reference" if degenerate else backend
         out, lse = autograd.attention(query, key, value, params, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
@@ -1074,13 +1071,13 @@ def _append_to_cache(cache: Tensor, new: Tensor, cache_seqlens: Tensor) -> None:
 def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                            key: Optional[Tensor] = None, value: Optional[Tensor] = None, *,
                            is_causal: bool = False, scale: Optional[float] = None,
-                           enable_gqa: bool = False, ssa: bool = True, b: Scalar = 1.0,
-                           n: Scalar = 1.5, adaptive_temperature: bool = False,
+                           enable_gqa: bool = False, score: Optional[str] = None, score_params=None,
+                           adaptive_temperature: bool = False,
                            poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
                            window_size: Tuple[int, int] = (-1, -1), return_lse: bool = False,
                            cache_leftpad: Optional[Tensor] = None, num_splits: int = 0,
                            backend: str = "auto", sinks: Optional[Scalar] = None,
-                           softcap: float = 0.0, score: Optional[str] = None, score_params=None):
+                           softcap: float = 0.0):
     """Attention of a few queries over a KV cache (decoding), with the keys split across programs.
 
     Batch element ``b`` of ``k_cache``/``v_cache`` holds ``cache_seqlens[b]`` valid rows. If ``key``
@@ -1113,8 +1110,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             cache rows ``j`` with ``pos_i - left <= j <= pos_i + right``, ``pos_i = cache_len - Lq +
             i`` (-1: that side unbounded); key blocks outside it are skipped (Mistral-style decoding
             with a sliding window: ``is_causal=True, window_size=(W - 1, -1)``).
-        is_causal, scale, enable_gqa, ssa, b, n, adaptive_temperature, poly, threshold, sinks,
-            softcap, score, score_params: as in :func:`varlen_attention` (a batch element with no row to attend puts
+        is_causal, scale, enable_gqa, score, score_params, adaptive_temperature, poly, threshold,
+            sinks, softcap: as in :func:`varlen_attention` (a batch element with no row to attend puts
             its rows on the sink: output 0, ``lse = s_h``).
         backend: "auto", "triton" or "reference" (the CUDA C++ backend does not implement it).
 
@@ -1123,7 +1120,6 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
         element with no row to attend (or a query row seeing none) gets 0 and ``lse = -inf``.
     """
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
-    ssa = _check_bool("ssa", ssa)
     adaptive_temperature = _check_bool("adaptive_temperature", adaptive_temperature)
     group = _check_cache(query, k_cache, v_cache, key, value, enable_gqa)
     B, Lcache = query.shape[0], k_cache.shape[2]
@@ -1146,14 +1142,16 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], return_lse)
     score, params, poly, threshold, sinks, softcap = _check_variant(
-        query, *_legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks, softcap)
+        query, "softmax" if score is None else score, score_params, adaptive_temperature, poly, threshold, sinks,
+        softcap)
     used = seqlens if lnew == 0 else seqlens + lnew
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
                          num_splits=num_splits, window_left=left, window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, k_cache, v_cache, spec, sinks)
     with torch.no_grad():
-        if backend == "reference" or query.numel() == 0 or Lcache == 0 or v_cache.shape[-1] == 0:
+        degenerate = _degenerate(query, k_cache, v_cache)
+        if backend == "reference" and not degenerate:
             out, lse = reference.attention_with_kvcache(
                 query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
                 enable_gqa=group > 1, score=score.name, score_params=params, adaptive_temperature=adaptive_temperature,
@@ -1163,7 +1161,8 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
             if key is not None:
                 _append_to_cache(k_cache, key, seqlens)
                 _append_to_cache(v_cache, value, seqlens)
-            out, lse = autograd.attention(query, k_cache, v_cache, params, None, backend, spec, **_sink_arg(sinks))
+            out, lse = autograd.attention(query, k_cache, v_cache, params, None, "reference" if degenerate else backend,
+                                          spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 

@@ -157,13 +157,10 @@ def _check_softcap(softcap) -> float:
     return softcap
 
 
-def _score_of(score, score_params, ssa=False, b=None, n=None):
-    """``(ScoreFunction, params)``: ``score`` (a name) with ``score_params`` (a mapping by
-    parameter name or a sequence in the registry's order), else SSA's ``(b, n)`` if ``ssa``, else
-    softmax."""
-    if score is None:
-        return (scores.SSA, (b, n)) if ssa else (scores.SOFTMAX, ())
-    f = scores.get(score)
+def _score_of(score, score_params):
+    """``(ScoreFunction, params)``: ``score`` (a name; None: softmax) with ``score_params`` (a
+    mapping by parameter name or a sequence in the registry's order)."""
+    f = scores.get("softmax" if score is None else score)
     given = score_params if score_params is not None else ()
     if isinstance(given, dict):
         missing = [p for p in f.params if p not in given]
@@ -231,6 +228,8 @@ def _row_offset(logits: Tensor, allowed: Tensor) -> Tensor:
     """The row maximum of the admissible logits, 0 for an empty row, as a constant (detached):
     softmax is unchanged by it, and ``logits - offset`` is finite and small wherever ``logits``
     are finite, however negative (a finite mask at ``finfo.min``)."""
+    if logits.shape[-1] == 0:  # no key at all: every row is empty
+        return logits.new_zeros(logits.shape[:-1]).detach()
     m = logits.detach().masked_fill(~allowed, float("-inf")).amax(dim=-1)
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
@@ -278,8 +277,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         if dropout_mask is None:
             seed, offset = draw_dropout_rng(query.device).tolist()
             shape4 = (1,) * (4 - probs.dim()) + tuple(probs.shape)  # unbatched inputs: B = 1
-            dropout_mask = dropout_keep_mask(seed, offset, shape4, dropout_p,
-                                             query.device).view(probs.shape)
+            dropout_mask = dropout_keep_mask(seed, offset, shape4, dropout_p, query.device).view(probs.shape)
         probs = _apply_dropout(probs, dropout_p, dropout_mask)
     hq, hk = query.shape[-3], value.shape[-3]
     if enable_gqa and hq != hk:
@@ -361,7 +359,7 @@ def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, e
     entropy that drives the adaptive temperature)."""
     if (b is None) != (n is None):
         raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    f, params = _score_of(score, score_params, b is not None, b, n)
+    f, params = _score_of(*(("ssa", (b, n)) if b is not None else (score, score_params)))
     logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, f, params,
                                   window_size, softcap)
     if sinks is not None:
@@ -385,15 +383,15 @@ def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, score, params, ad
 
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                     dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, ssa=True,
-                     b: Scalar = 1.0, n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
+                     dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, score=None,
+                     score_params=None, adaptive_temperature=False, poly=DEFAULT_POLY,
                      threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                     dropout_mask=None, sinks=None, softcap=0.0, score=None, score_params=None, **_ignored):
+                     dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
     """Packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``, ``value
     (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending
     to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule (causality top-left, as in
-    ``ssa_attention``) applied inside the sequence. ``ssa=False``: softmax logits; ``score`` /
-    ``score_params`` (as in :func:`attention`) take precedence over ``ssa``, ``b``, ``n``. Returns ``out
+    ``ssa_attention``) applied inside the sequence. ``score`` / ``score_params``: as in
+    :func:`attention` (None: softmax). Returns ``out
     (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``. The ``max_seqlen_*`` are
     not needed here. Each sequence runs on its own (a loop), differentiably; ``window_size`` is
     top-left aligned inside each sequence. Dropout: sequence ``s`` is batch element ``s`` of the
@@ -401,7 +399,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     max_seqlen_q, max_seqlen_k)`` bool mask (None with ``dropout_p > 0``: the kernels' Philox mask
     for a freshly drawn ``(seed, offset)``). ``sinks``/``softcap``: per row, as in ``ssa_attention``
     (a sequence with no key puts its rows on the sink)."""
-    f, params = _score_of(score, score_params, ssa, b, n)
+    f, params = _score_of(score, score_params)
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if dropout_p > 0.0 and dropout_mask is None:
         seed, offset = draw_dropout_rng(query.device).tolist()
@@ -432,11 +430,10 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 
 def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, value=None, *,
-                           is_causal=False, scale=None, enable_gqa=False, ssa=True, b: Scalar = 1.0,
-                           n: Scalar = 1.5, adaptive_temperature=False, poly=DEFAULT_POLY,
+                           is_causal=False, scale=None, enable_gqa=False, score=None, score_params=None,
+                           adaptive_temperature=False, poly=DEFAULT_POLY,
                            threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                           cache_leftpad=None, sinks=None, softcap=0.0, score=None, score_params=None,
-                           **_ignored):
+                           cache_leftpad=None, sinks=None, softcap=0.0, **_ignored):
     """Attention of ``query (B, Hq, Lq, D)`` over a KV cache ``(B, Hkv, Lcache, D)`` of which batch
     element ``b`` holds ``cache_seqlens[b]`` valid rows. New ``key``/``value`` ``(B, Hkv, Lnew, D)``
     are first written into the caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew``
@@ -449,7 +446,7 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
     ``sinks``/``softcap``: per row, as in ``ssa_attention`` (a batch element with no row to attend
     puts its rows on the sink: output 0, lse ``s_h``). ``score`` / ``score_params``: as in
     :func:`varlen_attention`."""
-    f, params = _score_of(score, score_params, ssa, b, n)
+    f, params = _score_of(score, score_params)
     lengths = [int(x) for x in cache_seqlens.tolist()]
     starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     if key is not None:

@@ -4,7 +4,7 @@ docs/distributed.md).
 
     import ssa_flash.distributed as sfd
     q, k, v = (sfd.shard_sequence(t, group, is_causal=True) for t in (q_full, k_full, v_full))
-    out = sfd.ring_attention(q, k, v, group, is_causal=True, b=b, n=n)   # this rank's shard
+    out = sfd.ring_attention(q, k, v, group, is_causal=True, score="ssa", score_params={"b": b, "n": n})  # this shard
     out_full = sfd.unshard_sequence(out, group, is_causal=True)
 
 * :func:`ring_attention`, :func:`shard_sequence`, :func:`unshard_sequence`,

@@ -333,11 +333,11 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_causal: bool = False,
-                   scale: Optional[float] = None, enable_gqa: bool = False, *, ssa: bool = True,
-                   b=1.0, n=1.5, adaptive_temperature: bool = False,
+                   scale: Optional[float] = None, enable_gqa: bool = False, *, score: Optional[str] = None,
+                   score_params=None, adaptive_temperature: bool = False,
                    poly: Sequence[float] = DEFAULT_POLY, threshold: float = DEFAULT_THRESHOLD,
                    backend: str = "auto", reduce_param_grads: bool = True, sinks=None,
-                   softcap: float = 0.0, score: Optional[str] = None, score_params=None) -> Tensor:
+                   softcap: float = 0.0) -> Tensor:
     """Attention of a sequence sharded over the ranks of ``group``; each rank passes its shards
     and gets its shard of the output. Equals the unsharded attention of the whole tensors
     (:func:`ssa_flash.ssa_attention`, ``softmax_attention``, ``adaptive_temperature_attention``),
@@ -353,21 +353,19 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
         is_causal: causal attention (``j <= i``) over the whole sequence; needs ``Lq == Lk``
             (even: two chunks) and the zig-zag layout.
         scale, enable_gqa: as in ``scaled_dot_product_attention``.
-        ssa: SSA logits ``phi(z) = n sgn(z) log1p(b|z|)`` (else softmax; ``b``, ``n`` ignored).
-        b, n: SSA's per-head parameters, positive numbers or tensors of shape ``()`` or ``(Hq,)``,
-            the same on every rank; gradients flow to tensors.
+        score, score_params: the score function and its per-head parameters, as in
+            :func:`ssa_flash.attention` (the same on every rank; gradients flow to tensors);
+            None (the default): softmax. SSA: ``score="ssa", score_params={"b": b, "n": n}``.
         adaptive_temperature: the entropy-driven temperature of "Softmax is not Enough" (with
             ``poly``, ``threshold``), each row's entropy taken over the whole sequence.
         backend: "auto", "triton", "cuda" or "reference" (the backend interface's explicit
             formulas, O(L^2/W^2) memory per step: for tests), as in ``ssa_attention``. The
             adaptive temperature needs the Triton or reference backend ("auto" picks one).
-        reduce_param_grads: ``b``, ``n`` (and ``sinks``) gradients all-reduced (summed) over
+        reduce_param_grads: the score parameters' (and ``sinks``') gradients all-reduced (summed) over
             ``group``, so that every rank gets the whole gradient, identical on every rank (the
             default). False: each rank gets its own queries' part; for a data-parallel wrapper
             (DDP, FSDP) reducing parameter gradients over these ranks itself
             (``RingSSAttention``'s default).
-        score, score_params: any score function, as in :func:`ssa_flash.attention` (the same on
-            every rank); when ``score`` is given, ``ssa``, ``b`` and ``n`` are not used.
         sinks, softcap: as in :func:`ssa_flash.ssa_attention` (``sinks`` the same on every rank).
             The sink is one entry of each row, counted once per row (not once per key shard):
             the key shards run without it and it joins the merged rows.
@@ -381,7 +379,6 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
     """
     ops._check_bool("is_causal", is_causal)
     ops._check_bool("enable_gqa", enable_gqa)
-    ops._check_bool("ssa", ssa)
     ops._check_bool("adaptive_temperature", adaptive_temperature)
     ops._check_bool("reduce_param_grads", reduce_param_grads)
     group = _resolve_group(group)
@@ -399,7 +396,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, group=None, is_cau
         raise ValueError(f"is_causal: the query and key shards must have one even length (two zig-zag "
                          f"chunks, see shard_sequence), got query length {lq}, key length {lk}")
     score, params, poly, threshold, sinks, softcap = ops._check_variant(
-        query, *ops._legacy_score(score, score_params, ssa, b, n), adaptive_temperature, poly, threshold, sinks,
+        query, "softmax" if score is None else score, score_params, adaptive_temperature, poly, threshold, sinks,
         softcap)
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=gqa, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, softcap=softcap)

@@ -56,9 +56,9 @@ class RingSSAttention(SSAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                 is_causal: Optional[bool] = None, scale: Optional[float] = None,
                 enable_gqa: bool = False) -> Tensor:
-        """``ring_attention(query, key, value, group, is_causal, scale, enable_gqa, b=self.b,
-        n=self.n, ...)`` on this rank's shards ``(B, Hq, L/W, D)``; returns this rank's output
-        shard. ``attn_mask`` must be None (masks are not sharded)."""
+        """``ring_attention(query, key, value, group, is_causal, scale, enable_gqa,
+        score="ssa", score_params=(self.b, self.n), ...)`` on this rank's shards ``(B, Hq, L/W, D)``;
+        returns this rank's output shard. ``attn_mask`` must be None (masks are not sharded)."""
         if attn_mask is not None:
             raise ValueError("attn_mask: RingSSAttention takes no mask (is_causal only)")
         heads = query.shape[-3] if query.dim() >= 3 else None
@@ -66,8 +66,8 @@ class RingSSAttention(SSAttention):
             raise ValueError(f"RingSSAttention was built for {self.num_heads} query heads, got query of "
                              f"shape {tuple(query.shape)}")
         causal = self.is_causal if is_causal is None else is_causal
-        return ring_attention(query, key, value, self.group, causal, scale, enable_gqa, ssa=True,
-                              b=self.b, n=self.n, adaptive_temperature=self.adaptive_temperature,
+        return ring_attention(query, key, value, self.group, causal, scale, enable_gqa, score="ssa",
+                              score_params=(self.b, self.n), adaptive_temperature=self.adaptive_temperature,
                               backend=self.backend, reduce_param_grads=self.reduce_param_grads,
                               sinks=self.sinks, softcap=self.softcap)
 

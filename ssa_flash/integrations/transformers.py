@@ -301,7 +301,7 @@ def _mask_from_padding(pm: Tensor, q_len: int, kv_len: int, tokens: int, causal:
 def _decode(ssa: SSAttention, query, key, value, cache_seqlens, cache_leftpad, scaling, causal, extra):
     return attention_with_kvcache(
         query, key, value, cache_seqlens, is_causal=causal, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1], b=ssa.b, n=ssa.n,
+        enable_gqa=query.shape[1] != key.shape[1], score="ssa", score_params=(ssa.b, ssa.n),
         adaptive_temperature=ssa.adaptive_temperature, cache_leftpad=cache_leftpad, backend=ssa.backend,
         **extra)
 
@@ -324,7 +324,8 @@ def _attend_padded(ssa: SSAttention, query, key, value, pm, scaling, causal, fas
 
         out = varlen_attention(unpad(query), unpad(key), unpad(value), lay["cu"], lay["cu"],
                                max(lay["max_len"], 1), max(lay["max_len"], 1), is_causal=causal,
-                               scale=scaling, enable_gqa=gqa, b=ssa.b, n=ssa.n, dropout_p=dropout_p,
+                               scale=scaling, enable_gqa=gqa, score="ssa", score_params=(ssa.b, ssa.n),
+                               dropout_p=dropout_p,
                                adaptive_temperature=ssa.adaptive_temperature, backend=ssa.backend, **extra)
         full = out.new_zeros((B * tokens, H, out.shape[-1])).index_copy(0, idx, out)
         return full.view(B, tokens, H, -1)

@@ -85,7 +85,8 @@ def _check_ring(rank, world, mode, causal, hkv, backend, dtype=torch.float64, bs
         ql, kl, vl = leaves
     bl, nl = b.clone().requires_grad_(), n.clone().requires_grad_()
     ssa = "ssa" in mode
-    out = sfd.ring_attention(ql, kl, vl, None, causal, None, hkv != q.shape[1], ssa=ssa, b=bl, n=nl,
+    out = sfd.ring_attention(ql, kl, vl, None, causal, None, hkv != q.shape[1], score="ssa" if ssa else "softmax",
+                             score_params=(bl, nl) if ssa else None,
                              adaptive_temperature="adaptive" in mode, backend=backend)
     assert out.dtype == dtype
     (out.double() * shard(dout)).sum().backward()
@@ -199,9 +200,11 @@ def _one_rank_fails(rank, world, results_dir, group_timeout_s):
     group = dist.new_group(ranks=list(range(world)), timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
         if rank == 1:  # a bad argument on one rank only: it raises before communicating
-            sfd.ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], group=group, is_causal=True, backend="reference")
+            sfd.ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], group=group, is_causal=True,
+                               backend="reference", score="ssa", score_params=(1.0, 1.5))
         else:  # the other waits for a shard that never comes
-            sfd.ring_attention(q, q, q, group=group, is_causal=True, backend="reference")
+            sfd.ring_attention(q, q, q, group=group, is_causal=True, backend="reference", score="ssa",
+                               score_params=(1.0, 1.5))
     except Exception as err:  # noqa: BLE001
         outcome = f"{type(err).__name__}: {err}".replace("\n", " ")
     else:
@@ -246,19 +249,21 @@ def single_rank_group(tmp_path):
 def test_errors_name_the_argument(single_rank_group):
     x = torch.zeros(1, 2, 6, 4)
     with pytest.raises(TypeError, match="group"):
-        sfd.ring_attention(x, x, x, group="world")
+        sfd.ring_attention(x, x, x, group="world", score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="is_causal.*even"):
-        sfd.ring_attention(x[:, :, :5], x[:, :, :5], x[:, :, :5], is_causal=True, backend="reference")
+        sfd.ring_attention(x[:, :, :5], x[:, :, :5], x[:, :, :5], is_causal=True, backend="reference", score="ssa",
+                           score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="is_causal.*query length 6, key length 4"):
-        sfd.ring_attention(x, x[:, :, :4], x[:, :, :4], is_causal=True, backend="reference")
+        sfd.ring_attention(x, x[:, :, :4], x[:, :, :4], is_causal=True, backend="reference", score="ssa",
+                           score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match=r"query must have 4 dims \(B, H, L/W, D\)"):
-        sfd.ring_attention(x[0], x[0], x[0])
+        sfd.ring_attention(x[0], x[0], x[0], score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(TypeError, match="adaptive_temperature"):
-        sfd.ring_attention(x, x, x, adaptive_temperature=1)
+        sfd.ring_attention(x, x, x, adaptive_temperature=1, score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="b must"):
-        sfd.ring_attention(x, x, x, b=-1.0, backend="reference")
+        sfd.ring_attention(x, x, x, score="ssa", score_params=(-1.0, 1.5), backend="reference")
     with pytest.raises(ValueError, match="enable_gqa"):
-        sfd.ring_attention(x, x[:, :1], x[:, :1], backend="reference")
+        sfd.ring_attention(x, x[:, :1], x[:, :1], backend="reference", score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match=r"x: sequence length 5 \(dim 2\) must be a positive multiple of 2 \* world"):
         sfd.shard_sequence(torch.zeros(1, 2, 5, 4), is_causal=True)
     with pytest.raises(ValueError, match="dim 4 is out of range"):
@@ -271,7 +276,7 @@ def test_not_initialised():
     assert not dist.is_initialized()
     x = torch.zeros(1, 2, 4, 4)
     with pytest.raises(ValueError, match="group: torch.distributed is not initialised"):
-        sfd.ring_attention(x, x, x)
+        sfd.ring_attention(x, x, x, score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="group: torch.distributed is not initialised"):
         sfd.shard_sequence(x)
 
@@ -289,7 +294,8 @@ def test_one_rank_equals_unsharded(single_rank_group, causal):
     tol = TOL if dtype == torch.float64 else LOW_TOL[dtype]
     q, k, v = (torch.randn(1, 2, 8, 8, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
                for _ in range(3))
-    out = sfd.ring_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, adaptive_temperature=True, backend=backend)
+    out = sfd.ring_attention(q, k, v, is_causal=causal, score="ssa", score_params=(0.8, 1.7),
+                             adaptive_temperature=True, backend=backend)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     ref = ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, adaptive_temperature=True,
                                   backend=backend)
@@ -298,6 +304,7 @@ def test_one_rank_equals_unsharded(single_rank_group, causal):
     for name, ours, theirs in zip("qkv", grads, grads_ref):
         _close(f"d{name}", ours, theirs, tol)
     with torch.no_grad():
-        _close("out (no grad)", sfd.ring_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend),
+        _close("out (no grad)", sfd.ring_attention(q, k, v, is_causal=causal, score="ssa", score_params=(0.8, 1.7),
+                                                   backend=backend),
                ssa_flash.ssa_attention(q, k, v, is_causal=causal, b=0.8, n=1.7, backend=backend), tol)
     assert sfd.shard_positions(8, is_causal=causal).tolist() == list(range(8))  # one rank: no communication

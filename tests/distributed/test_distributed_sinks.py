@@ -55,7 +55,8 @@ def _check(rank, world, mode, causal):
     shard = lambda t: sfd.shard_sequence(t, None, 2, causal)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     bl, nl, sl = (t.clone().requires_grad_() for t in (b, n, sinks))
-    out = sfd.ring_attention(ql, kl, vl, None, causal, None, True, ssa=ssa, b=bl, n=nl,
+    out = sfd.ring_attention(ql, kl, vl, None, causal, None, True, score="ssa" if ssa else "softmax",
+                             score_params=(bl, nl) if ssa else None,
                              adaptive_temperature=adaptive, threshold=0.2, backend="reference",
                              sinks=sl, softcap=SOFTCAP)
     (out * shard(dout)).sum().backward()

@@ -189,7 +189,8 @@ def test_varlen(mode, gpu_dtype, cpu_dtype):
         torch.manual_seed(5)
         out, lse = ssa_flash.varlen_attention(
             q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), dropout_p=0.15, is_causal=True,
-            enable_gqa=True, ssa=ssa, b=b, n=n, adaptive_temperature="adaptive" in mode,
+            enable_gqa=True, score="ssa" if ssa else "softmax", score_params=(b, n) if ssa else None,
+            adaptive_temperature="adaptive" in mode,
             window_size=(left, -1), return_lse=True, backend=backend)
         loss = (out.float() * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0).float() * dlse).sum()
         return out, lse, dict(zip("qkvbn", torch.autograd.grad(loss, leaves)))
@@ -232,7 +233,8 @@ def test_kvcache_split(mode, gpu_dtype, cpu_dtype):
         kc, vc = cast(k_cache).clone(), cast(v_cache).clone()
         out, lse = ssa_flash.attention_with_kvcache(
             cast(q), kc, vc, seqlens, cast(k_new), cast(v_new), is_causal=True, enable_gqa=True,
-            ssa=ssa, b=cast(b), n=cast(n), adaptive_temperature="adaptive" in mode, window_size=(left, -1),
+            score="ssa" if ssa else "softmax", score_params=(cast(b), cast(n)) if ssa else None,
+            adaptive_temperature="adaptive" in mode, window_size=(left, -1),
             cache_leftpad=leftpad, num_splits=3, return_lse=True, backend=backend)
         return out, lse, {}, kc, vc
 

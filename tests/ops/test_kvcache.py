@@ -32,7 +32,8 @@ def seqlens(*values):
 
 def kwargs_of(mode, b, n):
     ssa = "ssa" in mode
-    return dict(ssa=ssa, b=b if ssa else 1.0, n=n if ssa else 1.5, adaptive_temperature="adaptive" in mode)
+    return dict(score="ssa" if ssa else "softmax", score_params=(b, n) if ssa else None,
+                adaptive_temperature="adaptive" in mode)
 
 
 def explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n, window=(-1, -1)):
@@ -158,7 +159,8 @@ def test_new_keys_written_in_place_and_attended(lnew):
     k_before, v_before = k_cache.clone(), v_cache.clone()
     k_ptr = k_cache.data_ptr()
     out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths), k_new, v_new,
-                                           is_causal=True, enable_gqa=True, b=b, n=n, num_splits=2,
+                                           is_causal=True, enable_gqa=True, score="ssa", score_params=(b, n),
+                                           num_splits=2,
                                            backend="triton")
     assert k_cache.data_ptr() == k_ptr  # in place
     expect_k, expect_v = k_before.clone(), v_before.clone()
@@ -171,7 +173,7 @@ def test_new_keys_written_in_place_and_attended(lnew):
     # the reference function does the same writes and computes the same output
     k_ref, v_ref = k_before.clone(), v_before.clone()
     ref2 = reference.attention_with_kvcache(q, k_ref, v_ref, seqlens(*lengths), k_new, v_new, is_causal=True,
-                                            enable_gqa=True, b=b, n=n)
+                                            enable_gqa=True, score="ssa", score_params=(b, n))
     assert torch.equal(k_ref, expect_k)
     torch.testing.assert_close(out, ref2, atol=1e-10, rtol=1e-10)
 
@@ -182,7 +184,8 @@ def test_cache_leftpad():
     b, n = head_params(HQ, dtype=torch.float64)
     lengths, starts = [30, 41, 5], [4, 0, 5]
     out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths), is_causal=True,
-                                           enable_gqa=True, b=b, n=n, cache_leftpad=seqlens(*starts),
+                                           enable_gqa=True, score="ssa", score_params=(b, n),
+                                           cache_leftpad=seqlens(*starts),
                                            num_splits=2, backend="triton")
     ref_out, _ = explicit_reference("ssa", q, k_cache, v_cache, lengths, starts, True, b, n)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
@@ -193,7 +196,8 @@ def test_float32_matches_float64_reference():
     q, k_cache, v_cache, _ = cache_inputs(1, dtype=torch.float32, seed=5)
     b, n = head_params(HQ)
     lengths = [41, 20, 7]
-    out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths), enable_gqa=True, b=b, n=n,
+    out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(*lengths), enable_gqa=True, score="ssa",
+                                           score_params=(b, n),
                                            backend="triton")
     ref_out, _ = explicit_reference("ssa", q.double(), k_cache.double(), v_cache.double(), lengths, [0] * B,
                                     False, b.double(), n.double())
@@ -255,32 +259,40 @@ def test_invalid_arguments(change, error, match):
     for i, value in change(args).items():
         args[i] = value
     with pytest.raises(error, match=match):
-        ssa_flash.attention_with_kvcache(*args, enable_gqa=True, backend="triton")
+        ssa_flash.attention_with_kvcache(*args, enable_gqa=True, backend="triton", score="ssa", score_params=(1.0, 1.5))
 
 
 def test_invalid_new_rows_and_options():
     q, k_cache, v_cache, lengths = _args()
     new = torch.zeros(B, HKV, 1, D, dtype=q.dtype, device=DEVICE)
     with pytest.raises(ValueError, match="both key and value"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, new, enable_gqa=True)
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, new, enable_gqa=True, score="ssa",
+                                         score_params=(1.0, 1.5))
     with pytest.raises(TypeError, match="key must have the cache's dtype"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, new.float(), new, enable_gqa=True)
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, new.float(), new, enable_gqa=True, score="ssa",
+                                         score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="key must have shape"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, new[:, :1], new, enable_gqa=True)
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, new[:, :1], new, enable_gqa=True, score="ssa",
+                                         score_params=(1.0, 1.5))
     if not CUDA:  # values of GPU tensors are not validated (test_out_of_range_gpu_values_do_not_crash)
         with pytest.raises(ValueError, match="cache_seqlens must be in"):
-            ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(41, 0, 0), new, new, enable_gqa=True)
+            ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(41, 0, 0), new, new, enable_gqa=True,
+                                             score="ssa", score_params=(1.0, 1.5))
         with pytest.raises(ValueError, match="cache_leftpad"):
             ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True,
-                                             cache_leftpad=seqlens(9, 0, 0))
+                                             cache_leftpad=seqlens(9, 0, 0), score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="window_size"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=(8, -3))
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=(8, -3),
+                                         score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(TypeError, match="window_size"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=8)
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, window_size=8, score="ssa",
+                                         score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="num_splits"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, num_splits=-1)
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, num_splits=-1, score="ssa",
+                                         score_params=(1.0, 1.5))
     with pytest.raises(BackendUnavailableError, match="KV-cache|cuda"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, backend="cuda")
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, backend="cuda", score="ssa",
+                                         score_params=(1.0, 1.5))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if CUDA else ["cpu"])
@@ -300,7 +312,8 @@ def test_out_of_range_gpu_values_do_not_crash(device):
     if device == "cuda":
         q, k_cache, v_cache, (k_new, v_new) = cache_inputs(1, Lnew=1)
         out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, seqlens(41, -3, 7), k_new, v_new, enable_gqa=True,
-                                               cache_leftpad=seqlens(90, 0, -2), backend="triton")
+                                               cache_leftpad=seqlens(90, 0, -2), backend="triton", score="ssa",
+                                               score_params=(1.0, 1.5))
         torch.cuda.synchronize()
         assert out.shape == q.shape and torch.isfinite(out).all()
         assert torch.isfinite(torch.ones(3, device=device).sum())  # the context is alive
@@ -310,7 +323,8 @@ def test_forward_only():
     """Inputs that require grad give an output without grad (no silent wrong gradient)."""
     q, k_cache, v_cache, lengths = _args()
     q.requires_grad_()
-    out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, backend="triton")
+    out = ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, enable_gqa=True, backend="triton",
+                                           score="ssa", score_params=(1.0, 1.5))
     assert not out.requires_grad
 
 
@@ -321,7 +335,8 @@ def test_torch_compile_fullgraph():
 
     def step(q, k_cache, v_cache, k_new, v_new):
         return ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new, is_causal=True,
-                                                enable_gqa=True, num_splits=2, backend="triton")
+                                                enable_gqa=True, num_splits=2, backend="triton", score="ssa",
+                                                score_params=(1.0, 1.5))
 
     k1, v1, k2, v2 = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
     eager = step(q, k1, v1, k_new, v_new)
@@ -348,7 +363,8 @@ def test_num_splits_is_clamped_to_the_key_tiles(monkeypatch):
     q, k_cache, v_cache, _ = cache_inputs(1, seed=2)
     lengths = seqlens(41, 17, 33)
     b, n = head_params(HQ, dtype=torch.float64)
-    kw = dict(is_causal=True, enable_gqa=True, return_lse=True, backend="triton", b=b, n=n)
+    kw = dict(is_causal=True, enable_gqa=True, return_lse=True, backend="triton", score="ssa",
+              score_params=(b, n))
     small = lambda t: t[:, :, :16].contiguous()  # noqa: E731  a 16-row cache: one key tile
     with monkeypatch.context() as m:
         m.setattr(autograd, "attention", spy)
@@ -370,11 +386,15 @@ def test_cache_rank_errors_name_the_cache():
     argument, and a layout the cache does not accept."""
     q, k_cache, v_cache, lengths = _args()
     with pytest.raises(ValueError, match=r"^k_cache must have 4 dims \(B, H, L, D\), got shape") as err:
-        ssa_flash.attention_with_kvcache(q, k_cache[0], v_cache, lengths, enable_gqa=True)
+        ssa_flash.attention_with_kvcache(q, k_cache[0], v_cache, lengths, enable_gqa=True, score="ssa",
+                                         score_params=(1.0, 1.5))
     assert "or 3" not in str(err.value)
     with pytest.raises(ValueError, match=r"^v_cache must have 4 dims"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache[0], lengths, enable_gqa=True)
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache[0], lengths, enable_gqa=True, score="ssa",
+                                         score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match=r"k_cache's head dim"):
-        ssa_flash.attention_with_kvcache(q, k_cache[..., :8], v_cache, lengths, enable_gqa=True)
+        ssa_flash.attention_with_kvcache(q, k_cache[..., :8], v_cache, lengths, enable_gqa=True, score="ssa",
+                                         score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match=r"k_cache/v_cache"):
-        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths)  # 4 query heads, 2 cache heads
+        ssa_flash.attention_with_kvcache(q, k_cache, v_cache, lengths, score="ssa",
+                                         score_params=(1.0, 1.5))  # 4 query heads, 2 cache heads

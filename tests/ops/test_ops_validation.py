@@ -250,10 +250,34 @@ def test_numpy_bool_flags_of_the_other_functions():
     torch.testing.assert_close(ent, ssa_flash.attention_entropy(q, k, is_causal=True, backend="reference"))
     packed = [t[0].transpose(0, 1) for t in (q, k, v)]
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    got = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=np.bool_(True), ssa=np.bool_(True),
-                                     backend="reference")
-    want = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, backend="reference")
+    got = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=np.bool_(True), score="ssa",
+                                     score_params=(1.0, 1.5), adaptive_temperature=np.bool_(True), backend="reference")
+    want = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, score="ssa", score_params=(1.0, 1.5),
+                                      adaptive_temperature=True, backend="reference")
     torch.testing.assert_close(got, want)
+
+
+def test_packed_and_cache_functions_default_to_softmax_and_refuse_the_legacy_score_arguments():
+    """One score API: varlen_attention, attention_with_kvcache (and ring_attention) take
+    score= / score_params= as attention does, softmax by default; ssa=, b=, n= are gone."""
+    q, k, v = (t.cpu() for t in qkv())
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    dense = ssa_flash.softmax_attention(q, k, v, is_causal=True, backend="reference")[0].transpose(0, 1)
+    torch.testing.assert_close(ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, backend="reference"),
+                               dense)
+    ssa = ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, is_causal=True, score="ssa",
+                                     score_params={"b": 0.7, "n": 2.0}, backend="reference")
+    torch.testing.assert_close(ssa, ssa_flash.ssa_attention(q, k, v, is_causal=True, b=0.7, n=2.0,
+                                                            backend="reference")[0].transpose(0, 1))
+    lengths = torch.tensor([8], dtype=torch.int32)
+    cache = ssa_flash.attention_with_kvcache(q[:, :, -1:], k, v, lengths, backend="reference")
+    torch.testing.assert_close(cache, ssa_flash.softmax_attention(q[:, :, -1:], k, v, backend="reference"))
+    for legacy in (dict(ssa=True), dict(b=1.0), dict(n=1.5)):
+        with pytest.raises(TypeError, match=next(iter(legacy))):
+            ssa_flash.varlen_attention(*packed, cu, cu, 8, 8, backend="reference", **legacy)
+        with pytest.raises(TypeError, match=next(iter(legacy))):
+            ssa_flash.attention_with_kvcache(q, k, v, lengths, backend="reference", **legacy)
 
 
 def test_dropout_mask_on_meta():
@@ -317,3 +341,34 @@ def test_interpreter_switched_on_after_import_is_detected(imported):
     lines = proc.stdout.splitlines()
     assert lines[0] == "available: reference", proc.stdout
     assert lines[1].startswith("refused:") and "TRITON_INTERPRET=1 was set after" in lines[1], proc.stdout
+
+
+def test_degenerate_inputs_go_through_the_reference_backend(monkeypatch):
+    """No query row, no key or no value dim: the call goes ops -> autograd -> the reference
+    backend like any other (the public layer does not call ssa_flash.reference itself), with the
+    results of the specification: output 0, lse -inf (or the sink's), zero gradients."""
+    from ssa_flash import autograd, reference
+
+    seen = []
+    attention, row_entropy = autograd.attention, autograd.row_entropy
+    monkeypatch.setattr(autograd, "attention", lambda *a, **kw: seen.append(a[5]) or attention(*a, **kw))
+    monkeypatch.setattr(autograd, "row_entropy", lambda *a, **kw: seen.append(a[4]) or row_entropy(*a, **kw))
+    for name in ("_attend", "varlen_attention", "attention_with_kvcache", "attention_entropy"):
+        monkeypatch.setattr(reference, name, None)  # a call would raise TypeError
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 0, 8, dtype=torch.float64, requires_grad=True)
+    for sinks in (None, 0.5):
+        out, lse = ssa_flash.attention(q, k, k, score="ssa", score_params=(1.0, 1.5), sinks=sinks, dropout_p=0.3,
+                                       return_lse=True, backend="auto")
+        assert out.shape == (1, 2, 3, 8) and (out == 0).all()
+        assert (lse == (float("-inf") if sinks is None else 0.5)).all()
+        (grad,) = torch.autograd.grad(out.sum(), q)
+        assert (grad == 0).all()
+    assert ssa_flash.attention_entropy(q, k).shape == (1, 2, 3)
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    packed = torch.zeros(0, 2, 8, dtype=torch.float64)
+    assert ssa_flash.varlen_attention(packed, packed, packed, cu, cu, 1, 1).shape == (0, 2, 8)
+    cache = torch.zeros(1, 2, 0, 8, dtype=torch.float64)
+    out = ssa_flash.attention_with_kvcache(q.detach(), cache, cache, torch.zeros(1, dtype=torch.int32))
+    assert (out == 0).all()
+    assert seen == ["reference"] * 5

@@ -170,7 +170,7 @@ def test_varlen_and_kvcache_match_the_specification():
     s = torch.tensor([0.3, -0.8], dtype=F64, requires_grad=True)
     cu_q = torch.tensor([0, 3, 7], dtype=torch.int32)
     cu_k = torch.tensor([0, 0, 8], dtype=torch.int32)  # the first sequence has no key: all on the sink
-    kw = dict(is_causal=False, b=0.9, n=1.6, sinks=s, softcap=1.7, return_lse=True)
+    kw = dict(is_causal=False, score="ssa", score_params=(0.9, 1.6), sinks=s, softcap=1.7, return_lse=True)
     out, lse = ssa_flash.varlen_attention(q, k, v, cu_q, cu_k, 4, 8, **kw)
     ref_out, ref_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, 4, 8, **kw)
     torch.testing.assert_close(out, ref_out)
@@ -185,9 +185,9 @@ def test_varlen_and_kvcache_match_the_specification():
     kc, vc = torch.randn(2, H, 5, D, generator=g, dtype=F64), torch.randn(2, H, 5, D, generator=g, dtype=F64)
     lens = torch.tensor([4, 0], dtype=torch.int32)
     ours = ssa_flash.attention_with_kvcache(qc, kc, vc, lens, is_causal=True, sinks=s.detach(), softcap=1.7,
-                                            return_lse=True)
+                                            return_lse=True, score="ssa", score_params=(1.0, 1.5))
     ref = reference.attention_with_kvcache(qc, kc, vc, lens, is_causal=True, sinks=s.detach(), softcap=1.7,
-                                           return_lse=True)
+                                           return_lse=True, score="ssa", score_params=(1.0, 1.5))
     for a, r in zip(ours, ref):
         torch.testing.assert_close(a, r)
     assert ours[0][1].abs().max() == 0  # an empty cache: all on the sink
@@ -220,12 +220,13 @@ def test_errors_varlen_kvcache():
     q = torch.zeros(4, 2, 8)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="softcap"):
-        ssa_flash.varlen_attention(q, q, q, cu, cu, 4, 4, softcap=-0.5)
+        ssa_flash.varlen_attention(q, q, q, cu, cu, 4, 4, softcap=-0.5, score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="sinks"):
-        ssa_flash.varlen_attention(q, q, q, cu, cu, 4, 4, sinks=torch.zeros(3))
+        ssa_flash.varlen_attention(q, q, q, cu, cu, 4, 4, sinks=torch.zeros(3), score="ssa", score_params=(1.0, 1.5))
     qc = torch.zeros(1, 2, 1, 8)
     with pytest.raises(TypeError, match="sinks"):
-        ssa_flash.attention_with_kvcache(qc, qc, qc, torch.zeros(1, dtype=torch.int32), sinks=[0.0, 1.0])
+        ssa_flash.attention_with_kvcache(qc, qc, qc, torch.zeros(1, dtype=torch.int32), sinks=[0.0, 1.0], score="ssa",
+                                         score_params=(1.0, 1.5))
 
 
 # --------------------------------------------------------------------------------------------

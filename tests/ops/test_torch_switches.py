@@ -107,12 +107,14 @@ def test_varlen_and_entropy_under_autocast():
     q, k, v = (x.detach()[0].transpose(0, 1).contiguous() for x in _inputs(6))  # (24, 2, 16)
     cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        out = ssa_flash.varlen_attention(q, k, v, cu, cu, 14, 14, is_causal=True, backend="reference")
+        out = ssa_flash.varlen_attention(q, k, v, cu, cu, 14, 14, is_causal=True, backend="reference", score="ssa",
+                                         score_params=(1.0, 1.5))
         ent = ssa_flash.attention_entropy(q.transpose(0, 1), k.transpose(0, 1), backend="reference")
     assert out.dtype == torch.bfloat16
     qc, kc, vc = (x.to(torch.bfloat16) for x in (q, k, v))
     torch.testing.assert_close(out, ssa_flash.varlen_attention(qc, kc, vc, cu, cu, 14, 14, is_causal=True,
-                                                               backend="reference"), rtol=0, atol=0)
+                                                               backend="reference", score="ssa",
+                                                               score_params=(1.0, 1.5)), rtol=0, atol=0)
     torch.testing.assert_close(ent, ssa_flash.attention_entropy(qc.transpose(0, 1), kc.transpose(0, 1),
                                                                 backend="reference"), rtol=0, atol=0)
 
@@ -164,7 +166,7 @@ def test_deterministic_algorithms_reach_the_backend(monkeypatch, request):
     ssa_flash.ssa_attention(q, k, v, backend="triton")  # not the plan of the calls above
     cu = torch.tensor([0, 10, 24], dtype=torch.int32, device=DEVICE)
     packed = [x[0].transpose(0, 1).contiguous() for x in (q, k, v)]
-    ssa_flash.varlen_attention(*packed, cu, cu, 14, 14, backend="triton")
+    ssa_flash.varlen_attention(*packed, cu, cu, 14, 14, backend="triton", score="ssa", score_params=(1.0, 1.5))
     assert seen == [False, False, True, True]
 
 

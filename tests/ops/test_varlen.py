@@ -37,8 +37,9 @@ def run_varlen(mode, q, k, v, b, n, lens_q, lens_k, dout, dlse, backend, **kw):
     """Forward and backward of one variant; returns (out, lse, {name: grad})."""
     ssa = "ssa" in mode
     out, lse = ssa_flash.varlen_attention(
-        q, k, v, cu(lens_q), cu(lens_k), max(max(lens_q), 1), max(max(lens_k), 1), ssa=ssa,
-        b=b if ssa else 1.0, n=n if ssa else 1.5, adaptive_temperature="adaptive" in mode,
+        q, k, v, cu(lens_q), cu(lens_k), max(max(lens_q), 1), max(max(lens_k), 1), score="ssa" if ssa else "softmax",
+        score_params=(b, n) if ssa else None,
+        adaptive_temperature="adaptive" in mode,
         return_lse=True, backend=backend, **kw)
     loss = (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
     names, inputs = zip(*[(nm, t) for nm, t in zip("qkvbn", (q, k, v, b, n)) if t is not None and (ssa or nm in "qkv")])
@@ -105,7 +106,8 @@ def test_matches_dense_kernels_on_padded_layout(mode):
     dout = torch.randn(q.shape[0], 4, 16, generator=g).to(DEVICE)
     ssa, adaptive = "ssa" in mode, "adaptive" in mode
     kw = dict(is_causal=True, enable_gqa=True, adaptive_temperature=adaptive, backend="triton")
-    out = ssa_flash.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), Lq, Lk, ssa=ssa, b=b, n=n, **kw)
+    out = ssa_flash.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), Lq, Lk, score="ssa" if ssa else "softmax",
+                                     score_params=(b, n) if ssa else None, **kw)
     if ssa:
         dense = ssa_flash.ssa_attention(qp, kp, vp, key_ok, b=b, n=n, **kw)
     elif adaptive:
@@ -139,7 +141,8 @@ def test_gradcheck_float64():
 
     def f(q, k, v, b, n):
         out, lse = ssa_flash.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), 2, 2, is_causal=True,
-                                              enable_gqa=True, b=b, n=n, return_lse=True, backend="triton")
+                                              enable_gqa=True, score="ssa", score_params=(b, n), return_lse=True,
+                                              backend="triton")
         return (out * w_out).sum(), (torch.where(torch.isfinite(lse), lse, 0) * w_lse).sum()
 
     assert torch.autograd.gradcheck(f, (q, k, v, b, n), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
@@ -151,7 +154,8 @@ def test_gradcheck_adaptive_fast_mode():
     q, k, v = packed_inputs(lens_q, lens_k, Hq=2, Hkv=2, D=4, q_scale=3.0)
     b, n = head_params(2, dtype=torch.float64)
     f = lambda q, k, v, b, n: ssa_flash.varlen_attention(  # noqa: E731
-        q, k, v, cu(lens_q), cu(lens_k), 3, 3, b=b, n=n, adaptive_temperature=True, backend="triton")
+        q, k, v, cu(lens_q), cu(lens_k), 3, 3, score="ssa", score_params=(b, n), adaptive_temperature=True,
+        backend="triton")
     assert torch.autograd.gradcheck(f, (q, k, v, b, n), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
@@ -160,11 +164,11 @@ def test_low_precision_within_flash_tolerance():
     dtype = torch.float16
     q, k, v = packed_inputs(LENS_Q, LENS_K, dtype=dtype, seed=2)
     b, n = head_params(4)
-    kw = dict(is_causal=True, enable_gqa=True, b=b, n=n)
+    kw = dict(is_causal=True, enable_gqa=True, score="ssa", score_params=(b, n))
     ours = ssa_flash.varlen_attention(q, k, v, cu(LENS_Q), cu(LENS_K), 37, 37, backend="triton", **kw)
     naive = reference.varlen_attention(q, k, v, cu(LENS_Q), cu(LENS_K), **kw)
     gold = reference.varlen_attention(*(t.double() for t in (q, k, v)), cu(LENS_Q), cu(LENS_K),
-                                      **dict(kw, b=b.double(), n=n.double()))
+                                      **dict(kw, score_params=(b.double(), n.double())))
     assert ours.dtype == dtype
     fa_tolerance_check("out", ours, naive, gold, 2e-3)
 
@@ -180,7 +184,8 @@ def test_no_mask_reaches_the_kernels(monkeypatch):
 
     monkeypatch.setattr(launch, "forward", forward)
     q, k, v = packed_inputs([3, 2], [3, 2], Hq=2, Hkv=2, D=8)
-    ssa_flash.varlen_attention(q, k, v, cu([3, 2]), cu([3, 2]), 3, 3, is_causal=True, backend="triton")
+    ssa_flash.varlen_attention(q, k, v, cu([3, 2]), cu([3, 2]), 3, 3, is_causal=True, backend="triton", score="ssa",
+                               score_params=(1.0, 1.5))
     assert len(seen) == 1 and seen[0][0] is None and isinstance(seen[0][1], launch.Packed)
 
 
@@ -214,7 +219,7 @@ def test_invalid_arguments(change, error, match):
     for i, value in change(args).items():
         args[i] = value
     with pytest.raises(error, match=match):
-        ssa_flash.varlen_attention(*args, backend="triton")
+        ssa_flash.varlen_attention(*args, backend="triton", score="ssa", score_params=(1.0, 1.5))
 
 
 @pytest.mark.parametrize("mode,causal,window", [("ssa_adaptive", False, (3, 1)), ("softmax", False, (3, 1)),
@@ -237,8 +242,9 @@ def test_dropout_and_window_match_reference(mode, causal, window):
     keep = ssa_flash.dropout_mask((len(LENS_Q), 4, max(LENS_Q), max(LENS_K)), 0.3, device=DEVICE)
     ssa = "ssa" in mode
     explicit = reference.varlen_attention(
-        q, k, v, cu(LENS_Q), cu(LENS_K), dropout_p=0.3, is_causal=causal, enable_gqa=True, ssa=ssa,
-        b=b if ssa else 1.0, n=n if ssa else 1.5, adaptive_temperature="adaptive" in mode,
+        q, k, v, cu(LENS_Q), cu(LENS_K), dropout_p=0.3, is_causal=causal, enable_gqa=True,
+        score="ssa" if ssa else "softmax", score_params=(b, n) if ssa else None,
+        adaptive_temperature="adaptive" in mode,
         window_size=window, dropout_mask=keep)
     assert 0.55 < keep.float().mean() < 0.85
     torch.testing.assert_close(ours[0], ref[0], atol=1e-10, rtol=1e-10)
@@ -263,7 +269,8 @@ def test_dropout_window_gradcheck_float64():
 
     def f(q, k, v, b, n):
         torch.manual_seed(3)
-        return ssa_flash.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), 3, 3, enable_gqa=True, b=b, n=n,
+        return ssa_flash.varlen_attention(q, k, v, cu(lens_q), cu(lens_k), 3, 3, enable_gqa=True, score="ssa",
+                                          score_params=(b, n),
                                           dropout_p=0.4, window_size=(1, 0), backend="triton")
 
     assert torch.autograd.gradcheck(f, (q, k, v, b, n), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
@@ -272,19 +279,19 @@ def test_dropout_window_gradcheck_float64():
 def test_dropout_and_window_validation():
     args = _args()
     with pytest.raises(ValueError, match="dropout_p"):
-        ssa_flash.varlen_attention(*args, dropout_p=1.5)
+        ssa_flash.varlen_attention(*args, dropout_p=1.5, score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(ValueError, match="window_size"):
-        ssa_flash.varlen_attention(*args, window_size=(-2, 0))
+        ssa_flash.varlen_attention(*args, window_size=(-2, 0), score="ssa", score_params=(1.0, 1.5))
     with pytest.raises(TypeError, match="window_size"):
-        ssa_flash.varlen_attention(*args, window_size=4)
+        ssa_flash.varlen_attention(*args, window_size=4, score="ssa", score_params=(1.0, 1.5))
     torch.manual_seed(0)  # p = 1: every weight dropped, zeros (finite)
-    out = ssa_flash.varlen_attention(*args, dropout_p=1.0, backend="triton")
+    out = ssa_flash.varlen_attention(*args, dropout_p=1.0, backend="triton", score="ssa", score_params=(1.0, 1.5))
     assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_cuda_backend_refuses_packed_batches():
     with pytest.raises(BackendUnavailableError, match="packed|cuda"):
-        ssa_flash.varlen_attention(*_args(), backend="cuda")
+        ssa_flash.varlen_attention(*_args(), backend="cuda", score="ssa", score_params=(1.0, 1.5))
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +336,8 @@ def test_torch_compile_fullgraph():
     b, n = head_params(2, dtype=torch.float64)
 
     def f(q, k, v, b, n):
-        return ssa_flash.varlen_attention(q, k, v, cu(lens), cu(lens), 5, 5, is_causal=True, b=b, n=n,
+        return ssa_flash.varlen_attention(q, k, v, cu(lens), cu(lens), 5, 5, is_causal=True, score="ssa",
+                                          score_params=(b, n),
                                           backend="triton")
 
     eager = f(q, k, v, b, n)

@@ -360,7 +360,8 @@ def test_varlen_sinks_per_sequence(adaptive):
     n = torch.tensor([1.5, 2.0], dtype=D64)
     s = torch.tensor([0.4, -0.9], dtype=D64, requires_grad=True)
     kw = dict(b=b, n=n, adaptive_temperature=adaptive, sinks=s, softcap=2.0, is_causal=True)
-    out, lse = reference.varlen_attention(q, k, v, cq, ck, return_lse=True, **kw)
+    out, lse = reference.varlen_attention(q, k, v, cq, ck, return_lse=True, score="ssa", score_params=(b, n),
+                                          **{x: y for x, y in kw.items() if x not in "bn"})
     for i in range(3):
         rows = slice(int(cq[i]), int(cq[i + 1]))
         keys = slice(int(ck[i]), int(ck[i + 1]))
@@ -385,7 +386,7 @@ def test_kvcache_sinks_per_row():
     vc = torch.randn(3, 2, 6, 4, generator=g, dtype=D64)
     s = torch.tensor([0.2, 1.1], dtype=D64)
     lens = torch.tensor([5, 0, 3], dtype=torch.int32)
-    out, lse = reference.attention_with_kvcache(q, kc, vc, lens, ssa=False, sinks=s, softcap=3.0,
+    out, lse = reference.attention_with_kvcache(q, kc, vc, lens, score="softmax", sinks=s, softcap=3.0,
                                                 return_lse=True)
     assert (out[1] == 0).all()
     torch.testing.assert_close(lse[1], s.view(2, 1).expand(2, 2))
@@ -396,7 +397,7 @@ def test_kvcache_sinks_per_row():
         torch.testing.assert_close(out[i:i + 1], o)
         torch.testing.assert_close(lse[i:i + 1], l_)
     # bottom-right causality with sinks: against the extra-key formulation
-    out_c, lse_c = reference.attention_with_kvcache(q, kc, vc, lens, ssa=False, sinks=s, is_causal=True,
+    out_c, lse_c = reference.attention_with_kvcache(q, kc, vc, lens, score="softmax", sinks=s, is_causal=True,
                                                     return_lse=True)
     L = 5
     allowed = torch.arange(L).view(1, L) <= torch.arange(2).view(2, 1) + (L - 2)

@@ -161,7 +161,7 @@ def test_a_call_on_the_second_gpu(monkeypatch, tmp_path):
         cache_k = torch.randn(2, 4, 1024, 64, generator=g).to(dev, torch.float16)
         dec = ssa_flash.attention_with_kvcache(q[:, :, :1].detach(), cache_k, cache_k.clone(),
                                                torch.full((2,), 900, dtype=torch.int32, device=dev),
-                                               num_splits=4, backend="triton")
+                                               num_splits=4, backend="triton", score="ssa", score_params=(1.0, 1.5))
         torch.cuda.synchronize(dev)
         assert torch.cuda.current_device() == 0
         assert all(t.device == torch.device(dev) for t in (out, q.grad, dec))
