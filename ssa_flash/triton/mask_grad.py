@@ -44,6 +44,8 @@ from .block_choice import on_device
 from .dropout import dropout_keep
 from .logits import LN2, LOG2E, bwd_head_coefficients, tile_logit_input_and_u
 from .masks import MASK_ADD, boundary_logits
+
+_ADDITIVE = tl.constexpr(MASK_ADD)  # (a global a kernel reads must be a constexpr)
 from .prologue import dropout_scale, dropout_stream, logit_scales, window_edges
 
 
@@ -84,70 +86,69 @@ def attention_bwd_mask_kernel(
     row_ok = offs_m < Lq
     col_ok = offs_n < Lk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    # a tile wholly above the causal diagonal: every dl is 0
-    live = True
+    # a tile wholly above the causal diagonal: every dl is 0, no (batch, head) is visited
     if CAUSAL:
-        live = start_n < start_m + BLOCK_M
-    if live:
-        scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
-        P0, P1 = score_params
-        win_left, win_right = window_edges(window, WINDOW)
-        drop_scale = dropout_scale(dropout, DROPOUT, ACC)
-        for ib in range(0, nb):  # fixed order: batch outer, head inner (deterministic)
-            off_b = gbm + ib
-            for ih in range(0, nh):
-                off_h = ghm + ih
-                off_kv = off_h // GROUP
-                bh = off_b * H + off_h
-                q = tl.load(Q + off_b.to(tl.int64) * q_strides[0] + off_h * q_strides[1]
-                            + offs_m[:, None] * q_strides[2] + offs_d[None, :] * q_strides[3],
-                            mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                do = tl.load(DO + off_b.to(tl.int64) * do_strides[0] + off_h * do_strides[1]
-                             + offs_m[:, None] * do_strides[2] + offs_dv[None, :] * do_strides[3],
-                             mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                k = tl.load(K + off_b.to(tl.int64) * k_strides[0] + off_kv * k_strides[1]
-                            + offs_n[:, None] * k_strides[2] + offs_d[None, :] * k_strides[3],
-                            mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                v = tl.load(V + off_b.to(tl.int64) * v_strides[0] + off_kv * v_strides[1]
-                            + offs_n[:, None] * v_strides[2] + offs_dv[None, :] * v_strides[3],
-                            mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                row_stat = bh.to(tl.int64) * Lq + offs_m
-                lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)
-                lse2_lo = tl.load(LSE2_LO + row_stat, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + row_stat, mask=row_ok, other=0.0)
-                cb, coef, ds_scale = bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
-                x, u, t = tile_logit_input_and_u(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
-                mask_base = MASK + off_b.to(tl.int64) * mask_strides[0] + off_h * mask_strides[1]
-                l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, mask_strides[2],
-                                     mask_strides[3], LOG2E, True, CAUSAL, MASK_ADD, False,
-                                     win_left, win_right, WINDOW)
-                if ADAPTIVE:
-                    beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
-                    p = tl.exp2(l2 * beta[:, None] - lse2[:, None] - lse2_lo[:, None])
-                else:
-                    p = tl.exp2(l2 - lse2[:, None] - lse2_lo[:, None])
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
-                if DROPOUT:
-                    seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = dropout_stream(dropout, off_b, off_h, DROPOUT)
-                    keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
-                                        BLOCK_M, BLOCK_N, False, FAST_MATH)
-                    dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
-                else:
-                    dl = p * (dp - delta[:, None])
-                if ADAPTIVE:
-                    # the entropy path (backward.py): -g P (log P + H), P = softmax(l) untempered
-                    lse_l2 = tl.load(LSE_L2_HI + row_stat, mask=row_ok, other=0.0)
-                    lse_l2_lo = tl.load(LSE_L2_LO + row_stat, mask=row_ok, other=0.0)
-                    ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
-                    g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
-                    admissible = l2 != float("-inf")
-                    log_p2 = tl.where(admissible, l2 - lse_l2[:, None] - lse_l2_lo[:, None], 0.0)
-                    ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
-                    dl = dl * beta[:, None] - g[:, None] * ent_term
-                acc += dl
-    out = (DMASK + gbm.to(tl.int64) * dmask_strides[0] + ghm * dmask_strides[1]
-           + offs_m[:, None] * dmask_strides[2] + offs_n[None, :] * dmask_strides[3])
+        if start_n >= start_m + BLOCK_M:
+            nb = 0
+    scale, cap_a, cap_c = logit_scales(scale, softcap, SOFTCAP, ACC)
+    P0, P1 = score_params
+    win_left, win_right = window_edges(window, WINDOW)
+    drop_scale = dropout_scale(dropout, DROPOUT, ACC)
+    for ib in range(0, nb):  # fixed order: batch outer, head inner (deterministic)
+        off_b = gbm + ib
+        for ih in range(0, nh):
+            off_h = ghm + ih
+            off_kv = off_h // GROUP
+            bh = off_b * H + off_h
+            q = tl.load(Q + off_b.to(tl.int64) * q_strides[0] + off_h * q_strides[1]
+                        + offs_m[:, None] * q_strides[2] + offs_d[None, :] * q_strides[3],
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(DO + off_b.to(tl.int64) * do_strides[0] + off_h * do_strides[1]
+                         + offs_m[:, None] * do_strides[2] + offs_dv[None, :] * do_strides[3],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            k = tl.load(K + off_b.to(tl.int64) * k_strides[0] + off_kv * k_strides[1]
+                        + offs_n[:, None] * k_strides[2] + offs_d[None, :] * k_strides[3],
+                        mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V + off_b.to(tl.int64) * v_strides[0] + off_kv * v_strides[1]
+                        + offs_n[:, None] * v_strides[2] + offs_dv[None, :] * v_strides[3],
+                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            row_stat = bh.to(tl.int64) * Lq + offs_m
+            lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)
+            lse2_lo = tl.load(LSE2_LO + row_stat, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + row_stat, mask=row_ok, other=0.0)
+            cb, coef, ds_scale = bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
+            x, u, t = tile_logit_input_and_u(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
+            mask_base = MASK + off_b.to(tl.int64) * mask_strides[0] + off_h.to(tl.int64) * mask_strides[1]
+            l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, mask_strides[2],
+                                 mask_strides[3], LOG2E, True, CAUSAL, _ADDITIVE, False,
+                                 win_left, win_right, WINDOW)
+            if ADAPTIVE:
+                beta = tl.load(BETA + row_stat, mask=row_ok, other=1.0).to(ACC)
+                p = tl.exp2(l2 * beta[:, None] - lse2[:, None] - lse2_lo[:, None])
+            else:
+                p = tl.exp2(l2 - lse2[:, None] - lse2_lo[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
+            if DROPOUT:
+                seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = dropout_stream(dropout, off_b, off_h, DROPOUT)
+                keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
+                                    BLOCK_M, BLOCK_N, False, FAST_MATH)
+                dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
+            else:
+                dl = p * (dp - delta[:, None])
+            if ADAPTIVE:
+                # the entropy path (backward.py): -g P (log P + H), P = softmax(l) untempered
+                lse_l2 = tl.load(LSE_L2_HI + row_stat, mask=row_ok, other=0.0)
+                lse_l2_lo = tl.load(LSE_L2_LO + row_stat, mask=row_ok, other=0.0)
+                ent = tl.load(ENT + row_stat, mask=row_ok, other=0.0).to(ACC)
+                g = tl.load(G + row_stat, mask=row_ok, other=0.0).to(ACC)
+                admissible = l2 != float("-inf")
+                log_p2 = tl.where(admissible, l2 - lse_l2[:, None] - lse_l2_lo[:, None], 0.0)
+                ent_term = tl.where(admissible, tl.exp2(log_p2) * (log_p2 * LN2 + ent[:, None]), 0.0)
+                dl = dl * beta[:, None] - g[:, None] * ent_term
+            acc += dl
+    out = (DMASK + gbm.to(tl.int64) * dmask_strides[0] + ghm.to(tl.int64) * dmask_strides[1]
+           + offs_m[:, None].to(tl.int64) * dmask_strides[2] + offs_n[None, :] * dmask_strides[3])
     tl.store(out, acc.to(DMASK.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -167,7 +168,11 @@ def mask_grad(mask_shape, q, k, v, do, mask, score_params, row_stats, temperatur
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # broadcast over rows or keys: the (Bm, Hm, Lq, Lk) gradient, summed below (module docstring)
     dmask = torch.empty((Bm, Hm, Lq, Lk), device=q.device, dtype=acc)
-    bm, bn = (16, 16) if device_arch is None else (64, 64)
+    # not tuned: the q, k, v, dO tiles of one (batch, head) live together, so the tile shrinks
+    # with the head dim (16 x 16 under the interpreter, as the other kernels there)
+    head_block = max(common_consts["BLOCK_D"], block_dv)
+    bm, bn = (16, 16) if device_arch is None else ((64, 64) if head_block <= 64 else (64, 32) if head_block <= 128
+                                                  else (32, 32))
     num_m, num_n = triton.cdiv(Lq, bm), triton.cdiv(Lk, bn)
     consts = {name: common_consts[name] for name in ("SCORE", "CAUSAL", "BLOCK_D", "ACC", "DOT_PRECISION",
                                                       "FAST_MATH")}
@@ -183,6 +188,6 @@ def mask_grad(mask_shape, q, k, v, do, mask, score_params, row_stats, temperatur
                 tuple(dmask.stride()), (B, H, Lq, Lk, D, DV, group, num_m, num_n, Bm, Hm),
                 (B if Bm == 1 else 1, H if Hm == 1 else 1), scale_args["scale"], feat_args["dropout"],
                 feat_args["window"], softcap, ADAPTIVE=adaptive, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DV=block_dv,
-                num_warps=4, num_stages=1, **consts)
+                num_warps=8 if bm * bn >= 64 * 64 else 4, num_stages=1, **consts)
     dims = tuple(d for d in (2, 3) if mask_shape[d] == 1 and dmask.shape[d] != 1)
     return dmask.sum(dim=dims, keepdim=True) if dims else dmask
