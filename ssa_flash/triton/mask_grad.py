@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .block_choice import on_device
 from .dropout import dropout_keep
+from .extents import tile_ptrs
 from .logits import LN2, LOG2E, bwd_head_coefficients, tile_logit_input_and_u
 from .masks import MASK_ADD, boundary_logits
 
@@ -100,17 +101,15 @@ def attention_bwd_mask_kernel(
             off_h = ghm + ih
             off_kv = off_h // GROUP
             bh = off_b * H + off_h
-            q = tl.load(Q + off_b.to(tl.int64) * q_strides[0] + off_h * q_strides[1]
-                        + offs_m[:, None] * q_strides[2] + offs_d[None, :] * q_strides[3],
+            # (int64 batch offsets: a broadcast mask's (batch, head) loop spans the whole tensors)
+            batch = off_b.to(tl.int64)
+            q = tl.load(tile_ptrs(Q, batch * q_strides[0], q_strides, off_h, offs_m, offs_d),
                         mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(DO + off_b.to(tl.int64) * do_strides[0] + off_h * do_strides[1]
-                         + offs_m[:, None] * do_strides[2] + offs_dv[None, :] * do_strides[3],
+            do = tl.load(tile_ptrs(DO, batch * do_strides[0], do_strides, off_h, offs_m, offs_dv),
                          mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            k = tl.load(K + off_b.to(tl.int64) * k_strides[0] + off_kv * k_strides[1]
-                        + offs_n[:, None] * k_strides[2] + offs_d[None, :] * k_strides[3],
+            k = tl.load(tile_ptrs(K, batch * k_strides[0], k_strides, off_kv, offs_n, offs_d),
                         mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + off_b.to(tl.int64) * v_strides[0] + off_kv * v_strides[1]
-                        + offs_n[:, None] * v_strides[2] + offs_dv[None, :] * v_strides[3],
+            v = tl.load(tile_ptrs(V, batch * v_strides[0], v_strides, off_kv, offs_n, offs_dv),
                         mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             row_stat = bh.to(tl.int64) * Lq + offs_m
             lse2 = tl.load(LSE2 + row_stat, mask=row_ok, other=0.0)
@@ -119,7 +118,7 @@ def attention_bwd_mask_kernel(
             cb, coef, ds_scale = bwd_head_coefficients(P0, P1, off_h, scale, cap_c, SCORE, SOFTCAP, ACC)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=ACC)
             x, u, t = tile_logit_input_and_u(s, cb, cap_a, SCORE, SOFTCAP, ACC, FAST_MATH)
-            mask_base = MASK + off_b.to(tl.int64) * mask_strides[0] + off_h.to(tl.int64) * mask_strides[1]
+            mask_base = MASK + batch * mask_strides[0] + off_h.to(tl.int64) * mask_strides[1]
             l2 = boundary_logits(x * coef, offs_m, offs_n, Lq, Lk, mask_base, mask_strides[2],
                                  mask_strides[3], LOG2E, True, CAUSAL, _ADDITIVE, False,
                                  win_left, win_right, WINDOW)
