@@ -661,7 +661,8 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                      score=score, params=params, adaptive=adaptive, poly=poly, threshold=threshold,
                                      window_size=(left, right), dropout_mask=keep, sinks=sinks,
                                      softcap=softcap)
-    elif _learned_mask(mask):  # (the 4-D mask of its own size: its gradient is reduced in the kernel)
+    elif mask is not None and mask.requires_grad and torch.is_grad_enabled():  # a learned mask (no call: hot path)
+        # (the 4-D mask of its own size: its gradient is reduced in the kernel)
         out, lse = autograd.attention_learned_mask(query, key, value, params, attn_mask[(None,) * (4 - attn_mask.dim())],
                                                    backend, spec, **_sink_arg(sinks))
     else:
