@@ -237,6 +237,54 @@ class _EagerAttention(torch.autograd.Function):
         return (dq, dk, dv, dsinks, None, None, None, *dparams)
 
 
+class _LearnedMaskAttention(torch.autograd.Function):
+    """The eager path for a float mask that requires grad (a learned bias), Triton backend: as
+    :class:`_EagerAttention`, with ``mask`` the user's mask as a 4-D view of its own size (dims 1
+    where it broadcasts), expanded here, outside the autograd graph, to ``(B, Hq, Lq, Lk)``; its
+    gradient comes back of the 4-D shape, reduced over the broadcast dims inside the kernels
+    (``ssa_flash/triton/mask_grad.py``), never materialised as ``(B, Hq, Lq, Lk)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, mask, backend, spec, *params):
+        full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse, temp = _forward(q, k, v, params, sinks, full, backend, spec)
+        ctx.set_materialize_grads(False)
+        ctx.backend, ctx.spec, ctx.temp = backend, spec, temp
+        ctx.save_for_backward(q, k, v, out, lse, sinks, mask, *params)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks, mask, *params = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return (None,) * (7 + len(params))
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is not None:
+            dlse = dlse.contiguous()
+        full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        dq, dk, dv, dparams, dsinks, dmask = get_backend(ctx.backend).backward(
+            dout, q, k, v, out, lse, dlse, full, tuple(params), sinks, ctx.temp, ctx.spec,
+            mask_grad_shape=tuple(mask.shape))
+        return (dq, dk, dv, dsinks, dmask.to(mask.dtype), None, None, *dparams)
+
+
+def attention_learned_mask(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...], mask: Tensor, backend: str,
+                           spec: AttentionSpec, sinks: Optional[Tensor] = None):
+    """:func:`attention` for a float ``mask`` that requires grad, given as a 4-D tensor that
+    broadcasts to ``(B, Hq, Lq, Lk)`` (not expanded): differentiable in the mask too. Eager only
+    (the custom ops carry no mask gradient: under ``torch.compile`` or a dispatch mode,
+    ``ValueError``); the Triton backend only."""
+    if backend != "triton":
+        raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
+                         "respect to attn_mask; backend='triton' or 'reference' does (docs/support.md)")
+    if _through_ops(q, k, v, mask):
+        raise ValueError("attn_mask requires grad: not supported under torch.compile, dispatch modes or tensor "
+                         "subclasses on the kernels (eager calls only); backend='reference' differentiates it")
+    return _LearnedMaskAttention.apply(q, k, v, sinks, mask, backend, spec, *params)
+
+
 def _through_ops(*tensors) -> bool:
     """Whether a call must go through the custom ops: while torch.compile traces, under a
     dispatch mode (FakeTensorMode, FlopCounterMode, ...), or for tensor subclasses; elsewhere

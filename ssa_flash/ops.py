@@ -149,13 +149,22 @@ def _check_mask(attn_mask, query: Tensor, key: Tensor) -> Optional[Tensor]:
     return attn_mask.expand(full)
 
 
+_MASK_GRAD_BACKENDS = ("reference", "triton")
+
+
+def _learned_mask(mask: Optional[Tensor]) -> bool:
+    """Whether ``mask`` is a float mask whose gradient this call must compute (a learned bias)."""
+    return mask is not None and mask.requires_grad and torch.is_grad_enabled()
+
+
 def _check_mask_grad(mask: Optional[Tensor], backend: str) -> None:
     """A float mask that requires grad (a learned additive bias) is differentiable on the
-    reference backend (autograd through ``ssa_flash.reference``); the Triton and CUDA kernels do
-    not compute its gradient yet: ``ValueError`` naming the backend rather than a silent zero."""
-    if mask is not None and mask.requires_grad and torch.is_grad_enabled() and backend != "reference":
+    reference backend (autograd through ``ssa_flash.reference``) and on Triton (its gradient
+    reduced over the broadcast dims inside a kernel, ``ssa_flash/triton/mask_grad.py``); the CUDA
+    kernels do not compute it: ``ValueError`` naming the backend rather than a silent zero."""
+    if _learned_mask(mask) and backend not in _MASK_GRAD_BACKENDS:
         raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
-                         "respect to attn_mask yet; backend='reference' does (O(Lq Lk) memory; docs/support.md)")
+                         "respect to attn_mask yet; backend='triton' or 'reference' does (docs/support.md)")
 
 
 def _check_number(name: str, x, *, positive: bool = False) -> float:
@@ -647,6 +656,10 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                      score=score, params=params, adaptive=adaptive, poly=poly, threshold=threshold,
                                      window_size=(left, right), dropout_mask=keep, sinks=sinks,
                                      softcap=softcap)
+    elif mask is not None and mask.requires_grad and torch.is_grad_enabled():  # a learned mask (no call: hot path)
+        # (the 4-D mask of its own size: its gradient is reduced in the kernel)
+        out, lse = autograd.attention_learned_mask(query, key, value, params, attn_mask[(None,) * (4 - attn_mask.dim())],
+                                                   backend, spec, **_sink_arg(sinks))
     else:
         out, lse = autograd.attention(query, key, value, params, mask, backend, spec, **_sink_arg(sinks))
         if call_key is not None and backend_arg is not None:

@@ -165,14 +165,17 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
-             spec: AttentionSpec):
+             spec: AttentionSpec, mask_grad_shape=None):
+    """``(dq, dk, dv, dparams, dsinks)``; with ``mask_grad_shape`` (a learned float mask, dense
+    layout) also the mask's gradient of that 4-D shape, in the accumulation dtype, last."""
     launch = _launch()
     if _emulate_bf16(q):
-        dq, dk, dv, dparams, dsinks = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask), params,
-                                               sinks, temp, spec)
-        return _bf16(dq), _bf16(dk), _bf16(dv), dparams, dsinks
+        dq, dk, dv, dparams, dsinks, *dmask = backward(*map(_f32, (dout, q, k, v, out)), lse, dlse, _f32(mask),
+                                                       params, sinks, temp, spec, mask_grad_shape)
+        return (_bf16(dq), _bf16(dk), _bf16(dv), dparams, dsinks, *dmask)
+    kw = {} if mask_grad_shape is None else {"mask_grad_shape": mask_grad_shape}
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, params, temp if spec.adaptive else None, spec,
-                           _layout(launch, spec), sinks=sinks)
+                           _layout(launch, spec), sinks=sinks, **kw)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys

@@ -13,6 +13,11 @@ Implementations (``impl``):
 * ``flex``: ``torch.compile``d FlexAttention computing SSA with a ``score_mod`` that reads per-head
   ``b``, ``n`` tensors requiring grad (a block mask for causality).
 * ``reference``: ``ssa_flash.reference``, the naive spec (every score materialised).
+
+One more operation outside the variants, :data:`LEARNED_BIAS_OP` (the runner's ``learned_bias``
+phase, GPU only): softmax with a learned additive ``(H, L, L)`` bias that requires grad (T5 / Swin
+style), forward + backward, the bias's gradient included: ``ssa_flash.triton`` (its mask-gradient
+kernel, ``ssa_flash/triton/mask_grad.py``) beside ``sdpa.efficient`` with the same bias.
 """
 from __future__ import annotations
 
@@ -30,13 +35,17 @@ IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa
 PASSES = ("fwd", "bwd", "fwd_bwd")
 SDPA_IMPLS = ("sdpa.flash", "sdpa.cudnn", "sdpa.efficient", "sdpa.math")
 
+LEARNED_BIAS_OP = "softmax_learned_bias"
+LEARNED_BIAS_IMPLS = ("ssa_flash.triton", "sdpa.efficient")
+
 # which operations each implementation computes; other (op, impl) pairs produce no row
 IMPL_OPS = {
-    "ssa_flash.triton": OPS,
+    "ssa_flash.triton": OPS + (LEARNED_BIAS_OP,),
     "ssa_flash.cuda": OPS,
     "reference": OPS,
     "flex": ("ssa",),
     **{name: ("softmax",) for name in SDPA_IMPLS},
+    "sdpa.efficient": ("softmax", LEARNED_BIAS_OP),
 }
 
 
@@ -209,6 +218,8 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
         raise NotRunnable(why)
     if op not in IMPL_OPS[impl]:
         raise NotRunnable(f"{impl} does not compute {op}")
+    if op == LEARNED_BIAS_OP:
+        return _learned_bias_call(impl, shape, inputs, device)
     q, k, v, params = inputs.q, inputs.k, inputs.v, inputs.params[VARIANTS[op].score.name]
     causal = shape.causal
     grads = [q, k, v, *params]
@@ -244,6 +255,35 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
 
         return Call(fwd, grads, nullctx)
     raise ValueError(f"unknown impl {impl!r}")
+
+
+def _learned_bias_call(impl: str, shape: Shape, inputs: Inputs, device: torch.device) -> Call:
+    """Softmax attention with a learned ``(H, L, L)`` additive bias requiring grad (the gradient
+    inputs: q, k, v and the bias), by ``ssa_flash.triton`` or ``sdpa.efficient``."""
+    import ssa_flash
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    bias = (0.5 * torch.randn((shape.heads, shape.seqlen, shape.seqlen), generator=gen, device=device,
+                              dtype=shape.dtype)).requires_grad_()
+    q, k, v, causal = inputs.q, inputs.k, inputs.v, shape.causal
+    if impl == "ssa_flash.triton":
+        def fwd():
+            return ssa_flash.softmax_attention(q, k, v, attn_mask=bias, is_causal=causal, backend="triton")
+
+        return Call(fwd, [q, k, v, bias], contextlib.nullcontext)
+    from torch.nn.attention import sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if causal:  # SDPA takes no attn_mask with is_causal: the triangle folded into the bias
+        tri = torch.ones(shape.seqlen, shape.seqlen, dtype=torch.bool, device=device).tril()
+        bias_in = lambda: bias.masked_fill(~tri, float("-inf"))  # noqa: E731
+    else:
+        bias_in = lambda: bias  # noqa: E731
+
+    def fwd():
+        return sdpa(q, k, v, attn_mask=bias_in())
+
+    return Call(fwd, [q, k, v, bias], lambda: sdpa_kernel(_sdpa_backend(impl)))
 
 
 def pass_fn(call: Call, pass_: str, dout: torch.Tensor) -> Tuple[Callable[[], object], Callable[[], None]]:

@@ -3,7 +3,8 @@ recorded with ``"ms": null`` and a note, never a crash), show progress, write th
 
 Rows are measured in phases so that a time budget cuts the least important ones:
 matmul rate; speed sweep of our backends and ``sdpa.flash``; the memory sweep; ``flex`` (one
-compilation per shape); the other SDPA backends and the naive reference. Rows the budget cuts are
+compilation per shape); the other SDPA backends and the naive reference; softmax with a learned
+(H, L, L) bias (GPU only: ours beside ``sdpa.efficient``). Rows the budget cuts are
 kept with a note.
 """
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import timing
-from .impls import (IMPL_OPS, IMPLS, OPS, PASSES, NotRunnable, Shape, availability, build_call,
-                    dtype_name, make_inputs, pass_fn)
+from .impls import (IMPL_OPS, IMPLS, LEARNED_BIAS_IMPLS, LEARNED_BIAS_OP, OPS, PASSES, NotRunnable, Shape,
+                    availability, build_call, dtype_name, make_inputs, pass_fn)
 
 # measured first, side by side: ours and what users would pick instead, SDPA's flash backend
 # (FlashAttention-2) and its cuDNN backend (torch's default on Hopper with a recent cuDNN).
@@ -72,7 +73,7 @@ class Config:
     cpu_warmup: int = 1
     time_budget_s: Optional[float] = None
     # the phases of plan(), in the order they run; a phase left out does not run (--phases)
-    phases: Sequence[str] = ("speed", "memory", "flex", "others")
+    phases: Sequence[str] = ("speed", "memory", "flex", "others", "learned_bias")
     smoke: bool = False
     gpu_tests: Optional[Dict[str, int]] = None
     quiet: bool = False
@@ -154,6 +155,14 @@ def plan(cfg: Config) -> List[Task]:
                     if op in IMPL_OPS[impl]:
                         tasks.append(Task("memory", shape, op, impl, ("fwd_bwd",)))
 
+    def learned_bias(shapes):
+        # forward + backward with a learned (H, L, L) bias (impls.LEARNED_BIAS_OP); GPU only
+        if not str(cfg.device).startswith("cuda"):
+            return
+        for shape in shapes:
+            for impl in [i for i in LEARNED_BIAS_IMPLS if i in impls]:
+                tasks.append(Task("speed", shape, LEARNED_BIAS_OP, impl, ("fwd_bwd",)))
+
     phases = {
         "speed": lambda: speed(core, shapes),  # ours and sdpa.flash
         "memory": memory,
@@ -161,6 +170,7 @@ def plan(cfg: Config) -> List[Task]:
         # (head dim, causality) panel at each length, so that a time budget cuts the short lengths
         "flex": lambda: speed([i for i in impls if i == "flex"], sorted(shapes, key=lambda s: -s.seqlen)),
         "others": lambda: speed(rest, shapes),  # the other SDPA backends, the reference
+        "learned_bias": lambda: learned_bias(shapes),
     }
     for name in cfg.phases:
         phases[name]()

@@ -29,7 +29,7 @@ import torch
 
 from ..conventions import dropout_keep_threshold
 from ..spec import AttentionSpec, TemperatureState
-from . import block_choice, direct, kernel_args, plans, tiles
+from . import block_choice, direct, kernel_args, mask_grad, plans, tiles
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 # (the layout types the entry points take, and the audit's capture: where callers find them)
 from .block_choice import KernelLaunch, capture_launches  # noqa: F401
@@ -311,8 +311,8 @@ def fwd_replay(plan, q, k, v, mask, params, beta, spec: AttentionSpec):
 
 def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[TemperatureState],
              spec: AttentionSpec, layout=None, *, g: Optional[torch.Tensor] = None,
-             dbeta_only: bool = False, sinks: Optional[torch.Tensor] = None):
-    """Gradients ``(dq, dk, dv, dparams, dsinks)``; ``dparams`` is a tuple with one ``(Hq,)``
+             dbeta_only: bool = False, sinks: Optional[torch.Tensor] = None, mask_grad_shape=None):
+    """Gradients ``(dq, dk, dv, dparams, dsinks)`` (and ``dmask`` last with ``mask_grad_shape``); ``dparams`` is a tuple with one ``(Hq,)``
     tensor (accumulation dtype) per entry of ``params`` (``()`` for softmax), ``dsinks`` ``(Hq,)``
     or None without ``sinks``.
 
@@ -325,19 +325,27 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
     instead of the one computed from the keys given; ``dbeta_only`` runs the dQ kernel alone and
     returns its ``g`` (``temp.dbeta_dh`` of ones makes that the partial ``dbeta``, centred as
     :func:`row_dbeta` says).
+
+    ``mask_grad_shape``: a learned float mask (dense layout only): the 4-D shape (each dim 1 or the
+    full one) of its gradient, computed by ``mask_grad.py``'s kernel after the dQ kernel and
+    returned in the accumulation dtype as a sixth result. None (the default): nothing changes.
     """
     if isinstance(layout, KVCache):
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if _unaligned(layout, q, v):
         res = backward(_pad_head(do), _pad_head(q), _pad_head(k), _pad_head(v), _pad_head(o), lse, dlse, mask,
-                       params, temp, spec, layout, g=g, dbeta_only=dbeta_only, sinks=sinks)
+                       params, temp, spec, layout, g=g, dbeta_only=dbeta_only, sinks=sinks,
+                       mask_grad_shape=mask_grad_shape)
         if dbeta_only:
             return res
-        dq, dk, dv, dparams, dsinks = res
+        dq, dk, dv, dparams, dsinks, *dmask = res
         D, DV = q.shape[-1], v.shape[-1]
-        return dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), dparams, dsinks
+        return (dq[..., :D].contiguous(), dk[..., :D].contiguous(), dv[..., :DV].contiguous(), dparams, dsinks,
+                *dmask)
     plan_key = None
-    if g is None and not dbeta_only:
+    if mask_grad_shape is not None:
+        _check_mask_grad_layout(layout, mask, g, dbeta_only)
+    elif g is None and not dbeta_only:
         plan_key = _bwd_plan_key(do, q, k, v, o, lse, dlse, mask, params, temp, spec, layout, sinks)
         if plan_key is not None:
             plan = plans.get(plan_key)
@@ -418,6 +426,12 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
                      dq_consts, q.device, head_block, q.dtype, spec.deterministic, (lay.Lq, lay.Lk, B * H))
     if dbeta_only:
         return g
+    dmask = None
+    if mask_grad_shape is not None:  # after the dQ kernel: it reads the row statistics written there
+        dmask = mask_grad.mask_grad(
+            mask_grad_shape, q4, k4, v4, do4, mask, score_params, (lse2, delta, *lse_lo),
+            (beta, lse_l, ent, g), consts, feat_args, feat_consts, logit_args["softcap"], _scale_args(spec.scale),
+            spec.group, spec.adaptive, consts["BLOCK_DV"], block_choice.device_arch(q.device))
     dq_planned = None
     if plan_key is not None and block_choice.recording is None:
         launched = dict(parts)  # dq_args allocates new partial sums: keep the launched ones
@@ -449,7 +463,19 @@ def backward(do, q, k, v, o, lse, dlse, mask, params, temp: Optional[Temperature
     dparams = tuple(part.view(B, H, -1).sum(dim=(0, 2)) for part in parts["dparams"])
     if sinks is not None:
         dsinks = parts["dsinks"].view(B, H, -1).sum(dim=(0, 2))
+    if dmask is not None:
+        return dq, dk, dv, dparams, dsinks, dmask
     return dq, dk, dv, dparams, dsinks
+
+
+def _check_mask_grad_layout(layout, mask, g, dbeta_only) -> None:
+    """A learned mask's gradient: the dense layout with a float mask, one launch over all the keys."""
+    if layout is not None:
+        raise ValueError("ssa_flash: a mask that requires grad is supported for the dense layout only")
+    if mask is None or not mask.is_floating_point():
+        raise ValueError("ssa_flash: mask_grad_shape needs a floating (additive) mask")
+    if g is not None or dbeta_only:
+        raise ValueError("ssa_flash: a mask that requires grad is not supported over key shards (given g)")
 
 
 def _lse_residuals(lay: _Layout, q, H: int, mask_kind: int, adaptive: bool, dummy) -> tuple:

@@ -341,3 +341,23 @@ def test_phases_choose_and_order_the_rows():
     assert build_parser().parse_args(["--phases", "memory,speed"]).phases == ["memory", "speed"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--phases", "memory,fast"])
+
+
+def test_learned_bias_row():
+    """The learned-bias row (forward + backward with a learned (H, L, L) bias): planned on a GPU for
+    ssa_flash.triton beside sdpa.efficient, never on the CPU; its call differentiates the bias."""
+    from ssa_flash.bench import runner
+
+    cfg = runner.Config(device="cuda", seqlens=(1024,), headdims=(64,), causal=(False,))
+    rows = [(t.impl, t.passes) for t in runner.plan(cfg) if t.op == impls.LEARNED_BIAS_OP]
+    assert rows == [("ssa_flash.triton", ("fwd_bwd",)), ("sdpa.efficient", ("fwd_bwd",))]
+    cpu = runner.Config(device="cpu", seqlens=(16,), headdims=(16,), causal=(False,))
+    assert not [t for t in runner.plan(cpu) if t.op == impls.LEARNED_BIAS_OP]
+    if impls.availability("ssa_flash.triton", torch.device("cpu")) is None:  # the interpreter: run it
+        shape = impls.Shape(1, 2, 16, 16, True, torch.float32)
+        inputs = impls.make_inputs(shape, torch.device("cpu"))
+        call = impls.build_call(impls.LEARNED_BIAS_OP, "ssa_flash.triton", shape, inputs, torch.device("cpu"))
+        fn, cleanup = impls.pass_fn(call, "fwd_bwd", inputs.dout)
+        grads = fn()
+        cleanup()
+        assert grads[-1].shape == (2, 16, 16) and grads[-1].abs().sum() > 0

@@ -1,8 +1,9 @@
 """A float ``attn_mask`` that requires grad (a learned additive bias: T5's relative bias, ALiBi
 variants, Swin): its gradient is the logit gradient ``dl`` summed over the dims it broadcasts
 over, of the mask's own shape. The reference backend gives it (autograd through the
-specification); the Triton and CUDA kernels refuse such a mask with a ``ValueError`` naming the
-backend (docs/support.md) rather than leaving it a silent zero."""
+specification), Triton too (its own kernel, tests/triton/test_triton_mask_grad.py); the CUDA
+kernels refuse such a mask with a ``ValueError`` naming the backend (docs/support.md) rather than
+leaving it a silent zero."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,12 +65,15 @@ def test_matches_sdpa_math(shape):
         torch.testing.assert_close(a, e, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["triton"])
-def test_kernels_refuse_a_mask_that_requires_grad(backend):
-    q, k, v = _qkv(torch.float32)
+def test_cuda_backend_refuses_a_mask_that_requires_grad():
+    """The CUDA C++ kernels do not compute the mask's gradient: the rule once the backend is chosen
+    (``ops._check_mask_grad``) refuses it by name; Triton and the reference take it
+    (tests/triton/test_triton_mask_grad.py)."""
     mask = torch.zeros(L, S, requires_grad=True)
-    with pytest.raises(ValueError, match=f"attn_mask requires grad: the '{backend}' backend"):
-        ssa_flash.softmax_attention(q, k, v, attn_mask=mask, backend=backend)
+    with pytest.raises(ValueError, match="attn_mask requires grad: the 'cuda' backend"):
+        ssa_flash.ops._check_mask_grad(mask, "cuda")
+    for backend in ("triton", "reference"):
+        ssa_flash.ops._check_mask_grad(mask, backend)
 
 
 def test_no_grad_mask_that_requires_grad_runs_anywhere():
