@@ -311,8 +311,11 @@ def test_targets_subset_and_cudnn_baseline():
 
     cfg = runner.apply_subset(runner.Config(device="cuda"), "targets")
     tasks = runner.plan(cfg)
-    assert {t.op for t in tasks} == {"softmax", "ssa", "adaptive"}
-    assert {t.impl for t in tasks} == {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "flex"}
+    # softmax_learned_bias: the learned (H, L, S) bias's forward + backward beside SDPA's efficient backend
+    assert {t.op for t in tasks} == {"softmax", "ssa", "adaptive", "softmax_learned_bias"}
+    assert {t.impl for t in tasks if t.op == "softmax_learned_bias"} == {"ssa_flash.triton", "sdpa.efficient"}
+    assert {t.impl for t in tasks if t.op != "softmax_learned_bias"} == {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash",
+                                                                         "sdpa.cudnn", "flex"}
     assert {t.shape.headdim for t in tasks if t.sweep == "speed"} == {64, 128}
     memory = [t for t in tasks if t.sweep == "memory"]
     assert {(t.shape.seqlen, t.op) for t in memory} == {(131072, "ssa")}

@@ -61,13 +61,20 @@ def test_a_planned_call_still_checks_a_parameter_tensors_values():
                             backend=BACKEND)
 
 
-def test_a_mask_requiring_grad_is_refused_after_a_planned_call():
+def test_a_mask_requiring_grad_gets_its_gradient_after_a_planned_call():
+    """A planned call's replay must not bypass the learned-mask path: the same shapes with a mask
+    that requires grad get the mask's gradient (the reference backend's, to rounding)."""
     q, k, v = _qkv(0)
-    mask = torch.zeros(24, 24, device=DEVICE)
+    mask = torch.randn(24, 24, device=DEVICE)
     ssa_flash.attention(q, k, v, attn_mask=mask, backend=BACKEND)
     ssa_flash.attention(q, k, v, attn_mask=mask, backend=BACKEND)
-    with pytest.raises(ValueError, match="attn_mask requires grad"):
-        ssa_flash.attention(q, k, v, attn_mask=mask.clone().requires_grad_(), backend=BACKEND)
+    grads = []
+    for backend in (BACKEND, "reference"):
+        learned = mask.clone().requires_grad_()
+        ssa_flash.attention(q, k, v, attn_mask=learned, backend=backend).square().sum().backward()
+        grads.append(learned.grad)
+    assert grads[0] is not None and grads[0].shape == mask.shape
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-4)
 
 
 def test_planned_dropout_draws_fresh_bits_every_call():

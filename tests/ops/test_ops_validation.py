@@ -113,11 +113,13 @@ def test_poly_errors():
         f(q, k, v, threshold=None)
 
 
-def test_mask_requiring_grad_is_refused():
+def test_mask_requiring_grad_gets_a_gradient_of_its_own_shape():
+    """A learned additive mask (tests/ops/test_mask_grad.py has the gradient checks; the CUDA C++
+    backend's refusal too): the default backend differentiates it, broadcast dims summed."""
     q, k, v = qkv()
     mask = torch.zeros(8, 8, device=DEVICE, requires_grad=True)
-    with pytest.raises(ValueError, match="attn_mask"):
-        ssa_flash.ssa_attention(q, k, v, attn_mask=mask)
+    ssa_flash.ssa_attention(q, k, v, attn_mask=mask).square().sum().backward()
+    assert mask.grad is not None and mask.grad.shape == (8, 8) and bool(mask.grad.abs().sum() > 0)
 
 
 def test_head_dim_limit():
