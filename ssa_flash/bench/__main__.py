@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-ops", type=_names(OPS), default=None, help="operations in the memory sweep (default all)")
     p.add_argument("--phases", type=_names(("speed", "memory", "flex", "others", "learned_bias")), default=None,
                    help="the benchmark's phases in the order to run them, those left out not run (default "
-                        "speed,memory,flex,others,learned_bias: ours and sdpa.flash, the memory sweep, "
-                        "FlexAttention, the other SDPA backends and the reference, softmax with a learned (H, L, L) "
-                        "bias beside sdpa.efficient (GPU only)); e.g. memory,flex,speed to reach the rows "
+                        "speed,memory,learned_bias,flex,others: ours and sdpa.flash, the memory sweep, softmax "
+                        "with a learned (H, L, L) bias beside sdpa.efficient (GPU only), FlexAttention, the other "
+                        "SDPA backends and the reference); e.g. memory,flex,speed to reach the rows "
                         "a time budget would cut")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up (default 25)")
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time (default 100)")
