@@ -102,6 +102,9 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export SSA_FLASH_AUTOTUNE=0
+# the extension holds the sm_90a warp-specialised forward (csrc/hopper/; built in for sm_90a only,
+# used only where a step switches it on: ssa_flash/backends/cuda_fwd_choice.py)
+export SSA_FLASH_BUILD_HOPPER_FWD=${SSA_FLASH_BUILD_HOPPER_FWD:-1}
 # tuned block configurations outlive the machine: carried in, packed into ARCHIVE
 export SSA_FLASH_CACHE_DIR=${SSA_FLASH_CACHE_DIR:-$PWD/build/ssa-flash-cache}
 if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
@@ -212,8 +215,13 @@ elif [ "$DRY" = "1" ] || [ "${RUN_BUILD:-1}" = "0" ]; then
 fi
 if [ "$CUDA_OK" = "1" ] && [ "$DRY" != "1" ]; then export SSA_FLASH_REQUIRE_CUDA=1; fi
 
-# 3. the CUDA verdict: the matrix, the CUDA half of the smoke tier, the self-check of the CUDA kernels
+# 3. the CUDA verdict: the sm_90a warp-specialised forward's matrix first (sm_90a only), then the
+#    matrix, the CUDA half of the smoke tier, the self-check of the CUDA kernels
 if [ "$CUDA_OK" = "1" ]; then
+  if [ "${RUN_HOPPER:-1}" != "0" ] && [ "$ARCH" = "90a" ]; then
+    # shellcheck disable=SC2086
+    eval "step hopper-fwd $(cap "${HOPPER_LIMIT:-60}" 30) ${HOPPER_ARGS:-tests/cuda/test_hopper_fwd_device.py}"
+  fi
   if [ "${RUN_MATRIX:-1}" != "0" ]; then
     # shellcheck disable=SC2086
     eval "step cuda-matrix $(cap "${MATRIX_LIMIT:-150}" 30) ${MATRIX_ARGS:-tests/cuda/test_cuda_matrix.py}"
@@ -315,6 +323,39 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
     log "warp-specialised forward rc $?"
     tail -n 10 "$OUT/warp-specialize.log"
     BENCH_BUDGET=$(( BENCH_BUDGET - 30 ))
+  fi
+  # the sm_90a warp-specialised forward beside today's CUDA kernel, Triton, cuDNN and FlashAttention-2
+  # (forward only; D 64 / 128, bf16 and fp16, 1k-16k, causal and not; rows saved as they come),
+  # then one profiled launch of it under ncu (skipped without ncu); at most HOPPER_BENCH_LIMIT +
+  # NCU_LIMIT seconds, never failing the run
+  if [ "${RUN_HOPPER:-1}" != "0" ] && [ "$ARCH" = "90a" ] && [ "$CUDA_OK" = "1" ]; then
+    HB_LIMIT=$(cap "${HOPPER_BENCH_LIMIT:-100}" 60)
+    for dt in bf16 fp16; do
+      log "hopper forward rows ($dt): python -m ssa_flash.bench --impls ssa_flash.cuda_ws,... (limit $(( HB_LIMIT / 2 ))s)"
+      # shellcheck disable=SC2086
+      SSA_FLASH_AUTOTUNE=1 timeout --signal=INT --kill-after=10 $(( HB_LIMIT / 2 )) \
+        $PY -m ssa_flash.bench --out "$OUT/hopper-bench-$dt" --phases speed --passes fwd --dtype $dt \
+        --headdims 64,128 --seqlens ${HOPPER_SEQLENS:-1k,4k,16k} --ops ${HOPPER_OPS:-softmax,ssa} \
+        --impls ssa_flash.cuda_ws,ssa_flash.cuda,ssa_flash.triton,sdpa.cudnn,sdpa.flash \
+        --time-budget $(( HB_LIMIT / 2 - 15 )) --warmup-ms 10 --rep-ms 30 --no-plots --quiet \
+        > "$OUT/hopper-bench-$dt.log" 2>&1
+      log "hopper forward rows ($dt) rc $?"
+      tail -n 25 "$OUT/hopper-bench-$dt.log"
+    done
+    BENCH_BUDGET=$(( BENCH_BUDGET - HB_LIMIT ))
+    NCU=$(command -v ncu || true)
+    if [ -n "$NCU" ] && [ "$DRY" != "1" ]; then
+      log "hopper forward under ncu: bench/gpu_diag/hopper_fwd_one.py (limit ${NCU_LIMIT:-60}s)"
+      # tensor pipe (HGMMA), MUFU (the XU pipe), FMA pipe, issue slots, achieved occupancy
+      timeout --kill-after=5 "${NCU_LIMIT:-60}" "$NCU" --kernel-name regex:attn_fwd_ws_kernel --launch-count 1 \
+        --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
+        $PY bench/gpu_diag/hopper_fwd_one.py > "$OUT/hopper-ncu.log" 2>&1
+      log "hopper forward under ncu rc $?"
+      tail -n 20 "$OUT/hopper-ncu.log"
+      BENCH_BUDGET=$(( BENCH_BUDGET - ${NCU_LIMIT:-60} ))
+    else
+      log "hopper forward under ncu: skipped ($([ "$DRY" = "1" ] && echo 'dry run' || echo 'no ncu on PATH'))"
+    fi
   fi
   [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20
   log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"

@@ -13,6 +13,24 @@ std::string run_fwd_fp16(const FwdParams& p, int score, bool adaptive, cudaStrea
   return detail::run_fwd<__half>(p, score, adaptive, stream);
 }
 
+int hopper_fwd_control(int on, long stats[4]) {
+#if SSA_FLASH_HOPPER_FWD
+  if (on >= 0) hopper::set_hopper_fwd_enabled(on != 0);
+  if (stats != nullptr) {
+    const hopper::TmaCacheStats s = hopper::tma_cache().stats();
+    stats[0] = s.hits;
+    stats[1] = s.misses;
+    stats[2] = s.patches;
+    stats[3] = hopper::tma_cache().size();
+  }
+  return hopper::hopper_fwd_enabled() ? 1 : 0;
+#else
+  (void)on;
+  if (stats != nullptr) stats[0] = stats[1] = stats[2] = stats[3] = 0;
+  return -1;
+#endif
+}
+
 std::string run_row_entropy_fp16(const FwdParams& p, int score, cudaStream_t stream) {
   return detail::run_row_entropy<__half>(p, score, stream);
 }
