@@ -6,7 +6,10 @@
 # WHAT THE NEXT GPU SESSION RUNS, IN ORDER (15 minutes of device time in all, machine start included)
 #
 #   0. Here, on the CPU, before any device call (no device time):
-#        python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
+#        SSA_FLASH_BUILD_HOPPER_FWD=1 python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
+#      (with the sm_90a warp-specialised forward, csrc/hopper/: this script exports the same, and
+#      the build step refuses objects built the other way; the kernel is then used only where a
+#      step switches it on)
 #      csrc/*.cu compiled for sm_90a into build/cuda-objects/ (they do not include torch; a
 #      manifest.json records the hash of csrc/): 294 s with --jobs 2 on an idle 2-core machine
 #      (2026-11-28, three score-function policies: fwd 130 s each, bwd 160 s each), 31.0 MiB, which
@@ -16,6 +19,9 @@
 #   1. Call 1, "verdict" (carry ["build/cuda-objects", "build/ssa-flash-cache"], timeout_s ~490):
 #        export PYTHON=python3 JOBS=14; A=$OUT/call1.tgz R=/tmp/g; OUT=$R ARCHIVE=$A SMOKE_LIMIT=60 \
 #          SELFCHECK_LIMIT=45 RECHECK_LIMIT=60 bash bench/run_gpu.sh 430 > $R.log 2>&1; tail -c 11000 $R.log
+#      On sm_90a the first test step is hopper-fwd (tests/cuda/test_hopper_fwd_device.py, 13 tests:
+#      the new forward's verdict matrix beside today's kernel, and its tensor-map cache on the
+#      device; HOPPER_LIMIT 60 s; expected well under that, not yet measured).
 #      Every pytest step runs only what the ledger does not hold as passed at these kernels (the
 #      smoke tier and the matrix included), so a step that passed in an earlier session at the same
 #      kernels costs a collection. Session 4 (2026-11-28, all but 7 tests passed already) used the
@@ -40,6 +46,13 @@
 #      After sessions 3 and 4 (D 64 and D 128 of the targets' rows measured at kernel hash
 #      8e143487f810, the 128k memory row and FlexAttention never reached: the budget ran out), add
 #      BENCH_ARGS="--subset targets --phases memory,flex,speed" so those rows come first.
+#      Next session (issue 48): RUN_HOST=0 (its rows are committed) so that the sm_90a forward's rows
+#      fit: with RUN_BENCH=1 on sm_90a they come after the Triton forward's warp-specialised
+#      comparison (30 s) and before the benchmark (HOPPER_BENCH_LIMIT 90 s: ssa_flash.cuda_ws, ssa_flash.cuda, ssa_flash.triton,
+#      sdpa.cudnn, sdpa.flash; forward; softmax and SSA; D 64 / 128; 1k, 4k, 16k; causal and not;
+#      bf16 then fp16, half the limit each), then one launch under ncu (NCU_LIMIT 45 s; skipped
+#      without ncu). Afterwards, here: the rows where ssa_flash.cuda_ws beat every other of ours go
+#      into ssa_flash/backends/cuda_fwd_choice.json (each naming its results file); none: none.
 #      first the host path (RUN_HOST=1: a cProfile of the plain calls, then host time per call
 #      beside SDPA's), then the Triton forward's warp-specialised form, then the benchmark: the
 #      rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
@@ -59,6 +72,7 @@
 #                 match csrc/ (ssa_flash/backends/_cuda_build.py check / link), else the JIT build;
 #                 in the background, while smoke-triton runs niced with fewer workers
 #   smoke-triton  pytest -m gpu_smoke -k "not cuda" tests/gpu_smoke
+#   hopper-fwd    tests/cuda/test_hopper_fwd_device.py (sm_90a only; RUN_HOPPER=0 skips; HOPPER_ARGS)
 #   cuda-matrix   tests/cuda/test_cuda_matrix.py, every case (SSA_FLASH_REQUIRE_CUDA=1: a test skipped
 #                 as "CUDA backend unavailable" fails; a matrix with nothing passed is a failure)
 #   smoke-cuda    pytest -m gpu_smoke -k cuda tests/gpu_smoke
@@ -68,7 +82,9 @@
 #   suite         SUITE's tests that the ledger does not hold as passed at these kernels
 #   host          python bench/gpu_diag/host_launch.py (one launch's layers timed apart), then
 #                 python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
-#   bench         python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
+#   bench         (sm_90a, RUN_HOPPER=1) the warp-specialised CUDA forward's rows (hopper-bench-<dtype>/:
+#                 HOPPER_SEQLENS, HOPPER_OPS) and its ncu profile (hopper-ncu.log, bench/gpu_diag/
+#                 hopper_fwd_one.py); then python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
 #                 specialised form vs the table's choice, bf16 D 128, L 4k / 16k, SSA and softmax),
 #                 then python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
 # pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
@@ -329,7 +345,7 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
   # then one profiled launch of it under ncu (skipped without ncu); at most HOPPER_BENCH_LIMIT +
   # NCU_LIMIT seconds, never failing the run
   if [ "${RUN_HOPPER:-1}" != "0" ] && [ "$ARCH" = "90a" ] && [ "$CUDA_OK" = "1" ]; then
-    HB_LIMIT=$(cap "${HOPPER_BENCH_LIMIT:-100}" 60)
+    HB_LIMIT=$(cap "${HOPPER_BENCH_LIMIT:-90}" 60)
     for dt in bf16 fp16; do
       log "hopper forward rows ($dt): python -m ssa_flash.bench --impls ssa_flash.cuda_ws,... (limit $(( HB_LIMIT / 2 ))s)"
       # shellcheck disable=SC2086
@@ -345,14 +361,18 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
     BENCH_BUDGET=$(( BENCH_BUDGET - HB_LIMIT ))
     NCU=$(command -v ncu || true)
     if [ -n "$NCU" ] && [ "$DRY" != "1" ]; then
-      log "hopper forward under ncu: bench/gpu_diag/hopper_fwd_one.py (limit ${NCU_LIMIT:-60}s)"
+      log "hopper forward under ncu: bench/gpu_diag/hopper_fwd_one.py (limit ${NCU_LIMIT:-45}s)"
       # tensor pipe (HGMMA), MUFU (the XU pipe), FMA pipe, issue slots, achieved occupancy
-      timeout --kill-after=5 "${NCU_LIMIT:-60}" "$NCU" --kernel-name regex:attn_fwd_ws_kernel --launch-count 1 \
-        --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
-        $PY bench/gpu_diag/hopper_fwd_one.py > "$OUT/hopper-ncu.log" 2>&1
+      NCU_METRICS=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum
+      timeout --kill-after=5 "$(( ${NCU_LIMIT:-45} / 2 ))" "$NCU" --kernel-name regex:attn_fwd_ws_kernel --launch-count 1 \
+        --metrics "$NCU_METRICS" $PY bench/gpu_diag/hopper_fwd_one.py > "$OUT/hopper-ncu.log" 2>&1 \
+        || { log "ncu with named metrics failed (a name this ncu lacks?): its sections instead"; \
+             timeout --kill-after=5 "$(( ${NCU_LIMIT:-45} / 2 ))" "$NCU" --kernel-name regex:attn_fwd_ws_kernel \
+               --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+               $PY bench/gpu_diag/hopper_fwd_one.py >> "$OUT/hopper-ncu.log" 2>&1; }
       log "hopper forward under ncu rc $?"
       tail -n 20 "$OUT/hopper-ncu.log"
-      BENCH_BUDGET=$(( BENCH_BUDGET - ${NCU_LIMIT:-60} ))
+      BENCH_BUDGET=$(( BENCH_BUDGET - ${NCU_LIMIT:-45} ))
     else
       log "hopper forward under ncu: skipped ($([ "$DRY" = "1" ] && echo 'dry run' || echo 'no ncu on PATH'))"
     fi
