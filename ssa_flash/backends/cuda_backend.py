@@ -609,7 +609,7 @@ def _choose_fwd_kernel(ext, q, k, spec: AttentionSpec, d8: int, dv8: int) -> Non
     (the environment variable SSA_FLASH_HOPPER_FWD, read by the extension, or off). Costs nothing
     while the table has no row for the device's architecture and nothing is forced."""
     hopper_fwd = getattr(ext, "hopper_fwd", None)
-    if hopper_fwd is None:
+    if hopper_fwd is None or not cuda_fwd_choice.may_apply():
         return
     # (the emulator's library emulates sm_90a when it holds the kernel)
     capability = _capability(q.device)[:2] if q.device.type == "cuda" else (9, 0)

@@ -114,6 +114,12 @@ def env_setting() -> Optional[bool]:
     return None if value is None else value.strip() == "1"
 
 
+def may_apply() -> bool:
+    """False when :func:`wanted` is None for every call (nothing forced, and the table empty or the
+    environment variable set): the caller then skips the per-call look-up."""
+    return getattr(_local, "forced", None) is not None or (bool(TABLE) and env_setting() is None)
+
+
 def wanted(capability: Tuple[int, int], dtype: str, head_dim: int, causal: bool, len_q: int, len_k: int,
            score: str, adaptive: bool, table=None) -> Optional[bool]:
     """What the extension's switch should be for this call: True / False, or None to leave it

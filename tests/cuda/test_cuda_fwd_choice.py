@@ -96,3 +96,15 @@ def test_backend_sets_the_switch_from_the_table(monkeypatch):
     with cuda_fwd_choice.forced(True):
         cuda_backend._choose_fwd_kernel(ext, short, short, spec, 128, 128)
     assert ext.calls == [True, False, True]
+
+
+def test_may_apply(monkeypatch):
+    monkeypatch.delenv(cuda_fwd_choice.ENV, raising=False)
+    monkeypatch.setattr(cuda_fwd_choice, "TABLE", ())
+    assert not cuda_fwd_choice.may_apply()
+    with cuda_fwd_choice.forced(False):
+        assert cuda_fwd_choice.may_apply()
+    monkeypatch.setattr(cuda_fwd_choice, "TABLE", _table(ROW))
+    assert cuda_fwd_choice.may_apply()
+    monkeypatch.setenv(cuda_fwd_choice.ENV, "1")
+    assert not cuda_fwd_choice.may_apply()
