@@ -6,7 +6,8 @@
 # WHAT THE NEXT GPU SESSION RUNS, IN ORDER (15 minutes of device time in all, machine start included)
 #
 #   0. Here, on the CPU, before any device call (no device time):
-#        SSA_FLASH_BUILD_HOPPER_FWD=1 python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
+#        SSA_FLASH_BUILD_HOPPER_FWD=1 SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=1 \
+#          python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
 #      (with the sm_90a warp-specialised forward, csrc/hopper/: this script exports the same, and
 #      the build step refuses objects built the other way; the kernel is then used only where a
 #      step switches it on)
@@ -51,7 +52,8 @@
 #      comparison (30 s) and before the benchmark (HOPPER_BENCH_LIMIT 90 s: ssa_flash.cuda_ws, ssa_flash.cuda, ssa_flash.triton,
 #      sdpa.cudnn, sdpa.flash; forward; softmax and SSA; D 64 / 128; 1k, 4k, 16k; causal and not;
 #      bf16 then fp16, half the limit each), then one launch under ncu (NCU_LIMIT 45 s; skipped
-#      without ncu). Afterwards, here: the rows where ssa_flash.cuda_ws beat every other of ours go
+#      without ncu), then the MUFU / FMA share sweep (SWEEP_LIMIT 40 s: bf16 SSA, D 64 and 128,
+#      4k and 16k, each budget the objects hold, bench/gpu_diag/hopper_mufu_sweep.py). Afterwards, here: the rows where ssa_flash.cuda_ws beat every other of ours go
 #      into ssa_flash/backends/cuda_fwd_choice.json (each naming its results file); none: none.
 #      first the host path (RUN_HOST=1: a cProfile of the plain calls, then host time per call
 #      beside SDPA's), then the Triton forward's warp-specialised form, then the benchmark: the
@@ -82,10 +84,11 @@
 #   suite         SUITE's tests that the ledger does not hold as passed at these kernels
 #   host          python bench/gpu_diag/host_launch.py (one launch's layers timed apart), then
 #                 python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
-#   bench         (sm_90a, RUN_HOPPER=1) the warp-specialised CUDA forward's rows (hopper-bench-<dtype>/:
-#                 HOPPER_SEQLENS, HOPPER_OPS) and its ncu profile (hopper-ncu.log, bench/gpu_diag/
-#                 hopper_fwd_one.py); then python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
+#   bench         python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
 #                 specialised form vs the table's choice, bf16 D 128, L 4k / 16k, SSA and softmax),
+#                 then (sm_90a, RUN_HOPPER=1) the warp-specialised CUDA forward's rows
+#                 (hopper-bench-<dtype>/: HOPPER_SEQLENS, HOPPER_OPS), its ncu profile (hopper-ncu.log,
+#                 bench/gpu_diag/hopper_fwd_one.py) and MUFU sweep (hopper-mufu-sweep.json),
 #                 then python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
 # pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
 # block configuration that fits: correctness runs need no timing), --max-worker-restart; a worker
@@ -121,6 +124,8 @@ export SSA_FLASH_AUTOTUNE=0
 # the extension holds the sm_90a warp-specialised forward (csrc/hopper/; built in for sm_90a only,
 # used only where a step switches it on: ssa_flash/backends/cuda_fwd_choice.py)
 export SSA_FLASH_BUILD_HOPPER_FWD=${SSA_FLASH_BUILD_HOPPER_FWD:-1}
+# and the MUFU budgets its sweep times (five bf16 SSA instances; csrc/hopper/fwd_launch.h)
+export SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=${SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP:-1}
 # tuned block configurations outlive the machine: carried in, packed into ARCHIVE
 export SSA_FLASH_CACHE_DIR=${SSA_FLASH_CACHE_DIR:-$PWD/build/ssa-flash-cache}
 if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
@@ -375,6 +380,15 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
       BENCH_BUDGET=$(( BENCH_BUDGET - ${NCU_LIMIT:-45} ))
     else
       log "hopper forward under ncu: skipped ($([ "$DRY" = "1" ] && echo 'dry run' || echo 'no ncu on PATH'))"
+    fi
+    # the MUFU / FMA share (the sweep's instances are in the objects: step 0 of the plan)
+    if [ "$DRY" != "1" ]; then
+      log "hopper MUFU sweep: bench/gpu_diag/hopper_mufu_sweep.py (limit ${SWEEP_LIMIT:-40}s)"
+      timeout --signal=INT --kill-after=5 "${SWEEP_LIMIT:-40}" $PY bench/gpu_diag/hopper_mufu_sweep.py \
+        --out "$OUT/hopper-mufu-sweep.json" > "$OUT/hopper-mufu-sweep.log" 2>&1
+      log "hopper MUFU sweep rc $?"
+      tail -n 14 "$OUT/hopper-mufu-sweep.log"
+      BENCH_BUDGET=$(( BENCH_BUDGET - ${SWEEP_LIMIT:-40} ))
     fi
   fi
   [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20

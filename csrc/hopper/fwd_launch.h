@@ -119,11 +119,55 @@ std::string run_fwd_ws_hdim(const FwdParams& p, int score, bool adaptive, cudaSt
                            hp);
 }
 
+// SSA_FLASH_HOPPER_MUFU_SWEEP (default 0; with SSA_FLASH_HOPPER_FWD): the build also holds the
+// MUFU budgets of bench/run_gpu.sh's sweep, bfloat16 SSA with a fixed temperature only (those
+// csrc/hopper/fwd_instances.cu's static model compares): D 64 with 2/8, 3/8 of ex2 and 2/8 + 2/8 of
+// ex2 + lg2 on the FMA pipe, D 128 with 1/8 and 2/8 of ex2. A call runs one when the run-time budget
+// (tma_cache.h, hopper_mufu_budget) names it; other calls, and other budgets, the all-MUFU instances.
+#ifndef SSA_FLASH_HOPPER_MUFU_SWEEP
+#define SSA_FLASH_HOPPER_MUFU_SWEEP 0
+#endif
+
+// The sweep's instance for budget 8 * ex2 + lg2 (eighths), or "" with *taken false.
+template <typename T, int kD>
+std::string run_fwd_ws_budget(const FwdParams& p, int budget, cudaStream_t stream, bool* taken) {
+  *taken = false;
+  if constexpr (SSA_FLASH_HOPPER_MUFU_SWEEP && ElemInfo<T>::kIsBF16) {
+    auto launch = [&](auto mufu) {
+      using Tr = WsFwdTraits<kD, T, decltype(mufu)>;
+      HopperFwdParams hp;
+      std::string err = make_fwd_ws_params<T, Tr>(p, hp);
+      if (!err.empty()) return err;
+      return detail::launch<T>(&attn_fwd_ws_kernel<Tr, Ssa, false>, "attn_fwd_ws_kernel", fwd_ws_grid<Tr>(p),
+                               Tr::kThreads, ws_fwd_smem_bytes<Tr>(), stream, hp);
+    };
+    *taken = true;
+    if constexpr (kD == 64) {
+      if (budget == 8 * 2) return launch(MufuBudget<2, 0>{});
+      if (budget == 8 * 3) return launch(MufuBudget<3, 0>{});
+      if (budget == 8 * 2 + 2) return launch(MufuBudget<2, 2>{});
+    } else {
+      if (budget == 8 * 1) return launch(MufuBudget<1, 0>{});
+      if (budget == 8 * 2) return launch(MufuBudget<2, 0>{});
+    }
+    *taken = false;
+  }
+  (void)p; (void)budget; (void)stream;
+  return std::string();
+}
+
 // The call fwd_ws_declines took (padded head dim 64 or 128).
 template <typename T>
 std::string run_fwd_ws(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
   if constexpr (SSA_FLASH_HOPPER_FWD) {
     const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
+    const int budget = hopper_mufu_budget().load(std::memory_order_relaxed);
+    if (budget != 0 && score == Ssa::kId && !adaptive) {
+      bool taken = false;
+      std::string err = d == 64 ? run_fwd_ws_budget<T, 64>(p, budget, stream, &taken)
+                                : run_fwd_ws_budget<T, 128>(p, budget, stream, &taken);
+      if (taken) return err;
+    }
     if constexpr (SSA_FLASH_HEAD_DIM_64)
       if (d == 64) return run_fwd_ws_hdim<T, 64>(p, score, adaptive, stream);
     if constexpr (SSA_FLASH_HEAD_DIM_128)

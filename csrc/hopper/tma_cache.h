@@ -62,6 +62,14 @@ inline bool hopper_fwd_enabled() {
 
 inline void set_hopper_fwd_enabled(bool on) { hopper_fwd_state().store(on ? 1 : 0); }
 
+// The MUFU budget of the sweep (fwd_launch.h, SSA_FLASH_HOPPER_MUFU_SWEEP): eighths of the
+// interior blocks' ex2 and lg2 on the FMA pipe, as 8 * ex2 + lg2; 0 (all on MUFU, the shipped
+// instances) unless set (the extension's hopper_fwd(mufu=...)).
+inline std::atomic<int>& hopper_mufu_budget() {
+  static std::atomic<int> budget{0};
+  return budget;
+}
+
 // ---- the driver's entry points --------------------------------------------------------------
 #ifndef SSA_FLASH_EMULATE
 struct TmaDriver {

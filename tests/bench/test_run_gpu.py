@@ -227,11 +227,13 @@ def test_hopper_fwd_build_flag(tmp_path, monkeypatch):
     assert cb.hopper_fwd_flags("80") == [] == cb.hopper_fwd_flags("8.0;9.0")
     csrc = os.path.join(ROOT, "csrc")
     assert all("-DSSA_FLASH_HOPPER_FWD=1" in c for c in cb.object_commands(csrc, tmp_path, "90a"))
-    manifest = {"arch": "90a", "hopper_fwd": False, "csrc_hash": cb.csrc_hash(csrc), "objects": {}}
+    manifest = {"arch": "90a", "hopper_flags": [], "csrc_hash": cb.csrc_hash(csrc), "objects": {}}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     for unit in cb.CU_UNITS:
         (tmp_path / (unit[:-3] + ".o")).write_bytes(b"")
-    assert "without the sm_90a forward" in cb.objects_reason(csrc, tmp_path, "90a")
+    assert "this build wants ['-DSSA_FLASH_HOPPER_FWD=1']" in cb.objects_reason(csrc, tmp_path, "90a")
+    monkeypatch.setenv(cb.HOPPER_SWEEP_ENV, "1")
+    assert cb.hopper_fwd_flags("90a") == ["-DSSA_FLASH_HOPPER_FWD=1", "-DSSA_FLASH_HOPPER_MUFU_SWEEP=1"]
     monkeypatch.setenv(cb.HOPPER_FWD_ENV, "0")
     assert cb.hopper_fwd_flags("90a") == [] and cb.objects_reason(csrc, tmp_path, "90a") is None
     assert "SSA_FLASH_BUILD_HOPPER_FWD=${SSA_FLASH_BUILD_HOPPER_FWD:-1}" in open(
