@@ -82,14 +82,18 @@ struct TmaDriver {
   std::string error;  // why not, when either is null
 };
 
-// Through the runtime (cudaGetDriverEntryPointByVersion, CUDA 12.5+), so the extension does not
-// link libcuda; looked up once.
+// Through the runtime (cudaGetDriverEntryPointByVersion from CUDA 12.5, cudaGetDriverEntryPoint
+// before), so the extension does not link libcuda; looked up once.
 inline const TmaDriver& tma_driver() {
   static const TmaDriver d = [] {
     TmaDriver t;
     auto get = [&t](const char* name, void** fn) {
       cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
       const cudaError_t err = cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q);
+#else
+      const cudaError_t err = cudaGetDriverEntryPoint(name, fn, cudaEnableDefault, &q);
+#endif
       if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == nullptr) {
         *fn = nullptr;
         if (t.error.empty())
