@@ -261,6 +261,8 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
   c.dk = operand(dk);
   c.dv = operand(dv);
   c.rowstat = rowstat.data_ptr<float>();
+  Tensor lse_lo = at::empty(shape(buf.lse_lo, 4), f32);  // (additive masks; zero-size otherwise)
+  if (lse_lo.numel() > 0) c.lse_lo = lse_lo.data_ptr<float>();
   raise_if(ssa_flash::launch_backward(c, plan, as_stream(stream_handle)));
   return {dq, dk, dv, parts, rowstat};
 }

@@ -43,6 +43,7 @@
 #include "gemm_wgmma.h"
 #include "kernel_head.h"
 #include "logits.h"
+#include "lse_residual.h"
 #include "mask.h"
 #include "memory.h"
 #include "params.h"
@@ -67,9 +68,43 @@ struct RowStats {
   float lse_l2;  // LSE of l in base 2, 0 for empty rows (adaptive only)
   float ent;     // entropy of softmax(l) (adaptive only)
   float g;       // dbeta * dbeta/dH (adaptive only, main pass)
+  // additive masks: the residuals of lse2 and lse_l2 (lse_residual.h; 0 where not recounted),
+  // read by the checked scores of such calls only (weight_exp2)
+  float lse2_lo;
+  float lse_l2_lo;
 };
 
-SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
+// The base-2 exponent of P'_ij, beta l2 - lse2 (beta = 1 without kAdaptive), for a row's
+// statistics r. Checked scores of an additive-mask call: (beta l2 - hi) - lo, the recounted pair
+// with beta l2 rounded as the recount rounded it (lse_residual.h; hi = lse2, lo = 0 where the
+// float LSE serves); every other score as before.
+template <bool kAdaptive, bool kCheck, typename P>
+SSA_DEVICE float weight_exp2(const P& p, float l2, const RowStats& r) {
+  if (kCheck && p.mask_kind == kMaskAdd) return ((kAdaptive ? mul_rn(l2, r.beta) : l2) - r.lse2) - r.lse2_lo;
+  return kAdaptive ? fmaf(l2, r.beta, -r.lse2) : l2 - r.lse2;
+}
+
+// The statistics of one query row from a step's copy of the workspace (its kNStat floats, RowStat
+// order; 8-byte aligned): the key-block kernels' (and the sm_90a backward's) per-query read.
+template <bool kAdaptive>
+SSA_DEVICE RowStats load_row_stats(const float* st) {
+  RowStats r;
+  const float2 ld = *reinterpret_cast<const float2*>(st);
+  r.lse2 = ld.x;
+  r.delta = ld.y;
+  if (kAdaptive) {
+    const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
+    const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
+    r.beta = bl.x;
+    r.lse_l2 = bl.y;
+    r.ent = eg.x;
+    r.g = eg.y;
+  } else {
+    r.beta = 1.0f;
+    r.lse_l2 = r.ent = r.g = 0.0f;
+  }
+  return r;
+}
 
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
 // respect to z / scale's dot product, before the final scale), accumulating the score
@@ -82,22 +117,24 @@ SSA_DEVICE float lse_to_base2(float lse) { return safe_max(lse * kLog2e); }
 // kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw: th, the capped score in
 // units of cap_out, which ctx holds) before the transform; the parameter terms sum over th
 // (cap_out applied with the partial) and dz takes the extra factor 1 - th^2 (docs/maths.md
-// section 6.1).
-template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, typename P>
+// section 6.1). kMaskable = false: the call has no mask (apply_mask).
+template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, bool kMaskable = true,
+          typename P>
 SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& dpar0, float& dpar1) {
   typename Score::Elem el;
   const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
   float l2 = Score::logit(ctx, s, Score::mult(ctx, 1.0f), el);
-  if (kCheck) l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
-  const float pp = kAdaptive ? ex2(fmaf(l2, r.beta, -r.lse2)) : ex2(l2 - r.lse2);
+  if (kCheck) l2 = apply_mask<kBand, kMaskable>(p, ctx, l2, row, col, kLog2e);
+  const float pp = ex2(weight_exp2<kAdaptive, kCheck && kMaskable>(p, l2, r));
   p_out = pp;
   float dl = pp * (dp - r.delta);
   if (kAdaptive) {
     float ent_term;
     if (kCheck) {
       const bool adm = l2 != neg_inf();
-      const float lp2 = adm ? l2 - r.lse_l2 : 0.0f;
+      // (additive masks: log2 P of l from the recounted pair, as weight_exp2)
+      const float lp2 = adm ? (p.mask_kind == kMaskAdd ? (l2 - r.lse_l2) - r.lse_l2_lo : l2 - r.lse_l2) : 0.0f;
       ent_term = adm ? ex2(lp2) * fmaf(lp2, kLn2, r.ent) : 0.0f;
     } else {
       const float lp2 = l2 - r.lse_l2;
@@ -121,7 +158,7 @@ SSA_DEVICE float dbeta_term(const P& p, const LogitCtx& ctx, float s, float dp, 
     l2 = apply_mask<kBand>(p, ctx, l2, row, col, kLog2e);
     if (l2 == neg_inf()) return 0.0f;
   }
-  const float e = fmaf(l2, r.beta, -r.lse2);
+  const float e = weight_exp2<true, kCheck>(p, l2, r);
   return ex2(e) * (dp - r.delta) * e;
 }
 
@@ -267,6 +304,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     st_lo.delta = d_lo;
     st_hi.delta = d_hi;
   }
+  // Additive masks: the pairs of the recount kernel (lse_residual.h), in place of the LSEs
+  if (p.mask_kind == kMaskAdd && r_lo < p.stat_rows) {  // (stat_rows: a multiple of 16)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      RowStats& st = half ? st_hi : st_lo;
+      const float4 v = *reinterpret_cast<const float4*>(
+          p.lse_lo + lse_pair_offset(blk.batch_head(p) * p.stat_rows + r_lo + half * Frag::kHi));
+      st.lse2 = v.x;
+      st.lse_l2 = v.y;
+      st.lse2_lo = v.z;
+      st.lse_l2_lo = v.w;
+    }
+  }
   // this thread's rows in the workspace (written by the rank-0 lane of each row; rows past len_q
   // get their zeros too). g is written after the dbeta pass.
   constexpr int kNStat = dkdv_stat_count(kAdaptive);
@@ -287,7 +337,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
         // the offset of dbeta's centred sum (the dbeta pass adds it and overwrites it with g;
         // kept here, not in registers through the pass: the SSA kernel at D = 64 has none to
         // spare on sm_90a)
-        ws[kG] = st.lse2 * (half ? dlse_hi : dlse_lo);
+        ws[kG] = (st.lse2 + st.lse2_lo) * (half ? dlse_hi : dlse_lo);
       }
     }
   }
@@ -425,8 +475,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       if (kSink) {  // (rows past len_q have delta 0)
         const float sink2 = p.sinks[blk.head] * kLog2e;
         if (sink2 != neg_inf()) {
-          const float e_lo = fmaf(sink2, st_lo.beta, -st_lo.lse2);
-          const float e_hi = fmaf(sink2, st_hi.beta, -st_hi.lse2);
+          const float e_lo = weight_exp2<true, true>(p, sink2, st_lo);
+          const float e_hi = weight_exp2<true, true>(p, sink2, st_hi);
           dbeta_lo -= ex2(e_lo) * st_lo.delta * e_lo;
           dbeta_hi -= ex2(e_hi) * st_hi.delta * e_hi;
         }
@@ -722,21 +772,12 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-            const float* st = stat + lq * kNStat;
-            RowStats r;
-            const float2 ld = *reinterpret_cast<const float2*>(st);
-            r.lse2 = ld.x;
-            r.delta = ld.y;
-            if (kAdaptive) {
-              const float2 bl = *reinterpret_cast<const float2*>(st + kBeta);
-              const float2 eg = *reinterpret_cast<const float2*>(st + kEnt);
-              r.beta = bl.x;
-              r.lse_l2 = bl.y;
-              r.ent = eg.x;
-              r.g = eg.y;
-            } else {
-              r.beta = 1.0f;
-              r.lse_l2 = r.ent = r.g = 0.0f;
+            RowStats r = load_row_stats<kAdaptive>(stat + lq * kNStat);
+            if (kCheck && p.mask_kind == kMaskAdd) {  // the recounted residuals (lse_residual.h)
+              const float2 lo =
+                  *reinterpret_cast<const float2*>(p.lse_lo + lse_pair_offset((head0 + hh) * p.stat_rows + mm + lq) + 2);
+              r.lse2_lo = lo.x;
+              r.lse_l2_lo = lo.y;
             }
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {

@@ -120,6 +120,16 @@ SSA_DEVICE float xor_sign(float x, float s) {
   return __int_as_float(__float_as_int(x) ^ (__float_as_int(s) & 0x80000000));
 }
 
+// a * b rounded on its own: never contracted with a following add into an FMA (the backward's
+// recounted LSE, lse_residual.h, needs beta l2 rounded as its recount rounded it)
+SSA_DEVICE float mul_rn(float a, float b) {
+#ifdef SSA_FLASH_EMULATE
+  return a * b;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
 SSA_DEVICE float neg_inf() { return __int_as_float(0xff800000); }
 
 // A running row max with -inf (nothing admissible yet) replaced by 0, so that ex2(l - m) is 0

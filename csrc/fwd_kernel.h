@@ -20,30 +20,12 @@
 #include "memory.h"
 #include "params.h"
 #include "row_state.h"
+#include "score_gemm.h"
 #include "smem_layout.h"
 #include "tile_io.h"
 #include "traits.h"
 
 namespace ssa_flash {
-
-// The score GEMM of a key block (the forward and the row-entropy pass), s = Q K^T over kN keys
-// and a kD reduction: wgmma over each of the warpgroup's kMS m64 halves (sQ the whole query
-// tile; one group, waited for at once) or mma.sync over this warp's kMS 16-row strips (sQw its
-// first row; kS the padded row stride).
-template <bool kWg, typename T, int kMS, int kN, int kD, typename LQ, typename LK, int kS>
-SSA_DEVICE void score_gemm(float (&s)[kMS][kN / 8][4], const T* sQ, const T* sQw, const T* sK, int lane) {
-  if constexpr (kWg) {
-#pragma unroll
-    for (int ms = 0; ms < kMS; ++ms) wg_gemm_nt<T, kN, kD, LQ, LK>(s[ms], sQ + ms * 64 * LQ::kRowElems, sK);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int ms = 0; ms < kMS; ++ms) wgmma_fence_operand(s[ms]);
-  } else {
-    zero(s);
-    gemm_nt<T, kMS, kN, kD, kS, kS>(s, sQw, sK, lane);
-  }
-}
 
 // Forward: per row, l2 = (phi(z) + mask) * log2(e), times beta (ADAPTIVE); m = a reference
 // max, l = running sum of 2^(l2 - m) (partial per thread, reduced over the quad at the end),

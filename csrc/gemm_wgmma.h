@@ -173,12 +173,12 @@ SSA_DEVICE void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64
 // address field does not overflow).
 SSA_DEVICE uint64_t desc_add(uint64_t desc, int bytes) { return desc + static_cast<uint64_t>(bytes >> 4); }
 
-// acc (64 x kN) = A (64 x kK) B^T: A 64 rows of an LA tile (sA: the first of them), B a kN-row
-// LB tile (as gemm_nt: both with k along the columns, K-major). One wgmma per 16 columns of k
-// (+32 bytes inside a panel).
+// acc (64 x kN) = A (64 x kK) B^T: A 64 rows of an LA tile (sA: the first of them), B kN rows of
+// an LB tile (sB: the first of them, a multiple of 8 rows in; as gemm_nt: both with k along the
+// columns, K-major). One wgmma per 16 columns of k (+32 bytes inside a panel).
 template <typename T, int kN, int kK, typename LA, typename LB>
 SSA_DEVICE void wg_gemm_nt(float (&acc)[kN / 8][4], const T* sA, const T* sB) {
-  static_assert(LA::kRows % 64 == 0 && LB::kRows == kN, "wg_gemm_nt: 64 rows of A, a kN-row B tile");
+  static_assert(LA::kRows % 64 == 0 && LB::kRows >= kN, "wg_gemm_nt: 64 rows of A, kN rows of a B tile");
   const uint64_t da = wgmma_desc(sA, 16, 1024), db = wgmma_desc(sB, 16, 1024);
   wgmma_fence();
 #pragma unroll

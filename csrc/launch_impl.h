@@ -81,6 +81,17 @@ template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
   using Dq = DqTraits<D, T>;
+  if (p.mask_kind == kMaskAdd) {
+    // additive masks: the rows whose LSE float32 cannot resolve, recounted (lse_residual.h)
+    std::string err = launch_variant<T, Dq>(
+        "attn_bwd_lse_recount_kernel",
+        [](auto S, auto A, auto C, auto K) {
+          return &attn_bwd_lse_recount_kernel<Dq, decltype(S), decltype(A)::value, decltype(C)::value,
+                                              decltype(K)::value>;
+        },
+        score, adaptive, query_grid<Dq>(p), dq_smem_bytes(D, sizeof(T), path), stream, p);
+    if (!err.empty()) return err;
+  }
   if constexpr (D <= 128) {
     if (plan.fused) {
       // pre-pass: delta (and the adaptive g), then the fused kernel

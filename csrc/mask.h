@@ -27,8 +27,9 @@ SSA_DEVICE float saturated_mask(float m, float mask_mult) {
 // the row's beta). Only the tiles on the diagonal, the ragged last tile, and every tile of a
 // masked or windowed call need this (the kernels skip it elsewhere). kBand = false: causality
 // only, for a kernel that never runs a window (the fused backward: the band's two bounds spilled
-// it at D = 96).
-template <bool kBand = true>
+// it at D = 96). kMaskable = false: never a mask (a kernel whose calls have none: the mask's
+// address arithmetic is not compiled in).
+template <bool kBand = true, bool kMaskable = true>
 SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int row, int col,
                             float mask_mult) {
   // the band -win_left <= col - row <= win_right (causality folded in, params.h) as one unsigned
@@ -36,7 +37,7 @@ SSA_DEVICE float apply_mask(const AttnShape& p, const LogitCtx& c, float l2, int
   const bool in_band = kBand ? static_cast<unsigned>(col - row + p.win_left) <= static_cast<unsigned>(p.win_width)
                              : !p.causal || col <= row;
   bool ok = row < p.len_q && col < p.len_k && in_band;
-  if (p.mask_kind != kMaskNone && ok) {
+  if (kMaskable && p.mask_kind != kMaskNone && ok) {
     const int64_t off = c.batch * p.mask_sb + c.head * p.mask_sh + static_cast<int64_t>(row) * p.mask_sm +
                         static_cast<int64_t>(col) * p.mask_sn;
     if (p.mask_kind == kMaskBool) {

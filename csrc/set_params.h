@@ -70,6 +70,9 @@ struct AttnCall {
   // (docs/maths.md section 6; the kernels instantiated with them: dispatch.h, extras_switch)
   const float* sinks;
   double softcap;
+  // backward workspace of an additive mask's call (bwd_buffers, lse_lo; null otherwise): the
+  // LSEs' (hi, lo) pairs the recount kernel writes (lse_residual.h)
+  float* lse_lo;
 };
 
 // Shapes of the backward's buffers for a plan (row-major, float32). A zero-size shape: not
@@ -80,6 +83,7 @@ struct BwdBuffers {
   int64_t dq_accum[4];      // (B, H, stat_rows, accum_cols), zero on entry; fused path only
   int64_t partials[3];      // each of the nparams dparam_part: (B, H, num_partials)
   int64_t nparams;          // the score function's parameters (score_param_count)
+  int64_t lse_lo[4];        // (B, H, stat_rows, 4), additive masks only (else zero-size), written before it is read
 };
 
 // Sizes and flags the kernels assume (params.h); an error message, or an empty string. What a
@@ -231,6 +235,8 @@ inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
     b.dq_accum[i] = plan.fused ? accum[i] : 0;
   }
   for (int i = 0; i < 3; ++i) b.partials[i] = parts[i];
+  const int64_t lse_lo[4] = {c.batch, c.heads, plan.stat_rows, 4};
+  for (int i = 0; i < 4; ++i) b.lse_lo[i] = c.mask_kind == kMaskAdd ? lse_lo[i] : 0;
   return b;
 }
 
@@ -256,6 +262,7 @@ inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   p.dparam_part0 = c.dparam_part[0];
   p.dparam_part1 = c.dparam_part[1];
   set_extras(p, c);
+  p.lse_lo = c.mask_kind == kMaskAdd ? c.lse_lo : nullptr;
   return p;
 }
 
@@ -283,7 +290,8 @@ inline std::string launch_backward(const AttnCall& c, const BwdPlan& plan, cudaS
   const int nparams = score_param_count(static_cast<int>(c.score));
   bool parts = true;
   for (int i = 0; i < nparams; ++i) parts = parts && c.dparam_part[i] != nullptr;
-  if (c.rowstat == nullptr || !parts) return "backward workspaces missing (bwd_buffers)";
+  if (c.rowstat == nullptr || !parts || (c.mask_kind == kMaskAdd && c.lse_lo == nullptr))
+    return "backward workspaces missing (bwd_buffers)";
   const BwdParams p = bwd_params(c, plan);
   const int score = static_cast<int>(c.score);
   return c.bf16 ? run_bwd_bf16(p, score, adaptive, plan, stream) : run_bwd_fp16(p, score, adaptive, plan, stream);

@@ -112,7 +112,7 @@ class AttnCall(ctypes.Structure):
         *((nm, Operand) for nm in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")),
         *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum")),
         ("dparam_part", _PTR * MAX_SCORE_PARAMS), ("sinks", _PTR),
-        ("softcap", _F64),
+        ("softcap", _F64), ("lse_lo", _PTR),
     ]
 
 
@@ -125,7 +125,7 @@ class BwdPlan(ctypes.Structure):
 class BwdBuffers(ctypes.Structure):
     """csrc/set_params.h, BwdBuffers: the shapes of the backward's buffers for a plan."""
     _fields_ = [("fused", _I64), ("rowstat", _I64 * 4), ("dq_accum", _I64 * 4), ("partials", _I64 * 3),
-                ("nparams", _I64)]
+                ("nparams", _I64), ("lse_lo", _I64 * 4)]
 
 
 MIRRORS = (Operand, AttnCall, BwdPlan, BwdBuffers)
@@ -294,8 +294,10 @@ class Emulator:
         c.dk, c.dv, c.rowstat = _operand(dk), _operand(dv), _ptr(rowstat)
         for i, t in enumerate(parts):
             c.dparam_part[i] = _ptr(t)
+        lse_lo = _nan(buf.lse_lo) if buf.lse_lo[0] > 0 else None  # (additive masks)
+        c.lse_lo = _ptr(lse_lo)
         self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, params, beta, lse_l, entropy, dbeta_dh, drop_rng, sinks,
-                         parts))
+                         parts, lse_lo))
         return dq, dk, dv, parts, rowstat
 
     # ---- what backend="cuda" computes --------------------------------------------------------

@@ -59,13 +59,13 @@ const LayoutEntry kLayout[] = {
     SSA_EMU_FIELD(AttnCall, dlse), SSA_EMU_FIELD(AttnCall, beta), SSA_EMU_FIELD(AttnCall, lse_l),
     SSA_EMU_FIELD(AttnCall, dbeta_dh), SSA_EMU_FIELD(AttnCall, rowstat), SSA_EMU_FIELD(AttnCall, dq_accum),
     SSA_EMU_FIELD(AttnCall, dparam_part),
-    SSA_EMU_FIELD(AttnCall, sinks), SSA_EMU_FIELD(AttnCall, softcap),
+    SSA_EMU_FIELD(AttnCall, sinks), SSA_EMU_FIELD(AttnCall, softcap), SSA_EMU_FIELD(AttnCall, lse_lo),
     SSA_EMU_SIZE(BwdPlan),
     SSA_EMU_FIELD(BwdPlan, fused), SSA_EMU_FIELD(BwdPlan, num_partials), SSA_EMU_FIELD(BwdPlan, stat_rows),
     SSA_EMU_FIELD(BwdPlan, stat_count), SSA_EMU_FIELD(BwdPlan, accum_cols),
     SSA_EMU_SIZE(BwdBuffers),
     SSA_EMU_FIELD(BwdBuffers, fused), SSA_EMU_FIELD(BwdBuffers, rowstat), SSA_EMU_FIELD(BwdBuffers, dq_accum),
-    SSA_EMU_FIELD(BwdBuffers, partials), SSA_EMU_FIELD(BwdBuffers, nparams),
+    SSA_EMU_FIELD(BwdBuffers, partials), SSA_EMU_FIELD(BwdBuffers, nparams), SSA_EMU_FIELD(BwdBuffers, lse_lo),
 };
 
 }  // namespace

@@ -96,6 +96,7 @@ struct WgmmaOp {
   float* d;  // float[n / 8][4]
   int n;
   bool a_regs, trans_b, bf16, accumulate;
+  bool trans_a;  // A from shared memory MN-major (wgmma_ss_tt)
   uint64_t desc_a, desc_b;
   float a_rows[2][16];  // rows g and g + 8 of this warp's 16 (A in registers)
   int warp_in_group, lane;
@@ -689,7 +690,8 @@ inline void wgmma_run(const WgmmaOp& op) {
   float A[2][16];
   for (int h = 0; h < 2; ++h)
     for (int k = 0; k < 16; ++k)
-      A[h][k] = op.a_regs ? op.a_rows[h][k] : wgmma_elem(op.desc_a, 16 * op.warp_in_group + g + 8 * h, k, false, op.bf16);
+      A[h][k] = op.a_regs ? op.a_rows[h][k]
+                          : wgmma_elem(op.desc_a, 16 * op.warp_in_group + g + 8 * h, k, op.trans_a, op.bf16);
   for (int nt = 0; nt < op.n / 8; ++nt) {
     for (int c = 0; c < 2; ++c) {
       const int col = 8 * nt + 2 * t + c;
@@ -708,7 +710,7 @@ inline void wgmma_run(const WgmmaOp& op) {
 // Issue: a synchronisation point of the block (the warpgroup's operands are collected; every
 // thread must pass the same descriptors), then carried out now or at the retiring wait.
 inline void wgmma_issue(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool accumulate,
-                        bool trans_b, bool bf16) {
+                        bool trans_b, bool bf16, bool trans_a = false) {
   Slot& s = deposit(kWgmma);
   if (a) std::memcpy(s.a, a, sizeof(s.a));
   s.desc[0] = desc_a;
@@ -722,6 +724,7 @@ inline void wgmma_issue(float* d, int n, const uint32_t* a, uint64_t desc_a, uin
   op.n = n;
   op.a_regs = a != nullptr;
   op.trans_b = trans_b;
+  op.trans_a = trans_a;
   op.bf16 = bf16;
   op.accumulate = accumulate;
   op.desc_a = desc_a;
@@ -757,6 +760,19 @@ inline void wgmma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumul
 template <typename T, int N>
 inline void wgmma_rs_tb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db, int accumulate) {
   wgmma_issue(&d[0][0], N, a, 0, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value);
+}
+
+// Both operands from shared memory, both MN-major (the PTX ISA's imm-trans-a = imm-trans-b = 1):
+// A (64 x 16) with m contiguous, B (16 x N) with n contiguous (csrc/hopper/bwd_gemm.h).
+template <typename T, int N>
+inline void wgmma_ss_tt(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_issue(&d[0][0], N, nullptr, da, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value, true);
+}
+
+// Both operands from shared memory, A K-major, B MN-major (imm-trans-b = 1; csrc/hopper/bwd_gemm.h).
+template <typename T, int N>
+inline void wgmma_ss_tb(float (&d)[N / 8][4], uint64_t da, uint64_t db, int accumulate) {
+  wgmma_issue(&d[0][0], N, nullptr, da, db, accumulate != 0, true, std::is_same<T, __nv_bfloat16>::value, false);
 }
 
 inline void wgmma_commit() { me().wgmma.commit(); }

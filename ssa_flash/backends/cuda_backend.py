@@ -642,35 +642,13 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     return _unpad(o, v.shape[-1]), lse
 
 
-# |lse| (natural log) from which the float32 LSE no longer resolves a row's weights to float32
-# accuracy: 256 in base 2, ssa_flash/triton/lse_residual.py's RESIDUAL_FROM
-_RECOUNT_FROM = 256.0 * 0.6931471805599453
-
-
-def _needs_lse_recount(mask, lse, temp: Optional[TemperatureState]) -> bool:
-    """Whether a backward with a float mask has rows whose LSE is too large for the CUDA kernels'
-    ``exp(l - lse)`` (a finite mask at ``finfo.min``: docs/api.md, fully masked rows). The CUDA
-    kernels do not recount such rows as the Triton kernels do, so the backward then runs on the
-    Triton backend. Reading the answer synchronises with the device once per such backward; never
-    while a CUDA graph is captured (the CUDA kernels then run, with that limit)."""
-    if mask is None or not mask.is_floating_point():
-        return False
-    if lse.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    rows = [lse] + ([temp.lse_l] if temp is not None else [])
-    return any(bool(((r.abs() >= _RECOUNT_FROM) & torch.isfinite(r)).any()) for r in rows)
-
-
 def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec):
     """``(dq, dk, dv, dparams, dsinks)`` (spec.Backend.backward): the kernels' per-block partial
     sums of each parameter's gradient, (B, Hq, blocks), are summed here in a fixed order. Rows of
-    a float mask's call whose LSE is huge: the Triton backend's backward (:func:`_needs_lse_recount`)."""
+    a float mask's call whose LSE is huge (finite masks at ``finfo.min``) are recounted by the
+    kernels (csrc/lse_residual.h), on the device."""
     _refuse_unsupported(spec, sinks)
-    if _needs_lse_recount(mask, lse, temp if spec.adaptive else None):
-        from . import triton_backend  # (lazily: the sibling backend, only for these rows)
-        if triton_backend.unavailable_reason(q.device) is None:
-            return triton_backend.backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)
     ext = _extension(q.device)
     d, dv = q.shape[-1], v.shape[-1]
     d8, dv8 = _round8(d), _round8(dv)

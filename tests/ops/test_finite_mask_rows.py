@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ssa_flash
 from attn_testing import FLOORS, MODES, detached_copy, fa_tolerance_check, head_params, make_qkv, rotating_modes, run
+import emulation
 from emulation import build_emulator, cuda_backend_context  # noqa: F401  (build_emulator: conftest prebuilds it)
 from ssa_flash import autograd
 from ssa_flash.spec import AttentionSpec
@@ -166,31 +167,71 @@ def test_sdpa_agrees_with_the_gold():
             torch.testing.assert_close(sdpa[2][name].double(), gold[2][name], atol=2e-2, rtol=2e-2, msg=name)
 
 
-@pytest.mark.parametrize("mode", ["softmax", "ssa_adaptive"])
-def test_cuda_emulated(mode):
-    """The CUDA C++ backend (emulated, float16 inputs): its forward on finite-masked rows, and its
-    backward, which runs on the Triton backend for them (cuda_backend._needs_lse_recount)."""
-    ctx = cuda_backend_context()
-    mask, causal = padding_mask("fp32_min")
-    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=32, dtype=torch.float16, device="cpu", q_scale=2.0)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two_kernel"])
+@pytest.mark.parametrize("kind", ["fp32_min", "bf16_min"])
+@pytest.mark.parametrize("mode", ["softmax", "ssa", "ssa_adaptive"])
+def test_cuda_emulated(mode, kind, deterministic):
+    """The CUDA C++ backend (emulated, float16 inputs) on finite-masked rows: its forward, and its
+    backward, whose recount kernel recounts the rows whose LSE float32 cannot resolve and whose
+    other kernels use the recounted pairs (csrc/lse_residual.h).
+    Both backward paths: the fused kernel (deterministic=False, which the emulator's plan fuses at
+    this head dim) and the two-kernel one; softmax, SSA (its b, n gradients too) and SSA with
+    the adaptive temperature (its lse_l recounted as well)."""
+    check_cuda_rows(cuda_backend_context(), mode, kind, deterministic)
+
+
+def check_cuda_rows(ctx, mode, kind, deterministic, D=32):
+    """test_cuda_emulated's check in the context ``ctx()`` (the extension, or an emulator of the
+    head dim ``D``: the sm_90a path's wgmma tiles need 64 or 128)."""
+    mask, causal = padding_mask(kind)
+    q, k, v = make_qkv(B=1, Hq=2, Lq=L, D=D, dtype=torch.float16, device="cpu", q_scale=2.0)
+    ssa = "ssa" in mode
     b, n = head_params(2, device="cpu")
-    dout = torch.randn(1, 2, L, 32, generator=torch.Generator().manual_seed(3)).half()
+    b.requires_grad_(ssa)
+    n.requires_grad_(ssa)
+    dout = torch.randn(1, 2, L, D, generator=torch.Generator().manual_seed(3)).half()
     kw = dict(attn_mask=mask, is_causal=causal)
-    variant = dict(adaptive_temperature="adaptive" in mode, score="ssa" if "ssa" in mode else "softmax",
-                   score_params={"b": b, "n": n} if "ssa" in mode else None)
+    variant = dict(adaptive_temperature="adaptive" in mode, score="ssa" if ssa else "softmax",
+                   score_params={"b": b, "n": n} if ssa else None)
+    leaves = (q, k, v, b, n) if ssa else (q, k, v)
     with ctx():
-        out = ssa_flash.attention(q, k, v, backend="cuda", **variant, **kw)
-        grads = torch.autograd.grad((out.float() * dout.float()).sum(), (q, k, v))
+        out = ssa_flash.attention(q, k, v, backend="cuda", deterministic=deterministic, **variant, **kw)
+        grads = torch.autograd.grad((out.float() * dout.float()).sum(), leaves)
     c = lambda t: detached_copy(t, torch.float64)  # noqa: E731
-    qq, kk, vv = c(q), c(k), c(v)
+    gold_leaves = tuple(c(t) for t in leaves)
+    qq, kk, vv = gold_leaves[:3]
     gold = ssa_flash.attention(qq, kk, vv, backend="reference", adaptive_temperature=variant["adaptive_temperature"],
                                score=variant["score"],
-                               score_params={"b": c(b), "n": c(n)} if "ssa" in mode else None,
+                               score_params={"b": gold_leaves[3], "n": gold_leaves[4]} if ssa else None,
                                attn_mask=mask.double(), is_causal=causal)
-    gold_grads = torch.autograd.grad((gold * dout.double()).sum(), (qq, kk, vv))
+    gold_grads = torch.autograd.grad((gold * dout.double()).sum(), gold_leaves)
     assert torch.isfinite(out).all()
     # (the float16 reference cannot serve as the naive baseline here: finfo(float32).min is -inf
-    # in float16) float16's output rounding and float32 accumulation as the floor
+    # in float16) float16's output rounding and float32 accumulation as the floor; b and n sum
+    # over every score of a head
     torch.testing.assert_close(out.double(), gold, atol=2e-3, rtol=2e-3)
-    for name, a, e in zip("qkv", grads, gold_grads):
-        torch.testing.assert_close(a.double(), e, atol=1e-2, rtol=1e-2, msg=name)
+    for name, a, e in zip("qkvbn", grads, gold_grads):
+        tol = 1e-2 * (L if name in "bn" else 1)
+        torch.testing.assert_close(a.double(), e, atol=tol, rtol=1e-2, msg=name)
+
+
+
+@pytest.fixture(scope="module")
+def emulator_sm90(tmp_path_factory):
+    """An emulator of the sm_90a code path at D = 64 (its own build: about a minute)."""
+    h = emulation.harness()
+    if h.cuda_include_dir() is None:
+        pytest.skip("CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built")
+    return h.Emulator(h.build(tmp_path_factory.mktemp("emu90"), head_dims=(64,), sm90=True, extras=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kind,deterministic", [("softmax", "fp32_min", False), ("ssa", "bf16_min", True),
+                                                     ("ssa_adaptive", "fp32_min", False),
+                                                     ("ssa_adaptive", "bf16_min", True)])
+def test_cuda_emulated_sm90_path(emulator_sm90, mode, kind, deterministic):
+    """test_cuda_emulated's check on the emulated sm_90a code path (the recount kernel's and the
+    backward's GEMMs as wgmma on swizzled tiles, which the kernels use at D = 64 / 128)."""
+    before = emulator_sm90.wgmma_issued()
+    check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm90), mode, kind, deterministic, D=64)
+    assert emulator_sm90.wgmma_issued() > before, "the sm_90a path's wgmma ran"

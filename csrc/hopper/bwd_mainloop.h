@@ -1,0 +1,178 @@
+// The consumers' step of the sm_90a backward (bwd_tile.h): for one 64-row query block of one
+// query head, against this warpgroup's 64 keys of the CTA's 128.
+//
+// Per step, consumer warpgroup c (keys n0 + 64 c ..), in the layout of the transposed scores
+// (rows keys, columns queries: wgmma's m64 is the warpgroup's keys):
+//   S^T = K_c Q^T, dP^T = V_c dO^T   (wgmma, both operands in shared memory; in kParts query
+//                                     groups, each waited for before its gradients)
+//   P^T, dS^T = score_grad(S^T, dP^T, row statistics of the columns)   (bwd_kernel.h)
+//   dS^T -> shared memory            (this warpgroup's 64 rows of the step's dS^T buffer)
+//   dV += P^T dO                     (wgmma, P^T from registers)
+//   barrier of both consumers        (dS^T complete)
+//   dK += dS^T Q                     (wgmma, dS^T from shared memory, Q N-major: bwd_gemm.h)
+//   dQ_part = dS K                   (wgmma, both operands MN-major: bwd_gemm.h)
+//   wait for dV / dK: the stage (Q, dO, statistics) is released to the producer
+//   wait for dQ: red.global.add into the float32 accumulator (dQ / scale)
+// D = 128: dQ_part is the columns of panel c over all 128 keys; D = 64: every column over the
+// warpgroup's own 64 keys (BwdTile::kDqSplitCols). The dS^T buffers alternate per step: the
+// barrier of step i + 1 comes after both consumers' dQ GEMMs of step i, so the buffer of step i is
+// free again at step i + 2.
+#pragma once
+
+#include "../bwd_kernel.h"  // RowStats, load_row_stats, score_grad
+#include "../frag.h"
+#include "../gemm_wgmma.h"
+#include "../memory.h"
+#include "bwd_gemm.h"
+#include "named_barriers.h"
+#include "bwd_tile.h"
+
+namespace ssa_flash {
+namespace hopper {
+
+// Deliberately broken variants of the kernel, which the emulation must report (tests/cuda/
+// test_hopper_bwd.py): a consumer that never waits for a stage to be full, a producer waiting on
+// the empty barrier with the wrong parity, consumers that release a stage as soon as it is full
+// (before their GEMMs read it), and consumers that never release it.
+enum BwdBug : int { kBwdOk = 0, kBwdNoFullWait, kBwdWrongEmptyParity, kBwdEarlyRelease, kBwdNoRelease, kBwdBugs };
+
+// One consumer warpgroup's state over the CTA's steps: its 64 keys' dK / dV accumulators (rows
+// 16 w + g (+ 8) of warp w, the wgmma layout) and this thread's sums of the score function's
+// parameter terms (logits.h, Score::grad; per query head, reset by the caller).
+template <typename Tile, typename Score, bool kAdaptive, int kBug = kBwdOk>
+struct BwdConsumer {
+  using T = typename Tile::Elem;
+  static constexpr int kD = Tile::kD, kM = Tile::kBlockM;
+  static constexpr int kNStat = BwdStatLayout<Tile, kAdaptive>::kCount;
+  // the step's scores in 1 or 2 parts of queries (see step): what ptxas spilled least with, per
+  // instance (spill bytes whole / halved, sm_90a, nvcc 13.0: D 64 SSA 68 / 0, D 64 SSA adaptive
+  // 28 / 76, D 64 softmax 0 / 0 either way, D 128 everything fewer whole)
+  static constexpr int kParts = kD == 64 && !(kAdaptive && Score::kParams > 0) ? 2 : 1;
+  using QTile = typename Tile::QTile;
+  using KTile = typename Tile::KTile;
+  using DsTile = typename Tile::DsTile;
+
+  float dk[kD / 8][4];
+  float dv[kD / 8][4];
+  float dpar0, dpar1;
+  int c, warp, lane;  // consumer warpgroup, warp in it, lane
+
+  SSA_DEVICE void init(int consumer) {
+    c = consumer;
+    warp = warp_idx_in_warpgroup();
+    lane = static_cast<int>(threadIdx.x) % 32;
+    zero(dk);
+    zero(dv);
+    dpar0 = dpar1 = 0.0f;
+  }
+
+  // The gradients of queries [kQ kPart, kQ kPart + kQ) of a step (kQ = 64 / kParts): P^T (packed into pw, the A
+  // fragments of dV += P^T dO) and dS^T (before the final scale; into this warpgroup's rows of the
+  // step's dS^T buffer, pairs of adjacent queries per 32-bit store, fenced for the tensor cores).
+  // Element (nt, i) of s / dp is key n0 + 64 c + 16 warp + g + 8 (i / 2), query
+  // m + kQ kPart + 8 nt + 2 t + i % 2. Checks (kCheck): bounds and causality only (no window or
+  // mask: bwd_launch.h routes them away).
+  template <bool kCheck, int kPart>
+  SSA_DEVICE void grad_part(const BwdParams& p, const LogitCtx& ctx, int n0, int m, float (&s)[kM / kParts / 8][4],
+                            float (&dp)[kM / kParts / 8][4], const float* sStat, T* sDsT, uint32_t (&pw)[kM / 16][4]) {
+    constexpr int kQ = kM / kParts;
+    const int g = lane / 4, t = lane % 4;
+    const int key_lo = n0 + 64 * c + 16 * warp + g;
+#pragma unroll
+    for (int nt = 0; nt < kQ / 8; ++nt) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int lq = kPart * kQ + 8 * nt + 2 * t + cc;
+        const RowStats r = load_row_stats<kAdaptive>(sStat + lq * kNStat);  // (bwd_kernel.h)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const int i = cc + 2 * hi;
+          float pp;
+          dp[nt][i] = score_grad<Score, kAdaptive, kCheck, true, false, false>(p, ctx, s[nt][i], dp[nt][i], m + lq,
+                                                                             key_lo + 8 * hi, r, pp, dpar0, dpar1);
+          s[nt][i] = pp;
+        }
+      }
+    }
+    constexpr int kK0 = kPart * kQ / 16;  // the part's first 16-query block
+    acc_to_frag<T, kQ>(*reinterpret_cast<uint32_t(*)[kQ / 16][4]>(&pw[kK0]), s);
+    uint32_t da[kQ / 16][4];
+    acc_to_frag<T, kQ>(da, dp);
+    const int row_lo = 64 * c + 16 * warp + g;
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // (acc_to_frag: rows g, g + 8, g, g + 8; columns 2 t, 2 t, 2 t + 8, 2 t + 8)
+        const int row = row_lo + 8 * (j & 1), col = 16 * (kK0 + kk) + 8 * (j >> 1) + 2 * t;
+        *reinterpret_cast<uint32_t*>(sDsT + DsTile::offset(row, col)) = da[kk][j];
+      }
+    }
+  }
+
+  // One step: query rows [m, m + 64) of the query head whose (batch, head) row index is bh and
+  // logit context ctx; sK, sV the CTA's tiles, sQ, sdO, sStat the stage's, sDsT the step's dS^T
+  // buffer, full / empty the stage's mbarriers (parity: the stage's phase), dq_rows the float32
+  // accumulator's row m of this head. kCheck: bounds and the causal diagonal (mask.h).
+  template <bool kCheck>
+  SSA_DEVICE void step(const BwdParams& p, const LogitCtx& ctx, int n0, int m, const T* sK, const T* sV,
+                       const T* sQ, const T* sdO, const float* sStat, T* sDsT, uint64_t* full, uint64_t* empty,
+                       uint32_t parity, float* dq_rows) {
+    if (kBug != kBwdNoFullWait) mbar_wait(full, parity);
+    if (kBug == kBwdEarlyRelease) mbar_arrive(empty);
+
+    // S^T = K_c Q^T, dP^T = V_c dO^T in kParts parts of the queries, a wgmma group each: a later
+    // part's GEMMs run while an earlier part's gradients are computed (and ptxas keeps only that
+    // part's gradient work in flight)
+    constexpr int kQ = kM / kParts;
+    float s[kParts][kQ / 8][4], dp[kParts][kQ / 8][4];
+#pragma unroll
+    for (int h = 0; h < kParts; ++h) {
+      wg_gemm_nt<T, kQ, kD, KTile, QTile>(s[h], sK + KTile::offset(64 * c, 0), sQ + QTile::offset(h * kQ, 0));
+      wg_gemm_nt<T, kQ, kD, KTile, QTile>(dp[h], sV + KTile::offset(64 * c, 0), sdO + QTile::offset(h * kQ, 0));
+      wgmma_commit();
+    }
+    uint32_t pw[kM / 16][4];
+    wgmma_wait<kParts - 1>();
+    wgmma_fence_operand(s[0]);
+    wgmma_fence_operand(dp[0]);
+    grad_part<kCheck, 0>(p, ctx, n0, m, s[0], dp[0], sStat, sDsT, pw);
+    if constexpr (kParts == 2) {
+      wgmma_wait<0>();
+      wgmma_fence_operand(s[1]);
+      wgmma_fence_operand(dp[1]);
+      grad_part<kCheck, 1>(p, ctx, n0, m, s[1], dp[1], sStat, sDsT, pw);
+    }
+    fence_proxy_async();
+
+    // dV += P^T dO (A from registers)
+    wg_gemm_rn<T, kD, kM, QTile>(dv, pw, sdO);
+    wgmma_commit();
+
+    // once both consumers' dS^T are in place: dK += dS^T Q (A from shared memory: dS^T's registers
+    // are free by now) and dQ (part) = dS K
+    named_bar_sync(kBarConsumers, Tile::kConsumerThreads);  // (named_barriers.h)
+    wg_gemm_sn<T, kD, kM, DsTile, QTile>(dk, sDsT + DsTile::offset(64 * c, 0), sQ);
+    wgmma_commit();
+    constexpr int kDqKeys = Tile::kDqSplitCols ? Tile::kBlockN : 64;
+    const int key0 = Tile::kDqSplitCols ? 0 : 64 * c, col0 = Tile::kDqSplitCols ? 64 * c : 0;
+    float dq[8][4];
+    wg_gemm_tt<T, kDqKeys, DsTile, KTile>(dq, sDsT + DsTile::offset(key0, 0), sK + KTile::offset(key0, col0));
+    wgmma_commit();
+    wgmma_wait<1>();  // dV, dK: Q, dO and the statistics are no longer read
+    wgmma_fence_operand(dv);
+    wgmma_fence_operand(dk);
+    if (kBug != kBwdEarlyRelease && kBug != kBwdNoRelease) mbar_arrive(empty);
+    wgmma_wait<0>();
+    wgmma_fence_operand(dq);
+    // element (nt, i): query row 16 warp + g + 8 (i / 2), column col0 + 8 nt + 2 t + i % 2
+    float* at = dq_rows + (16 * warp + lane / 4) * kD + col0 + 2 * (lane % 4);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      red_add2(at + 8 * nt, dq[nt][0], dq[nt][1]);
+      red_add2(at + 8 * kD + 8 * nt, dq[nt][2], dq[nt][3]);
+    }
+  }
+};
+
+}  // namespace hopper
+}  // namespace ssa_flash
