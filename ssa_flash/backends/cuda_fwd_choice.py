@@ -14,7 +14,10 @@ kernel. A GPU session adds rows from ``python -m ssa_flash.bench`` results that 
 Overrides, in order: :func:`forced` (the benchmark's ``ssa_flash.cuda_ws`` / ``ssa_flash.cuda``
 impls, the device tests), then the environment variable ``SSA_FLASH_HOPPER_FWD`` (``1``: wherever
 the kernel takes the call; ``0``: never; read by the extension itself, once, so this module leaves
-the switch alone when it is set), then the table.
+the switch alone when it is set), then the table. The choice reaches the extension as its
+process-wide switch, set before each forward it concerns (``cuda_backend._choose_fwd_kernel``):
+threads calling at once with different choices may see each other's (either kernel computes
+the same attention; only which one ran differs).
 """
 from __future__ import annotations
 
