@@ -198,7 +198,9 @@ def cuda_extension_kwargs():
             "cxx": ["-O3"],
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-                     "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"],
+                     "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+                     # the sm_90a warp-specialised forward (_cuda_build.hopper_fwd_flags)
+                     *_arch.hopper_fwd_flags(os.environ["TORCH_CUDA_ARCH_LIST"])],
         },
     )
     build_ext = fall_back_on_failure(BuildExtension.with_options(use_ninja=True))

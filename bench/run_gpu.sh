@@ -6,7 +6,11 @@
 # WHAT THE NEXT GPU SESSION RUNS, IN ORDER (15 minutes of device time in all, machine start included)
 #
 #   0. Here, on the CPU, before any device call (no device time):
-#        python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
+#        SSA_FLASH_BUILD_HOPPER_FWD=1 SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=1 \
+#          python ssa_flash/backends/_cuda_build.py objects --arch 90a --jobs 2
+#      (with the sm_90a warp-specialised forward, csrc/hopper/: this script exports the same, and
+#      the build step refuses objects built the other way; the kernel is then used only where a
+#      step switches it on)
 #      csrc/*.cu compiled for sm_90a into build/cuda-objects/ (they do not include torch; a
 #      manifest.json records the hash of csrc/): 294 s with --jobs 2 on an idle 2-core machine
 #      (2026-11-28, three score-function policies: fwd 130 s each, bwd 160 s each), 31.0 MiB, which
@@ -16,6 +20,9 @@
 #   1. Call 1, "verdict" (carry ["build/cuda-objects", "build/ssa-flash-cache"], timeout_s ~490):
 #        export PYTHON=python3 JOBS=14; A=$OUT/call1.tgz R=/tmp/g; OUT=$R ARCHIVE=$A SMOKE_LIMIT=60 \
 #          SELFCHECK_LIMIT=45 RECHECK_LIMIT=60 bash bench/run_gpu.sh 430 > $R.log 2>&1; tail -c 11000 $R.log
+#      On sm_90a the first test step is hopper-fwd (tests/cuda/test_hopper_fwd_device.py, 13 tests:
+#      the new forward's verdict matrix beside today's kernel, and its tensor-map cache on the
+#      device; HOPPER_LIMIT 60 s; expected well under that, not yet measured).
 #      Every pytest step runs only what the ledger does not hold as passed at these kernels (the
 #      smoke tier and the matrix included), so a step that passed in an earlier session at the same
 #      kernels costs a collection. Session 4 (2026-11-28, all but 7 tests passed already) used the
@@ -40,6 +47,14 @@
 #      After sessions 3 and 4 (D 64 and D 128 of the targets' rows measured at kernel hash
 #      8e143487f810, the 128k memory row and FlexAttention never reached: the budget ran out), add
 #      BENCH_ARGS="--subset targets --phases memory,flex,speed" so those rows come first.
+#      Next session (issue 48): RUN_HOST=0 (its rows are committed) so that the sm_90a forward's rows
+#      fit: with RUN_BENCH=1 on sm_90a they come after the Triton forward's warp-specialised
+#      comparison (30 s) and before the benchmark (HOPPER_BENCH_LIMIT 90 s: ssa_flash.cuda_ws, ssa_flash.cuda, ssa_flash.triton,
+#      sdpa.cudnn, sdpa.flash; forward; softmax and SSA; D 64 / 128; 1k, 4k, 16k; causal and not;
+#      bf16 then fp16, half the limit each), then one launch under ncu (NCU_LIMIT 45 s; skipped
+#      without ncu), then the MUFU / FMA share sweep (SWEEP_LIMIT 40 s: bf16 SSA, D 64 and 128,
+#      4k and 16k, each budget the objects hold, bench/gpu_diag/hopper_mufu_sweep.py). Afterwards, here: the rows where ssa_flash.cuda_ws beat every other of ours go
+#      into ssa_flash/backends/cuda_fwd_choice.json (each naming its results file); none: none.
 #      first the host path (RUN_HOST=1: a cProfile of the plain calls, then host time per call
 #      beside SDPA's), then the Triton forward's warp-specialised form, then the benchmark: the
 #      rows the design's targets are judged on first (--subset targets: ours, sdpa.flash,
@@ -59,6 +74,7 @@
 #                 match csrc/ (ssa_flash/backends/_cuda_build.py check / link), else the JIT build;
 #                 in the background, while smoke-triton runs niced with fewer workers
 #   smoke-triton  pytest -m gpu_smoke -k "not cuda" tests/gpu_smoke
+#   hopper-fwd    tests/cuda/test_hopper_fwd_device.py (sm_90a only; RUN_HOPPER=0 skips; HOPPER_ARGS)
 #   cuda-matrix   tests/cuda/test_cuda_matrix.py, every case (SSA_FLASH_REQUIRE_CUDA=1: a test skipped
 #                 as "CUDA backend unavailable" fails; a matrix with nothing passed is a failure)
 #   smoke-cuda    pytest -m gpu_smoke -k cuda tests/gpu_smoke
@@ -70,6 +86,9 @@
 #                 python -m ssa_flash.bench --host (HOST_ARGS), RUN_HOST=1 only
 #   bench         python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
 #                 specialised form vs the table's choice, bf16 D 128, L 4k / 16k, SSA and softmax),
+#                 then (sm_90a, RUN_HOPPER=1) the warp-specialised CUDA forward's rows
+#                 (hopper-bench-<dtype>/: HOPPER_SEQLENS, HOPPER_OPS), its ncu profile (hopper-ncu.log,
+#                 bench/gpu_diag/hopper_fwd_one.py) and MUFU sweep (hopper-mufu-sweep.json),
 #                 then python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
 # pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
 # block configuration that fits: correctness runs need no timing), --max-worker-restart; a worker
@@ -102,6 +121,11 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export SSA_FLASH_AUTOTUNE=0
+# the extension holds the sm_90a warp-specialised forward (csrc/hopper/; built in for sm_90a only,
+# used only where a step switches it on: ssa_flash/backends/cuda_fwd_choice.py)
+export SSA_FLASH_BUILD_HOPPER_FWD=${SSA_FLASH_BUILD_HOPPER_FWD:-1}
+# and the MUFU budgets its sweep times (five bf16 SSA instances; csrc/hopper/fwd_launch.h)
+export SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=${SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP:-1}
 # tuned block configurations outlive the machine: carried in, packed into ARCHIVE
 export SSA_FLASH_CACHE_DIR=${SSA_FLASH_CACHE_DIR:-$PWD/build/ssa-flash-cache}
 if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
@@ -212,8 +236,13 @@ elif [ "$DRY" = "1" ] || [ "${RUN_BUILD:-1}" = "0" ]; then
 fi
 if [ "$CUDA_OK" = "1" ] && [ "$DRY" != "1" ]; then export SSA_FLASH_REQUIRE_CUDA=1; fi
 
-# 3. the CUDA verdict: the matrix, the CUDA half of the smoke tier, the self-check of the CUDA kernels
+# 3. the CUDA verdict: the sm_90a warp-specialised forward's matrix first (sm_90a only), then the
+#    matrix, the CUDA half of the smoke tier, the self-check of the CUDA kernels
 if [ "$CUDA_OK" = "1" ]; then
+  if [ "${RUN_HOPPER:-1}" != "0" ] && [ "$ARCH" = "90a" ]; then
+    # shellcheck disable=SC2086
+    eval "step hopper-fwd $(cap "${HOPPER_LIMIT:-60}" 30) ${HOPPER_ARGS:-tests/cuda/test_hopper_fwd_device.py}"
+  fi
   if [ "${RUN_MATRIX:-1}" != "0" ]; then
     # shellcheck disable=SC2086
     eval "step cuda-matrix $(cap "${MATRIX_LIMIT:-150}" 30) ${MATRIX_ARGS:-tests/cuda/test_cuda_matrix.py}"
@@ -315,6 +344,52 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
     log "warp-specialised forward rc $?"
     tail -n 10 "$OUT/warp-specialize.log"
     BENCH_BUDGET=$(( BENCH_BUDGET - 30 ))
+  fi
+  # the sm_90a warp-specialised forward beside today's CUDA kernel, Triton, cuDNN and FlashAttention-2
+  # (forward only; D 64 / 128, bf16 and fp16, 1k-16k, causal and not; rows saved as they come),
+  # then one profiled launch of it under ncu (skipped without ncu); at most HOPPER_BENCH_LIMIT +
+  # NCU_LIMIT seconds, never failing the run
+  if [ "${RUN_HOPPER:-1}" != "0" ] && [ "$ARCH" = "90a" ] && [ "$CUDA_OK" = "1" ]; then
+    HB_LIMIT=$(cap "${HOPPER_BENCH_LIMIT:-90}" 60)
+    for dt in bf16 fp16; do
+      log "hopper forward rows ($dt): python -m ssa_flash.bench --impls ssa_flash.cuda_ws,... (limit $(( HB_LIMIT / 2 ))s)"
+      # shellcheck disable=SC2086
+      SSA_FLASH_AUTOTUNE=1 timeout --signal=INT --kill-after=10 $(( HB_LIMIT / 2 )) \
+        $PY -m ssa_flash.bench --out "$OUT/hopper-bench-$dt" --phases speed --passes fwd --dtype $dt \
+        --headdims 64,128 --seqlens ${HOPPER_SEQLENS:-1k,4k,16k} --ops ${HOPPER_OPS:-softmax,ssa} \
+        --impls ssa_flash.cuda_ws,ssa_flash.cuda,ssa_flash.triton,sdpa.cudnn,sdpa.flash \
+        --time-budget $(( HB_LIMIT / 2 - 15 )) --warmup-ms 10 --rep-ms 30 --no-plots --quiet \
+        > "$OUT/hopper-bench-$dt.log" 2>&1
+      log "hopper forward rows ($dt) rc $?"
+      tail -n 25 "$OUT/hopper-bench-$dt.log"
+    done
+    BENCH_BUDGET=$(( BENCH_BUDGET - HB_LIMIT ))
+    NCU=$(command -v ncu || true)
+    if [ -n "$NCU" ] && [ "$DRY" != "1" ]; then
+      log "hopper forward under ncu: bench/gpu_diag/hopper_fwd_one.py (limit ${NCU_LIMIT:-45}s)"
+      # tensor pipe (HGMMA), MUFU (the XU pipe), FMA pipe, issue slots, achieved occupancy
+      NCU_METRICS=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum
+      timeout --kill-after=5 "$(( ${NCU_LIMIT:-45} / 2 ))" "$NCU" --kernel-name regex:attn_fwd_ws_kernel --launch-count 1 \
+        --metrics "$NCU_METRICS" $PY bench/gpu_diag/hopper_fwd_one.py > "$OUT/hopper-ncu.log" 2>&1 \
+        || { log "ncu with named metrics failed (a name this ncu lacks?): its sections instead"; \
+             timeout --kill-after=5 "$(( ${NCU_LIMIT:-45} / 2 ))" "$NCU" --kernel-name regex:attn_fwd_ws_kernel \
+               --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+               $PY bench/gpu_diag/hopper_fwd_one.py >> "$OUT/hopper-ncu.log" 2>&1; }
+      log "hopper forward under ncu rc $?"
+      tail -n 20 "$OUT/hopper-ncu.log"
+      BENCH_BUDGET=$(( BENCH_BUDGET - ${NCU_LIMIT:-45} ))
+    else
+      log "hopper forward under ncu: skipped ($([ "$DRY" = "1" ] && echo 'dry run' || echo 'no ncu on PATH'))"
+    fi
+    # the MUFU / FMA share (the sweep's instances are in the objects: step 0 of the plan)
+    if [ "$DRY" != "1" ]; then
+      log "hopper MUFU sweep: bench/gpu_diag/hopper_mufu_sweep.py (limit ${SWEEP_LIMIT:-40}s)"
+      timeout --signal=INT --kill-after=5 "${SWEEP_LIMIT:-40}" $PY bench/gpu_diag/hopper_mufu_sweep.py \
+        --out "$OUT/hopper-mufu-sweep.json" > "$OUT/hopper-mufu-sweep.log" 2>&1
+      log "hopper MUFU sweep rc $?"
+      tail -n 14 "$OUT/hopper-mufu-sweep.log"
+      BENCH_BUDGET=$(( BENCH_BUDGET - ${SWEEP_LIMIT:-40} ))
+    fi
   fi
   [ $BENCH_BUDGET -lt 20 ] && BENCH_BUDGET=20
   log "benchmark (time budget ${BENCH_BUDGET}s for starting rows)"

@@ -267,6 +267,30 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
   return {dq, dk, dv, parts, rowstat};
 }
 
+// ---- the sm_90a warp-specialised forward's run-time switch (issue 48; csrc/hopper/tma_cache.h) ----
+// on: True / False sets it, None leaves it; mufu: the sweep's MUFU budget (8 * ex2 + lg2 eighths
+// on the FMA pipe, 0 all on MUFU), None leaves it. Returns {"built": the build holds the kernel,
+// "enabled": the switch, "hits" / "misses" / "patches" / "entries": its tensor-map cache, "mufu":
+// the budget, "mufu_sweep": the build holds the sweep's instances}.
+py::dict hopper_fwd(optional<bool> on, optional<int64_t> mufu) {
+  long stats[6] = {0, 0, 0, 0, 0, 0};
+  TORCH_CHECK(!mufu.has_value() || (*mufu >= 0 && *mufu < 64), "ssa_flash: mufu must be 8 * ex2 + lg2 eighths, got ",
+              *mufu);
+  const int state = ssa_flash::hopper_fwd_control(on.has_value() ? int(*on) : -1,
+                                                  mufu.has_value() ? int(*mufu) : -1, stats);
+  py::dict d;
+  d["built"] = state >= 0;
+  d["enabled"] = state == 1;
+  d["hits"] = stats[0];
+  d["misses"] = stats[1];
+  d["patches"] = stats[2];
+  d["entries"] = stats[3];
+  d["mufu"] = stats[4];
+  d["mufu_sweep"] = stats[5] != 0;
+  return d;
+}
+// ---- end of the sm_90a forward's switch ----
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -284,4 +308,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dbeta_dh"), py::arg("score"), py::arg("scale"), py::arg("causal"), py::arg("group"),
         py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("drop_keep31"),
         py::arg("drop_scale"), py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"));
+  m.def("hopper_fwd", &hopper_fwd, "the sm_90a warp-specialised forward's run-time switch and tensor-map cache",
+        py::arg("on") = py::none(), py::arg("mufu") = py::none());
 }

@@ -22,6 +22,13 @@ int score_param_count(int score);
 
 // forward: o, lse (p.beta != nullptr iff adaptive)
 std::string run_fwd_fp16(const FwdParams& p, int score, bool adaptive, cudaStream_t stream);
+// The sm_90a warp-specialised forward's run-time switch and tensor-map cache (hopper/tma_cache.h),
+// defined in fwd_fp16.cu: on 1 / 0 sets the switch, -1 leaves it; mufu >= 0 sets the MUFU budget
+// of the sweep (8 * ex2 + lg2 eighths; hopper/fwd_launch.h), -1 leaves it; returns 1 if the switch
+// is on, 0 if off, -1 if this build does not hold the kernel (SSA_FLASH_HOPPER_FWD=0 at compile
+// time). stats, when not null, receives the cache's hits, misses, patches and entries, the budget,
+// and whether the build holds the sweep's instances (SSA_FLASH_HOPPER_MUFU_SWEEP).
+int hopper_fwd_control(int on, int mufu, long stats[6]);
 std::string run_fwd_bf16(const FwdParams& p, int score, bool adaptive, cudaStream_t stream);
 // row-entropy pass: p.entropy and p.lse of softmax(l) (p.o, p.v, p.beta unused)
 std::string run_row_entropy_fp16(const FwdParams& p, int score, cudaStream_t stream);

@@ -14,8 +14,9 @@
 
 // SSA_FLASH_HOPPER_FWD (default 0): the build holds the sm_90a warp-specialised forward
 // (csrc/hopper/) and launch_impl.h's run_fwd dispatches to it where hopper::fwd_ws_declines takes
-// the call. Off until it has passed on a GPU; csrc/hopper/ is also not among the sources setup.py
-// ships yet (it copies csrc's top level).
+// the call, which includes the run-time switch (hopper/tma_cache.h, hopper_fwd_enabled: off unless
+// switched on). Build systems set it for sm_90a builds with SSA_FLASH_BUILD_HOPPER_FWD=1
+// (ssa_flash/backends/_cuda_build.py, hopper_fwd_flags).
 #ifndef SSA_FLASH_HOPPER_FWD
 #define SSA_FLASH_HOPPER_FWD 0
 #endif

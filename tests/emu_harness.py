@@ -231,6 +231,25 @@ class Emulator:
         """Launches of the kernel named ``kernel`` (e.g. ``attn_fwd_ws_kernel``) so far, in this process."""
         return int(self.lib.ssa_emu_launches(kernel.encode()))
 
+    def hopper_fwd(self, on: Optional[bool] = None) -> dict:
+        """The extension's ``hopper_fwd`` (csrc/api.cpp): the sm_90a warp-specialised forward's
+        run-time switch (csrc/hopper/tma_cache.h), set when ``on`` is given; returns ``built`` (the
+        library holds the kernel: ``build(hopper_fwd=True)``), ``enabled`` and the tensor-map
+        cache's counters (:meth:`tma_cache`)."""
+        if not hasattr(self.lib, "ssa_emu_hopper_fwd"):
+            return dict(built=False, enabled=False, hits=0, misses=0, patches=0, entries=0)
+        enabled = bool(self.lib.ssa_emu_hopper_fwd(-1 if on is None else int(on)))
+        return dict(built=True, enabled=enabled, **self.tma_cache())
+
+    def tma_cache(self, clear: bool = False) -> dict:
+        """The tensor-map cache's counters: hits, misses (maps encoded), patches (hits whose address
+        was replaced), entries held; ``clear`` empties it first."""
+        self.lib.ssa_emu_tma_cache.restype = ctypes.c_long
+        if clear:
+            self.lib.ssa_emu_tma_cache(-1)
+        return {name: int(self.lib.ssa_emu_tma_cache(i)) for i, name in enumerate(("hits", "misses", "patches",
+                                                                                 "entries"))}
+
     def wgmma_issued(self) -> int:
         """wgmma operations (per thread) issued in this process so far (by any emulator library)."""
         return int(self.lib.ssa_emu_wgmma_issued())

@@ -124,3 +124,24 @@ extern "C" long ssa_emu_launches(const char* name) {
     if (l.first == name) return l.second;
   return 0;
 }
+
+#if SSA_FLASH_HOPPER_FWD
+// The sm_90a warp-specialised forward's run-time switch (csrc/hopper/tma_cache.h): on = 1 or 0
+// sets it, -1 only reads it; returns it.
+extern "C" int ssa_emu_hopper_fwd(int on) {
+  if (on >= 0) ssa_flash::hopper::set_hopper_fwd_enabled(on != 0);
+  return ssa_flash::hopper::hopper_fwd_enabled() ? 1 : 0;
+}
+
+// Its tensor-map cache: which 0 hits, 1 misses (maps encoded), 2 patches (hits whose address was
+// replaced), 3 entries held; -1 empties it (counters reset) and returns 0.
+extern "C" long ssa_emu_tma_cache(int which) {
+  auto& cache = ssa_flash::hopper::tma_cache();
+  if (which < 0) {
+    cache.clear();
+    return 0;
+  }
+  const ssa_flash::hopper::TmaCacheStats s = cache.stats();
+  return which == 0 ? s.hits : which == 1 ? s.misses : which == 2 ? s.patches : cache.size();
+}
+#endif

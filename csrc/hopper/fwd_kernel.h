@@ -25,6 +25,12 @@ namespace hopper {
 
 template <typename Tr, typename Score, bool kAdaptive>
 __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
+#if defined(__CUDA_ARCH__) && !SSA_FLASH_WGMMA
+  // compiled for another architecture in a multi-architecture build: never launched there
+  // (fwd_ws_declines takes sm_90 only), so no code
+  (void)hp;
+  __trap();
+#else
   using T = typename Tr::T;
   const FwdParams& p = hp.p;
 #ifdef SSA_FLASH_EMULATE
@@ -87,6 +93,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
     cons.run(ss, sQ, p, ctx, kb, c);
   }
   fwd_epilogue<T, Tr::kHeadDim / 8>(p, cons.o, cons.m, cons.l, cons.row0, tile.batch, tile.head, lane);
+#endif
 }
 
 }  // namespace hopper

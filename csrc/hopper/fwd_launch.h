@@ -6,7 +6,9 @@
 // SSA_FLASH_HOPPER_FWD (launch_kernel.h, default 0): whether builds hold the kernel and the
 // dispatch may pick it; off until it has passed on a GPU (docs/cuda.md): the emulation and the
 // sm_90a SASS are checked (tests/cuda/test_hopper_fwd_emulated.py), the driver-side encoding of
-// its tensor maps (encode_tma below) and the kernel on a device are not.
+// its tensor maps (tma_cache.h) and the kernel on a device are not. A build holding it uses it only
+// when switched on at run time (tma_cache.h, hopper_fwd_enabled: the environment variable
+// SSA_FLASH_HOPPER_FWD=1, read once, or set_hopper_fwd).
 #pragma once
 
 #ifndef SSA_FLASH_EMULATE
@@ -22,6 +24,7 @@
 #include "fwd_kernel.h"
 #include "fwd_params.h"
 #include "fwd_traits.h"
+#include "tma_cache.h"
 #include "tile_scheduler.h"
 
 namespace ssa_flash {
@@ -33,6 +36,7 @@ namespace hopper {
 // other than 64 / 128 (after padding: 40..64, 104..128) likewise.
 inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
   if (!SSA_FLASH_HOPPER_FWD) return "not in this build (SSA_FLASH_HOPPER_FWD=0)";
+  if (!hopper_fwd_enabled()) return "off at run time (SSA_FLASH_HOPPER_FWD unset or not 1; set_hopper_fwd)";
   if (arch != 900) return "not sm_90";
   const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
   if (d != 64 && d != 128) return "head dim: 64 and 128 (padded) only";
@@ -82,55 +86,17 @@ FwdTmaSpecs fwd_tma_specs(const FwdParams& p) {
   return s;
 }
 
-#ifdef SSA_FLASH_EMULATE
-template <typename T>
-std::string encode_tma(const TmaTileSpec& spec, TmaDesc* out) {
-  *out = spec;
-  return std::string();
-}
-#else
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
-// Not yet run on a device.
-template <typename T>
-std::string encode_tma(const TmaTileSpec& spec, TmaDesc* out) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = []() -> Encode {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      return nullptr;
-    return reinterpret_cast<Encode>(fn);
-  }();
-  if (encode == nullptr) return "cuTensorMapEncodeTiled: not available from the driver";
-  cuuint64_t dims[kTmaMaxRank], strides[kTmaMaxRank];
-  cuuint32_t box[kTmaMaxRank], elem_strides[kTmaMaxRank];
-  for (int i = 0; i < spec.rank; ++i) {
-    dims[i] = static_cast<cuuint64_t>(spec.dims[i]);
-    strides[i] = static_cast<cuuint64_t>(spec.strides[i]);
-    box[i] = static_cast<cuuint32_t>(spec.box[i]);
-    elem_strides[i] = 1;
-  }
-  const CUresult r = encode(out, ElemInfo<T>::kIsBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            static_cast<cuuint32_t>(spec.rank), const_cast<void*>(spec.base), dims, strides + 1, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            spec.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return "cuTensorMapEncodeTiled failed (error " + std::to_string(static_cast<int>(r)) + ")";
-  return std::string();
-}
-#endif
-
-// The kernel's parameters for a call: p and its three tensor maps.
+// The kernel's parameters for a call: p and its three tensor maps (tma_cache.h: encoded once per
+// shape, the address patched per call).
 template <typename T, typename Tr>
 std::string make_fwd_ws_params(const FwdParams& p, HopperFwdParams& hp) {
   const FwdTmaSpecs specs = fwd_tma_specs<Tr>(p);
   hp.p = p;
-  std::string err = encode_tma<T>(specs.q, &hp.tma_q);
-  if (err.empty()) err = encode_tma<T>(specs.k, &hp.tma_k);
-  if (err.empty()) err = encode_tma<T>(specs.v, &hp.tma_v);
+  constexpr bool kBf16 = ElemInfo<T>::kIsBF16;
+  TmaMapCache& cache = tma_cache();
+  std::string err = cache.get(0, specs.q, kBf16, &hp.tma_q);
+  if (err.empty()) err = cache.get(1, specs.k, kBf16, &hp.tma_k);
+  if (err.empty()) err = cache.get(2, specs.v, kBf16, &hp.tma_v);
   return err;
 }
 
@@ -153,11 +119,55 @@ std::string run_fwd_ws_hdim(const FwdParams& p, int score, bool adaptive, cudaSt
                            hp);
 }
 
+// SSA_FLASH_HOPPER_MUFU_SWEEP (default 0; with SSA_FLASH_HOPPER_FWD): the build also holds the
+// MUFU budgets of bench/run_gpu.sh's sweep, bfloat16 SSA with a fixed temperature only (those
+// csrc/hopper/fwd_instances.cu's static model compares): D 64 with 2/8, 3/8 of ex2 and 2/8 + 2/8 of
+// ex2 + lg2 on the FMA pipe, D 128 with 1/8 and 2/8 of ex2. A call runs one when the run-time budget
+// (tma_cache.h, hopper_mufu_budget) names it; other calls, and other budgets, the all-MUFU instances.
+#ifndef SSA_FLASH_HOPPER_MUFU_SWEEP
+#define SSA_FLASH_HOPPER_MUFU_SWEEP 0
+#endif
+
+// The sweep's instance for budget 8 * ex2 + lg2 (eighths), or "" with *taken false.
+template <typename T, int kD>
+std::string run_fwd_ws_budget(const FwdParams& p, int budget, cudaStream_t stream, bool* taken) {
+  *taken = false;
+  if constexpr (SSA_FLASH_HOPPER_MUFU_SWEEP && ElemInfo<T>::kIsBF16) {
+    auto launch = [&](auto mufu) {
+      using Tr = WsFwdTraits<kD, T, decltype(mufu)>;
+      HopperFwdParams hp;
+      std::string err = make_fwd_ws_params<T, Tr>(p, hp);
+      if (!err.empty()) return err;
+      return detail::launch<T>(&attn_fwd_ws_kernel<Tr, Ssa, false>, "attn_fwd_ws_kernel", fwd_ws_grid<Tr>(p),
+                               Tr::kThreads, ws_fwd_smem_bytes<Tr>(), stream, hp);
+    };
+    *taken = true;
+    if constexpr (kD == 64) {
+      if (budget == 8 * 2) return launch(MufuBudget<2, 0>{});
+      if (budget == 8 * 3) return launch(MufuBudget<3, 0>{});
+      if (budget == 8 * 2 + 2) return launch(MufuBudget<2, 2>{});
+    } else {
+      if (budget == 8 * 1) return launch(MufuBudget<1, 0>{});
+      if (budget == 8 * 2) return launch(MufuBudget<2, 0>{});
+    }
+    *taken = false;
+  }
+  (void)p; (void)budget; (void)stream;
+  return std::string();
+}
+
 // The call fwd_ws_declines took (padded head dim 64 or 128).
 template <typename T>
 std::string run_fwd_ws(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
   if constexpr (SSA_FLASH_HOPPER_FWD) {
     const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
+    const int budget = hopper_mufu_budget().load(std::memory_order_relaxed);
+    if (budget != 0 && score == Ssa::kId && !adaptive) {
+      bool taken = false;
+      std::string err = d == 64 ? run_fwd_ws_budget<T, 64>(p, budget, stream, &taken)
+                                : run_fwd_ws_budget<T, 128>(p, budget, stream, &taken);
+      if (taken) return err;
+    }
     if constexpr (SSA_FLASH_HEAD_DIM_64)
       if (d == 64) return run_fwd_ws_hdim<T, 64>(p, score, adaptive, stream);
     if constexpr (SSA_FLASH_HEAD_DIM_128)

@@ -144,6 +144,41 @@ def image_reason(capability: Tuple[int, int], images: Iterable[Image]) -> Option
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
               "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
+
+# The sm_90a warp-specialised forward (csrc/hopper/) in a build that targets sm_90a:
+# SSA_FLASH_HOPPER_FWD=1 at compile time (csrc/launch_kernel.h). Whether it then runs is a run-time
+# choice (csrc/hopper/tma_cache.h: SSA_FLASH_HOPPER_FWD=1 in the environment, or
+# ssa_flash/backends/cuda_fwd_choice.py's table), so one build compares both kernels. Builds hold it
+# when SSA_FLASH_BUILD_HOPPER_FWD=1 (bench/run_gpu.sh sets it); HOPPER_FWD_DEFAULT says whether
+# they do without it (docs/cuda.md, Building: the measured extra compile time decides).
+HOPPER_FWD_DEFAULT = False
+HOPPER_FWD_ENV = "SSA_FLASH_BUILD_HOPPER_FWD"
+# with it, SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=1 adds the MUFU budgets of the device's sweep
+# (csrc/hopper/fwd_launch.h, SSA_FLASH_HOPPER_MUFU_SWEEP: five bf16 SSA instances)
+HOPPER_SWEEP_ENV = "SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP"
+
+
+def hopper_fwd_built(archs: str, environ=None) -> bool:
+    """Whether a build for ``archs`` (a ``TORCH_CUDA_ARCH_LIST`` such as ``"8.0;9.0a"`` or an
+    object build's ``"90a"``) holds the sm_90a warp-specialised forward."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(HOPPER_FWD_ENV)
+    wanted = HOPPER_FWD_DEFAULT if value is None else value.strip() == "1"
+    return wanted and "90a" in (archs or "").replace(".", "").replace(" ", ";").split(";")
+
+
+def hopper_fwd_flags(archs: str, environ=None) -> List[str]:
+    """The nvcc flags of :func:`hopper_fwd_built` (none, or ``-DSSA_FLASH_HOPPER_FWD=1``, and
+    ``-DSSA_FLASH_HOPPER_MUFU_SWEEP=1`` with ``SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=1``)."""
+    import os
+
+    if not hopper_fwd_built(archs, environ):
+        return []
+    sweep = (os.environ if environ is None else environ).get(HOPPER_SWEEP_ENV, "").strip() == "1"
+    return ["-DSSA_FLASH_HOPPER_FWD=1", *(["-DSSA_FLASH_HOPPER_MUFU_SWEEP=1"] if sweep else [])]
+
+
 CU_UNITS = ("fwd_fp16.cu", "fwd_bf16.cu", "bwd_fp16.cu", "bwd_bf16.cu")
 MANIFEST = "manifest.json"
 
@@ -190,7 +225,7 @@ def object_commands(csrc, out_dir, arch: str = "90a", nvcc: str = "nvcc", std: s
     do not include torch: they compile on any machine with the toolkit, GPU or not."""
     import os
 
-    return [[nvcc, "-c", f"-std={std}", *NVCC_FLAGS, "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+    return [[nvcc, "-c", f"-std={std}", *NVCC_FLAGS, *hopper_fwd_flags(arch), "-gencode", f"arch=compute_{arch},code=sm_{arch}",
              "-Xcompiler", "-fPIC", "-I", str(csrc), os.path.join(str(csrc), unit),
              "-o", os.path.join(str(out_dir), unit[:-3] + ".o")] for unit in CU_UNITS]
 
@@ -220,7 +255,7 @@ def compile_objects(csrc, out_dir, arch: str = "90a", nvcc: str = "nvcc", std: s
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         sizes = dict(pool.map(one, object_commands(csrc, out_dir, arch, nvcc, std)))
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
-    manifest = {"arch": arch, "csrc_hash": csrc_hash(csrc), "nvcc": version[-1] if version else "?", "std": std,
+    manifest = {"arch": arch, "hopper_flags": hopper_fwd_flags(arch), "csrc_hash": csrc_hash(csrc), "nvcc": version[-1] if version else "?", "std": std,
                 "objects": sizes, "seconds": round(time.monotonic() - t0, 1)}
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -239,6 +274,9 @@ def objects_reason(csrc, obj_dir, arch: str) -> Optional[str]:
         return f"no readable {MANIFEST} in {obj_dir} ({err})"
     if manifest.get("arch") != arch:
         return f"objects for sm_{manifest.get('arch')}, this GPU needs sm_{arch}"
+    if list(manifest.get("hopper_flags", [])) != hopper_fwd_flags(arch):
+        return (f"objects built with the sm_90a forward's flags {manifest.get('hopper_flags', [])}, this build wants "
+                f"{hopper_fwd_flags(arch)} ({HOPPER_FWD_ENV}, {HOPPER_SWEEP_ENV})")
     if manifest.get("csrc_hash") != csrc_hash(csrc):
         return "the objects were compiled from other csrc/ sources (the kernels changed since)"
     missing = [u for u in CU_UNITS if not os.path.isfile(os.path.join(str(obj_dir), u[:-3] + ".o"))]

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from .. import scores
 from ..conventions import dropout_keep_threshold, dropout_scale
 from ..errors import BackendUnavailableError
-from . import _cuda_build
+from . import _cuda_build, cuda_fwd_choice
 from ._compile import constant_for_compile
 from ..spec import AttentionSpec, TemperatureState
 
@@ -196,7 +196,7 @@ def _jit_build():
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
     try:
         return load(name="ssa_flash_cuda_ext", sources=sources, extra_include_paths=[str(src)],
-                    extra_cflags=["-O3"], extra_cuda_cflags=list(NVCC_FLAGS),
+                    extra_cflags=["-O3"], extra_cuda_cflags=[*NVCC_FLAGS, *_cuda_build.hopper_fwd_flags(archs or "")],
                     verbose=os.environ.get("SSA_FLASH_VERBOSE_BUILD", "0") not in ("", "0"))
     finally:
         if archs:
@@ -602,10 +602,37 @@ def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
                                stream=_stream(q.device), **_spec_args(spec, scale, sinks))
 
 
+# ---- the forward's kernel: today's or the sm_90a warp-specialised one (issue 48) ----
+def _choose_fwd_kernel(ext, q, k, spec: AttentionSpec, d8: int, dv8: int) -> None:
+    """Sets the extension's switch (csrc/api.cpp, hopper_fwd) where cuda_fwd_choice says what this
+    call should run (forced, or a committed table row for this architecture); leaves it otherwise
+    (the environment variable SSA_FLASH_HOPPER_FWD, read by the extension, or off). Costs nothing
+    while the table has no row for the device's architecture and nothing is forced."""
+    hopper_fwd = getattr(ext, "hopper_fwd", None)
+    if hopper_fwd is None or not cuda_fwd_choice.may_apply():
+        return
+    # (the emulator's library emulates sm_90a when it holds the kernel)
+    capability = _capability(q.device)[:2] if q.device.type == "cuda" else (9, 0)
+    want = cuda_fwd_choice.wanted(capability, str(q.dtype).replace("torch.", ""),
+                                  _padded_head_dim(max(d8, dv8)), bool(spec.causal), q.shape[-2], k.shape[-2],
+                                  spec.score, bool(spec.adaptive))
+    if want is not None:
+        hopper_fwd(want)
+
+
+def hopper_fwd_state(device: Optional[torch.device] = None) -> dict:
+    """The extension's (or the active emulator's) sm_90a forward switch and tensor-map cache:
+    ``built``, ``enabled``, ``hits``, ``misses``, ``patches``, ``entries`` (csrc/api.cpp)."""
+    ext = _extension(torch.device("cuda") if device is None else torch.device(device))
+    return dict(ext.hopper_fwd()) if hasattr(ext, "hopper_fwd") else dict(built=False, enabled=False)
+# ---- end of the forward's kernel choice ----
+
+
 def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
+    _choose_fwd_kernel(ext, q, k, spec, d8, dv8)
     beta = beta.float().contiguous() if spec.adaptive else None
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):

@@ -5,7 +5,12 @@ with and without the adaptive temperature): ``softmax``, ``adaptive`` (softmax w
 temperature), ``ssa``, ``ssa_adaptive``, ``logit_scale``, ``logit_scale_adaptive``.
 Implementations (``impl``):
 
-* ``ssa_flash.triton``, ``ssa_flash.cuda``: our backends, through the public functions.
+* ``ssa_flash.triton``, ``ssa_flash.cuda``: our backends, through the public functions
+  (``ssa_flash.cuda``: today's CUDA forward, csrc/fwd_kernel.h, the sm_90a warp-specialised one
+  forced off).
+* ``ssa_flash.cuda_ws``: the CUDA backend with the sm_90a warp-specialised forward (csrc/hopper/)
+  forced on (ssa_flash/backends/cuda_fwd_choice.py, ``forced``); forward-only calls the kernel
+  takes (sm_90, padded head dim 64 / 128, an extension built with it); the backward is today's.
 * ``sdpa.flash``, ``sdpa.efficient``, ``sdpa.cudnn``, ``sdpa.math``: PyTorch SDPA pinned to one
   backend with ``torch.nn.attention.sdpa_kernel`` (softmax only). ``sdpa.flash`` (FlashAttention-2)
   and ``sdpa.cudnn`` (cuDNN's fused attention, what SDPA picks by default on Hopper with a recent
@@ -22,6 +27,7 @@ kernel, ``ssa_flash/triton/mask_grad.py``) beside ``sdpa.efficient`` with the sa
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -30,7 +36,7 @@ import torch
 from ..scores import SCORES, SSA, VARIANTS
 
 OPS = tuple(VARIANTS)
-IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
+IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "ssa_flash.cuda_ws", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
          "sdpa.math", "flex", "reference")
 PASSES = ("fwd", "bwd", "fwd_bwd")
 SDPA_IMPLS = ("sdpa.flash", "sdpa.cudnn", "sdpa.efficient", "sdpa.math")
@@ -42,6 +48,7 @@ LEARNED_BIAS_IMPLS = ("ssa_flash.triton", "sdpa.efficient")
 IMPL_OPS = {
     "ssa_flash.triton": OPS + (LEARNED_BIAS_OP,),
     "ssa_flash.cuda": OPS,
+    "ssa_flash.cuda_ws": OPS,
     "reference": OPS,
     "flex": ("ssa",),
     **{name: ("softmax",) for name in SDPA_IMPLS},
@@ -125,6 +132,17 @@ def availability(impl: str, device: torch.device) -> Optional[str]:
     if impl == "ssa_flash.triton":
         if "triton" not in ssa_flash.available_backends(device):
             return "triton backend unavailable here (CPU tensors need TRITON_INTERPRET=1)"
+        return None
+    if impl == "ssa_flash.cuda_ws":
+        why = availability("ssa_flash.cuda", device)
+        if why is not None:
+            return why
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return "the warp-specialised forward runs on sm_90 only"
+        from ssa_flash.backends import cuda_backend
+
+        if not cuda_backend.hopper_fwd_state(device).get("built"):
+            return "the CUDA extension was built without the sm_90a forward (SSA_FLASH_HOPPER_FWD=0)"
         return None
     if impl == "ssa_flash.cuda":
         if "cuda" not in ssa_flash.available_backends(device):
@@ -225,14 +243,20 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
     grads = [q, k, v, *params]
     nullctx = contextlib.nullcontext
 
-    if impl in ("ssa_flash.triton", "ssa_flash.cuda", "reference"):
-        backend = {"ssa_flash.triton": "triton", "ssa_flash.cuda": "cuda", "reference": "reference"}[impl]
+    if impl in ("ssa_flash.triton", "ssa_flash.cuda", "ssa_flash.cuda_ws", "reference"):
+        backend = {"ssa_flash.triton": "triton", "ssa_flash.cuda": "cuda", "ssa_flash.cuda_ws": "cuda",
+                   "reference": "reference"}[impl]
         variant = VARIANTS[op]
+        context = nullctx
+        if impl.startswith("ssa_flash.cuda"):
+            from ssa_flash.backends import cuda_fwd_choice
+
+            context = functools.partial(cuda_fwd_choice.forced, impl == "ssa_flash.cuda_ws")
 
         def fwd():
             return ssa_flash.attention(q, k, v, is_causal=causal, score=variant.score.name, score_params=params,
                                        adaptive_temperature=variant.adaptive, backend=backend)
-        return Call(fwd, grads, nullctx)
+        return Call(fwd, grads, context)
 
     if impl in SDPA_IMPLS:
         from torch.nn.attention import sdpa_kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-OUR_IMPLS = ("ssa_flash.triton", "ssa_flash.cuda")
+OUR_IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "ssa_flash.cuda_ws")
 
 # (label, pass, ours (op), baseline (op, impl or None = same ours impl), kind, target, the shortest
 # L the target applies to)

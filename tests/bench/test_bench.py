@@ -21,7 +21,7 @@ ROW_FIELDS = {"op", "impl", "pass", "dtype", "batch", "heads", "seqlen", "headdi
 CUDA = torch.cuda.is_available()
 # The CPU smoke run is what CI checks; on a GPU machine test_gpu_bench_tiny covers the CUDA path.
 cpu_only = pytest.mark.skipif(CUDA, reason="CPU harness test (interpreter); the GPU path is test_gpu_bench_tiny")
-DESIGN_IMPLS = {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
+DESIGN_IMPLS = {"ssa_flash.triton", "ssa_flash.cuda", "ssa_flash.cuda_ws", "sdpa.flash", "sdpa.cudnn", "sdpa.efficient",
                 "sdpa.math", "flex", "reference"}
 
 
@@ -196,13 +196,16 @@ def test_memory_rows_that_would_overrun_the_budget_are_not_started(monkeypatch):
 
 def test_reference_rows_measure_on_cpu():
     cfg = runner.Config(device="cpu", dtype=torch.float32, seqlens=(8,), headdims=(8,), batch_tokens=8,
-                        heads=1, causal=(True,), ops=("ssa",), impls=("reference", "ssa_flash.cuda"),
+                        heads=1, causal=(True,), ops=("ssa",),
+                        impls=("reference", "ssa_flash.cuda", "ssa_flash.cuda_ws"),
                         memory_seqlens=(), matmul_size=16, quiet=True, cpu_reps=1)
     res = runner.Runner(cfg).run()
     ref = [r for r in res["rows"] if r["impl"] == "reference"]
     assert len(ref) == 3 and all(r["ms"] > 0 and r["tflops"] > 0 for r in ref)
     cuda = [r for r in res["rows"] if r["impl"] == "ssa_flash.cuda"]
     assert len(cuda) == 3 and all(r["ms"] is None and r["note"] for r in cuda)
+    ws = [r for r in res["rows"] if r["impl"] == "ssa_flash.cuda_ws"]  # (no CUDA here: a note, no figure)
+    assert len(ws) == 3 and all(r["ms"] is None and r["note"] for r in ws)
 
 
 def test_result_basename():

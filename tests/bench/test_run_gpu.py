@@ -116,9 +116,10 @@ def test_dry_run_rehearsal(tmp_path):
                SSA_FLASH_CUDA_ERRORS_END_WORKERS="1", CUDA_OBJECTS=str(tmp_path / "no-objects"),
                SMOKE_TRITON_ARGS=f"{sample} -k test_a",
                MATRIX_ARGS="tests/cuda/test_cuda_matrix.py -k 'bf16 and d256'",  # collected, skipped here
+               HOPPER_ARGS="tests/cuda/test_hopper_fwd_device.py",  # the sm_90a forward's matrix: skipped here
                SMOKE_ARGS=f"{sample} -k 'test_b'", SELFCHECK_ARGS="--help",
                RECHECK=str(tmp_path / "recheck.txt"), SUITE=str(sample),
-               **{f"{step}_LIMIT": str(limit) for step in ("BUILD", "SMOKE", "MATRIX", "SELFCHECK", "DIAG",
+               **{f"{step}_LIMIT": str(limit) for step in ("BUILD", "HOPPER", "SMOKE", "MATRIX", "SELFCHECK", "DIAG",
                                                            "RECHECK", "SUITE")})
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("SSA_FLASH_TESTS_JSON", None)
@@ -127,7 +128,7 @@ def test_dry_run_rehearsal(tmp_path):
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "dry run: nothing built" in (out / "build.log").read_text()
-    for name in ("smoke-triton", "cuda-matrix", "smoke-cuda", "recheck", "suite"):
+    for name in ("smoke-triton", "hopper-fwd", "cuda-matrix", "smoke-cuda", "recheck", "suite"):
         assert (out / f"{name}-tests.json").exists() and (out / f"{name}.log").exists(), name
         assert f"{name}: pytest" in log and f"(limit {limit}s)" in log.split(f"{name}: pytest", 1)[1].split("\n")[0]
     assert "usage: python -m ssa_flash" in (out / "selfcheck.log").read_text()
@@ -135,6 +136,12 @@ def test_dry_run_rehearsal(tmp_path):
     # the CUDA matrix: collected and recorded (on the CPU these rows skip: GPU only)
     matrix = json.loads((out / "cuda-matrix-tests.json").read_text())["tests"]  # d256 bf16: 7 x 2 + 1 entropy
     assert len(matrix) == 15 and all(v["outcome"] == "skipped" for v in matrix.values()), matrix
+
+    # the sm_90a warp-specialised forward's matrix (the dry run's architecture is sm_90a): run before
+    # the CUDA matrix, collected and recorded (GPU only: skipped here), in the ledger
+    assert log.index("hopper-fwd: pytest") < log.index("cuda-matrix: pytest")
+    hopper = json.loads((out / "hopper-fwd-tests.json").read_text())["tests"]
+    assert len(hopper) == 13 and all(v["outcome"] == "skipped" for v in hopper.values()), hopper
 
     # the recheck: the hanging test ended its step at the step's time limit; the test beside it,
     # recorded before the limit, is kept; the run went on
@@ -159,7 +166,7 @@ def test_dry_run_rehearsal(tmp_path):
     assert "CUDA error in" in suite_log or "crashed" in suite_log, suite_log[-3000:]
     assert suite["incomplete"] is False, suite
     gpu_tests = json.loads((out / "gpu-tests.json").read_text())
-    assert set(gpu_tests["steps"]) >= {"cuda-matrix", "recheck", "suite"} and gpu_tests["steps"]["recheck"]["incomplete"]
+    assert set(gpu_tests["steps"]) >= {"hopper-fwd", "cuda-matrix", "recheck", "suite"} and gpu_tests["steps"]["recheck"]["incomplete"]
 
 
 def test_cuda_objects_plumbing(tmp_path):
@@ -208,3 +215,26 @@ def test_compile_objects_writes_a_manifest(tmp_path):
     assert set(manifest["objects"].values()) == {10}
     from ssa_flash.backends import _cuda_build as cb
     assert cb.objects_reason(os.path.join(ROOT, "csrc"), out, "90a") is None
+
+
+def test_hopper_fwd_build_flag(tmp_path, monkeypatch):
+    """The sm_90a forward is compiled into sm_90a builds when SSA_FLASH_BUILD_HOPPER_FWD=1 (as
+    run_gpu.sh exports), never into others; objects built the other way are refused."""
+    from ssa_flash.backends import _cuda_build as cb
+
+    monkeypatch.setenv(cb.HOPPER_FWD_ENV, "1")
+    assert cb.hopper_fwd_flags("90a") == ["-DSSA_FLASH_HOPPER_FWD=1"] == cb.hopper_fwd_flags("8.0;9.0a")
+    assert cb.hopper_fwd_flags("80") == [] == cb.hopper_fwd_flags("8.0;9.0")
+    csrc = os.path.join(ROOT, "csrc")
+    assert all("-DSSA_FLASH_HOPPER_FWD=1" in c for c in cb.object_commands(csrc, tmp_path, "90a"))
+    manifest = {"arch": "90a", "hopper_flags": [], "csrc_hash": cb.csrc_hash(csrc), "objects": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    for unit in cb.CU_UNITS:
+        (tmp_path / (unit[:-3] + ".o")).write_bytes(b"")
+    assert "this build wants ['-DSSA_FLASH_HOPPER_FWD=1']" in cb.objects_reason(csrc, tmp_path, "90a")
+    monkeypatch.setenv(cb.HOPPER_SWEEP_ENV, "1")
+    assert cb.hopper_fwd_flags("90a") == ["-DSSA_FLASH_HOPPER_FWD=1", "-DSSA_FLASH_HOPPER_MUFU_SWEEP=1"]
+    monkeypatch.setenv(cb.HOPPER_FWD_ENV, "0")
+    assert cb.hopper_fwd_flags("90a") == [] and cb.objects_reason(csrc, tmp_path, "90a") is None
+    assert "SSA_FLASH_BUILD_HOPPER_FWD=${SSA_FLASH_BUILD_HOPPER_FWD:-1}" in open(
+        os.path.join(ROOT, "bench", "run_gpu.sh")).read()

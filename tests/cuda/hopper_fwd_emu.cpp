@@ -99,6 +99,7 @@ extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int muf
   p.lse = lse;
   p.beta = adaptive ? beta : nullptr;
   static std::string err;
+  set_hopper_fwd_enabled(true);  // (the run-time switch: this library always runs the kernel)
   const char* why = fwd_ws_declines(p, 900);
   if (why != nullptr) {
     err = std::string("declined: ") + why;

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import background
+import hopper_fwd_cases
 from attn_testing import FLOORS, fa_tolerance_check
 from emulation import build_test_library, harness
 from ssa_flash import scores
@@ -112,7 +113,9 @@ def backend_emu():
     lib, why = background.submit("hopper_fwd.backend_emu", _build_backend_emu).result()
     if lib is None:
         pytest.skip(why)
-    return harness().Emulator(lib)
+    emu = harness().Emulator(lib)
+    assert emu.hopper_fwd(True)["enabled"]  # the run-time switch (csrc/hopper/tma_cache.h); off by default
+    return emu
 
 
 @pytest.fixture(scope="module")
@@ -209,21 +212,8 @@ def _check(emu, dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, causal, seed=0
 # 1. emulation
 
 BF16, FP16 = torch.bfloat16, torch.float16
-# (dtype, B, H, Hkv, Lq, Lk, D, Dv, causal): every score function x adaptive x D goes through
-# _MATRIX below with these shapes rotating: one key block, ragged lengths, Lq != Lk (both ways),
-# GQA 2:1 and 4:1, a D below the padded one (TMA's zero fill of the columns), Dv != D
-_SHAPES = [
-    (BF16, 1, 2, 2, 128, 128, 64, 64, True),
-    (FP16, 1, 2, 1, 200, 333, 128, 128, False),
-    (BF16, 2, 4, 1, 77, 260, 64, 48, True),
-    (FP16, 1, 2, 2, 300, 130, 120, 128, True),
-    (FP16, 1, 2, 1, 129, 129, 64, 64, False),
-    (BF16, 1, 2, 2, 256, 384, 128, 112, True),
-]
-_MATRIX = [(score, adaptive, *_SHAPES[(3 * i + j) % len(_SHAPES)])
-           for i, score in enumerate(SCORE_IDS) for j, adaptive in enumerate((False, True)) for _ in range(1)]
-_MATRIX += [(score, adaptive, *_SHAPES[(3 * i + j + 1) % len(_SHAPES)])
-            for i, score in enumerate(SCORE_IDS) for j, adaptive in enumerate((False, True))]
+# the matrix (tests/cuda/hopper_fwd_cases.py; the GPU's run of it: test_hopper_fwd_device.py)
+_MATRIX = hopper_fwd_cases.MATRIX
 
 
 @pytest.mark.parametrize("score,adaptive,dtype,B,H,Hkv,Lq,Lk,D,Dv,causal", _MATRIX)
@@ -349,6 +339,62 @@ def test_hopper_fwd_dispatch_routes_masks_to_todays_kernel(backend_emu):
         ssa_flash.softmax_attention(q, k, v, attn_mask=torch.rand(70, 90) > 0.3, backend="cuda")
     assert backend_emu.launches("attn_fwd_ws_kernel") == before_ws
     assert backend_emu.launches("attn_fwd_kernel") == before + 1
+
+
+def _backend_softmax(backend_emu, q, k, v):
+    import ssa_flash
+
+    with ssa_flash.cuda.emulated(backend_emu):
+        return ssa_flash.softmax_attention(q, k, v, backend="cuda")
+
+
+def test_hopper_fwd_run_time_switch(backend_emu):
+    """A build holding the kernel uses it only when switched on (SSA_FLASH_HOPPER_FWD=1 or
+    set_hopper_fwd): off, the same call runs today's kernel, with the same numbers to
+    FlashAttention's rule."""
+    from attn_testing import make_qkv
+
+    q, k, v = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=70, Lk=90, D=64)
+    try:
+        assert not backend_emu.hopper_fwd(False)["enabled"]
+        before_ws, before = backend_emu.launches("attn_fwd_ws_kernel"), backend_emu.launches("attn_fwd_kernel")
+        off = _backend_softmax(backend_emu, q, k, v)
+        assert backend_emu.launches("attn_fwd_ws_kernel") == before_ws
+        assert backend_emu.launches("attn_fwd_kernel") == before + 1
+    finally:
+        assert backend_emu.hopper_fwd(True)["enabled"]
+    on = _backend_softmax(backend_emu, q, k, v)
+    assert backend_emu.launches("attn_fwd_ws_kernel") == before_ws + 1
+    torch.testing.assert_close(on, off, atol=2e-3, rtol=0)
+
+
+def test_hopper_fwd_tensor_map_cache(backend_emu):
+    """The launcher's tensor maps (csrc/hopper/tma_cache.h): encoded once per (operand, shape,
+    dtype), reused with the address patched for new tensors of that shape, left alone for the same
+    tensors; bounded (16 entries)."""
+    from attn_testing import make_qkv
+
+    stats = backend_emu.tma_cache(clear=True)
+    assert stats == dict(hits=0, misses=0, patches=0, entries=0)
+    first = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=80, D=64)
+    _backend_softmax(backend_emu, *first)
+    assert backend_emu.tma_cache() == dict(hits=0, misses=3, patches=0, entries=3)  # q, k, v encoded
+    _backend_softmax(backend_emu, *first)  # the same tensors: hits, nothing patched
+    assert backend_emu.tma_cache() == dict(hits=3, misses=3, patches=0, entries=3)
+    second = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=80, D=64, seed=1)  # (first alive)
+    _backend_softmax(backend_emu, *second)
+    assert backend_emu.tma_cache() == dict(hits=6, misses=3, patches=3, entries=3)
+    _backend_softmax(backend_emu, *[t.to(BF16) for t in second])  # another dtype: new maps
+    assert backend_emu.tma_cache()["misses"] == 6
+    for lk in (16, 32, 48, 96, 112, 144):  # new K / V shapes (q's map reused): 18 maps, 16 kept
+        _backend_softmax(backend_emu, *make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=lk, D=64))
+    stats = backend_emu.tma_cache()
+    assert stats["misses"] == 18 and stats["entries"] == 16
+    # a patched map reads the new tensors: the result is second's, not first's
+    out = _backend_softmax(backend_emu, *second)
+    from ssa_flash import reference
+    torch.testing.assert_close(out.float(), reference.softmax_attention(*[t.float() for t in second]), atol=2e-3,
+                               rtol=0)
 
 
 # ------------------------------------------------------------------------------------------
