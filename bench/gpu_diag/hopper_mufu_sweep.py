@@ -3,7 +3,7 @@ temperature, non-causal, B x 16 heads x L (B = 16k // L), the kernel forced on, 
 extension holds (csrc/hopper/fwd_launch.h, SSA_FLASH_HOPPER_MUFU_SWEEP: D 64 at 2/8, 3/8 and
 2/8 + 2/8 of ex2 (+ lg2) on the FMA pipe, D 128 at 1/8 and 2/8) beside all-MUFU, timed with
 triton.testing.do_bench (median ms, TFLOP/s of the forward's 4 B H L^2 D). The static model's
-prediction is bench/results/audit-sm90-hopper-fwd.json. Prints a table; --out writes the rows as
+prediction is bench/results/hopper-fwd-model.json. Prints a table; --out writes the rows as
 JSON. Needs an extension built with SSA_FLASH_BUILD_HOPPER_FWD=1 SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=1.
 
     python bench/gpu_diag/hopper_mufu_sweep.py [--seqlens 4096,16384] [--out sweep.json]

@@ -13,7 +13,7 @@ instructions (one elected thread, a few per key block) are left out. Two figures
 * ``serial_tflops``: ``tensor + max(issue, MUFU)``, nothing overlapped with the GEMMs (one
   warpgroup issuing loads, GEMMs and transform in turn, as today's kernel does).
 
-    python -m ssa_flash.audit.hopper [--json bench/results/audit-sm90-hopper-fwd.json]
+    python -m ssa_flash.audit.hopper [--json bench/results/hopper-fwd-model.json]
 
 needs nvcc (sm_90a), nvdisasm and cuobjdump (``compile.tool``).
 """
@@ -138,7 +138,7 @@ def report(rows: List[dict]) -> dict:
                      "overlapped, 'serial_tflops' nothing overlapped with the GEMMs. Not a measurement."),
             "arch": ARCH, "model": {"gpu": am.gpu, "issue_per_clock": am.issue, "mufu_per_clock": am.mufu,
                                     "tensor_macs_per_clock_16bit": am.tensor16, "peak_tflops": am.peak_tflops},
-            "command": "python -m ssa_flash.audit.hopper --json bench/results/audit-sm90-hopper-fwd.json",
+            "command": "python -m ssa_flash.audit.hopper --json bench/results/hopper-fwd-model.json",
             "kernels": rows}
 
 

@@ -448,9 +448,9 @@ def test_hopper_fwd_static_model(cubin):
     assert 2.0 <= mufu((128, "ssa", False, 0, 0)) < 2.1
     assert abs(mufu((128, "ssa", False, 0, 0)) - mufu((128, "ssa", False, 2, 0)) - 0.25) < 0.01
     assert abs(mufu((64, "ssa", False, 0, 0)) - mufu((64, "ssa", False, 2, 2)) - 0.5) < 0.01
-    # the committed figures (bench/results/audit-sm90-hopper-fwd.json, docs/design.md section 4.4) are
+    # the committed figures (bench/results/hopper-fwd-model.json, docs/design.md section 4.4) are
     # these within 3 % (another nvcc may schedule differently: regenerate them then)
-    committed = json.loads((HERE.parents[1] / "bench" / "results" / "audit-sm90-hopper-fwd.json").read_text())
+    committed = json.loads((HERE.parents[1] / "bench" / "results" / "hopper-fwd-model.json").read_text())
     for row in committed["kernels"]:
         key = (row["head_dim"], row["score"], row["adaptive"], row["ex2_poly_eighths"], row["lg2_poly_eighths"])
         fresh = by[key]["interior"]["per_element"]["total"]
