@@ -304,10 +304,25 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
 #   default polynomial), finite gradients. ``s = -inf`` is the same as no sink.
 
 
+# The functions below take (and ignore) the public functions' other keywords (backend=,
+# deterministic=, ...) so that a test can call the spec with the public call's keywords; but a
+# keyword that selects the score function and is not theirs is refused: a stray ``ssa=`` / ``b=``
+# / ``n=`` (the packed and cache functions' old spelling) must not quietly compute softmax.
+_SCORE_KEYWORDS = frozenset({"ssa", "b", "n", "score", "score_params", "adaptive_temperature"})
+
+
+def _run_options_only(fn: str, options) -> None:
+    stray = sorted(_SCORE_KEYWORDS.intersection(options))
+    if stray:
+        raise TypeError(f"reference.{fn}() got unexpected keyword argument(s) {', '.join(stray)} "
+                        "(the score function: score= / score_params=, or the named functions)")
+
+
 def softmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                       scale=None, enable_gqa=False, *, return_lse=False, window_size=(-1, -1),
                       dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
     """Plain softmax attention (what SDPA computes), except that empty rows give 0, not NaN."""
+    _run_options_only("softmax_attention", _ignored)
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                    window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
 
@@ -319,6 +334,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     """Attention with the score function ``score`` (a name in ``ssa_flash.scores.SCORES``) and its
     per-head parameters ``score_params`` (a mapping by name, or a sequence in the registry's order;
     numbers or tensors broadcastable to ``(Hq,)``)."""
+    _run_options_only("attention", _ignored)
     f, params = _score_of(score, score_params)
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, score=f, params=params, adaptive=adaptive_temperature, poly=poly,
@@ -332,6 +348,7 @@ def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
                   return_lse=False, window_size=(-1, -1), dropout_mask=None, sinks=None,
                   softcap=0.0, **_ignored):
     """SSA attention: weights ``(1 + b|z|)^(sgn(z) n)`` normalised over keys; ``b``, ``n`` per head."""
+    _run_options_only("ssa_attention", _ignored)
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, score=scores.SSA, params=(b, n), adaptive=adaptive_temperature, poly=poly,
                    threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
@@ -344,6 +361,7 @@ def adaptive_temperature_attention(query, key, value, attn_mask=None, dropout_p=
                                    return_lse=False, window_size=(-1, -1), dropout_mask=None,
                                    sinks=None, softcap=0.0, **_ignored):
     """Softmax attention with the entropy-driven temperature of "Softmax is not Enough"."""
+    _run_options_only("adaptive_temperature_attention", _ignored)
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    return_lse, adaptive=True, poly=poly, threshold=threshold,
                    window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
@@ -399,6 +417,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     max_seqlen_q, max_seqlen_k)`` bool mask (None with ``dropout_p > 0``: the kernels' Philox mask
     for a freshly drawn ``(seed, offset)``). ``sinks``/``softcap``: per row, as in ``ssa_attention``
     (a sequence with no key puts its rows on the sink)."""
+    _run_options_only("varlen_attention", _ignored)
     f, params = _score_of(score, score_params)
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if dropout_p > 0.0 and dropout_mask is None:
@@ -446,6 +465,7 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
     ``sinks``/``softcap``: per row, as in ``ssa_attention`` (a batch element with no row to attend
     puts its rows on the sink: output 0, lse ``s_h``). ``score`` / ``score_params``: as in
     :func:`varlen_attention`."""
+    _run_options_only("attention_with_kvcache", _ignored)
     f, params = _score_of(score, score_params)
     lengths = [int(x) for x in cache_seqlens.tolist()]
     starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]

@@ -85,3 +85,20 @@ def test_empty_rows_are_zero_in_reference():
         assert (out[:, :, 3] == 0).all() and torch.isinf(lse[:, :, 3]).all()
         (g,) = torch.autograd.grad(out.sum(), q)
         assert torch.isfinite(g).all() and (g[:, :, 3] == 0).all()
+
+
+def test_a_stray_score_keyword_is_refused_not_ignored():
+    """The spec's functions ignore the public functions' run options (backend=, deterministic=),
+    but a score keyword that is not theirs (the old ssa= / b= / n= of the packed functions) must
+    raise, not quietly compute softmax."""
+    import ssa_flash.reference as ref
+
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    ref.softmax_attention(q, q, q, backend="triton", deterministic=True)  # run options: ignored
+    with pytest.raises(TypeError, match="b, n"):
+        ref.softmax_attention(q, q, q, b=1.0, n=1.5)
+    with pytest.raises(TypeError, match="ssa"):
+        ref.attention(q, q, q, ssa=True)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(TypeError, match="b, n, ssa"):
+        ref.varlen_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, ssa=True, b=1.0, n=1.5)
