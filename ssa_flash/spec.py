@@ -241,7 +241,8 @@ class Backend(Protocol):
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  dlse: Optional[Tensor], mask: Optional[Tensor], params: Tuple[Tensor, ...],
-                 sinks: Optional[Tensor], temp: Optional[TemperatureState], spec: AttentionSpec
+                 sinks: Optional[Tensor], temp: Optional[TemperatureState], spec: AttentionSpec,
+                 mask_grad_shape: Optional[Tuple[int, ...]] = None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tuple[Tensor, ...], Optional[Tensor]]:
         """``(dq, dk, dv, dparams, dsinks)`` given the output gradient ``dout`` and the LSE gradient
         ``dlse`` (or None): docs/design.md §1.2 and §1.3, with ``delta = rowsum(dout * out) - dlse``.
@@ -249,7 +250,9 @@ class Backend(Protocol):
         ``dparams``: one ``(Hq,)`` tensor in the accumulation dtype per parameter (``()`` for
         softmax), ``dparam_h = sum_{b,i,j} dl_ij * dphi/dparam (z_ij)`` over head ``h``'s rows; ``dsinks``
         ``(Hq,)`` in the accumulation dtype (``sum_{b,i} dl_{i,sink}``, docs/maths.md §6), None
-        without sinks; ``temp`` is given iff ``spec.adaptive``."""
+        without sinks; ``temp`` is given iff ``spec.adaptive``. ``mask_grad_shape`` (a learned
+        float mask, 4-D, dims 1 where it broadcasts): a sixth result, the mask's gradient of that
+        shape; a backend that cannot compute it raises ``ValueError``."""
 
 
 @runtime_checkable

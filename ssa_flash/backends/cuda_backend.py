@@ -643,11 +643,13 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
-             spec: AttentionSpec):
+             spec: AttentionSpec, mask_grad_shape=None):
     """``(dq, dk, dv, dparams, dsinks)`` (spec.Backend.backward): the kernels' per-block partial
     sums of each parameter's gradient, (B, Hq, blocks), are summed here in a fixed order. Rows of
     a float mask's call whose LSE is huge (finite masks at ``finfo.min``) are recounted by the
     kernels (csrc/lse_residual.h), on the device."""
+    if mask_grad_shape is not None:  # (the reference's learned mask goes through autograd of the spec)
+        raise ValueError("ssa_flash: the cuda backend does not compute a learned attn_mask's gradient in its backward")
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d, dv = q.shape[-1], v.shape[-1]

@@ -262,7 +262,9 @@ def _backward_packed(dout, q, k, v, out, lse, dlse, params, sinks, temp, spec: A
 
 
 def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
-             spec: AttentionSpec):
+             spec: AttentionSpec, mask_grad_shape=None):
+    if mask_grad_shape is not None:  # (the reference's learned mask goes through autograd of the spec)
+        raise ValueError("ssa_flash: the reference backend does not compute a learned attn_mask's gradient in its backward")
     if spec.kv_cache:
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if spec.packed:
