@@ -30,7 +30,7 @@ def test_extreme_b_n(b, n, adaptive):
 
 # With dlse the kernels' dq error (0.0163 on the CPU) is what it was before 2026-12-01, bisected:
 # f6ea1bd made the float32 reference 13x more accurate here (beta * l taken on l less its row max),
-# so FlashAttention's rule (2 x the naive error + floor) tightened from 0.026 to 0.0113. The kernels
+# so FlashAttention's rule (2 x the naive error + floor) tightened from 0.026 to 0.0115. The kernels
 # keep the float32 LSE of beta * l (~230 * beta in base 2) and lose its low digits; carrying the
 # (max, log2 sum) pair of lse_residual.py for every adaptive row would recover them, at a cost to
 # every adaptive call. Non-strict: a GPU's exp2 / log2 round differently.
