@@ -143,6 +143,12 @@ def _hopper(kernel: str, hb: int, masked: bool, adaptive: bool) -> List[Blocks]:
         # with the adaptive temperature the dQ kernel carries a second dQ accumulator (the
         # entropy term's) and more row statistics: smaller tiles keep it out of local memory
         if hb <= 64:
+            if masked:
+                # a mask's address arithmetic (and an additive mask's recount of large-LSE rows,
+                # lse_residual.py) on top: SSA spilled 24-96 B at 64 x 64, SSA + adaptive 8-96 B at
+                # 64 x 32 (D 32 / 64, causal, static audit 2026-12-02); a column block less does not
+                return [Blocks(64, 16, 4, 2) if adaptive else Blocks(64, 32, 4, 2), Blocks(64, 32, 4, 2),
+                        Blocks(64, 64, 4, 2)]
             return [Blocks(64, 32, 4, 2) if adaptive else Blocks(64, 64, 4, 2), Blocks(64, 64, 4, 2)]
         if hb <= 128:
             if adaptive:

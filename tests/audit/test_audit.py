@@ -72,9 +72,7 @@ KNOWN_FAILURES = {
     # tiles were 16 wide (dQ 128 x 16, dK/dV 16 x 64), which boolean masks no longer get on a GPU
     # (Triton 3.6 computed wrong gradients there on an H200: block_choice.launch_kernel); 32-wide and larger
     # spill 0.3-1.8 KB (bench/NOTES.md, boolean masks and 16-wide tiles).
-    # SSA dQ with an additive mask at D 32, sm_90: 12 B since the recount of large-LSE rows
-    # (triton/lse_residual.py, 2026-12-01; a known regression to remove)
-    "no_spills": {"sm90-bwd_dq-ssa-causal-additive-d32-bf16", "sm90-bwd_dq-ssa_adaptive-causal-bool-d111-fp16", "sm90-bwd_dq-adaptive-causal-bool-d111-fp16",
+    "no_spills": {"sm90-bwd_dq-ssa_adaptive-causal-bool-d111-fp16", "sm90-bwd_dq-adaptive-causal-bool-d111-fp16",
                   "sm90-bwd_dkdv-adaptive-causal-bool-d111-fp16", "sm90-bwd_dkdv-ssa_adaptive-causal-bool-d111-fp16"},
     "no_repeated_tensor_work": set(),
     "no_serialisation": set(),
