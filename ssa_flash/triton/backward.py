@@ -65,7 +65,7 @@ are unchanged; kernel 1 adds the sink's term of ``dbeta`` and writes one partial
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep
+from .dropout import tile_keep
 from .extents import (interior_end, key_block_rows, query_block_rows, query_rows, row_stat_base, rows_base, stage_range,
                       tile_ptrs, window_key_bounds, window_query_bounds)
 from .logits import (LN2, LOG2E, SOFTMAX_ID, bwd_head_coefficients, dq_tile_terms, dscore_factor, safe_row_max,
@@ -143,9 +143,7 @@ def _dq_key_blocks(dq, dq_ent, acc1, ent1, dbeta, acc0, ent0,
                 p = tl.exp2(x * coef - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
         if DROPOUT:
-            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
-            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
-                                BLOCK_M, BLOCK_N, False, FAST_MATH)
+            keep = tile_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False, FAST_MATH)
             dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
         else:
             dl = p * (dp - delta[:, None])
@@ -421,9 +419,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, mask_base, row_base, offs_
         else:
             pt = tl.exp2(x * coef - lse2[None, :])
         if DROPOUT:
-            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
-            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
-                                BLOCK_M, BLOCK_N, True, FAST_MATH)
+            keep = tile_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, True, FAST_MATH)
             dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION, out_dtype=ACC)
             dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION, out_dtype=ACC)
             dpt = tl.where(keep, dpt, 0.0)  # times drop_scale, folded below

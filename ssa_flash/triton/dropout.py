@@ -66,6 +66,16 @@ def dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_b
 
 
 @triton.jit
+def tile_keep(drop, start_q, start_k, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr,
+              FAST_MATH: tl.constexpr):
+    """:func:`dropout_keep` of a tile from a program's ``drop = (seed_lo, seed_hi, head_ctr,
+    batch_ctr, keep_below)`` (:func:`dropout_state`)."""
+    seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
+    return dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_q, start_k, keep_below,
+                        BLOCK_Q, BLOCK_K, KEYS_FIRST, FAST_MATH)
+
+
+@triton.jit
 def dropout_state(RNG, off_b, off_h, keep31):
     """Per-program dropout constants from the ``(2,)`` int64 tensor ``RNG = (seed, offset)``:
     ``(seed_lo, seed_hi, head_ctr, batch_ctr, keep_below)`` as uint32 (see :func:`dropout_keep`;

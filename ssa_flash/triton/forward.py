@@ -20,7 +20,7 @@ and ``lse = s_h``. The sink is not dropped (its value vector is 0).
 import triton
 import triton.language as tl
 
-from .dropout import dropout_keep
+from .dropout import tile_keep
 from .extents import query_block_rows, query_key_ranges, query_rows, rows_base, stage_range, tile_ptrs
 from .fast_math import exp2_half_poly
 from .logits import LN2, LOG2E, head_coefficients, row_start, safe_row_max, tile_logit_input
@@ -68,10 +68,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_base, offs_m, lo, hi,
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = drop
-            keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
-                                BLOCK_M, BLOCK_N, False, FAST_MATH)
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(tile_keep(drop, start_m, start_n, BLOCK_M, BLOCK_N, False, FAST_MATH), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=ACC)
         m_i = m_new
     return acc, l_i, m_i

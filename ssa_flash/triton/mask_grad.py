@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .block_choice import on_device
-from .dropout import dropout_keep
+from .dropout import tile_keep
 from .extents import tile_ptrs
 from .logits import LN2, LOG2E, bwd_head_coefficients, tile_logit_input_and_u
 from .masks import MASK_ADD, boundary_logits
@@ -129,9 +129,8 @@ def attention_bwd_mask_kernel(
                 p = tl.exp2(l2 - lse2[:, None] - lse2_lo[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION, out_dtype=ACC)
             if DROPOUT:
-                seed_lo, seed_hi, head_ctr, batch_ctr, keep_below = dropout_stream(dropout, off_b, off_h, DROPOUT)
-                keep = dropout_keep(seed_lo, seed_hi, head_ctr, batch_ctr, start_m, start_n, keep_below,
-                                    BLOCK_M, BLOCK_N, False, FAST_MATH)
+                keep = tile_keep(dropout_stream(dropout, off_b, off_h, DROPOUT), start_m, start_n, BLOCK_M, BLOCK_N,
+                                 False, FAST_MATH)
                 dl = p * (tl.where(keep, dp, 0.0) * drop_scale - delta[:, None])
             else:
                 dl = p * (dp - delta[:, None])
