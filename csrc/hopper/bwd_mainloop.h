@@ -143,9 +143,9 @@ struct BwdConsumer {
         wgmma_fence_operand(s);
         wgmma_fence_operand(dp);
         grad_part<kCheck>(p, ctx, n0, m, h, s, dp, sStat, sDsT, pw);
-        fence_proxy_async();
         dv_gemm(pw, h, sdO);
       }
+      fence_proxy_async();  // (dS^T, for the dK and dQ GEMMs)
     } else {
       // every part's GEMMs at once, a later part's running while an earlier part's gradients
       // are computed
