@@ -3,11 +3,12 @@
 //
 // Per step, consumer warpgroup c (keys n0 + 64 c ..), in the layout of the transposed scores
 // (rows keys, columns queries: wgmma's m64 is the warpgroup's keys):
-//   S^T = K_c Q^T, dP^T = V_c dO^T   (wgmma, both operands in shared memory; in kParts query
-//                                     groups, each waited for before its gradients)
+//   S^T = K_c Q^T, dP^T = V_c dO^T   (wgmma, both operands in shared memory)
 //   P^T, dS^T = score_grad(S^T, dP^T, row statistics of the columns)   (bwd_kernel.h)
 //   dS^T -> shared memory            (this warpgroup's 64 rows of the step's dS^T buffer)
 //   dV += P^T dO                     (wgmma, P^T from registers)
+//     (these four over all 64 queries at once or in two parts of 32, as bwd_tile.h's BwdSplit
+//     says per instance: BwdConsumer::scores_and_dv)
 //   barrier of both consumers        (dS^T complete)
 //   dK += dS^T Q                     (wgmma, dS^T from shared memory, Q N-major: bwd_gemm.h)
 //   dQ_part = dS K                   (wgmma, both operands MN-major: bwd_gemm.h)

@@ -87,12 +87,13 @@ constexpr BwdSplit bwd_split() {
 #ifdef SSA_FLASH_HOPPER_BWD_SPLIT
   return static_cast<BwdSplit>(SSA_FLASH_HOPPER_BWD_SPLIT);  // (a build that tries another)
 #else
-  // (spill bytes whole / overlapped / looped, nvcc 13.0, sm_90a: D 64 softmax 0 / 0 / 0, adaptive
-  // 0 / 0 / 0; SSA 68 / 0 / 0, adaptive 28 / 84 / 0; D 128 softmax 20 / 36 / 0, adaptive
-  // 0 / 32 / 0; SSA 4 / 84 / 0; adaptive 52 / 88 / 92. The overlapped or whole split where it
-  // compiles clean, since it keeps a warpgroup's tensor work under its own gradients)
+  // (spill bytes whole / overlapped / looped, bf16, nvcc 13.0, sm_90a, ptxas -v: D 64 softmax
+  // 0 / 0 / 0, adaptive 0 / 0 / 0; SSA 16 / 0 / 0, adaptive 72 / 120 / 0; D 128 softmax
+  // 0 / 32 / 0, adaptive 0 / 24 / 0; SSA 12 / 72 / 0, adaptive 52 / 80 / 4. Whole or overlapped
+  // where that compiles clean: a warpgroup's own tensor work then runs under its gradients, and
+  // the loop costs ~5 instructions per score more)
   if (kD == 64) return kAdaptive && kScoreParams > 0 ? kSplitLooped : kSplitOverlapped;
-  return kAdaptive && kScoreParams == 0 ? kSplitWhole : kSplitLooped;
+  return kScoreParams > 0 ? kSplitLooped : kSplitWhole;
 #endif
 }
 
