@@ -86,15 +86,35 @@ def model_loop(kernel_sass: str, D: int) -> dict:
     instrs = sc.parse_instructions(kernel_sass)
     loops = []
     for start, end in sc.find_loops(instrs):
-        body = [t for a, t in instrs if start <= a <= end]
-        hg = sum(1 for t in body if sc._opcode(t).startswith("HGMMA"))
+        body = [(a, t) for a, t in instrs if start <= a <= end]
+        hg = sum(1 for _, t in body if sc._opcode(t).startswith("HGMMA"))
+        # a step loop holds the step's dQ GEMM (both operands transposed)
+        dq = any(sc._opcode(t).startswith("HGMMA") and ".tnspA.tnspB" in t for _, t in body)
         if hg:
-            loops.append((start, end, hg, body))
-    inner = [lp for lp in loops if not any(o is not lp and lp[0] <= o[0] and o[1] <= lp[1]
-                                           and (o[0], o[1]) != (lp[0], lp[1]) for o in loops)]
+            loops.append((start, end, hg, dq, body))
+
+    def inside(o, lp):
+        return lp[0] <= o[0] and o[1] <= lp[1] and (o[0], o[1]) != (lp[0], lp[1])
+
+    steps = [lp for lp in loops if lp[3]]
+    inner = [lp for lp in steps if not any(o is not lp and inside(o, lp) for o in steps)]
     inner.sort(key=lambda lp: (-lp[2], lp[1] - lp[0]))
-    start, end, _, body = inner[0]
-    ops = Counter(sc._opcode(t) for t in body if sc._opcode(t) != "NOP")
+    start, end, _, _, body = inner[0]
+    # a loop over the step's query parts inside it (BwdSplit kSplitLooped) runs 64 / N times, N the
+    # queries of its score GEMMs (64 x N: no transposed operand)
+    parts = [lp for lp in loops if inside(lp, inner[0])]
+    assert len(parts) <= 1, f"more than one loop with wgmma inside the step loop: {[(a, b) for a, b, *_ in parts]}"
+    trips, part_loop = 1, None
+    ops = Counter(sc._opcode(t) for a, t in body if sc._opcode(t) != "NOP")
+    if parts:
+        p0, p1, _, _, pbody = parts[0]
+        ns = {int(m.group(1)) for _, t in pbody if "tnsp" not in t
+              for m in [re.match(r"HGMMA\.64x(\d+)x16", sc._opcode(t))] if m}
+        assert len(ns) == 1, f"the part loop's score GEMMs: N {ns}"
+        trips, part_loop = 64 // ns.pop(), [p0, p1]
+        for _, t in pbody:
+            if sc._opcode(t) != "NOP":
+                ops[sc._opcode(t)] += trips - 1
     total = sum(ops.values())
     macs = 0
     for op, c in ops.items():
@@ -116,7 +136,7 @@ def model_loop(kernel_sass: str, D: int) -> dict:
     for op, c in ops.items():
         classes[sc._klass(op)] += c
     return {
-        "loop": [start, end], "instructions": total, "per_element": round(instr_pe, 3),
+        "loop": [start, end], "part_loop": part_loop, "part_trips": trips, "instructions": total, "per_element": round(instr_pe, 3),
         "mufu_per_element": round(mufu_pe, 3), "tensor_macs_per_element": tensor_pe,
         "hgmma": sum(c for op, c in ops.items() if op.startswith("HGMMA")),
         "red": sum(c for op, c in ops.items() if op.startswith("RED")),

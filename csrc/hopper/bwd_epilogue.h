@@ -12,18 +12,6 @@
 namespace ssa_flash {
 namespace hopper {
 
-// threadIdx.x, read again (a fresh S2R the compiler cannot merge with the prologue's: kept live
-// through the main loop instead, the warp index was spilled at D = 128)
-SSA_DEVICE int thread_idx_again() {
-#ifdef SSA_FLASH_EMULATE
-  return static_cast<int>(threadIdx.x);
-#else
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-  return t;
-#endif
-}
-
 // dK, dV of consumer thread `tid` (128 .. 383): rows of keys n0 + 16 (tid / 32 - 4) + g (+ 8)
 // (consumer c's warps are 4 c + 4 .. 4 c + 7: rows 64 c + 16 w), within len_k; columns within
 // dim / dim_v.

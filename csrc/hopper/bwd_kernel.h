@@ -91,24 +91,27 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
   BwdConsumer<Tile, Score, kAdaptive, kBug> cons;
   cons.init(wg - 1);
   mbar_wait(kv_full, 0);
-  RingPos<kStages> pos;
-  int ds_buf = 0;
+  // the ring position and the dS^T buffer of a step from its index (head * tiles + tile), not
+  // carried through the loops: stage it % kStages, phase (it / kStages) % 2 (RingPos's), dS^T
+  // buffer it % 2
+  static_assert(kStages == 2, "the consumers' ring position below: two stages");
   for (int head = 0; head < steps.group; ++head) {
     const int hh = hk * p.group + head;
     const LogitCtx ctx = Score::template setup<false>(p, bb, hh);
     float* const dq_head = p.dq_accum + (static_cast<int64_t>(bb) * p.heads + hh) * p.stat_rows * kD;
     auto run = [&](auto check, int tile) {
       const int m = steps.first + tile * kM;
-      char* const st = stage(pos.stage);
+      const int it = head * steps.tiles + tile, st_i = it & 1;
+      char* const st = stage(st_i);
       cons.template step<decltype(check)::value>(
           p, ctx, n0, m, sK, sV, reinterpret_cast<const T*>(st + Smem::kQ), reinterpret_cast<const T*>(st + Smem::kDo),
-          reinterpret_cast<const float*>(st + Smem::kStat), sDs + ds_buf * Tile::kDsElems, &full[pos.stage],
-          &empty[pos.stage], pos.phase, dq_head + static_cast<int64_t>(m) * kD);
-      pos.advance();
-      ds_buf ^= 1;
+          reinterpret_cast<const float*>(st + Smem::kStat), sDs + st_i * Tile::kDsElems, &full[st_i], &empty[st_i],
+          static_cast<uint32_t>(it >> 1) & 1u, dq_head + static_cast<int64_t>(m) * kD);
     };
+    // (the count of checked steps recomputed per head rather than held across the loops)
+    const int n_checked = bwd_steps<Tile>(p, block_idx_x_again() * kN).n_checked;
     int tile = 0;
-    for (; tile < steps.n_checked; ++tile) run(Bool<true>(), tile);
+    for (; tile < n_checked; ++tile) run(Bool<true>(), tile);
     for (; tile < steps.tiles; ++tile) run(Bool<false>(), tile);
     store_dparams<Score, Tile::kConsumerWarps>(p, cons.dpar0, cons.dpar1, bb, hh, key_block, gridDim.x,
                                                thread_idx_again());

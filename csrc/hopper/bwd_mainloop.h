@@ -3,11 +3,12 @@
 //
 // Per step, consumer warpgroup c (keys n0 + 64 c ..), in the layout of the transposed scores
 // (rows keys, columns queries: wgmma's m64 is the warpgroup's keys):
-//   S^T = K_c Q^T, dP^T = V_c dO^T   (wgmma, both operands in shared memory; in kParts query
-//                                     groups, each waited for before its gradients)
+//   S^T = K_c Q^T, dP^T = V_c dO^T   (wgmma, both operands in shared memory)
 //   P^T, dS^T = score_grad(S^T, dP^T, row statistics of the columns)   (bwd_kernel.h)
 //   dS^T -> shared memory            (this warpgroup's 64 rows of the step's dS^T buffer)
 //   dV += P^T dO                     (wgmma, P^T from registers)
+//     (these four over all 64 queries at once or in two parts of 32, as bwd_tile.h's BwdSplit
+//     says per instance: BwdConsumer::scores_and_dv)
 //   barrier of both consumers        (dS^T complete)
 //   dK += dS^T Q                     (wgmma, dS^T from shared memory, Q N-major: bwd_gemm.h)
 //   dQ_part = dS K                   (wgmma, both operands MN-major: bwd_gemm.h)
@@ -44,10 +45,11 @@ struct BwdConsumer {
   using T = typename Tile::Elem;
   static constexpr int kD = Tile::kD, kM = Tile::kBlockM;
   static constexpr int kNStat = BwdStatLayout<Tile, kAdaptive>::kCount;
-  // the step's scores in 1 or 2 parts of queries (see step): what ptxas spilled least with, per
-  // instance (spill bytes whole / halved, sm_90a, nvcc 13.0: D 64 SSA 68 / 0, D 64 SSA adaptive
-  // 28 / 76, D 64 softmax 0 / 0 either way, D 128 everything fewer whole)
-  static constexpr int kParts = kD == 64 && !(kAdaptive && Score::kParams > 0) ? 2 : 1;
+  // How a step's 64 queries are split (see step), per instance what ptxas compiled without spills
+  // (bwd_tile.h, bwd_split)
+  static constexpr BwdSplit kSplit = bwd_split<kD, Score::kParams, kAdaptive>();
+  static constexpr int kParts = kSplit == kSplitWhole ? 1 : 2;
+  static constexpr int kQ = kM / kParts;  // queries per part
   using QTile = typename Tile::QTile;
   using KTile = typename Tile::KTile;
   using DsTile = typename Tile::DsTile;
@@ -66,23 +68,26 @@ struct BwdConsumer {
     dpar0 = dpar1 = 0.0f;
   }
 
-  // The gradients of queries [kQ kPart, kQ kPart + kQ) of a step (kQ = 64 / kParts): P^T (packed into pw, the A
-  // fragments of dV += P^T dO) and dS^T (before the final scale; into this warpgroup's rows of the
-  // step's dS^T buffer, pairs of adjacent queries per 32-bit store, fenced for the tensor cores).
+  // The gradients of queries [kQ part, kQ part + kQ) of a step: P^T (packed into pw, the A
+  // fragments of that part's dV += P^T dO) and dS^T (before the final scale; into this
+  // warpgroup's rows of the step's dS^T buffer, pairs of adjacent queries per 32-bit store).
   // Element (nt, i) of s / dp is key n0 + 64 c + 16 warp + g + 8 (i / 2), query
-  // m + kQ kPart + 8 nt + 2 t + i % 2. Checks (kCheck): bounds and causality only (no window or
+  // m + kQ part + 8 nt + 2 t + i % 2. Checks (kCheck): bounds and causality only (no window or
   // mask: bwd_launch.h routes them away).
-  template <bool kCheck, int kPart>
-  SSA_DEVICE void grad_part(const BwdParams& p, const LogitCtx& ctx, int n0, int m, float (&s)[kM / kParts / 8][4],
-                            float (&dp)[kM / kParts / 8][4], const float* sStat, T* sDsT, uint32_t (&pw)[kM / 16][4]) {
-    constexpr int kQ = kM / kParts;
+  template <bool kCheck>
+  SSA_DEVICE void grad_part(const BwdParams& p, const LogitCtx& ctx, int n0, int m, int part, float (&s)[kQ / 8][4],
+                            float (&dp)[kQ / 8][4], const float* sStat, T* sDsT, uint32_t (&pw)[kQ / 16][4]) {
+    // (lane and warp from a fresh read of the thread index: what derives from them stays inside
+    // the step instead of being hoisted out of the loops and kept in registers across them)
+    const int tid = thread_idx_again(), lane = tid % 32, warp = tid / 32 % 4;
     const int g = lane / 4, t = lane % 4;
     const int key_lo = n0 + 64 * c + 16 * warp + g;
+    const int q0 = kQ * part;
 #pragma unroll
     for (int nt = 0; nt < kQ / 8; ++nt) {
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
-        const int lq = kPart * kQ + 8 * nt + 2 * t + cc;
+        const int lq = q0 + 8 * nt + 2 * t + cc;
         const RowStats r = load_row_stats<kAdaptive>(sStat + lq * kNStat);  // (bwd_kernel.h)
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
@@ -94,8 +99,7 @@ struct BwdConsumer {
         }
       }
     }
-    constexpr int kK0 = kPart * kQ / 16;  // the part's first 16-query block
-    acc_to_frag<T, kQ>(*reinterpret_cast<uint32_t(*)[kQ / 16][4]>(&pw[kK0]), s);
+    acc_to_frag<T, kQ>(pw, s);
     uint32_t da[kQ / 16][4];
     acc_to_frag<T, kQ>(da, dp);
     const int row_lo = 64 * c + 16 * warp + g;
@@ -103,9 +107,67 @@ struct BwdConsumer {
     for (int kk = 0; kk < kQ / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // (acc_to_frag: rows g, g + 8, g, g + 8; columns 2 t, 2 t, 2 t + 8, 2 t + 8)
-        const int row = row_lo + 8 * (j & 1), col = 16 * (kK0 + kk) + 8 * (j >> 1) + 2 * t;
+        const int row = row_lo + 8 * (j & 1), col = q0 + 16 * kk + 8 * (j >> 1) + 2 * t;
         *reinterpret_cast<uint32_t*>(sDsT + DsTile::offset(row, col)) = da[kk][j];
       }
+    }
+  }
+
+  // Part h's S^T = K_c Q_h^T and dP^T = V_c dO_h^T (queries [kQ h, kQ h + kQ) of the step), one
+  // wgmma group
+  SSA_DEVICE void score_gemms(float (&s)[kQ / 8][4], float (&dp)[kQ / 8][4], int h, const T* sK, const T* sV,
+                              const T* sQ, const T* sdO) {
+    wg_gemm_nt<T, kQ, kD, KTile, QTile>(s, sK + KTile::offset(64 * c, 0), sQ + QTile::offset(h * kQ, 0));
+    wg_gemm_nt<T, kQ, kD, KTile, QTile>(dp, sV + KTile::offset(64 * c, 0), sdO + QTile::offset(h * kQ, 0));
+    wgmma_commit();
+  }
+
+  // Part h's dV += P_h^T dO_h (pw: P^T's A fragments of the part's queries), one wgmma group
+  SSA_DEVICE void dv_gemm(const uint32_t (&pw)[kQ / 16][4], int h, const T* sdO) {
+    wg_gemm_rn<T, kD, kQ, RowSlice<QTile, kQ>>(dv, pw, sdO + QTile::offset(h * kQ, 0));
+    wgmma_commit();
+  }
+
+  // The parts' score GEMMs, gradients (dS^T into sDsT) and dV GEMMs, as kSplit says; on return
+  // the last dV GEMM is the one wgmma group in flight.
+  template <bool kCheck>
+  SSA_DEVICE void scores_and_dv(const BwdParams& p, const LogitCtx& ctx, int n0, int m, const T* sK, const T* sV,
+                                const T* sQ, const T* sdO, const float* sStat, T* sDsT) {
+    if constexpr (kSplit == kSplitLooped) {
+      // a loop, not unrolled: ptxas cannot move one part's gradient work into the other's
+#pragma unroll 1
+      for (int h = 0; h < kParts; ++h) {
+        float s[kQ / 8][4], dp[kQ / 8][4];
+        uint32_t pw[kQ / 16][4];
+        score_gemms(s, dp, h, sK, sV, sQ, sdO);
+        wgmma_wait<0>();  // (and the previous part's dV: pw is free again)
+        wgmma_fence_operand(s);
+        wgmma_fence_operand(dp);
+        grad_part<kCheck>(p, ctx, n0, m, h, s, dp, sStat, sDsT, pw);
+        dv_gemm(pw, h, sdO);
+      }
+      fence_proxy_async();  // (dS^T, for the dK and dQ GEMMs)
+    } else {
+      // every part's GEMMs at once, a later part's running while an earlier part's gradients
+      // are computed
+      float s[kParts][kQ / 8][4], dp[kParts][kQ / 8][4];
+      uint32_t pw[kParts][kQ / 16][4];
+#pragma unroll
+      for (int h = 0; h < kParts; ++h) score_gemms(s[h], dp[h], h, sK, sV, sQ, sdO);
+      wgmma_wait<kParts - 1>();
+      wgmma_fence_operand(s[0]);
+      wgmma_fence_operand(dp[0]);
+      grad_part<kCheck>(p, ctx, n0, m, 0, s[0], dp[0], sStat, sDsT, pw[0]);
+      if constexpr (kParts == 2) {
+        wgmma_wait<0>();
+        wgmma_fence_operand(s[1]);
+        wgmma_fence_operand(dp[1]);
+        grad_part<kCheck>(p, ctx, n0, m, 1, s[1], dp[1], sStat, sDsT, pw[1]);
+      }
+      fence_proxy_async();
+      // dV += P^T dO over all the step's queries
+      wg_gemm_rn<T, kD, kM, QTile>(dv, *reinterpret_cast<uint32_t(*)[kM / 16][4]>(&pw[0][0][0]), sdO);
+      wgmma_commit();
     }
   }
 
@@ -120,33 +182,7 @@ struct BwdConsumer {
     if (kBug != kBwdNoFullWait) mbar_wait(full, parity);
     if (kBug == kBwdEarlyRelease) mbar_arrive(empty);
 
-    // S^T = K_c Q^T, dP^T = V_c dO^T in kParts parts of the queries, a wgmma group each: a later
-    // part's GEMMs run while an earlier part's gradients are computed (and ptxas keeps only that
-    // part's gradient work in flight)
-    constexpr int kQ = kM / kParts;
-    float s[kParts][kQ / 8][4], dp[kParts][kQ / 8][4];
-#pragma unroll
-    for (int h = 0; h < kParts; ++h) {
-      wg_gemm_nt<T, kQ, kD, KTile, QTile>(s[h], sK + KTile::offset(64 * c, 0), sQ + QTile::offset(h * kQ, 0));
-      wg_gemm_nt<T, kQ, kD, KTile, QTile>(dp[h], sV + KTile::offset(64 * c, 0), sdO + QTile::offset(h * kQ, 0));
-      wgmma_commit();
-    }
-    uint32_t pw[kM / 16][4];
-    wgmma_wait<kParts - 1>();
-    wgmma_fence_operand(s[0]);
-    wgmma_fence_operand(dp[0]);
-    grad_part<kCheck, 0>(p, ctx, n0, m, s[0], dp[0], sStat, sDsT, pw);
-    if constexpr (kParts == 2) {
-      wgmma_wait<0>();
-      wgmma_fence_operand(s[1]);
-      wgmma_fence_operand(dp[1]);
-      grad_part<kCheck, 1>(p, ctx, n0, m, s[1], dp[1], sStat, sDsT, pw);
-    }
-    fence_proxy_async();
-
-    // dV += P^T dO (A from registers)
-    wg_gemm_rn<T, kD, kM, QTile>(dv, pw, sdO);
-    wgmma_commit();
+    scores_and_dv<kCheck>(p, ctx, n0, m, sK, sV, sQ, sdO, sStat, sDsT);
 
     // once both consumers' dS^T are in place: dK += dS^T Q (A from shared memory: dS^T's registers
     // are free by now) and dQ (part) = dS K

@@ -18,6 +18,38 @@
 namespace ssa_flash {
 namespace hopper {
 
+// threadIdx.x and blockIdx.x, read again (a fresh S2R the compiler cannot merge with the
+// prologue's, nor hoist out of a loop: what derives from it is recomputed where it is used instead
+// of being kept live, or spilled, across the main loop)
+SSA_DEVICE int thread_idx_again() {
+#ifdef SSA_FLASH_EMULATE
+  return static_cast<int>(threadIdx.x);
+#else
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+#endif
+}
+
+SSA_DEVICE int block_idx_x_again() {
+#ifdef SSA_FLASH_EMULATE
+  return static_cast<int>(blockIdx.x);
+#else
+  int b;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(b));
+  return b;
+#endif
+}
+
+// Rows [0, kRows) of a tile L (from a row of the caller's choosing) as a GEMM operand tile: L's
+// panels, fewer rows (wg_gemm_rn's B over one part of the queries)
+template <typename L, int kRows_>
+struct RowSlice {
+  static_assert(kRows_ <= L::kRows && kRows_ % 16 == 0, "RowSlice: whole k steps of the tile's rows");
+  static constexpr int kRows = kRows_;
+  static constexpr int kPanelBytes = L::kPanelBytes;
+};
+
 // The tile of the backward at head dim kD (64 or 128), element type T.
 template <int kD_, typename T_>
 struct BwdTile {
@@ -41,6 +73,29 @@ struct BwdTile {
   static constexpr int kQElems = QTile::elems(kBlockM, kD);
   static constexpr int kDsElems = DsTile::elems(kBlockN, kBlockM);
 };
+
+// How a consumer splits a step's 64 queries (bwd_mainloop.h, BwdConsumer::scores_and_dv):
+//   kSplitWhole:      S^T, dP^T of all 64 queries in one wgmma group, then their gradients, then dV;
+//   kSplitOverlapped: two parts of 32 queries, both parts' GEMMs issued at once (two accumulator
+//                     pairs), part 1's running while part 0's gradients are computed;
+//   kSplitLooped:     two parts of 32 queries in a loop (one accumulator pair): part h's GEMMs,
+//                     gradients, then its dV GEMM, which runs under part h + 1's score GEMMs.
+enum BwdSplit : int { kSplitWhole, kSplitOverlapped, kSplitLooped };
+
+template <int kD, int kScoreParams, bool kAdaptive>
+constexpr BwdSplit bwd_split() {
+#ifdef SSA_FLASH_HOPPER_BWD_SPLIT
+  return static_cast<BwdSplit>(SSA_FLASH_HOPPER_BWD_SPLIT);  // (a build that tries another)
+#else
+  // (spill bytes whole / overlapped / looped, bf16, nvcc 13.0, sm_90a, ptxas -v: D 64 softmax
+  // 0 / 0 / 0, adaptive 0 / 0 / 0; SSA 16 / 0 / 0, adaptive 72 / 120 / 0; D 128 softmax
+  // 0 / 32 / 0, adaptive 0 / 24 / 0; SSA 12 / 72 / 0, adaptive 52 / 80 / 4. Whole or overlapped
+  // where that compiles clean: a warpgroup's own tensor work then runs under its gradients, and
+  // the loop costs ~5 instructions per score more)
+  if (kD == 64) return kAdaptive && kScoreParams > 0 ? kSplitLooped : kSplitOverlapped;
+  return kScoreParams > 0 ? kSplitLooped : kSplitWhole;
+#endif
+}
 
 // The row statistics of a step in shared memory: kCount floats per query row (lse, delta and,
 // adaptive, beta, lse_l, entropy, g: bwd_kernel.h's RowStat), [query][kCount], delivered by kLoads
