@@ -481,7 +481,10 @@ def _round8(d: int) -> int:
 def _kernel_layout(x: torch.Tensor) -> bool:
     if x.stride(-1) != 1 or x.data_ptr() % 16 != 0:
         return False
-    return all(size == 1 or stride % 8 == 0 for size, stride in zip(x.shape[:-1], x.stride()[:-1]))
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):  # (a loop: no generator's Python frames)
+        if size != 1 and stride % 8 != 0:
+            return False
+    return True
 
 
 def _prep(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -689,6 +692,9 @@ def prepare(q, k, v, mask, params, sinks, spec: AttentionSpec):
     return PreparedCall(q, k, v, params, spec)
 
 
+_NO_DEVICE = contextlib.nullcontext()  # (reusable) what _on_device gives for a CPU tensor
+
+
 class PreparedCall:
     """:func:`forward` and :func:`backward` for one specialisation (see :func:`prepare`):
     ``forward`` returns the extension it ran on as its fourth result, which ``backward`` takes
@@ -714,7 +720,13 @@ class PreparedCall:
 
     def _options(self, params, spec: AttentionSpec) -> tuple:
         """The kernels' parameters and the keyword options of the passes with dropout."""
-        kernel_params = self.kernel_params if params is self.params else _score_params(params, spec)
+        kernel_params = self.kernel_params
+        if len(params) != len(self.params):
+            kernel_params = _score_params(params, spec)  # (raises for the wrong count)
+        for given, prepared in zip(params, self.params):
+            if given is not prepared:  # not the call plan's constant parameters
+                kernel_params = _score_params(params, spec)
+                break
         dropout = self.dropout
         if spec.dropout_rng is not None:
             dropout = dict(dropout, drop_rng=spec.dropout_rng)
@@ -729,7 +741,7 @@ class PreparedCall:
         qp, kp, vp = self._inputs(q, k, v)
         if mask is not None:
             mask = _prep_mask(mask)
-        with _on_device(dev):
+        with (torch.cuda.device(dev) if dev.type == "cuda" else _NO_DEVICE):
             stream = _stream(dev)
             temp, beta = None, None
             if self.adaptive:
@@ -752,7 +764,7 @@ class PreparedCall:
         if mask is not None:
             mask = _prep_mask(mask)
         dev = q.device
-        with _on_device(dev):
+        with (torch.cuda.device(dev) if dev.type == "cuda" else _NO_DEVICE):
             dq, dk, dvv, parts, _ = ext.bwd(
                 _prep(dout.to(q.dtype), self.dv8), qp, kp, vp, _prep(out, self.dv8), lse.float().contiguous(),
                 None if dlse is None else dlse.float().contiguous(), mask, kernel_params, beta=beta, lse_l=lse_l,

@@ -50,6 +50,11 @@ def get(key) -> Optional["Plan"]:
     return plan
 
 
+def peek(key) -> Optional["Plan"]:
+    """:func:`get` without counting a replay."""
+    return _plans.get(key)
+
+
 def put(key, plan: "Plan") -> None:
     if len(_plans) >= MAX_PLANS:  # shapes that keep changing: start again
         clear()

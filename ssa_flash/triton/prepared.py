@@ -43,12 +43,12 @@ class PreparedCall:
 
     def _kernel_params(self, params, q) -> tuple:
         """``(P0, P1)`` as ``launch.kernel_params`` gives them (``q`` for an absent one)."""
-        if params is not self.params:  # not the call plan's constant parameters: check them
-            if len(params) != len(self.param_align):
+        if len(params) != len(self.params):
+            raise PlanMismatch
+        for given, prepared, align in zip(params, self.params, self.param_align):
+            # not the call plan's constant parameters: aligned as those the plans were made with?
+            if given is not prepared and given.data_ptr() & 15 != align:
                 raise PlanMismatch
-            for p, a in zip(params, self.param_align):
-                if p.data_ptr() & 15 != a:
-                    raise PlanMismatch
         return (*params, q, q)[:MAX_PARAMS]
 
     def forward(self, q, k, v, mask, params, spec: AttentionSpec):
@@ -69,6 +69,7 @@ class PreparedCall:
             beta, dbeta = torch.empty_like(ent), torch.empty_like(ent)
             self.temperature.run(dev, (ent, beta, dbeta))  # (fresh tensors: aligned as the plan's were)
             temp = TemperatureState(beta, lse_l, ent, dbeta)
+        plans.HITS[0] += 2 if self.adaptive else 1  # (the plans replayed: as plans.get counts them)
         o_shape, lse_shape, lse_dtype, _, drop_rest, ws = self.fwd.extra
         if ws:
             block_choice.ensure_allocator()
@@ -89,11 +90,12 @@ class PreparedCall:
             plan = None
         if plan is None:
             res = launch.backward(dout, q, k, v, out, lse, dlse, mask, params, temp, spec)
-            plan = plans.get(launch._bwd_plan_key(dout, q, k, v, out, lse, dlse, mask, params, temp, spec, None,
+            plan = plans.peek(launch._bwd_plan_key(dout, q, k, v, out, lse, dlse, mask, params, temp, spec, None,
                                                   None))
             if plan is not None and len(self.bwd) < 16:
                 self.bwd[key] = plan
             return res
+        plans.HITS[0] += 1
         return launch._bwd_replay(plan, dout, q, k, v, out, lse, dlse, mask, params, temp, spec)
 
 
@@ -111,14 +113,14 @@ def prepare(q, k, v, mask, params, spec: AttentionSpec, temperature_launch=None)
     beta = None
     if spec.adaptive:
         key = launch._dense_key(q, k, k, mask, params, spec, None, None)
-        call.ent = None if key is None else plans.get(("row_entropy", key))
+        call.ent = None if key is None else plans.peek(("row_entropy", key))
         if call.ent is None:
             return None
         shape, dtype, _ = call.ent.extra
         beta = torch.empty(shape, device=q.device, dtype=dtype)  # (its key as the temperature's output's)
         call.temperature = temperature_launch
     key = launch._fwd_plan_key(q, k, v, mask, params, beta, spec, None, None)
-    call.fwd = None if key is None else plans.get(key)
+    call.fwd = None if key is None else plans.peek(key)
     if call.fwd is None:
         return None
     call.bwd = {}
