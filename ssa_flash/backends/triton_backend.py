@@ -182,17 +182,18 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
 def prepare(q, k, v, mask, params, sinks, spec: AttentionSpec):
     """``spec.Backend.prepare``: ``ssa_flash.triton.prepared``'s launches of the dense call without
     sinks that just ran with these tensors, or None (another layout, sinks, bfloat16 on the
-    interpreter, a launch not planned, the temperature not fused)."""
+    interpreter, a launch not planned)."""
     if sinks is not None or spec.packed or spec.kv_cache or _emulate_bf16(q):
         return None
     from ..triton import prepared
 
-    temperature_launch = None
+    temperature_launch = None  # (the torch definition, where backends.temperature uses it)
     if spec.adaptive:
         ent = torch.empty(q.shape[:-1], device=q.device, dtype=acc_dtype(q.dtype))
-        if not _temperature._fused(ent):
-            return None
-        temperature_launch = _temperature._triton_temperature().plan_launch(ent, spec.poly, spec.threshold)
+        if _temperature._fused(ent):
+            temperature_launch = _temperature._triton_temperature().plan_launch(ent, spec.poly, spec.threshold)
+            if temperature_launch is None:
+                return None
     return prepared.prepare(q, k, v, mask, params, spec, temperature_launch)
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .. import temperature as _definition
 from ..spec import AttentionSpec, PlanMismatch, TemperatureState
 from . import block_choice, direct, kernel_args, launch, plans
 from .interpreter import environ_get
@@ -57,6 +58,12 @@ class PreparedCall:
         if switches() != self.switches:
             raise PlanMismatch
         kp = self._kernel_params(params, q)
+        if plans.on_device(q.device):
+            return self._launch(q, k, v, mask, kp, spec)
+        with block_choice.on_device(q.device):
+            return self._launch(q, k, v, mask, kp, spec)
+
+    def _launch(self, q, k, v, mask, kp, spec: AttentionSpec):
         pmask = q if mask is None else (mask.view(torch.uint8) if mask.dtype == torch.bool else mask)
         dev = q.device
         temp = None
@@ -66,8 +73,11 @@ class PreparedCall:
             ent = torch.empty(shape, device=dev, dtype=dtype)
             lse_l = torch.empty(shape, device=dev, dtype=dtype)
             self.ent.launches[0].run(dev, (q, k, ent, lse_l, kp, pmask, (q, q, q)))
-            beta, dbeta = torch.empty_like(ent), torch.empty_like(ent)
-            self.temperature.run(dev, (ent, beta, dbeta))  # (fresh tensors: aligned as the plan's were)
+            if self.temperature is None:  # where the full path computes it by its torch definition
+                beta, dbeta = _definition.beta_from_entropy(ent, spec.poly, spec.threshold)
+            else:
+                beta, dbeta = torch.empty_like(ent), torch.empty_like(ent)
+                self.temperature.run(dev, (ent, beta, dbeta))  # (fresh tensors: aligned as the plan's were)
             temp = TemperatureState(beta, lse_l, ent, dbeta)
         plans.HITS[0] += 2 if self.adaptive else 1  # (the plans replayed: as plans.get counts them)
         o_shape, lse_shape, lse_dtype, _, drop_rest, ws = self.fwd.extra
@@ -102,8 +112,9 @@ class PreparedCall:
 def prepare(q, k, v, mask, params, spec: AttentionSpec, temperature_launch=None) -> Optional[PreparedCall]:
     """The :class:`PreparedCall` of a dense call without sinks that ran just now (so its plans
     exist), or None where a launch was not planned. ``temperature_launch``: the adaptive
-    temperature's :class:`plans.Launch` (entropy, beta, dbeta), required with ``spec.adaptive``."""
-    if launch._unaligned(None, q, v) or (spec.adaptive and temperature_launch is None):
+    temperature's :class:`plans.Launch` (entropy, beta, dbeta), or None where the full path
+    computes the temperature by its torch definition (``ssa_flash.temperature``)."""
+    if launch._unaligned(None, q, v):
         return None
     call = PreparedCall()
     call.switches, call.spec, call.adaptive = switches(), spec, spec.adaptive
