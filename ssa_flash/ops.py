@@ -854,13 +854,12 @@ def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
 
 def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = None,
                       is_causal: bool = False, scale: Optional[float] = None,
-                      enable_gqa: bool = False, *, b: Optional[Scalar] = None,
-                      n: Optional[Scalar] = None, backend: str = "auto",
-                      window_size: Tuple[int, int] = (-1, -1), sinks: Optional[Scalar] = None,
-                      softcap: float = 0.0, score: Optional[str] = None, score_params=None) -> Tensor:
+                      enable_gqa: bool = False, *, score: str = "softmax", score_params=None,
+                      backend: str = "auto", window_size: Tuple[int, int] = (-1, -1),
+                      sinks: Optional[Scalar] = None, softcap: float = 0.0) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``, in O(L) memory:
-    of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
-    or of ``score``'s with ``score_params`` (as in :func:`attention`) when ``score`` is given,
+    of ``softmax(phi(z) + mask)`` for the score function ``score`` with ``score_params`` (as in
+    :func:`attention`: softmax by default, ``score="ssa", score_params={"b": b, "n": n}`` for SSA),
     over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
     admit. Rows with no admissible key have entropy 0. With ``sinks``, the entropy of the whole
     row ``softmax([l, s_h])``, sink entry included (what drives the adaptive temperature);
@@ -870,9 +869,9 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     if cast is not None:
         query, key = _autocast(cast, query, key)
         with torch.autocast(query.device.type, enabled=False):
-            return attention_entropy(query, key, attn_mask, is_causal, scale, enable_gqa, b=b, n=n, backend=backend,
-                                     window_size=window_size, sinks=sinks, softcap=softcap, score=score,
-                                     score_params=score_params)
+            return attention_entropy(query, key, attn_mask, is_causal, scale, enable_gqa, score=score,
+                                     score_params=score_params, backend=backend, window_size=window_size,
+                                     sinks=sinks, softcap=softcap)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     if isinstance(query, Tensor) and isinstance(key, Tensor) and (
             query.is_nested or key.is_nested or query.dim() != 4 or key.dim() != 4
@@ -880,8 +879,8 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
         if query.is_nested or key.is_nested:
             raise ValueError("attention_entropy does not take nested tensors")
         return _shapes.entropy(attention_entropy, query, key, attn_mask, enable_gqa, is_causal=is_causal, scale=scale,
-                               b=b, n=n, backend=backend, window_size=window_size, sinks=sinks, softcap=softcap,
-                               score=score, score_params=score_params)
+                               score=score, score_params=score_params, backend=backend, window_size=window_size,
+                               sinks=sinks, softcap=softcap)
     _check_tensor("query", query)
     _check_tensor("key", key)
     unbatched = query.dim() == 3
@@ -896,12 +895,6 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], False)
     left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
-    if (b is None) != (n is None):
-        raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    if score is not None and b is not None:
-        raise ValueError("attention_entropy: give either score (with score_params) or b and n, not both")
-    if score is None:
-        score, score_params = (scores.SSA, (b, n)) if b is not None else (scores.SOFTMAX, ())
     score, params = _check_score(score, score_params, query.shape[1], query)
     sinks = _check_sinks(sinks, query.shape[1], query)
     softcap = _check_softcap(softcap)
