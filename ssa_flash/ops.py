@@ -588,16 +588,23 @@ def _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, s
 
 
 def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, sinks):
-    """:func:`_attention` for a call whose checks a plan holds."""
+    """:func:`_attention` for a call whose checks a plan holds: through the backend's prepared
+    call where it made one (which raises ``PlanMismatch``, nothing run, where it does not hold
+    this call), else through ``autograd.attention``."""
     params = plan.params
     if params is None:
         params = _check_score(plan.score, score_params, plan.heads, query)[1]
-    sinks = plan.sinks[0] if plan.sinks is not None else _check_sinks(sinks, plan.heads, query)
+    prepared = plan.prepared
+    if prepared is None:
+        sinks = plan.sinks[0] if plan.sinks is not None else _check_sinks(sinks, plan.heads, query)
     mask = None if attn_mask is None else attn_mask.expand(plan.full)
     spec = plan.spec
     if plan.dropout_p > 0:
         spec = dataclasses.replace(spec, dropout_rng=reference.draw_dropout_rng(query.device))
-    out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
+    if prepared is not None:  # (made for calls without sinks only)
+        out, lse = autograd.attention_prepared(prepared, query, key, value, params, mask, plan.backend, spec)
+    else:
+        out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
     return (out, lse) if plan.return_lse else out
 
 
@@ -622,23 +629,10 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     except (TypeError, RuntimeError):  # an unhashable argument, a tensor without storage: checked below
         call_key = plan = None
     if plan is not None:
-        prepared = plan.prepared
-        if prepared is None:
-            return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
-        params = plan.params
-        if params is None:
-            params = _check_score(plan.score, score_params, plan.heads, query)[1]
-        spec = plan.spec
-        if plan.dropout_p > 0:
-            spec = dataclasses.replace(spec, dropout_rng=reference.draw_dropout_rng(query.device))
         try:
-            out, lse = autograd.attention_prepared(prepared, query, key, value, params,
-                                                   None if attn_mask is None else attn_mask.expand(plan.full),
-                                                   plan.backend, spec)
+            return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
         except PlanMismatch:  # (nothing ran) the full path below, which plans the call again
             plan.prepared = None
-        else:
-            return (out, lse) if plan.return_lse else out
     # SDPA's other layouts, reached only when no call plan matched (a planned call pays nothing):
     # jagged nested tensors (ssa_flash._nested), other ranks and broadcast batch or head dims
     # (ssa_flash._shapes); both call back here with (B, H, L, D) tensors of one batch size
