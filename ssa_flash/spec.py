@@ -10,7 +10,8 @@ these types, and this module imports nothing above ``ssa_flash.conventions``).
   ``save_for_backward``: see :data:`TENSOR_FIELDS`).
 * :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
 * :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton_backend``,
-  ``.cuda``, ``.reference``).
+  ``.cuda``, ``.reference``); optionally ``prepare``, a :class:`PreparedCall` per specialisation
+  (the host path of repeated calls: ``ssa_flash.ops``' call plans hold it; :class:`PlanMismatch`).
 * :class:`KeyShardTemperature`: two more functions, optional, that a caller holding only a shard
   of the keys needs for the adaptive temperature's backward (ring attention); the Triton and
   reference backends provide them.
