@@ -200,7 +200,8 @@ def evaluate(model, size, cfg, device, variants):
         if ssa:
             b, n = model.b().float(), model.n().float()
             l_max = n * torch.sign(z_max) * torch.log1p(b * z_max.abs())
-            ent = ssa_flash.attention_entropy(q, k, b=model.b(), n=model.n(), backend=model.backend)
+            ent = ssa_flash.attention_entropy(q, k, score="ssa", score_params={"b": model.b(), "n": model.n()},
+                                              backend=model.backend)
         else:
             l_max = z_max
             ent = ssa_flash.attention_entropy(q, k, backend=model.backend)

@@ -177,5 +177,5 @@ def attention(attend: Callable, query: Tensor, key: Tensor, value: Tensor, attn_
 def entropy(row_entropy: Callable, query: Tensor, key: Tensor, attn_mask, enable_gqa: bool, **options) -> Tensor:
     """``row_entropy(q, k, mask, enable_gqa=..., **options) -> (B, H, Lq)`` on the views."""
     query, key, _, attn_mask, enable_gqa, heads, repeat, unview = to_bhld(query, key, None, attn_mask, enable_gqa)
-    options = tile_params(options, ("score_params", "sinks", "b", "n"), heads, repeat)
+    options = tile_params(options, ("score_params", "sinks"), heads, repeat)
     return unview(row_entropy(query, key, attn_mask, enable_gqa=enable_gqa, **options))

@@ -285,6 +285,58 @@ def attention_learned_mask(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor
     return _LearnedMaskAttention.apply(q, k, v, sinks, mask, backend, spec, *params)
 
 
+class _PreparedAttention(torch.autograd.Function):
+    """The eager path of a call a backend prepared (``spec.Backend.prepare``): as
+    :class:`_EagerAttention`, with the non-tensor arguments in one ``call`` tuple ``(prepared,
+    spec, mask)`` (each argument of ``apply`` costs a Python step of its own) and no sinks."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v, *params):
+        prepared, spec, mask = call
+        out, lse, temp, state = prepared.forward(q, k, v, mask, params, spec)
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.temp, ctx.state = call, temp, state
+        ctx.save_for_backward(q, k, v, out, lse, mask, *params)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():  # create_graph=True: once_differentiable's refusal of a second order
+            return _prepared_backward_once(ctx, dout, dlse)
+        return _prepared_backward(ctx, dout, dlse)
+
+
+def _prepared_backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask, *params = ctx.saved_tensors
+    if dout is None and dlse is None:
+        return (None,) * (4 + len(params))
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    prepared, spec, _ = ctx.call
+    dq, dk, dv, dparams, _ = prepared.backward(ctx.state, dout, dlse, q, k, v, out, lse, mask, tuple(params),
+                                               ctx.temp, spec)
+    return (None, dq, dk, dv, *dparams)
+
+
+_prepared_backward_once = torch.autograd.function.once_differentiable(_prepared_backward)
+
+
+def attention_prepared(prepared, q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...],
+                       mask: Optional[Tensor], backend: str, spec: AttentionSpec):
+    """:func:`attention` through ``prepared``, ``backend``'s ``prepare`` of an earlier call whose
+    tensors had this call's metadata (eager, plain tensors, no sinks). ``prepared.forward`` may
+    raise the backend's ``Unprepared`` before launching anything: the caller then takes
+    :func:`attention`."""
+    if torch.autograd._profiler_enabled() or _forward_ad._current_level >= 0:
+        return attention(q, k, v, params, mask, backend, spec)
+    if torch.is_grad_enabled() and _any_requires_grad(q, k, v, None, params):
+        return _PreparedAttention.apply((prepared, spec, mask), q, k, v, *params)
+    out, lse, _, _ = prepared.forward(q, k, v, mask, params, spec)
+    return out, lse
+
+
 def _through_ops(*tensors) -> bool:
     """Whether a call must go through the custom ops: while torch.compile traces, under a
     dispatch mode (FakeTensorMode, FlopCounterMode, ...), or for tensor subclasses; elsewhere

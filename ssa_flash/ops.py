@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _nested, _shapes, autograd, backends, reference, scores
-from .spec import AttentionSpec, acc_dtype
+from .spec import AttentionSpec, PlanMismatch, acc_dtype
 from .errors import BackendUnavailableError
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD
 
@@ -462,6 +462,10 @@ def _degenerate(query: Tensor, key: Tensor, value: Tensor, key_dim: int = 2) -> 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
+# torch.are_deterministic_algorithms_enabled's own question (that function is a Python call)
+_deterministic_algorithms = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
+
+
 def _autocast_dtype(query) -> Optional[torch.dtype]:
     """The dtype ``torch.autocast`` asks for on ``query``'s device type, or None when it is off
     (or ``query`` is no tensor: the checks then say so)."""
@@ -502,12 +506,13 @@ _call_plans: dict = {}
 
 class _CallPlan:
     __slots__ = ("group", "scale", "dropout_p", "causal", "return_lse", "full", "score", "params", "sinks",
-                 "spec", "backend", "heads")
+                 "spec", "backend", "heads", "prepared")
 
 
 def _meta(t) -> tuple:
-    """A tensor's metadata as the checks read it (its values are not read)."""
-    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    """A tensor's metadata as the checks and the kernels' plans read it (its values are not
+    read): the 16-byte alignment of its data too (the kernels are specialised on it)."""
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr() & 15)
 
 
 def _value_key(x):
@@ -520,33 +525,45 @@ def _value_key(x):
 
 def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, score, score_params,
               adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks, softcap):
-    """The call-plan key of a call, or None where calls are not planned."""
+    """The call-plan key of a call, or None where calls are not planned. (The hot path: each
+    Python function it calls costs as much as the rest of a line, so the inputs' metadata and
+    the parameters' keys are written out here rather than through :func:`_meta`.)"""
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor or query.dim() != 4:
         return None
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
         return None
     if attn_mask is not None and (type(attn_mask) is not Tensor or attn_mask.requires_grad):
         return None  # (a learned mask: _check_mask_grad's backend rule, unplanned)
     if score_params is None:
         pkey = None
-    elif type(score_params) is dict:
-        pkey = tuple([(name, _value_key(x)) for name, x in score_params.items()])
-    elif type(score_params) is tuple or type(score_params) is list:
-        pkey = (type(score_params), tuple([_value_key(x) for x in score_params]))
     else:
-        return None
-    return (_meta(query), _meta(key), _meta(value), None if attn_mask is None else _meta(attn_mask),
+        if type(score_params) is dict:
+            items = score_params.items()
+        elif type(score_params) is tuple or type(score_params) is list:
+            items = enumerate(score_params)
+        else:
+            return None
+        pkey = [type(score_params)]
+        for name, x in items:
+            pkey.append((name, ("T", _meta(x)) if isinstance(x, Tensor) else (type(x), x)))
+        pkey = tuple(pkey)
+    return ((query.shape, query.stride(), query.dtype, query.device, query.requires_grad, query.data_ptr() & 15),
+            (key.shape, key.stride(), key.dtype, key.device, key.requires_grad, key.data_ptr() & 15),
+            (value.shape, value.stride(), value.dtype, value.device, value.requires_grad, value.data_ptr() & 15),
+            None if attn_mask is None else _meta(attn_mask),
             (type(dropout_p), dropout_p), (type(is_causal), is_causal), (type(scale), scale),
             (type(enable_gqa), enable_gqa), (type(score), score), pkey, (type(adaptive), adaptive),
             poly if poly is DEFAULT_POLY else (type(poly), tuple(poly) if type(poly) in (tuple, list) else poly),
             (type(threshold), threshold), (type(backend), backend), (type(return_lse), return_lse),
             (type(deterministic), deterministic),
             (type(window_size), tuple(window_size) if type(window_size) in (tuple, list) else window_size),
-            _value_key(sinks), (type(softcap), softcap), torch.is_grad_enabled(), backends._state())
+            None if sinks is None else _value_key(sinks), (type(softcap), softcap), torch.is_grad_enabled(),
+            backends._state())
 
 
 def _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, score, params, sinks, spec,
-               backend, query, score_params, sinks_arg) -> None:
+               backend, query, key, value, score_params, sinks_arg) -> None:
     """Keep the plan of a call that validated and ran through ``backend``."""
     if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # the constant parameters made now are filled only when the graph replays
@@ -559,31 +576,44 @@ def _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, s
     plan.params = None if tensors_in else params  # tensors: checked and converted per call
     plan.sinks = None if isinstance(sinks_arg, Tensor) else (sinks,)
     plan.spec = spec if dropout_p == 0 else dataclasses.replace(spec, dropout_rng=None)
+    # the backend's own work on this specialisation, done once (spec.Backend.prepare): for the
+    # calls autograd.attention_prepared takes (plain tensors, no sinks)
+    plan.prepared = None
+    prepare = getattr(backends.get(backend), "prepare", None)
+    if prepare is not None and sinks is None and not torch._C._are_functorch_transforms_active():
+        plan.prepared = prepare(query, key, value, mask, params, None, spec)
     if len(_call_plans) >= _MAX_CALL_PLANS:
         _call_plans.clear()
     _call_plans[call_key] = plan
 
 
 def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, sinks):
-    """:func:`_attention` for a call whose checks a plan holds."""
+    """:func:`_attention` for a call whose checks a plan holds: through the backend's prepared
+    call where it made one (which raises ``PlanMismatch``, nothing run, where it does not hold
+    this call), else through ``autograd.attention``."""
     params = plan.params
     if params is None:
         params = _check_score(plan.score, score_params, plan.heads, query)[1]
-    sinks = plan.sinks[0] if plan.sinks is not None else _check_sinks(sinks, plan.heads, query)
+    prepared = plan.prepared
+    if prepared is None:
+        sinks = plan.sinks[0] if plan.sinks is not None else _check_sinks(sinks, plan.heads, query)
     mask = None if attn_mask is None else attn_mask.expand(plan.full)
     spec = plan.spec
     if plan.dropout_p > 0:
         spec = dataclasses.replace(spec, dropout_rng=reference.draw_dropout_rng(query.device))
-    out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
+    if prepared is not None:  # (made for calls without sinks only)
+        out, lse = autograd.attention_prepared(prepared, query, key, value, params, mask, plan.backend, spec)
+    else:
+        out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
     return (out, lse) if plan.return_lse else out
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, score,
                score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
                softcap):
-    if deterministic is False and torch.are_deterministic_algorithms_enabled():
+    if deterministic is False and _deterministic_algorithms():
         deterministic = True  # torch.use_deterministic_algorithms(True): torch's own switch
-    cast = _autocast_dtype(query)
+    cast = None if _any_autocast is not None and not _any_autocast() else _autocast_dtype(query)
     if cast is not None:
         query, key, value = _autocast(cast, query, key, value)
         with torch.autocast(query.device.type, enabled=False):
@@ -596,10 +626,13 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                              score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size,
                              sinks, softcap)
         plan = None if call_key is None else _call_plans.get(call_key)
-    except TypeError:  # an unhashable argument: checked (and refused, or run) below
+    except (TypeError, RuntimeError):  # an unhashable argument, a tensor without storage: checked below
         call_key = plan = None
     if plan is not None:
-        return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
+        try:
+            return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
+        except PlanMismatch:  # (nothing ran) the full path below, which plans the call again
+            plan.prepared = None
     # SDPA's other layouts, reached only when no call plan matched (a planned call pays nothing):
     # jagged nested tensors (ssa_flash._nested), other ranks and broadcast batch or head dims
     # (ssa_flash._shapes); both call back here with (B, H, L, D) tensors of one batch size
@@ -664,7 +697,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         out, lse = autograd.attention(query, key, value, params, mask, backend, spec, **_sink_arg(sinks))
         if call_key is not None and backend_arg is not None:
             _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, score, params, sinks, spec,
-                       backend, query, score_arg, sinks_arg)
+                       backend, query, key, value, score_arg, sinks_arg)
     if unbatched:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
@@ -815,13 +848,12 @@ def adaptive_temperature_attention(query: Tensor, key: Tensor, value: Tensor,
 
 def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = None,
                       is_causal: bool = False, scale: Optional[float] = None,
-                      enable_gqa: bool = False, *, b: Optional[Scalar] = None,
-                      n: Optional[Scalar] = None, backend: str = "auto",
-                      window_size: Tuple[int, int] = (-1, -1), sinks: Optional[Scalar] = None,
-                      softcap: float = 0.0, score: Optional[str] = None, score_params=None) -> Tensor:
+                      enable_gqa: bool = False, *, score: str = "softmax", score_params=None,
+                      backend: str = "auto", window_size: Tuple[int, int] = (-1, -1),
+                      sinks: Optional[Scalar] = None, softcap: float = 0.0) -> Tensor:
     """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``, in O(L) memory:
-    of ``softmax(z + mask)``, or of SSA's ``softmax(phi(z) + mask)`` when ``b`` and ``n`` are given,
-    or of ``score``'s with ``score_params`` (as in :func:`attention`) when ``score`` is given,
+    of ``softmax(phi(z) + mask)`` for the score function ``score`` with ``score_params`` (as in
+    :func:`attention`: softmax by default, ``score="ssa", score_params={"b": b, "n": n}`` for SSA),
     over the keys that ``is_causal``, ``window_size`` (as in :func:`ssa_attention`) and the mask
     admit. Rows with no admissible key have entropy 0. With ``sinks``, the entropy of the whole
     row ``softmax([l, s_h])``, sink entry included (what drives the adaptive temperature);
@@ -831,9 +863,9 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     if cast is not None:
         query, key = _autocast(cast, query, key)
         with torch.autocast(query.device.type, enabled=False):
-            return attention_entropy(query, key, attn_mask, is_causal, scale, enable_gqa, b=b, n=n, backend=backend,
-                                     window_size=window_size, sinks=sinks, softcap=softcap, score=score,
-                                     score_params=score_params)
+            return attention_entropy(query, key, attn_mask, is_causal, scale, enable_gqa, score=score,
+                                     score_params=score_params, backend=backend, window_size=window_size,
+                                     sinks=sinks, softcap=softcap)
     enable_gqa = _check_bool("enable_gqa", enable_gqa)
     if isinstance(query, Tensor) and isinstance(key, Tensor) and (
             query.is_nested or key.is_nested or query.dim() != 4 or key.dim() != 4
@@ -841,8 +873,8 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
         if query.is_nested or key.is_nested:
             raise ValueError("attention_entropy does not take nested tensors")
         return _shapes.entropy(attention_entropy, query, key, attn_mask, enable_gqa, is_causal=is_causal, scale=scale,
-                               b=b, n=n, backend=backend, window_size=window_size, sinks=sinks, softcap=softcap,
-                               score=score, score_params=score_params)
+                               score=score, score_params=score_params, backend=backend, window_size=window_size,
+                               sinks=sinks, softcap=softcap)
     _check_tensor("query", query)
     _check_tensor("key", key)
     unbatched = query.dim() == 3
@@ -857,12 +889,6 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     scale = _check_common(0.0, is_causal, scale, query.shape[-1], False)
     left, right = _effective_window(_check_window(window_size), query.shape[2], key.shape[2], is_causal)
     mask = _check_mask(attn_mask, query, key)
-    if (b is None) != (n is None):
-        raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    if score is not None and b is not None:
-        raise ValueError("attention_entropy: give either score (with score_params) or b and n, not both")
-    if score is None:
-        score, score_params = (scores.SSA, (b, n)) if b is not None else (scores.SOFTMAX, ())
     score, params = _check_score(score, score_params, query.shape[1], query)
     sinks = _check_sinks(sinks, query.shape[1], query)
     softcap = _check_softcap(softcap)

@@ -10,7 +10,8 @@ these types, and this module imports nothing above ``ssa_flash.conventions``).
   ``save_for_backward``: see :data:`TENSOR_FIELDS`).
 * :class:`TemperatureState`: the adaptive temperature's per-row tensors kept for the backward.
 * :class:`Backend`: the functions each backend module provides (``ssa_flash.backends.triton_backend``,
-  ``.cuda``, ``.reference``).
+  ``.cuda``, ``.reference``); optionally ``prepare``, a :class:`PreparedCall` per specialisation
+  (the host path of repeated calls: ``ssa_flash.ops``' call plans hold it; :class:`PlanMismatch`).
 * :class:`KeyShardTemperature`: two more functions, optional, that a caller holding only a shard
   of the keys needs for the adaptive temperature's backward (ring attention); the Triton and
   reference backends provide them.
@@ -59,7 +60,8 @@ from torch import Tensor
 from . import scores
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW
 
-__all__ = ["AttentionSpec", "TemperatureState", "Backend", "KeyShardTemperature", "acc_dtype",
+__all__ = ["AttentionSpec", "TemperatureState", "Backend", "PreparedCall", "PlanMismatch", "KeyShardTemperature",
+           "acc_dtype",
            "TENSOR_FIELDS"]
 
 # Python field type -> torch.library schema type. Tensor-valued options (cu_seqlens, a KV cache's
@@ -253,6 +255,35 @@ class Backend(Protocol):
         without sinks; ``temp`` is given iff ``spec.adaptive``. ``mask_grad_shape`` (a learned
         float mask, 4-D, dims 1 where it broadcasts): a sixth result, the mask's gradient of that
         shape; a backend that cannot compute it raises ``ValueError``."""
+
+    def prepare(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                sinks: Optional[Tensor], spec: AttentionSpec) -> Optional["PreparedCall"]:
+        """Optional. After a call with these arguments ran: a :class:`PreparedCall` for later calls
+        whose tensors have the same metadata (shape, strides, dtype, device, 16-byte alignment)
+        and whose spec equals ``spec`` but for its tensors, or None (not prepared: the caller
+        keeps calling ``row_entropy`` / ``forward`` / ``backward``)."""
+
+
+class PreparedCall(Protocol):
+    """A backend's work on one specialisation done once (``Backend.prepare``): what is left per
+    call is allocating the outputs and launching. ``state`` is what ``forward`` returns for its
+    ``backward`` (the extension it ran on, or None)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                spec: AttentionSpec) -> Tuple[Tensor, Tensor, Optional[TemperatureState], object]:
+        """``(out, lse, temp, state)``: ``row_entropy``, the temperature and ``forward`` of the
+        call (``temp`` None unless ``spec.adaptive``). Raises :class:`PlanMismatch`, having
+        launched nothing, where this call is not one the preparation holds."""
+
+    def backward(self, state, dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                 out: Tensor, lse: Tensor, mask: Optional[Tensor], params: Tuple[Tensor, ...],
+                 temp: Optional[TemperatureState], spec: AttentionSpec):
+        """``Backend.backward``'s ``(dq, dk, dv, dparams, None)``."""
+
+
+class PlanMismatch(Exception):
+    """A prepared call (or plan) does not hold this call: a global switch it depends on changed,
+    or a tensor is aligned otherwise. The caller takes the full path."""
 
 
 @runtime_checkable

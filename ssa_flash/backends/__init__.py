@@ -19,7 +19,10 @@ Every backend module provides ``NAME``, ``unavailable_reason(device)``,
 documents them). Code that needs attention pieces rather than the public functions (ring attention: partial
 attention over one key shard, ``ssa_flash.distributed.partial``) calls these directly; the adaptive
 temperature's backward over a key shard also needs ``row_dbeta`` and ``backward_given_g``
-(``spec.KeyShardTemperature``, optional: the Triton and reference backends have them).
+(``spec.KeyShardTemperature``, optional: the Triton and reference backends have them). Optional
+too, ``prepare(q, k, v, mask, params, sinks, spec)``: a ``spec.PreparedCall`` that later calls of
+the same specialisation run instead (Triton: ``ssa_flash/triton/prepared.py``; CUDA C++:
+``cuda_backend.PreparedCall``).
 
 ``backend="reference"`` in the public functions runs ``ssa_flash.reference`` under ordinary
 autograd instead of the custom ops: it stays the specification (differentiable to any order, no

@@ -47,6 +47,7 @@ from .. import scores
 from ..conventions import dropout_keep_threshold, dropout_scale
 from ..errors import BackendUnavailableError
 from . import _cuda_build, cuda_fwd_choice
+from .temperature import beta_from_entropy as _beta_from_entropy
 from ._compile import constant_for_compile
 from ..spec import AttentionSpec, TemperatureState
 
@@ -480,7 +481,10 @@ def _round8(d: int) -> int:
 def _kernel_layout(x: torch.Tensor) -> bool:
     if x.stride(-1) != 1 or x.data_ptr() % 16 != 0:
         return False
-    return all(size == 1 or stride % 8 == 0 for size, stride in zip(x.shape[:-1], x.stride()[:-1]))
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):  # (a loop: no generator's Python frames)
+        if size != 1 and stride % 8 != 0:
+            return False
+    return True
 
 
 def _prep(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -671,3 +675,104 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
     dparams = tuple(part.sum(dim=(0, 2)) for part in parts)
     dsinks = None if sinks is None else _sinks_grad(sinks, lse, rowstat, temp if spec.adaptive else None)
     return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), dparams, dsinks
+
+
+# --------------------------------------------------------------------------------------------
+# Prepared calls (spec.Backend.prepare): what forward and backward above work out from the
+# call's key alone (the checks, the head dims' padding, which inputs are already in the kernels'
+# layout, the converted constant parameters, the options), worked out once per specialisation
+
+
+def prepare(q, k, v, mask, params, sinks, spec: AttentionSpec):
+    """A :class:`PreparedCall` for calls whose tensors have the metadata (shape, strides, dtype,
+    device, 16-byte alignment) of these and whose spec equals ``spec`` but for its tensors, or
+    None (sinks, a negative scale: the full path)."""
+    if sinks is not None or float(spec.scale) < 0 or spec.packed or spec.kv_cache or _feature_reason(spec) is not None:
+        return None
+    return PreparedCall(q, k, v, params, spec)
+
+
+_NO_DEVICE = contextlib.nullcontext()  # (reusable) what _on_device gives for a CPU tensor
+
+
+class PreparedCall:
+    """:func:`forward` and :func:`backward` for one specialisation (see :func:`prepare`):
+    ``forward`` returns the extension it ran on as its fourth result, which ``backward`` takes
+    (so a CPU emulator of the forward serves its backward, as the custom ops' formula does)."""
+
+    def __init__(self, q, k, v, params, spec: AttentionSpec):
+        self.d, self.dv = q.shape[-1], v.shape[-1]
+        self.d8, self.dv8 = _round8(self.d), _round8(self.dv)
+        # q, k, v as they are where _prep would return them unchanged
+        self.q_as_is = self.d == self.d8 and _kernel_layout(q)
+        self.k_as_is = self.d == self.d8 and _kernel_layout(k)
+        self.v_as_is = self.dv == self.dv8 and _kernel_layout(v)
+        self.params, self.kernel_params = params, _score_params(params, spec)
+        scale = float(spec.scale)
+        self.scale = scale
+        self.options = _spec_args(spec, scale, None)  # every pass's
+        self.dropout = _dropout_args(spec)  # the forward's and backward's
+        self.adaptive, self.deterministic = spec.adaptive, bool(spec.deterministic)
+
+    def _inputs(self, q, k, v):
+        return (q if self.q_as_is else _prep(q, self.d8), k if self.k_as_is else _prep(k, self.d8),
+                v if self.v_as_is else _prep(v, self.dv8))
+
+    def _options(self, params, spec: AttentionSpec) -> tuple:
+        """The kernels' parameters and the keyword options of the passes with dropout."""
+        kernel_params = self.kernel_params
+        if len(params) != len(self.params):
+            kernel_params = _score_params(params, spec)  # (raises for the wrong count)
+        for given, prepared in zip(params, self.params):
+            if given is not prepared:  # not the call plan's constant parameters
+                kernel_params = _score_params(params, spec)
+                break
+        dropout = self.dropout
+        if spec.dropout_rng is not None:
+            dropout = dict(dropout, drop_rng=spec.dropout_rng)
+        return kernel_params, dict(self.options, **dropout)
+
+    def forward(self, q, k, v, mask, params, spec: AttentionSpec):
+        """``(out, lse, temp, ext)``: :func:`forward` (after :func:`row_entropy` and the
+        temperature with ``spec.adaptive``; ``temp`` a :class:`TemperatureState` or None)."""
+        ext = _extension(q.device)
+        kernel_params, options = self._options(params, spec)
+        dev = q.device
+        qp, kp, vp = self._inputs(q, k, v)
+        if mask is not None:
+            mask = _prep_mask(mask)
+        with (torch.cuda.device(dev) if dev.type == "cuda" else _NO_DEVICE):
+            stream = _stream(dev)
+            temp, beta = None, None
+            if self.adaptive:
+                ent, lse_l = ext.row_entropy(qp, kp, mask, kernel_params, stream=stream, **self.options)
+                beta, dbeta_dh = _beta_from_entropy(ent, spec.poly, spec.threshold)
+                temp = TemperatureState(beta, lse_l, ent, dbeta_dh)
+                beta = beta.float().contiguous()
+            _choose_fwd_kernel(ext, q, k, spec, self.d8, self.dv8)
+            o, lse = ext.fwd(qp, kp, vp, mask, kernel_params, beta=beta, stream=stream, **options)
+        return (o if self.dv == self.dv8 else _unpad(o, self.dv)), lse, temp, ext
+
+    def backward(self, ext, dout, dlse, q, k, v, out, lse, mask, params, temp, spec: AttentionSpec):
+        """``(dq, dk, dv, dparams, None)``: :func:`backward` on ``ext``, the forward's extension."""
+        kernel_params, options = self._options(params, spec)
+        beta = lse_l = ent = dbeta_dh = None
+        if self.adaptive:
+            beta, lse_l, ent, dbeta_dh = (temp.beta.float().contiguous(), temp.lse_l.float().contiguous(),
+                                          temp.entropy.float().contiguous(), temp.dbeta_dh.float().contiguous())
+        qp, kp, vp = self._inputs(q, k, v)
+        if mask is not None:
+            mask = _prep_mask(mask)
+        dev = q.device
+        with (torch.cuda.device(dev) if dev.type == "cuda" else _NO_DEVICE):
+            dq, dk, dvv, parts, _ = ext.bwd(
+                _prep(dout.to(q.dtype), self.dv8), qp, kp, vp, _prep(out, self.dv8), lse.float().contiguous(),
+                None if dlse is None else dlse.float().contiguous(), mask, kernel_params, beta=beta, lse_l=lse_l,
+                entropy=ent, dbeta_dh=dbeta_dh, deterministic=self.deterministic, stream=_stream(dev), **options)
+            dq = _finish_dq(dq, qp, self.scale)
+        dparams = []
+        for part in parts:
+            dparams.append(part.sum(dim=(0, 2)))
+        if self.d != self.d8:
+            dq, dk = _unpad(dq, self.d), _unpad(dk, self.d)
+        return dq, dk, (dvv if self.dv == self.dv8 else _unpad(dvv, self.dv)), tuple(dparams), None

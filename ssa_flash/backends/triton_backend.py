@@ -18,11 +18,12 @@ from typing import Optional
 import torch
 
 from .. import scores
+from . import temperature as _temperature
 from ..triton.interpreter import interpreting
-from ..spec import AttentionSpec, TemperatureState
+from ..spec import AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["NAME", "MAX_HEAD_DIM", "unavailable_reason", "supports", "row_entropy", "forward", "backward",
-           "row_dbeta", "backward_given_g", "dropout_mask"]
+           "prepare", "row_dbeta", "backward_given_g", "dropout_mask"]
 
 NAME = "triton"
 MAX_HEAD_DIM = 256
@@ -176,6 +177,24 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
     kw = {} if mask_grad_shape is None else {"mask_grad_shape": mask_grad_shape}
     return launch.backward(dout, q, k, v, out, lse, dlse, mask, params, temp if spec.adaptive else None, spec,
                            _layout(launch, spec), sinks=sinks, **kw)
+
+
+def prepare(q, k, v, mask, params, sinks, spec: AttentionSpec):
+    """``spec.Backend.prepare``: ``ssa_flash.triton.prepared``'s launches of the dense call without
+    sinks that just ran with these tensors, or None (another layout, sinks, bfloat16 on the
+    interpreter, a launch not planned)."""
+    if sinks is not None or spec.packed or spec.kv_cache or _emulate_bf16(q):
+        return None
+    from ..triton import prepared
+
+    temperature_launch = None  # (the torch definition, where backends.temperature uses it)
+    if spec.adaptive:
+        ent = torch.empty(q.shape[:-1], device=q.device, dtype=acc_dtype(q.dtype))
+        if _temperature._fused(ent):
+            temperature_launch = _temperature._triton_temperature().plan_launch(ent, spec.poly, spec.threshold)
+            if temperature_launch is None:
+                return None
+    return prepared.prepare(q, k, v, mask, params, spec, temperature_launch)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys

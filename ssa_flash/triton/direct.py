@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from typing import Optional
 
 import torch
+
+from .interpreter import environ_get
 
 ENV = "SSA_FLASH_DIRECT_LAUNCH"
 MAX_KEPT = 4096
@@ -42,7 +43,7 @@ logger = logging.getLogger("ssa_flash")
 def enabled() -> bool:
     """Whether kept compiled kernels are launched directly (the default; off after a direct launch
     failed in this process)."""
-    return _broken is None and os.environ.get(ENV, "1") not in ("", "0")
+    return _broken is None and environ_get(ENV, "1") not in ("", "0")
 
 
 class Unspecialisable(Exception):

@@ -18,7 +18,7 @@ from ..spec import AttentionSpec
 from . import block_choice
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from .forward import attention_fwd_kernel
-from .interpreter import interpreting
+from .interpreter import environ_get, interpreting
 from .logits import poly_exp2_pays
 from .masks import MASK_ADD, MASK_BOOL, MASK_NONE
 from .row_entropy import row_entropy_kernel
@@ -192,7 +192,7 @@ def poly_exp2_degree(q, score: int, head_block: int, kernel: str) -> int:
         return FORCE_POLY_EXP2
     if not (poly_exp2_pays(score) and head_block <= 64 and _fast_math(q)):
         return 0
-    if kernel != "bwd_dkdv" and os.environ.get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
+    if kernel != "bwd_dkdv" and environ_get("SSA_FLASH_POLY_EXP2", "0") in ("", "0"):
         return 0
     return {torch.bfloat16: 3, torch.float16: 4}.get(q.dtype, 0)
 
@@ -202,7 +202,15 @@ def tf32_allowed() -> bool:
     ``torch.set_float32_matmul_precision("high")`` or ``("medium")`` or
     ``torch.backends.cuda.matmul.allow_tf32 = True`` (torch keeps the two in step); False at
     torch's default, ``"highest"``."""
+    if _cublas_tf32 is not None and _matmul_precision is not None:  # the same two answers, one C call each
+        return bool(_cublas_tf32()) or _matmul_precision() != "highest"
     return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+# what torch.backends.cuda.matmul.allow_tf32 (a Python __getattr__) and
+# torch.get_float32_matmul_precision (a Python function) read
+_cublas_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None)
+_matmul_precision = getattr(torch._C, "_get_float32_matmul_precision", None)
 
 
 def dot_precision(dtype: torch.dtype, arch: Optional[int]) -> str:

@@ -22,7 +22,6 @@ Two other layouts (``layout=``, see ``extents.py``'s ``VARLEN``):
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -38,6 +37,7 @@ from .block_choice import on_device as _on_device, split_grid as _split_grid, tm
 from .dropout import dropout_mask_kernel
 from .extents import VARLEN_NONE, VARLEN_PACKED
 from .forward import attention_fwd_kernel
+from .interpreter import environ_get
 from .kernel_args import PARAMS as _PARAMS, acc_dtype as _acc_dtype, check_offsets as _check_offsets
 from .kernel_args import common_consts as _common_consts, feature_args as _feature_args, head_block_of as _head_block
 from .kernel_args import logit_args as _logit_args, mask_args as _mask_args, pad_head as _pad_head
@@ -270,7 +270,7 @@ def _dense_key(q, k, v, mask, params, spec: AttentionSpec, layout, sinks) -> Opt
     return (plans.tensor_key(q), plans.tensor_key(k), plans.tensor_key(v), q.device, plans.tensor_key(mask), pkey,
             _spec_key(spec),
             q.dtype == torch.float32 and tf32_allowed(), kernel_args.FORCE_POLY_EXP2,
-            os.environ.get("SSA_FLASH_POLY_EXP2") if spec.score == "ssa" else None)
+            environ_get("SSA_FLASH_POLY_EXP2") if spec.score == "ssa" else None)
 
 
 def _plan_launch(kernel, name: str, slots: tuple, blk: Blocks, grid: tuple, args: tuple, consts: dict,

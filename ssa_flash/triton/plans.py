@@ -29,10 +29,15 @@ MAX_PLANS = 4096
 
 _plans: Dict[tuple, "Plan"] = {}
 
+GENERATION = [0]
+"""How many times the plans were cleared: what holds a :class:`Plan` beyond a lookup
+(``prepared.py``) holds it for one generation."""
+
 
 def clear() -> None:
     """Forget every plan (with ``direct.LAUNCHER.clear``: tests, stub mode's exit)."""
     _plans.clear()
+    GENERATION[0] += 1
 
 
 direct.ON_CLEAR.append(clear)
@@ -45,9 +50,14 @@ def get(key) -> Optional["Plan"]:
     return plan
 
 
+def peek(key) -> Optional["Plan"]:
+    """:func:`get` without counting a replay."""
+    return _plans.get(key)
+
+
 def put(key, plan: "Plan") -> None:
     if len(_plans) >= MAX_PLANS:  # shapes that keep changing: start again
-        _plans.clear()
+        clear()
     _plans[key] = plan
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import direct
+from . import direct, plans
 
 BLOCK = 1024
 
@@ -41,7 +41,22 @@ def beta_from_entropy(entropy: torch.Tensor, poly, threshold: float):
     n = entropy.numel()
     if n:
         grid = (-(-n // BLOCK),)
-        direct.LAUNCHER.run(temperature_kernel, grid, (entropy, beta, dbeta, n, tuple(float(c) for c in poly),
-                                                       float(threshold)),
+        direct.LAUNCHER.run(temperature_kernel, grid, _args(entropy, beta, dbeta, n, poly, threshold),
                             {"DEG": len(poly) - 1, "BLOCK": BLOCK}, {}, entropy.device)
     return beta, dbeta
+
+
+def _args(entropy, beta, dbeta, n: int, poly, threshold: float) -> tuple:
+    return (entropy, beta, dbeta, n, tuple(map(float, poly)), float(threshold))
+
+
+def plan_launch(entropy: torch.Tensor, poly, threshold: float):
+    """The ``plans.Launch`` of :func:`beta_from_entropy`'s launch for entropies like ``entropy``
+    (its tensors: entropy, beta, dbeta), once that launch was made; None if none was kept (or
+    ``entropy`` is empty)."""
+    n = entropy.numel()
+    if not n:
+        return None
+    beta = torch.empty_like(entropy)
+    return plans.make_launch(temperature_kernel, (-(-n // BLOCK),), _args(entropy, beta, beta, n, poly, threshold),
+                             {"DEG": len(poly) - 1, "BLOCK": BLOCK}, {}, entropy.device, (0, 1, 2))

@@ -158,7 +158,8 @@ def test_cuda_matrix(request, d, dt, bundle, mode):
             b, n = (t.detach() for t in head_params(q.shape[1]))
             bn = dict(b=b, n=n)
         with runs_on():
-            ours = ssa_flash.attention_entropy(q, k, backend="cuda", **{**kw, **bn})
+            ours = ssa_flash.attention_entropy(q, k, backend="cuda", **kw,
+                                               **(dict(score="ssa", score_params=bn) if bn else {}))
         naive = reference.attention_entropy(q, k, **kw, **bn)
         gold_kw = {key: (val.double() if torch.is_tensor(val) and val.is_floating_point() else val)
                    for key, val in {**kw, **bn}.items()}

@@ -170,7 +170,8 @@ def test_entropy_counts_the_sink(runs_on):
     s = _sinks(2)
     for cap in (0.0, 2.0):
         with runs_on():
-            ours = ssa_flash.attention_entropy(q, k, b=0.8, n=1.5, sinks=s, softcap=cap, backend="cuda")
+            ours = ssa_flash.attention_entropy(q, k, score="ssa", score_params={"b": 0.8, "n": 1.5}, sinks=s,
+                                               softcap=cap, backend="cuda")
         gold = reference.attention_entropy(q.double(), k.double(), b=0.8, n=1.5, sinks=s.double(), softcap=cap)
         naive = reference.attention_entropy(q, k, b=0.8, n=1.5, sinks=s, softcap=cap)
         err, naive_err = (ours.double() - gold).abs().max(), (naive.double() - gold).abs().max()

@@ -263,7 +263,8 @@ def test_entropy(backend, request):
     mask = (torch.rand(1, 1, Lq, Lk, generator=torch.Generator().manual_seed(2)) > 0.2).to(DEVICE)
     kw = dict(is_causal=True, enable_gqa=True, window_size=(left, -1))
     with kernels():
-        ours = ssa_flash.attention_entropy(q, k, mask, b=b, n=n, backend=backend, **kw)
+        ours = ssa_flash.attention_entropy(q, k, mask,
+                                           score="ssa", score_params={"b": b, "n": n}, backend=backend, **kw)
     gold = reference.attention_entropy(q.double(), k.double(), mask, b=b.double(), n=n.double(), **kw)
     naive = reference.attention_entropy(q, k, mask, b=b, n=n, **kw)
     assert ours.dtype == torch.float32 and ours.shape == (B, Hq, Lq)

@@ -349,7 +349,8 @@ def test_emulated_cuda_entropy(emulator):
     q, k, b, n = (t.detach() for t in (q, k, b, n))
     for kw in (dict(is_causal=True), dict(window_size=(3, 5))):
         with cuda_backend.emulated(emulator):
-            ours = ssa_flash.attention_entropy(q, k, enable_gqa=True, b=b, n=n, backend="cuda", **kw)
+            ours = ssa_flash.attention_entropy(q, k, enable_gqa=True,
+                                               score="ssa", score_params={"b": b, "n": n}, backend="cuda", **kw)
         gold = reference.attention_entropy(q.double(), k.double(), enable_gqa=True, b=b.double(), n=n.double(), **kw)
         naive = reference.attention_entropy(q, k, enable_gqa=True, b=b, n=n, **kw)
         assert ours.dtype == torch.float32 and ours.shape == gold.shape

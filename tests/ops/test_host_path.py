@@ -90,7 +90,8 @@ def test_host_benchmark_profile(tmp_path):
     labels = set(res["profile"])
     assert {"ssa_flash.triton softmax plain fwd", "ssa_flash.cuda softmax plain fwd_bwd"} <= labels, labels
     text = res["profile"]["ssa_flash.triton softmax plain fwd"]
-    assert "function calls" in text and "ssa_flash/triton/launch.py" in text, text[:2000]
+    # (a planned call's launches: ssa_flash/triton/prepared.py)
+    assert "function calls" in text and "ssa_flash/triton/" in text, text[:2000]
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,8 +189,6 @@ def test_host_benchmark_counts_python_calls():
     assert "calls" in host.render(res)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 51 item 5: the host path is not yet within the budget "
-                                       "(python -m ssa_flash.bench --host prints each row's count)")
 def test_plain_rows_within_the_call_budget():
     """The plain rows (every variant, both backends, forward and forward + backward) within
     ``host.CALL_LIMITS``, counted in stub mode as ``python -m ssa_flash.bench --host`` does."""

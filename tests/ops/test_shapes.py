@@ -66,8 +66,10 @@ def test_float_mask_and_every_variant_equal_the_flattened_call():
         ref, ref_lse = fn(*flat, attn_mask=flat_mask, return_lse=True, backend="reference", **kw)
         torch.testing.assert_close(out, ref.view(2, 3, 4, 5, 8))
         torch.testing.assert_close(lse, ref_lse.view(2, 3, 4, 5))
-    ent = ssa_flash.attention_entropy(q, k, attn_mask=mask, b=0.7, n=1.7, backend="reference")
-    torch.testing.assert_close(ent, ssa_flash.attention_entropy(*flat[:2], attn_mask=flat_mask, b=0.7, n=1.7,
+    ent = ssa_flash.attention_entropy(q, k, attn_mask=mask,
+                                      score="ssa", score_params={"b": 0.7, "n": 1.7}, backend="reference")
+    torch.testing.assert_close(ent, ssa_flash.attention_entropy(*flat[:2], attn_mask=flat_mask,
+                                                                score="ssa", score_params={"b": 0.7, "n": 1.7},
                                                                 backend="reference").view(2, 3, 4, 5))
     assert ssa_flash.attention_entropy(q[0, 0, 0], k[0, 0, 0], backend="reference").shape == (5,)
 
@@ -119,10 +121,11 @@ def test_batch_dims_merged_into_heads_tile_the_parameters():
     theirs = torch.autograd.grad(ref.square().sum(), (q, k, v, b2, sinks2))
     for a, r in zip(ours, theirs):
         torch.testing.assert_close(a, r)
-    ent = ssa_flash.attention_entropy(q, k, attn_mask=mask, b=b.detach(), n=1.6, backend="reference")
+    ent = ssa_flash.attention_entropy(q, k, attn_mask=mask,
+                                      score="ssa", score_params={"b": b.detach(), "n": 1.6}, backend="reference")
     torch.testing.assert_close(ent, ssa_flash.attention_entropy(
-        *flat[:2], attn_mask=mask.expand(2, 3, 4, 5, 7).reshape(6, 4, 5, 7), b=b.detach(), n=1.6,
-        backend="reference").view(2, 3, 4, 5))
+        *flat[:2], attn_mask=mask.expand(2, 3, 4, 5, 7).reshape(6, 4, 5, 7), score="ssa",
+        score_params={"b": b.detach(), "n": 1.6}, backend="reference").view(2, 3, 4, 5))
 
 
 def test_planned_4d_calls_do_not_reach_the_shapes(monkeypatch):

@@ -155,10 +155,12 @@ def test_sinks_as_a_number_and_entropy():
     out = ssa_flash.softmax_attention(q, k, v, enable_gqa=True, sinks=0.5)
     ref = reference.softmax_attention(q, k, v, enable_gqa=True, sinks=torch.full((4,), 0.5, dtype=F64))
     torch.testing.assert_close(out, ref)
-    ent = ssa_flash.attention_entropy(q, k, enable_gqa=True, b=0.7, n=1.4, sinks=0.5, softcap=1.0)
+    ent = ssa_flash.attention_entropy(q, k, enable_gqa=True,
+                                      score="ssa", score_params={"b": 0.7, "n": 1.4}, sinks=0.5, softcap=1.0)
     ref = reference.attention_entropy(q, k, enable_gqa=True, b=0.7, n=1.4, sinks=0.5, softcap=1.0)
     torch.testing.assert_close(ent, ref)
-    assert not torch.allclose(ent, ssa_flash.attention_entropy(q, k, enable_gqa=True, b=0.7, n=1.4))
+    assert not torch.allclose(ent, ssa_flash.attention_entropy(q, k, enable_gqa=True,
+                                                               score="ssa", score_params={"b": 0.7, "n": 1.4}))
 
 
 def test_varlen_and_kvcache_match_the_specification():

@@ -31,10 +31,13 @@ def test_streamed_entropy_equals_materialised(ssa, dtype, case):
         kw["attn_mask"] = m.to(DEVICE)
     elif case == "float_mask":
         kw["attn_mask"] = (torch.randn(2, 1, 27, 35, generator=g) * 2).to(DEVICE)
+    bn = {}
     if ssa:
         b, n = head_params(Hq)
-        kw.update(b=b.detach(), n=n.detach())
-    ours = ssa_flash.attention_entropy(q, k, backend="triton", **kw)
+        bn = dict(b=b.detach(), n=n.detach())
+    ours = ssa_flash.attention_entropy(q, k, backend="triton", **kw,
+                                       **(dict(score="ssa", score_params=bn) if bn else {}))
+    kw.update(bn)
     gold = reference.attention_entropy(q.double(), k.double(), **{
         key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
         for key, val in kw.items()})
@@ -57,8 +60,10 @@ def test_entropy_of_large_logits():
 
 def test_entropy_argument_checks():
     q, k, _ = make_qkv(requires_grad=False)
-    with pytest.raises(ValueError, match="both b and n"):
+    with pytest.raises(TypeError, match="'b'"):  # the score function's parameters: score_params
         ssa_flash.attention_entropy(q, k, b=1.0)
+    with pytest.raises(ValueError, match="missing"):
+        ssa_flash.attention_entropy(q, k, score="ssa", score_params={"b": 1.0})
     with pytest.raises(ValueError, match="key"):
         ssa_flash.attention_entropy(q, k[..., :3])
 
