@@ -578,13 +578,18 @@ def _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, s
     plan.spec = spec if dropout_p == 0 else dataclasses.replace(spec, dropout_rng=None)
     # the backend's own work on this specialisation, done once (spec.Backend.prepare): for the
     # calls autograd.attention_prepared takes (plain tensors, no sinks)
-    plan.prepared = None
-    prepare = getattr(backends.get(backend), "prepare", None)
-    if prepare is not None and sinks is None and not torch._C._are_functorch_transforms_active():
-        plan.prepared = prepare(query, key, value, mask, params, None, spec)
+    plan.prepared = None if sinks is not None else _prepare(backend, query, key, value, mask, params, spec)
     if len(_call_plans) >= _MAX_CALL_PLANS:
         _call_plans.clear()
     _call_plans[call_key] = plan
+
+
+def _prepare(backend, query, key, value, mask, params, spec):
+    """The backend's prepared call for a plan (``spec.Backend.prepare``; None where it makes none)."""
+    prepare = getattr(backends.get(backend), "prepare", None)
+    if prepare is None or torch._C._are_functorch_transforms_active():
+        return None
+    return prepare(query, key, value, mask, params, None, spec)
 
 
 def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, sinks):
@@ -602,9 +607,18 @@ def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, si
     if plan.dropout_p > 0:
         spec = dataclasses.replace(spec, dropout_rng=reference.draw_dropout_rng(query.device))
     if prepared is not None:  # (made for calls without sinks only)
-        out, lse = autograd.attention_prepared(prepared, query, key, value, params, mask, plan.backend, spec)
-    else:
-        out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
+        try:
+            out, lse = autograd.attention_prepared(prepared, query, key, value, params, mask, plan.backend, spec)
+            return (out, lse) if plan.return_lse else out
+        except PlanMismatch:
+            # (nothing ran) a launcher switch or an alignment the prepared call was not made for:
+            # this call through the backend's full path with the same spec, so with the dropout
+            # seed already drawn (a second draw would move torch's generator), and the prepared
+            # call made again for the next
+            out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec)
+            plan.prepared = _prepare(plan.backend, query, key, value, mask, params, spec)
+            return (out, lse) if plan.return_lse else out
+    out, lse = autograd.attention(query, key, value, params, mask, plan.backend, spec, **_sink_arg(sinks))
     return (out, lse) if plan.return_lse else out
 
 
@@ -629,10 +643,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     except (TypeError, RuntimeError):  # an unhashable argument, a tensor without storage: checked below
         call_key = plan = None
     if plan is not None:
-        try:
-            return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
-        except PlanMismatch:  # (nothing ran) the full path below, which plans the call again
-            plan.prepared = None
+        return _replay_call(plan, query, key, value, attn_mask, score_params, sinks)
     # SDPA's other layouts, reached only when no call plan matched (a planned call pays nothing):
     # jagged nested tensors (ssa_flash._nested), other ranks and broadcast batch or head dims
     # (ssa_flash._shapes); both call back here with (B, H, L, D) tensors of one batch size

@@ -69,3 +69,25 @@ def test_a_changed_switch_or_alignment_takes_the_full_path(planned, monkeypatch)
     assert kind == "_EagerAttentionBackward"
     for a, r in zip(got, _step(q, k, v, b)[1]):
         torch.testing.assert_close(a, r, atol=0, rtol=0)
+
+
+def test_a_mismatch_draws_the_dropout_seed_once(planned, monkeypatch):
+    """A planned dropout call that its prepared call does not hold (a switch changed) runs with the
+    seed already drawn: the same weights and the same generator state after it as an unplanned call."""
+    q, k, v, b = _inputs(2)
+
+    def dropout_call():
+        out = ssa_flash.attention(q, k, v, score="ssa", score_params={"b": b, "n": 1.25}, dropout_p=0.3,
+                                  backend="triton")
+        return out, torch.randn(4, generator=None, device=DEVICE)  # the generator's next draw
+
+    for _ in range(2):
+        dropout_call()  # planned, then prepared
+    monkeypatch.setattr(kernel_args, "FORCE_POLY_EXP2", 3)
+    torch.manual_seed(7)
+    got, after = dropout_call()  # the prepared call declines: the backend's full path
+    ops._call_plans.clear()
+    torch.manual_seed(7)
+    want, want_after = dropout_call()  # unplanned
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(after, want_after, atol=0, rtol=0)
