@@ -17,7 +17,9 @@
 #include <random>
 #include <vector>
 
-#include "hopper/bwd_launch.h"  // (and through it launch_impl.h, set_params.h: today's kernels)
+#include "hopper/bwd_launch.h"
+#include "launch_impl.h"  // today's kernels
+#include "set_params.h"
 
 using namespace ssa_flash;
 

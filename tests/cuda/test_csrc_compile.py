@@ -713,7 +713,8 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
     for score in SCORES:
         assert not emu.plan(256, 256, 100, 130, score, False, False, False)["fused"]
     plan = emu.plan(64, 64, 100, 130, "softmax", True, False, True)
-    assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
+    assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64,
+                    "hopper": 0}
     # dropout, windows: the two-kernel path (the fused kernel has no code for them: registers)
     assert not any(emu.plan(D, D, 100, 130, score, False, False, False, unfused_features=True)["fused"]
                    for D in (32, 64, 128) for score in SCORES)
