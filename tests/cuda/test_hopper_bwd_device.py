@@ -15,11 +15,10 @@ on an sm_90 GPU whose extension lacks them. bench/run_gpu.sh runs it after the f
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+import hopper_device
 from attn_testing import compare
 
 pytestmark = pytest.mark.cuda
@@ -29,24 +28,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 def _require():
     """Skips without an sm_90 GPU or the kernel in the build."""
-    import ssa_flash
-
-    if not torch.cuda.is_available():
-        pytest.skip("GPU only (the CPU emulation: test_hopper_bwd_dispatch.py, test_hopper_bwd.py)")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm_90a backward runs on sm_90 only")
-    if not ssa_flash.cuda.is_available():
-        reason = f"CUDA backend unavailable: {ssa_flash.cuda.unavailable_reason(torch.device('cuda'))}"
-        if os.environ.get("SSA_FLASH_REQUIRE_CUDA") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    from ssa_flash.backends import cuda_backend
-
-    if not cuda_backend.hopper_bwd_state().get("built"):
-        why = "the extension was built without the sm_90a kernels (SSA_FLASH_BUILD_HOPPER_FWD=0 at build time)"
-        if os.environ.get("SSA_FLASH_REQUIRE_CUDA") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+    hopper_device.require("bwd")
 
 
 def _lookups():
