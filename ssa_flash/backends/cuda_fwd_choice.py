@@ -110,23 +110,31 @@ def table_prefers_ws(table, capability: Tuple[int, int], dtype: str, head_dim: i
 
 
 _local = threading.local()
+# the innermost forced() block of any thread: what a thread without its own sees. (A CUDA tensor's
+# backward runs on autograd's device thread, not in the thread that entered the block.)
+_process = {"forced": None}
 
 
 @contextlib.contextmanager
 def forced(on: bool, backward: Optional[bool] = None) -> Iterator[None]:
-    """Within the block (this thread), the CUDA backend runs the sm_90a forward wherever it takes
-    the call (``on``) or never (not ``on``), whatever the table says; the sm_90a backward likewise
-    as ``backward`` says (None: as ``on``)."""
-    before = getattr(_local, "forced", None)
-    _local.forced = {"fwd": bool(on), "bwd": bool(on) if backward is None else bool(backward)}
+    """Within the block, the CUDA backend runs the sm_90a forward wherever it takes the call
+    (``on``) or never (not ``on``), whatever the table says; the sm_90a backward likewise as
+    ``backward`` says (None: as ``on``). For this thread, and for threads without a block of their
+    own (autograd's, which runs the backward of CUDA tensors); blocks in several threads at once
+    see the latest one there."""
+    before, before_process = getattr(_local, "forced", None), _process["forced"]
+    choice = {"fwd": bool(on), "bwd": bool(on) if backward is None else bool(backward)}
+    _local.forced = _process["forced"] = choice
     try:
         yield
     finally:
         _local.forced = before
+        _process["forced"] = before_process
 
 
 def _forced(kernel: str) -> Optional[bool]:
     f = getattr(_local, "forced", None)
+    f = _process["forced"] if f is None else f
     return None if f is None else f[kernel]
 
 

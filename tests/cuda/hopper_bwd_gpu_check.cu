@@ -1,4 +1,4 @@
-// The sm_90a backward on a GPU, without torch (the binding is not wired yet): random bf16 inputs,
+// The sm_90a backward on a GPU, without torch (its launcher called directly): random bf16 inputs,
 // today's forward for o and lse, then today's fused backward and the Hopper one on the same call;
 // prints the largest differences of dq (the float32 accumulator), dk, dv and the score
 // parameters' gradients (SSA: db, dn, summed over the partials) relative to the largest value,

@@ -168,3 +168,22 @@ def test_backend_sets_the_backward_switch_from_the_table(monkeypatch):
     cuda_backend._choose_kernel(ext, "bwd", short, short, spec, 128, 128)
     cuda_backend._choose_fwd_kernel(ext, q, q, spec, 128, 128)  # (no forward row)
     assert ext.bwd_calls == [True, False] and ext.calls == []
+
+
+def test_forced_reaches_autograds_thread(monkeypatch):
+    """A CUDA tensor's backward runs on autograd's device thread: forced() in the caller's thread
+    must reach it (a thread-local choice alone would leave the backward's switch unforced)."""
+    import threading
+
+    monkeypatch.delenv(cuda_fwd_choice.ENV_BWD, raising=False)
+    args = (H100, "bfloat16", 128, False, 8192, 8192, "ssa", False)
+    seen = []
+    worker = lambda: seen.append(cuda_fwd_choice.wanted(*args, table=(), kernel="bwd"))  # noqa: E731
+    with cuda_fwd_choice.forced(False, backward=True):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [True, None]
