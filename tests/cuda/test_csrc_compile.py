@@ -835,10 +835,9 @@ def test_cu_compiles(cu_results, name):
 
 @pytest.mark.parametrize("name", csrc_objects.HOPPER_UNITS or ["(sm_90a not compiled)"])
 def test_hopper_units_compile(jobs, name):
-    """The extension's units as a build holding the sm_90a kernels compiles them
-    (-DSSA_FLASH_HOPPER_FWD=1: the dispatch to the warp-specialised forward and backward, their
-    host side, the run-time switches), for sm_90a: no errors, no warnings in csrc/, and the
-    backward's kernel is in the float16 backward unit."""
+    """The backward unit as a build holding the sm_90a kernels compiles it (-DSSA_FLASH_HOPPER_FWD=1:
+    the dispatch to the sm_90a backward, its host side, the run-time switch; csrc_objects.HOPPER_UNITS),
+    for sm_90a: no errors, no warnings in csrc/, and the sm_90a backward's kernel is in it."""
     if not csrc_objects.HOPPER_UNITS:
         pytest.skip("sm_90a not compiled (SSA_FLASH_COMPILE_ARCHS)")
     rc, output, seconds, _ = jobs[name].result()
