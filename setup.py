@@ -199,7 +199,7 @@ def cuda_extension_kwargs():
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                      "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-                     # the sm_90a warp-specialised forward (_cuda_build.hopper_fwd_flags)
+                     # the sm_90a warp-specialised forward and backward (_cuda_build.hopper_fwd_flags)
                      *_arch.hopper_fwd_flags(os.environ["TORCH_CUDA_ARCH_LIST"])],
         },
     )

@@ -22,7 +22,10 @@
 #          SELFCHECK_LIMIT=45 RECHECK_LIMIT=60 bash bench/run_gpu.sh 430 > $R.log 2>&1; tail -c 11000 $R.log
 #      On sm_90a the first test step is hopper-fwd (tests/cuda/test_hopper_fwd_device.py, 13 tests:
 #      the new forward's verdict matrix beside today's kernel, and its tensor-map cache on the
-#      device; HOPPER_LIMIT 60 s; expected well under that, not yet measured).
+#      device; HOPPER_LIMIT 60 s; expected well under that, not yet measured), then hopper-bwd
+#      (tests/cuda/test_hopper_bwd_device.py, 10 tests: the sm_90a backward through the dispatch
+#      beside today's and the float64 reference, its switch, routing and reproducible db / dn;
+#      HOPPER_BWD_LIMIT 60 s; not yet measured).
 #      Every pytest step runs only what the ledger does not hold as passed at these kernels (the
 #      smoke tier and the matrix included), so a step that passed in an earlier session at the same
 #      kernels costs a collection. Session 4 (2026-11-28, all but 7 tests passed already) used the
@@ -51,7 +54,9 @@
 #      fit: with RUN_BENCH=1 on sm_90a they come after the Triton forward's warp-specialised
 #      comparison (30 s) and before the benchmark (HOPPER_BENCH_LIMIT 90 s: ssa_flash.cuda_ws, ssa_flash.cuda, ssa_flash.triton,
 #      sdpa.cudnn, sdpa.flash; forward; softmax and SSA; D 64 / 128; 1k, 4k, 16k; causal and not;
-#      bf16 then fp16, half the limit each), then one launch under ncu (NCU_LIMIT 45 s; skipped
+#      bf16 then fp16, half the limit each), then forward + backward rows of both sm_90a kernels
+#      (HOPPER_BWD_BENCH_LIMIT 60 s, bf16; their winners: "pass": "fwd_bwd" rows of the table),
+#      then one launch under ncu (NCU_LIMIT 45 s; skipped
 #      without ncu), then the MUFU / FMA share sweep (SWEEP_LIMIT 40 s: bf16 SSA, D 64 and 128,
 #      4k and 16k, each budget the objects hold, bench/gpu_diag/hopper_mufu_sweep.py). Afterwards, here: the rows where ssa_flash.cuda_ws beat every other of ours go
 #      into ssa_flash/backends/cuda_fwd_choice.json (each naming its results file); none: none.
@@ -75,6 +80,7 @@
 #                 in the background, while smoke-triton runs niced with fewer workers
 #   smoke-triton  pytest -m gpu_smoke -k "not cuda" tests/gpu_smoke
 #   hopper-fwd    tests/cuda/test_hopper_fwd_device.py (sm_90a only; RUN_HOPPER=0 skips; HOPPER_ARGS)
+#   hopper-bwd    tests/cuda/test_hopper_bwd_device.py (sm_90a only; RUN_HOPPER=0 skips; HOPPER_BWD_ARGS)
 #   cuda-matrix   tests/cuda/test_cuda_matrix.py, every case (SSA_FLASH_REQUIRE_CUDA=1: a test skipped
 #                 as "CUDA backend unavailable" fails; a matrix with nothing passed is a failure)
 #   smoke-cuda    pytest -m gpu_smoke -k cuda tests/gpu_smoke
@@ -87,7 +93,8 @@
 #   bench         python -m ssa_flash.bench.warp_specialize (<= 30 s: the Triton forward's warp-
 #                 specialised form vs the table's choice, bf16 D 128, L 4k / 16k, SSA and softmax),
 #                 then (sm_90a, RUN_HOPPER=1) the warp-specialised CUDA forward's rows
-#                 (hopper-bench-<dtype>/: HOPPER_SEQLENS, HOPPER_OPS), its ncu profile (hopper-ncu.log,
+#                 (hopper-bench-<dtype>/: HOPPER_SEQLENS, HOPPER_OPS), forward + backward rows of both
+#                 sm_90a kernels (hopper-bench-fwd_bwd-bf16/), its ncu profile (hopper-ncu.log,
 #                 bench/gpu_diag/hopper_fwd_one.py) and MUFU sweep (hopper-mufu-sweep.json),
 #                 then python -m ssa_flash.bench --subset targets (BENCH_ARGS), RUN_BENCH=1 only
 # pytest runs with -n JOBS xdist workers (default: one per core; --dist worksteal), SSA_FLASH_AUTOTUNE=0 (the first
@@ -121,8 +128,9 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export SSA_FLASH_AUTOTUNE=0
-# the extension holds the sm_90a warp-specialised forward (csrc/hopper/; built in for sm_90a only,
-# used only where a step switches it on: ssa_flash/backends/cuda_fwd_choice.py)
+# the extension holds the sm_90a warp-specialised forward and backward (csrc/hopper/; one flag for
+# both; built in for sm_90a only, each used only where a step switches it on:
+# ssa_flash/backends/cuda_fwd_choice.py)
 export SSA_FLASH_BUILD_HOPPER_FWD=${SSA_FLASH_BUILD_HOPPER_FWD:-1}
 # and the MUFU budgets its sweep times (five bf16 SSA instances; csrc/hopper/fwd_launch.h)
 export SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP=${SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP:-1}
@@ -242,6 +250,8 @@ if [ "$CUDA_OK" = "1" ]; then
   if [ "${RUN_HOPPER:-1}" != "0" ] && [ "$ARCH" = "90a" ]; then
     # shellcheck disable=SC2086
     eval "step hopper-fwd $(cap "${HOPPER_LIMIT:-60}" 30) ${HOPPER_ARGS:-tests/cuda/test_hopper_fwd_device.py}"
+    # shellcheck disable=SC2086
+    eval "step hopper-bwd $(cap "${HOPPER_BWD_LIMIT:-60}" 30) ${HOPPER_BWD_ARGS:-tests/cuda/test_hopper_bwd_device.py}"
   fi
   if [ "${RUN_MATRIX:-1}" != "0" ]; then
     # shellcheck disable=SC2086
@@ -364,6 +374,21 @@ if [ "${RUN_BENCH:-0}" = "1" ]; then
       tail -n 25 "$OUT/hopper-bench-$dt.log"
     done
     BENCH_BUDGET=$(( BENCH_BUDGET - HB_LIMIT ))
+    # forward + backward rows: ssa_flash.cuda_ws runs both sm_90a kernels, ssa_flash.cuda today's
+    # (bf16; D 64 / 128; HOPPER_SEQLENS; causal and not; at most HOPPER_BWD_BENCH_LIMIT seconds);
+    # the rows where cuda_ws won go into cuda_fwd_choice.json with "pass": "fwd_bwd"
+    HBB_LIMIT=$(cap "${HOPPER_BWD_BENCH_LIMIT:-60}" 60)
+    log "hopper forward + backward rows (bf16): python -m ssa_flash.bench --passes fwd_bwd --impls ssa_flash.cuda_ws,... (limit ${HBB_LIMIT}s)"
+    # shellcheck disable=SC2086
+    SSA_FLASH_AUTOTUNE=1 timeout --signal=INT --kill-after=10 "$HBB_LIMIT" \
+      $PY -m ssa_flash.bench --out "$OUT/hopper-bench-fwd_bwd-bf16" --phases speed --passes fwd_bwd --dtype bf16 \
+      --headdims 64,128 --seqlens ${HOPPER_SEQLENS:-1k,4k,16k} --ops ${HOPPER_OPS:-softmax,ssa} \
+      --impls ssa_flash.cuda_ws,ssa_flash.cuda,ssa_flash.triton,sdpa.cudnn,sdpa.flash \
+      --time-budget $(( HBB_LIMIT - 15 )) --warmup-ms 10 --rep-ms 30 --no-plots --quiet \
+      > "$OUT/hopper-bench-fwd_bwd-bf16.log" 2>&1
+    log "hopper forward + backward rows (bf16) rc $?"
+    tail -n 25 "$OUT/hopper-bench-fwd_bwd-bf16.log"
+    BENCH_BUDGET=$(( BENCH_BUDGET - HBB_LIMIT ))
     NCU=$(command -v ncu || true)
     if [ -n "$NCU" ] && [ "$DRY" != "1" ]; then
       log "hopper forward under ncu: bench/gpu_diag/hopper_fwd_one.py (limit ${NCU_LIMIT:-45}s)"

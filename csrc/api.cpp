@@ -202,7 +202,8 @@ at::IntArrayRef shape(const int64_t* dims, size_t n) { return at::IntArrayRef(di
 // dq is the float32 accumulator (B, H, stat_rows, accum_cols) of dQ / scale when the backward
 // ran fused (set_params.h, bwd_buffers); the caller crops, scales and converts it. deterministic:
 // the two-kernel path (bitwise reproducible); else the fused kernel where the device and head dim
-// allow it (launch.h, BwdPlan). beta, lse_l, entropy, dbeta_dh: the adaptive temperature's (all or
+// allow it, or the sm_90a one where the build holds it, it is switched on and takes the call
+// (launch.h, BwdPlan: the fused kernel's buffers, its own num_partials). beta, lse_l, entropy, dbeta_dh: the adaptive temperature's (all or
 // none).
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
@@ -291,6 +292,17 @@ py::dict hopper_fwd(optional<bool> on, optional<int64_t> mufu) {
 }
 // ---- end of the sm_90a forward's switch ----
 
+// ---- the sm_90a backward's run-time switch (issue 48; csrc/hopper/bwd_launch.h) ----
+// on: True / False sets it, None leaves it. Returns {"built": the build holds the kernel,
+// "enabled": the switch}. (Its tensor maps share the forward's cache: hopper_fwd()'s counters.)
+py::dict hopper_bwd(optional<bool> on) {
+  const int state = ssa_flash::hopper_bwd_control(on.has_value() ? int(*on) : -1);
+  py::dict d;
+  d["built"] = state >= 0;
+  d["enabled"] = state == 1;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -310,4 +322,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("drop_scale"), py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"));
   m.def("hopper_fwd", &hopper_fwd, "the sm_90a warp-specialised forward's run-time switch and tensor-map cache",
         py::arg("on") = py::none(), py::arg("mufu") = py::none());
+  m.def("hopper_bwd", &hopper_bwd, "the sm_90a warp-specialised backward's run-time switch", py::arg("on") = py::none());
 }

@@ -1,11 +1,11 @@
-// Backward kernels (dQ, then dK/dV; or the pre-pass, then the fused kernel), bfloat16 (sm_80+).
+// Backward kernels (dQ, then dK/dV; or the pre-pass, then the fused kernel or, in a build holding
+// it, the sm_90a one), bfloat16 (sm_80+).
 #include "launch_impl.h"
 
 namespace ssa_flash {
 
-BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
-                      bool unfused_features) {
-  return detail::plan_bwd<__nv_bfloat16>(dim, dim_v, len_q, len_k, score, adaptive, deterministic, unfused_features);
+BwdPlan plan_bwd_bf16(const BwdParams& p, int score, bool adaptive, bool deterministic) {
+  return detail::plan_bwd_call<__nv_bfloat16>(p, score, adaptive, deterministic);
 }
 
 std::string run_bwd_bf16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {

@@ -1,11 +1,21 @@
-// Backward kernels (dQ, then dK/dV; or the pre-pass, then the fused kernel), float16 (sm_75+).
+// Backward kernels (dQ, then dK/dV; or the pre-pass, then the fused kernel or, in a build holding
+// it, the sm_90a one), float16 (sm_75+).
 #include "launch_impl.h"
 
 namespace ssa_flash {
 
-BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
-                      bool unfused_features) {
-  return detail::plan_bwd<__half>(dim, dim_v, len_q, len_k, score, adaptive, deterministic, unfused_features);
+BwdPlan plan_bwd_fp16(const BwdParams& p, int score, bool adaptive, bool deterministic) {
+  return detail::plan_bwd_call<__half>(p, score, adaptive, deterministic);
+}
+
+int hopper_bwd_control(int on) {
+#if SSA_FLASH_HOPPER_FWD
+  if (on >= 0) hopper::set_hopper_bwd_enabled(on != 0);
+  return hopper::hopper_bwd_enabled() ? 1 : 0;
+#else
+  (void)on;
+  return -1;
+#endif
 }
 
 std::string run_bwd_fp16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {

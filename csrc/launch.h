@@ -36,18 +36,24 @@ std::string run_row_entropy_bf16(const FwdParams& p, int score, cudaStream_t str
 // How a backward runs on the current device: fused (pre-pass + one kernel, dQ accumulated with
 // atomics in p.dq_accum, which the caller zeroes, then scales and converts) or the two-kernel
 // path (dQ kernel, dK/dV kernel: bitwise reproducible); num_partials is the last dim of the
-// parameter gradients' partial-sum buffers (B, H, num_partials) for either.
+// parameter gradients' partial-sum buffers (B, H, num_partials) for either. hopper: the fused
+// path's buffers filled by the sm_90a backward instead (hopper/bwd_launch.h; only in a build
+// holding it, switched on, for the calls it takes).
 struct BwdPlan {
   bool fused;
   int num_partials;
   int stat_rows;    // rows of the row-statistics workspace (B, H, stat_rows, stat_count) and of
   int stat_count;   // the fused path's dQ accumulator (B, H, stat_rows, accum_cols), float32
   int accum_cols;   // the kernels' padded head dim
+  bool hopper;
 };
-BwdPlan plan_bwd_fp16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
-                      bool unfused_features);
-BwdPlan plan_bwd_bf16(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
-                      bool unfused_features);
+// The plan of a call: p's sizes and features (set_params.h, plan_backward: the workspaces'
+// pointers are not read), the score function's id, adaptive, deterministic.
+BwdPlan plan_bwd_fp16(const BwdParams& p, int score, bool adaptive, bool deterministic);
+BwdPlan plan_bwd_bf16(const BwdParams& p, int score, bool adaptive, bool deterministic);
+// The sm_90a backward's run-time switch (hopper/bwd_launch.h), defined in bwd_fp16.cu: on 1 / 0
+// sets it, -1 leaves it; returns 1 if on, 0 if off, -1 if this build does not hold the kernel.
+int hopper_bwd_control(int on);
 
 // backward as planned: dq (two-kernel) or p.dq_accum (fused), dk, dv, delta, g (adaptive),
 // the parameters' partials (p.dparam_part)

@@ -13,8 +13,10 @@
 #include "fwd_kernel.h"
 #include "launch.h"
 #include "launch_kernel.h"
+#include "launch_variant.h"
 
-#if SSA_FLASH_HOPPER_FWD  // (launch_kernel.h)
+#if SSA_FLASH_HOPPER_FWD  // (launch_kernel.h: the build holds the sm_90a kernels)
+#include "hopper/bwd_launch.h"
 #include "hopper/fwd_launch.h"
 #endif
 #include "params.h"
@@ -22,32 +24,6 @@
 
 namespace ssa_flash {
 namespace detail {
-
-// The code path of the current device (traits.h; shared memory depends on it).
-inline int device_path() {
-  int arch = 0, max_optin = 0;
-  return device_info(arch, max_optin).empty() ? code_path(arch) : kPathSm80;
-}
-
-// Grids: one CTA per query block of a head (the query-row kernels: forward, row entropy, dQ), or
-// per key block of a key/value head (the key-block kernels: dK/dV, fused backward).
-template <typename Tr>
-dim3 query_grid(const AttnShape& p) {
-  return dim3((p.len_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-}
-template <typename Tr>
-dim3 key_grid(const AttnShape& p) {
-  return dim3((p.len_k + Tr::kBlockN - 1) / Tr::kBlockN, p.heads_kv, p.batch);
-}
-
-// Launches the (score, adaptive, softcap, sink) instance of a kernel template that
-// pick(Score, Adaptive, Cap, Sink) returns (dispatch.h, extras_switch), with Tr's threads.
-template <typename T, typename Tr, typename Params, typename Pick>
-std::string launch_variant(const char* name, Pick&& pick, int score, bool adaptive, dim3 grid, int smem,
-                           cudaStream_t stream, const Params& p) {
-  return launch<T>(extras_switch(score, adaptive, p.softcap, p.sinks != nullptr, pick), name, grid, Tr::kNThreads,
-                   smem, stream, p);
-}
 
 template <typename T, int D>
 std::string fwd_hdim(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
@@ -67,14 +43,6 @@ std::string row_entropy_hdim(const FwdParams& p, int score, cudaStream_t stream)
   });
   return launch<T>(kernel, "attn_row_entropy_kernel", query_grid<Tr>(p), Tr::kNThreads,
                    row_entropy_smem_bytes(D, sizeof(T), device_path()), stream, p);
-}
-
-// The dQ kernel (or its pre-pass, kPrep) of a (Score, Adaptive, Cap, Sink) call: a sink matters
-// there only with the adaptive temperature (its dbeta term), so a sink without it runs the
-// sink-free instance. (The key-block kernels need no sink at all: the lse they read includes it.)
-template <typename Dq, bool kPrep, typename S, typename A, typename C, typename K>
-auto dq_kernel(S, A, C, K) {
-  return &attn_bwd_dq_kernel<Dq, S, A::value, kPrep, C::value, K::value && A::value>;
 }
 
 template <typename T, int D>
@@ -133,7 +101,8 @@ std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan
   return dkdv(DkdvTraits<D, T>{}, dkdv_smem_bytes(D, sizeof(T), adaptive, path));
 }
 
-// The backward's plan on the current device (launch.h).
+// Today's kernels' plan of a backward on the current device (launch.h; plan_bwd_call decides
+// whether the sm_90a one runs instead).
 template <typename T>
 BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, int score, bool adaptive, bool deterministic,
                  bool unfused_features) {
@@ -141,7 +110,7 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, int score, bool adapt
   const int d = padded < 0 ? 256 : padded;
   int arch = 0, max_optin = 0;
   const bool known = device_info(arch, max_optin).empty();
-  BwdPlan plan;
+  BwdPlan plan{};  // (hopper false)
   // (dropout or a window: the two-kernel path; the fused kernel has no code for them, see
   // bwd_kernel.h)
   const bool sm75_spills = score_switch(score, [](auto S) { return decltype(S)::kFusedSpillsSm75; });
@@ -173,8 +142,29 @@ std::string run_row_entropy(const FwdParams& p, int score, cudaStream_t stream) 
   return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, score, stream); });
 }
 
+// The backward's plan of a call (set_params.h, plan_backward; p's sizes and features): the sm_90a
+// backward's where hopper::hopper_bwd_declines (the one place that decides) takes the call, today's
+// otherwise. run_bwd follows the plan (BwdPlan::hopper).
+template <typename T>
+BwdPlan plan_bwd_call(const BwdParams& p, int score, bool adaptive, bool deterministic) {
+#if SSA_FLASH_HOPPER_FWD
+  int arch = 0, max_optin = 0;
+  if (device_info(arch, max_optin).empty() && hopper::hopper_bwd_declines(p, score, deterministic, arch) == nullptr)
+    return hopper::hopper_bwd_plan(p.dim, p.len_q, p.len_k, adaptive);
+#endif
+  return plan_bwd<T>(p.dim, p.dim_v, p.len_q, p.len_k, score, adaptive, deterministic,
+                     p.drop_rng != nullptr || p.window);
+}
+
 template <typename T>
 std::string run_bwd(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
+  if (plan.hopper) {
+#if SSA_FLASH_HOPPER_FWD
+    return hopper::run_hopper_bwd<T>(p, score, adaptive, stream);
+#else
+    return "a plan of the sm_90a backward, which this build does not hold (SSA_FLASH_HOPPER_FWD=0)";
+#endif
+  }
   return head_dim_switch(p.dim, p.dim_v, [&](auto D) {
     return bwd_hdim<T, decltype(D)::value>(p, score, adaptive, plan, stream);
   });

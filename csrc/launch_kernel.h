@@ -12,10 +12,11 @@
 #include "dispatch.h"
 #include "elem.h"
 
-// SSA_FLASH_HOPPER_FWD (default 0): the build holds the sm_90a warp-specialised forward
-// (csrc/hopper/) and launch_impl.h's run_fwd dispatches to it where hopper::fwd_ws_declines takes
-// the call, which includes the run-time switch (hopper/tma_cache.h, hopper_fwd_enabled: off unless
-// switched on). Build systems set it for sm_90a builds with SSA_FLASH_BUILD_HOPPER_FWD=1
+// SSA_FLASH_HOPPER_FWD (default 0): the build holds the sm_90a warp-specialised kernels
+// (csrc/hopper/), forward and backward: launch_impl.h's run_fwd dispatches to the forward where
+// hopper::fwd_ws_declines takes the call, plan_bwd_call to the backward where
+// hopper::hopper_bwd_declines does; each includes its run-time switch (hopper/tma_cache.h
+// hopper_fwd_enabled, hopper/bwd_launch.h hopper_bwd_enabled: off unless switched on). Build systems set it for sm_90a builds with SSA_FLASH_BUILD_HOPPER_FWD=1
 // (ssa_flash/backends/_cuda_build.py, hopper_fwd_flags).
 #ifndef SSA_FLASH_HOPPER_FWD
 #define SSA_FLASH_HOPPER_FWD 0

@@ -210,16 +210,17 @@ inline FwdParams row_entropy_params(AttnCall c) {
   return p;
 }
 
-// The backward's plan on the current device (launch.h): dropout and windows take the two-kernel
-// path (the fused kernel has no code for them, see bwd_kernel.h), as does deterministic.
+// The backward's plan on the current device (launch.h; launch_impl.h, plan_bwd_call): dropout and
+// windows take the two-kernel path (the fused kernel has no code for them, see bwd_kernel.h), as
+// does deterministic; the sm_90a backward where it takes the call (hopper/bwd_launch.h).
 inline BwdPlan plan_backward(const AttnCall& c) {
-  AttnShape s{};
-  set_shape(s, c);
-  const bool unfused = s.drop_rng != nullptr || s.window;
+  BwdParams p{};
+  set_shape(p, c);
+  set_extras(p, c);
   const bool adaptive = c.beta != nullptr;
   const int score = static_cast<int>(c.score);
-  return c.bf16 ? plan_bwd_bf16(s.dim, s.dim_v, s.len_q, s.len_k, score, adaptive, c.deterministic != 0, unfused)
-                : plan_bwd_fp16(s.dim, s.dim_v, s.len_q, s.len_k, score, adaptive, c.deterministic != 0, unfused);
+  return c.bf16 ? plan_bwd_bf16(p, score, adaptive, c.deterministic != 0)
+                : plan_bwd_fp16(p, score, adaptive, c.deterministic != 0);
 }
 
 inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {

@@ -73,6 +73,18 @@ def head_dim_defines(dims) -> list:
 
 EXTRAS_DIMS = (64, 128)
 
+# The backward unit as a build holding the sm_90a kernels compiles it (``-DSSA_FLASH_HOPPER_FWD=1``,
+# ssa_flash/backends/_cuda_build.py hopper_fwd_flags: the dispatch to the sm_90a backward,
+# csrc/launch_impl.h plan_bwd_call / run_bwd, its host side and the switch's entry point):
+# ``bwd_fp16.cu+hopper``, sm_90a only, today's kernels at head dim 128 only (the sm_90a backward's
+# instances, D 64 and 128, are all compiled whatever the head dims), no soft-capping / sink
+# instances. Only compile errors and warnings are checked there (the kernels' registers:
+# tests/cuda/test_hopper_bwd_sass.py). (The forward unit with the flag is left out for CI time:
+# ~200 CPU-s; its kernel and host side: tests/cuda/test_hopper_fwd_emulated.py's nvcc build.)
+HOPPER = "+hopper"
+HOPPER_UNITS = ["bwd_fp16.cu" + HOPPER] if "90a" in ARCHS else []
+HOPPER_DIMS = (128,)
+
 # bfloat16 units at the head dims the audit gates (64, 128), float16 at every head dim: above
 # sm_75 a kernel's tiles do not depend on its dtype (csrc/traits.h; sm_75 has no bfloat16
 # kernels), so bfloat16 changes only the MMA instruction and the conversions, and float16's
@@ -82,7 +94,9 @@ BF16_DIMS = (64, 128)
 
 
 def unit_head_dims(name: str) -> tuple:
-    """Head dims compiled into unit ``name`` (a .cu file or one of ``EXTRAS_UNITS``)."""
+    """Head dims compiled into unit ``name`` (a .cu file or one of ``EXTRAS_UNITS``, ``HOPPER_UNITS``)."""
+    if name.endswith(HOPPER):
+        return HOPPER_DIMS
     if name.endswith(EXTRAS):
         return EXTRAS_DIMS
     return BF16_DIMS if "bf16" in name else HEAD_DIMS
@@ -100,11 +114,13 @@ def nvcc_args(archs=None) -> list:
 
 
 def _compile(name: str) -> Compiled:
-    extras = name.endswith(EXTRAS)
-    source = name[:-len(EXTRAS)] if extras else name
-    obj = background.tmpdir("csrc_objs") / (Path(source).stem + ("_extras" if extras else "") + ".o")
-    args = [*nvcc_args(EXTRAS_ARCHS if extras else None), f"-DSSA_FLASH_EXTRAS={2 if extras else 0}",
-            *head_dim_defines(unit_head_dims(name))]
+    extras, hopper = name.endswith(EXTRAS), name.endswith(HOPPER)
+    source = name[:-len(EXTRAS)] if extras else name[:-len(HOPPER)] if hopper else name
+    suffix = "_extras" if extras else "_hopper" if hopper else ""
+    obj = background.tmpdir("csrc_objs") / (Path(source).stem + suffix + ".o")
+    archs = EXTRAS_ARCHS if extras else ["90a"] if hopper else None
+    args = [*nvcc_args(archs), f"-DSSA_FLASH_EXTRAS={2 if extras else 0}",
+            *(["-DSSA_FLASH_HOPPER_FWD=1"] if hopper else []), *head_dim_defines(unit_head_dims(name))]
     start = time.monotonic()
     proc = subprocess.run([NVCC, *args, source, "-o", str(obj)], cwd=CSRC, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
@@ -113,7 +129,7 @@ def _compile(name: str) -> Compiled:
 
 
 def submit(name: str) -> "background.Job":
-    """The session's compile of ``csrc/<name>`` (a .cu file or one of ``EXTRAS_UNITS``; started now
+    """The session's compile of ``csrc/<name>`` (a .cu file or one of ``EXTRAS_UNITS``, ``HOPPER_UNITS``; started now
     unless it already was)."""
     return background.submit(f"csrc.{name}", _compile, name)
 

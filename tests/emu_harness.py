@@ -119,7 +119,8 @@ class AttnCall(ctypes.Structure):
 class BwdPlan(ctypes.Structure):
     """csrc/launch.h, BwdPlan."""
     _fields_ = [("fused", ctypes.c_bool), *((nm, ctypes.c_int) for nm in
-                                            ("num_partials", "stat_rows", "stat_count", "accum_cols"))]
+                                            ("num_partials", "stat_rows", "stat_count", "accum_cols")),
+                ("hopper", ctypes.c_bool)]
 
 
 class BwdBuffers(ctypes.Structure):
@@ -241,6 +242,15 @@ class Emulator:
         enabled = bool(self.lib.ssa_emu_hopper_fwd(-1 if on is None else int(on)))
         return dict(built=True, enabled=enabled, **self.tma_cache())
 
+    def hopper_bwd(self, on: Optional[bool] = None) -> dict:
+        """The extension's ``hopper_bwd`` (csrc/api.cpp): the sm_90a backward's run-time switch
+        (csrc/hopper/bwd_launch.h), set when ``on`` is given; returns ``built`` (the library holds
+        the kernel: ``build(sm90=True, hopper_fwd=True)``) and ``enabled``."""
+        if not hasattr(self.lib, "ssa_emu_hopper_bwd"):
+            return dict(built=False, enabled=False)
+        enabled = bool(self.lib.ssa_emu_hopper_bwd(-1 if on is None else int(on)))
+        return dict(built=True, enabled=enabled)
+
     def tma_cache(self, clear: bool = False) -> dict:
         """The tensor-map cache's counters: hits, misses (maps encoded), patches (hits whose address
         was replaced), entries held; ``clear`` empties it first."""
@@ -261,7 +271,7 @@ class Emulator:
 
     def plan(self, D, Dv, Lq, Lk, score, adaptive, deterministic, bf16, unfused_features=False):
         """The backward's plan (csrc/launch.h, BwdPlan) for a call of these sizes and flags: a dict
-        of fused, num_partials, stat_rows, stat_count, accum_cols. ``score``: the score function's
+        of fused, num_partials, stat_rows, stat_count, accum_cols, hopper. ``score``: the score function's
         id (or name). unfused_features: a feature the fused kernel lacks (dropout or a window; a
         window is described here)."""
         from ssa_flash import scores

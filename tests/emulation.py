@@ -64,6 +64,23 @@ def prebuild():
     background.submit("emulation.emulator", _build)
 
 
+def _build_hopper():
+    """The CUDA backend's emulator for sm_90a holding the sm_90a kernels (``SSA_FLASH_HOPPER_FWD=1``:
+    the warp-specialised forward and backward, each behind its run-time switch), head dims 64 and
+    128, no soft-capping / sink instances: (library, None) or (None, why)."""
+    h = harness()
+    if h.cuda_include_dir() is None:
+        return None, "CUDA headers (cuda_fp16.h) not found"
+    return h.build(background.tmpdir("hopper_backend_emu"), head_dims=(64, 128), sm90=True, extras=False,
+                   hopper_fwd=True), None
+
+
+def hopper_backend_job():
+    """The session's build of :func:`_build_hopper` (one, shared by the Hopper forward's and
+    backward's tests; a background job: ``.result()``)."""
+    return background.submit("emulation.hopper_backend", _build_hopper)
+
+
 def build_emulator(out_dir=None, **kw):
     """An ``Emulator`` (options ``kw``) of the kernels compiled for ``HEAD_DIMS``; skips the test
     without the CUDA toolkit's headers or a host compiler. ``out_dir``: unused (the library is

@@ -62,7 +62,7 @@ const LayoutEntry kLayout[] = {
     SSA_EMU_FIELD(AttnCall, sinks), SSA_EMU_FIELD(AttnCall, softcap), SSA_EMU_FIELD(AttnCall, lse_lo),
     SSA_EMU_SIZE(BwdPlan),
     SSA_EMU_FIELD(BwdPlan, fused), SSA_EMU_FIELD(BwdPlan, num_partials), SSA_EMU_FIELD(BwdPlan, stat_rows),
-    SSA_EMU_FIELD(BwdPlan, stat_count), SSA_EMU_FIELD(BwdPlan, accum_cols),
+    SSA_EMU_FIELD(BwdPlan, stat_count), SSA_EMU_FIELD(BwdPlan, accum_cols), SSA_EMU_FIELD(BwdPlan, hopper),
     SSA_EMU_SIZE(BwdBuffers),
     SSA_EMU_FIELD(BwdBuffers, fused), SSA_EMU_FIELD(BwdBuffers, rowstat), SSA_EMU_FIELD(BwdBuffers, dq_accum),
     SSA_EMU_FIELD(BwdBuffers, partials), SSA_EMU_FIELD(BwdBuffers, nparams), SSA_EMU_FIELD(BwdBuffers, lse_lo),
@@ -133,7 +133,11 @@ extern "C" int ssa_emu_hopper_fwd(int on) {
   return ssa_flash::hopper::hopper_fwd_enabled() ? 1 : 0;
 }
 
-// Its tensor-map cache: which 0 hits, 1 misses (maps encoded), 2 patches (hits whose address was
+// The sm_90a backward's (csrc/hopper/bwd_launch.h; launch.h, hopper_bwd_control): on = 1 or 0
+// sets it, -1 only reads it; returns it.
+extern "C" int ssa_emu_hopper_bwd(int on) { return ssa_flash::hopper_bwd_control(on); }
+
+// The tensor-map cache (the forward's and the backward's maps): which 0 hits, 1 misses (maps encoded), 2 patches (hits whose address was
 // replaced), 3 entries held; -1 empties it (counters reset) and returns 0.
 extern "C" long ssa_emu_tma_cache(int which) {
   auto& cache = ssa_flash::hopper::tma_cache();

@@ -1,8 +1,15 @@
-// Host side of the sm_90a backward: which calls it runs (hopper_bwd_unsupported, the one routing
-// decision), its plan (buffers), the tensor maps, and the launch of the pre-pass and the kernel.
-// No torch here. The binding is not wired yet: today's launch code (launch_impl.h, bwd_hdim) runs
-// every backward; a binding that calls run_hopper_bwd where hopper_bwd_unsupported says nothing
-// gets this kernel instead of the fused one (same buffers, other num_partials: hopper_bwd_plan).
+// Host side of the sm_90a backward: which calls it runs (hopper_bwd_unsupported; with the build
+// and the run-time switch, hopper_bwd_declines: the one routing decision), its plan (buffers),
+// the tensor maps (tma_cache.h's cache, as the forward's), and the launch of the pre-pass and the
+// kernel. No torch here.
+//
+// Wired (launch_impl.h): a build holding the sm_90a kernels (SSA_FLASH_HOPPER_FWD=1, launch_kernel.h:
+// one flag for the forward and the backward) plans a backward hopper_bwd_declines takes with
+// hopper_bwd_plan (BwdPlan::hopper set) and run_bwd then runs run_hopper_bwd; every other call, and
+// every call of a build without the kernels, plans and runs today's kernels exactly as before.
+// Switched off by default: SSA_FLASH_HOPPER_BWD=1 in the environment (read once) or
+// set_hopper_bwd_enabled (the extension's hopper_bwd(on)) turns it on, apart from the forward's
+// SSA_FLASH_HOPPER_FWD, so a GPU run can compare each kernel alone.
 #pragma once
 
 #ifndef SSA_FLASH_EMULATE
@@ -10,12 +17,14 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <atomic>
 #include <string>
 
-#include "../launch_impl.h"
-#include "../set_params.h"
+#include "../launch.h"
+#include "../launch_variant.h"
 #include "bwd_kernel.h"
 #include "fwd_launch.h"  // tma_spec_bhld
+#include "tma_cache.h"
 
 namespace ssa_flash {
 namespace hopper {
@@ -33,80 +42,80 @@ inline const char* hopper_bwd_unsupported(const BwdParams& p, int score, bool de
   return nullptr;
 }
 
+// ---- run-time switch ---------------------------------------------------------------------
+// Whether a build holding the kernel uses it: SSA_FLASH_HOPPER_BWD ("1" on, anything else or unset
+// off), read once at the first backward (tma_cache.h, env_switch_on); set_hopper_bwd_enabled
+// overrides it (the extension's hopper_bwd(on): the bench and the device tests compare both).
+inline std::atomic<int>& hopper_bwd_state() {
+  static std::atomic<int> state{-1};
+  return state;
+}
+inline bool hopper_bwd_enabled() { return env_switch_on(hopper_bwd_state(), "SSA_FLASH_HOPPER_BWD"); }
+inline void set_hopper_bwd_enabled(bool on) { hopper_bwd_state().store(on ? 1 : 0); }
+
+// The dispatch's decision (launch_impl.h, plan_bwd_call): nullptr if the sm_90a backward runs this
+// call on a device of architecture `arch`, else why not (then today's kernels do, as before).
+inline const char* hopper_bwd_declines(const BwdParams& p, int score, bool deterministic, int arch) {
+  if (!SSA_FLASH_HOPPER_FWD) return "not in this build (SSA_FLASH_HOPPER_FWD=0)";
+  if (!hopper_bwd_enabled()) return "off at run time (SSA_FLASH_HOPPER_BWD unset or not 1; set_hopper_bwd)";
+  if ((p.dim == 64 && !SSA_FLASH_HEAD_DIM_64) || (p.dim == 128 && !SSA_FLASH_HEAD_DIM_128))
+    return "head dim not in this build";
+  if (p.heads_kv > 65535 || p.batch > 65535) return "grid";
+  return hopper_bwd_unsupported(p, score, deterministic, arch, true);
+}
+
 // The buffers of a call (launch.h, BwdPlan; as the fused backward's: a zeroed float32 dQ
-// accumulator, the row-statistics workspace) with num_partials = key blocks x 8 consumer warps.
+// accumulator, the row-statistics workspace) with num_partials = key blocks x consumer warps
+// (bwd_epilogue.h, store_dparams: every CTA writes its slots of every query head of its group,
+// so the caller's sum over the buffer's last dim is over the same fixed set of slots each call).
 inline BwdPlan hopper_bwd_plan(int dim, int len_q, int len_k, bool adaptive) {
-  BwdPlan plan;
+  using Tile = BwdTile<64, __half>;  // (key block and warps do not depend on D or the element type)
+  static_assert(BwdTile<128, __nv_bfloat16>::kBlockN == Tile::kBlockN &&
+                    BwdTile<128, __nv_bfloat16>::kConsumerWarps == Tile::kConsumerWarps,
+                "one plan for every instance");
+  BwdPlan plan{};
   plan.fused = true;
-  plan.num_partials = (len_k + 127) / 128 * 8;
+  plan.num_partials = (len_k + Tile::kBlockN - 1) / Tile::kBlockN * Tile::kConsumerWarps;
   plan.stat_rows = bwd_stat_rows(len_q);
   plan.stat_count = dkdv_stat_count(adaptive);
   plan.accum_cols = dim;
+  plan.hopper = true;
   return plan;
 }
 
-// A tensor map from its description (pipeline.h, TmaTileSpec); an error message or "".
-inline std::string make_tma(const TmaTileSpec& spec, TmaDesc& out) {
-#ifdef SSA_FLASH_EMULATE
-  out = spec;
-  return std::string();
-#else
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = nullptr;
-  if (encode == nullptr) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-#if CUDART_VERSION >= 12050
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-#else
-    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr)
-      return "cuTensorMapEncodeTiled not found in the driver";
-    encode = reinterpret_cast<Encode>(fn);
-  }
-  cuuint64_t dims[kTmaMaxRank], strides[kTmaMaxRank];
-  cuuint32_t box[kTmaMaxRank], elem_strides[kTmaMaxRank] = {1, 1, 1, 1};
-  for (int i = 0; i < spec.rank; ++i) {
-    dims[i] = static_cast<cuuint64_t>(spec.dims[i]);
-    box[i] = static_cast<cuuint32_t>(spec.box[i]);
-    if (i > 0) strides[i - 1] = static_cast<cuuint64_t>(spec.strides[i]);
-  }
-  const CUresult r = encode(&out, spec.elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                            spec.rank, const_cast<void*>(spec.base), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            spec.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? std::string() : "cuTensorMapEncodeTiled failed (" + std::to_string(static_cast<int>(r)) + ")";
-#endif
-}
+// The backward's operands in the tensor-map cache (tma_cache.h: the forward's are 0..2).
+enum BwdMapRole { kMapBwdQ = 8, kMapBwdDo, kMapBwdK, kMapBwdV, kMapBwdStat };
 
 // The kernel's parameters: p and the tensor maps of bwd_tile.h's HopperBwdParams (q, dO, k, v:
-// fwd_launch.h's rank-4 (head dim, rows, head, batch) views, any batch / head strides).
-// (make_tma, not fwd_launch.h's encode_tma: that one encodes 16-bit elements only, the
-// statistics are float32.)
-template <typename Tile>
+// fwd_launch.h's rank-4 (head dim, rows, head, batch) views, any batch / head strides; the row
+// statistics a rank-2 float32 (n rows of a head, B H) view), from tma_cache.h's cache: encoded
+// once per shape, the address patched per call, no host-device synchronisation.
+template <typename T, typename Tile>
 std::string hopper_bwd_params(const BwdParams& p, bool adaptive, HopperBwdParams& hp) {
   hp.p = p;
+  constexpr bool kBf16 = ElemInfo<T>::kIsBF16;
   const int64_t bh = static_cast<int64_t>(p.batch) * p.heads;
   const int n = dkdv_stat_count(adaptive);
   const int box = adaptive ? BwdStatLayout<Tile, true>::kBox : BwdStatLayout<Tile, false>::kBox;
   const TmaTileSpec stat{p.rowstat, 2, 4, 0, {static_cast<int64_t>(n) * p.stat_rows, bh},
                          {0, 4 * static_cast<int64_t>(n) * p.stat_rows}, {box, 1}};
-  std::string err = make_tma(
-      tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb, Tile::kBlockM), hp.tma_q);
+  TmaMapCache& cache = tma_cache();
+  std::string err = cache.get(
+      kMapBwdQ, tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb, Tile::kBlockM), kBf16,
+      &hp.tma_q);
   if (err.empty())
-    err = make_tma(tma_spec_bhld(p.dout, p.dim_v, p.len_q, p.heads, p.batch, p.do_sm, p.do_sh, p.do_sb, Tile::kBlockM),
-                   hp.tma_do);
+    err = cache.get(kMapBwdDo,
+                    tma_spec_bhld(p.dout, p.dim_v, p.len_q, p.heads, p.batch, p.do_sm, p.do_sh, p.do_sb, Tile::kBlockM),
+                    kBf16, &hp.tma_do);
   if (err.empty())
-    err = make_tma(tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tile::kBlockN),
-                   hp.tma_k);
+    err = cache.get(kMapBwdK,
+                    tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tile::kBlockN),
+                    kBf16, &hp.tma_k);
   if (err.empty())
-    err = make_tma(tma_spec_bhld(p.v, p.dim_v, p.len_k, p.heads_kv, p.batch, p.v_sm, p.v_sh, p.v_sb, Tile::kBlockN),
-                   hp.tma_v);
-  if (err.empty()) err = make_tma(stat, hp.tma_stat);
+    err = cache.get(kMapBwdV,
+                    tma_spec_bhld(p.v, p.dim_v, p.len_k, p.heads_kv, p.batch, p.v_sm, p.v_sh, p.v_sb, Tile::kBlockN),
+                    kBf16, &hp.tma_v);
+  if (err.empty()) err = cache.get(kMapBwdStat, stat, kBf16, &hp.tma_stat);
   return err;
 }
 
@@ -130,7 +139,7 @@ std::string run_hopper_bwd_hdim(const BwdParams& p, int score, bool adaptive, cu
   if (!err.empty()) return err;
   using Tile = BwdTile<kD, T>;
   HopperBwdParams hp;
-  err = hopper_bwd_params<Tile>(p, adaptive, hp);
+  err = hopper_bwd_params<T, Tile>(p, adaptive, hp);
   if (!err.empty()) return err;
   const dim3 grid((p.len_k + Tile::kBlockN - 1) / Tile::kBlockN, p.heads_kv, p.batch);
   return hopper_score_switch(score, [&](auto S) {

@@ -48,17 +48,21 @@ inline std::atomic<int>& hopper_fwd_state() {
   return state;
 }
 
-inline bool hopper_fwd_enabled() {
-  int s = hopper_fwd_state().load(std::memory_order_relaxed);
+// A switch `state` (-1 not read yet, 0 off, 1 on) read from the environment variable `name` ("1"
+// on) at its first use unless set before. (The backward's, SSA_FLASH_HOPPER_BWD: bwd_launch.h.)
+inline bool env_switch_on(std::atomic<int>& state, const char* name) {
+  int s = state.load(std::memory_order_relaxed);
   if (s < 0) {
-    const char* e = std::getenv("SSA_FLASH_HOPPER_FWD");
+    const char* e = std::getenv(name);
     int from_env = e != nullptr && std::strcmp(e, "1") == 0 ? 1 : 0;
     int expected = -1;
-    hopper_fwd_state().compare_exchange_strong(expected, from_env);
-    s = hopper_fwd_state().load(std::memory_order_relaxed);
+    state.compare_exchange_strong(expected, from_env);
+    s = state.load(std::memory_order_relaxed);
   }
   return s == 1;
 }
+
+inline bool hopper_fwd_enabled() { return env_switch_on(hopper_fwd_state(), "SSA_FLASH_HOPPER_FWD"); }
 
 inline void set_hopper_fwd_enabled(bool on) { hopper_fwd_state().store(on ? 1 : 0); }
 
@@ -115,7 +119,8 @@ inline const TmaDriver& tma_driver() {
 #endif
 
 // ---- encoding one map -----------------------------------------------------------------------
-// In the CPU emulation TmaDesc is the spec itself (pipeline.h).
+// 16-bit elements (bf16 or float16) or, spec.elem_bytes 4, float32. In the CPU emulation TmaDesc is
+// the spec itself (pipeline.h).
 inline std::string encode_tma(const TmaTileSpec& spec, bool bf16, TmaDesc* out) {
 #ifdef SSA_FLASH_EMULATE
   (void)bf16;
@@ -132,7 +137,11 @@ inline std::string encode_tma(const TmaTileSpec& spec, bool bf16, TmaDesc* out) 
     box[i] = static_cast<cuuint32_t>(spec.box[i]);
     elem_strides[i] = 1;
   }
-  const CUresult r = drv.encode(out, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+  // (4-byte elements: the backward's float32 row statistics)
+  const CUtensorMapDataType type = spec.elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : bf16               ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = drv.encode(out, type,
                                 static_cast<cuuint32_t>(spec.rank), const_cast<void*>(spec.base), dims, strides + 1,
                                 box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                 spec.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
@@ -157,7 +166,7 @@ inline std::string patch_tma_address(TmaDesc* map, const void* base) {
 }
 
 // ---- the cache ------------------------------------------------------------------------------
-constexpr int kTmaCacheEntries = 16;  // 3 maps a call: 5 distinct (shape, dtype) calls before any replacement
+constexpr int kTmaCacheEntries = 16;  // a forward's 3 maps and a backward's 5: two (shape, dtype) training steps
 
 struct TmaCacheStats {
   long hits = 0;     // a map found (its address patched or already right)
@@ -167,8 +176,9 @@ struct TmaCacheStats {
 
 class TmaMapCache {
  public:
-  // The map of `spec` (element type bf16 or float16) for operand `role` (0 q, 1 k, 2 v: K and V
-  // maps of the same layout are kept apart, so that a call patches neither when its tensors are
+  // The map of `spec` (element type bf16 or float16, or float32 for 4-byte elements) for operand
+  // `role` (the forward's 0 q, 1 k, 2 v; the backward's: bwd_launch.h, BwdMapRole; K and V maps of
+  // the same layout are kept apart, so that a call patches neither when its tensors are
   // those of the last call) into *out: from the cache, its address patched where it differs, or
   // encoded and kept. An error message, or "".
   std::string get(int role, const TmaTileSpec& spec, bool bf16, TmaDesc* out) {

@@ -145,10 +145,11 @@ NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
               "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
 
-# The sm_90a warp-specialised forward (csrc/hopper/) in a build that targets sm_90a:
-# SSA_FLASH_HOPPER_FWD=1 at compile time (csrc/launch_kernel.h). Whether it then runs is a run-time
-# choice (csrc/hopper/tma_cache.h: SSA_FLASH_HOPPER_FWD=1 in the environment, or
-# ssa_flash/backends/cuda_fwd_choice.py's table), so one build compares both kernels. Builds hold it
+# The sm_90a warp-specialised forward and backward (csrc/hopper/; one flag for both) in a build that
+# targets sm_90a: SSA_FLASH_HOPPER_FWD=1 at compile time (csrc/launch_kernel.h). Whether each then
+# runs is a run-time choice (SSA_FLASH_HOPPER_FWD=1 / SSA_FLASH_HOPPER_BWD=1 in the environment:
+# csrc/hopper/tma_cache.h, bwd_launch.h; or ssa_flash/backends/cuda_fwd_choice.py's table), so one
+# build compares them with today's kernels. Builds hold it
 # when SSA_FLASH_BUILD_HOPPER_FWD=1 (bench/run_gpu.sh sets it); HOPPER_FWD_DEFAULT says whether
 # they do without it (docs/cuda.md, Building: the measured extra compile time decides).
 HOPPER_FWD_DEFAULT = False
@@ -160,7 +161,7 @@ HOPPER_SWEEP_ENV = "SSA_FLASH_BUILD_HOPPER_MUFU_SWEEP"
 
 def hopper_fwd_built(archs: str, environ=None) -> bool:
     """Whether a build for ``archs`` (a ``TORCH_CUDA_ARCH_LIST`` such as ``"8.0;9.0a"`` or an
-    object build's ``"90a"``) holds the sm_90a warp-specialised forward."""
+    object build's ``"90a"``) holds the sm_90a warp-specialised forward and backward."""
     import os
 
     value = (os.environ if environ is None else environ).get(HOPPER_FWD_ENV)

@@ -607,21 +607,26 @@ def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
 
 
 # ---- the forward's kernel: today's or the sm_90a warp-specialised one (issue 48) ----
-def _choose_fwd_kernel(ext, q, k, spec: AttentionSpec, d8: int, dv8: int) -> None:
-    """Sets the extension's switch (csrc/api.cpp, hopper_fwd) where cuda_fwd_choice says what this
-    call should run (forced, or a committed table row for this architecture); leaves it otherwise
-    (the environment variable SSA_FLASH_HOPPER_FWD, read by the extension, or off). Costs nothing
-    while the table has no row for the device's architecture and nothing is forced."""
-    hopper_fwd = getattr(ext, "hopper_fwd", None)
-    if hopper_fwd is None or not cuda_fwd_choice.may_apply():
+def _choose_kernel(ext, kernel: str, q, k, spec: AttentionSpec, d8: int, dv8: int) -> None:
+    """Sets the extension's switch of the sm_90a ``kernel`` (``"fwd"``: csrc/api.cpp hopper_fwd;
+    ``"bwd"``: hopper_bwd) where cuda_fwd_choice says what this call should run (forced, or a
+    committed table row of that kernel for this architecture); leaves it otherwise (the
+    environment variable SSA_FLASH_HOPPER_FWD / _BWD, read by the extension, or off). Costs nothing
+    while the table has no row of that kernel and nothing is forced."""
+    switch = getattr(ext, "hopper_fwd" if kernel == "fwd" else "hopper_bwd", None)
+    if switch is None or not cuda_fwd_choice.may_apply(kernel):
         return
     # (the emulator's library emulates sm_90a when it holds the kernel)
     capability = _capability(q.device)[:2] if q.device.type == "cuda" else (9, 0)
     want = cuda_fwd_choice.wanted(capability, str(q.dtype).replace("torch.", ""),
                                   _padded_head_dim(max(d8, dv8)), bool(spec.causal), q.shape[-2], k.shape[-2],
-                                  spec.score, bool(spec.adaptive))
+                                  spec.score, bool(spec.adaptive), kernel=kernel)
     if want is not None:
-        hopper_fwd(want)
+        switch(want)
+
+
+def _choose_fwd_kernel(ext, q, k, spec: AttentionSpec, d8: int, dv8: int) -> None:
+    _choose_kernel(ext, "fwd", q, k, spec, d8, dv8)
 
 
 def hopper_fwd_state(device: Optional[torch.device] = None) -> dict:
@@ -629,6 +634,12 @@ def hopper_fwd_state(device: Optional[torch.device] = None) -> dict:
     ``built``, ``enabled``, ``hits``, ``misses``, ``patches``, ``entries`` (csrc/api.cpp)."""
     ext = _extension(torch.device("cuda") if device is None else torch.device(device))
     return dict(ext.hopper_fwd()) if hasattr(ext, "hopper_fwd") else dict(built=False, enabled=False)
+
+
+def hopper_bwd_state(device: Optional[torch.device] = None) -> dict:
+    """The extension's (or the active emulator's) sm_90a backward switch: ``built``, ``enabled``."""
+    ext = _extension(torch.device("cuda") if device is None else torch.device(device))
+    return dict(ext.hopper_bwd()) if hasattr(ext, "hopper_bwd") else dict(built=False, enabled=False)
 # ---- end of the forward's kernel choice ----
 
 
@@ -662,6 +673,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
         beta, lse_l, ent, dbeta_dh = (t.float().contiguous() for t in temp)
     else:
         beta = lse_l = ent = dbeta_dh = None
+    _choose_kernel(ext, "bwd", q, k, spec, d8, dv8)
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     qp = _prep(qs, d8)
     with _on_device(q.device):
@@ -672,6 +684,8 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
             deterministic=bool(spec.deterministic), stream=_stream(q.device), **_spec_args(spec, scale, sinks),
             **_dropout_args(spec))
         dq = _finish_dq(dq, qp, float(spec.scale))
+    # (B, Hq, plan's num_partials): per query block (two-kernel path), per (key block, warp) (fused,
+    # sm_90a); every slot written, summed by one reduction over a fixed shape (deterministic)
     dparams = tuple(part.sum(dim=(0, 2)) for part in parts)
     dsinks = None if sinks is None else _sinks_grad(sinks, lse, rowstat, temp if spec.adaptive else None)
     return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), dparams, dsinks

@@ -6,11 +6,13 @@ temperature), ``ssa``, ``ssa_adaptive``, ``logit_scale``, ``logit_scale_adaptive
 Implementations (``impl``):
 
 * ``ssa_flash.triton``, ``ssa_flash.cuda``: our backends, through the public functions
-  (``ssa_flash.cuda``: today's CUDA forward, csrc/fwd_kernel.h, the sm_90a warp-specialised one
-  forced off).
-* ``ssa_flash.cuda_ws``: the CUDA backend with the sm_90a warp-specialised forward (csrc/hopper/)
-  forced on (ssa_flash/backends/cuda_fwd_choice.py, ``forced``); forward-only calls the kernel
-  takes (sm_90, padded head dim 64 / 128, an extension built with it); the backward is today's.
+  (``ssa_flash.cuda``: today's CUDA kernels, csrc/fwd_kernel.h and csrc/bwd_kernel.h, the sm_90a
+  warp-specialised ones forced off).
+* ``ssa_flash.cuda_ws``: the CUDA backend with the sm_90a warp-specialised forward and backward
+  (csrc/hopper/) forced on (ssa_flash/backends/cuda_fwd_choice.py, ``forced``), wherever each takes
+  the call (sm_90, padded head dim 64 / 128, an extension built with them; the backward: softmax or
+  SSA, D = Dv): its ``fwd`` rows time the new forward, its ``bwd`` / ``fwd_bwd`` rows the new
+  backward too (the choice table's ``"fwd_bwd"`` rows come from those).
 * ``sdpa.flash``, ``sdpa.efficient``, ``sdpa.cudnn``, ``sdpa.math``: PyTorch SDPA pinned to one
   backend with ``torch.nn.attention.sdpa_kernel`` (softmax only). ``sdpa.flash`` (FlashAttention-2)
   and ``sdpa.cudnn`` (cuDNN's fused attention, what SDPA picks by default on Hopper with a recent
@@ -138,11 +140,11 @@ def availability(impl: str, device: torch.device) -> Optional[str]:
         if why is not None:
             return why
         if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-            return "the warp-specialised forward runs on sm_90 only"
+            return "the warp-specialised kernels run on sm_90 only"
         from ssa_flash.backends import cuda_backend
 
         if not cuda_backend.hopper_fwd_state(device).get("built"):
-            return "the CUDA extension was built without the sm_90a forward (SSA_FLASH_HOPPER_FWD=0)"
+            return "the CUDA extension was built without the sm_90a kernels (SSA_FLASH_HOPPER_FWD=0)"
         return None
     if impl == "ssa_flash.cuda":
         if "cuda" not in ssa_flash.available_backends(device):

@@ -117,10 +117,11 @@ def test_dry_run_rehearsal(tmp_path):
                SMOKE_TRITON_ARGS=f"{sample} -k test_a",
                MATRIX_ARGS="tests/cuda/test_cuda_matrix.py -k 'bf16 and d256'",  # collected, skipped here
                HOPPER_ARGS="tests/cuda/test_hopper_fwd_device.py",  # the sm_90a forward's matrix: skipped here
+               HOPPER_BWD_ARGS="tests/cuda/test_hopper_bwd_device.py",  # the sm_90a backward's: skipped here
                SMOKE_ARGS=f"{sample} -k 'test_b'", SELFCHECK_ARGS="--help",
                RECHECK=str(tmp_path / "recheck.txt"), SUITE=str(sample),
-               **{f"{step}_LIMIT": str(limit) for step in ("BUILD", "HOPPER", "SMOKE", "MATRIX", "SELFCHECK", "DIAG",
-                                                           "RECHECK", "SUITE")})
+               **{f"{step}_LIMIT": str(limit) for step in ("BUILD", "HOPPER", "HOPPER_BWD", "SMOKE", "MATRIX",
+                                                           "SELFCHECK", "DIAG", "RECHECK", "SUITE")})
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("SSA_FLASH_TESTS_JSON", None)
     run = subprocess.run(["bash", os.path.join(ROOT, "bench", "run_gpu.sh"), str(budget)], cwd=ROOT, env=env,
@@ -128,7 +129,7 @@ def test_dry_run_rehearsal(tmp_path):
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
     assert "dry run: nothing built" in (out / "build.log").read_text()
-    for name in ("smoke-triton", "hopper-fwd", "cuda-matrix", "smoke-cuda", "recheck", "suite"):
+    for name in ("smoke-triton", "hopper-fwd", "hopper-bwd", "cuda-matrix", "smoke-cuda", "recheck", "suite"):
         assert (out / f"{name}-tests.json").exists() and (out / f"{name}.log").exists(), name
         assert f"{name}: pytest" in log and f"(limit {limit}s)" in log.split(f"{name}: pytest", 1)[1].split("\n")[0]
     assert "usage: python -m ssa_flash" in (out / "selfcheck.log").read_text()
@@ -142,6 +143,10 @@ def test_dry_run_rehearsal(tmp_path):
     assert log.index("hopper-fwd: pytest") < log.index("cuda-matrix: pytest")
     hopper = json.loads((out / "hopper-fwd-tests.json").read_text())["tests"]
     assert len(hopper) == 13 and all(v["outcome"] == "skipped" for v in hopper.values()), hopper
+    # then the sm_90a backward's (the dispatch beside today's backward, the switch, the routing)
+    assert log.index("hopper-fwd: pytest") < log.index("hopper-bwd: pytest") < log.index("cuda-matrix: pytest")
+    hopper_bwd = json.loads((out / "hopper-bwd-tests.json").read_text())["tests"]
+    assert len(hopper_bwd) == 10 and all(v["outcome"] == "skipped" for v in hopper_bwd.values()), hopper_bwd
 
     # the recheck: the hanging test ended its step at the step's time limit; the test beside it,
     # recorded before the limit, is kept; the run went on

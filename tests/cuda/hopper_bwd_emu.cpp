@@ -12,6 +12,7 @@
 #include <string>
 
 #include "hopper/bwd_launch.h"
+#include "set_params.h"
 
 namespace ssa_flash {
 // (defined by fwd_fp16.cu in the extension)

@@ -1,4 +1,4 @@
-// The sm_90a backward on a GPU, without torch (the binding is not wired yet): random bf16 inputs,
+// The sm_90a backward on a GPU, without torch (its launcher called directly): random bf16 inputs,
 // today's forward for o and lse, then today's fused backward and the Hopper one on the same call;
 // prints the largest differences of dq (the float32 accumulator), dk, dv and the score
 // parameters' gradients (SSA: db, dn, summed over the partials) relative to the largest value,
@@ -17,7 +17,9 @@
 #include <random>
 #include <vector>
 
-#include "hopper/bwd_launch.h"  // (and through it launch_impl.h, set_params.h: today's kernels)
+#include "hopper/bwd_launch.h"
+#include "launch_impl.h"  // today's kernels
+#include "set_params.h"
 
 using namespace ssa_flash;
 

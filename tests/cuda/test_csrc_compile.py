@@ -149,7 +149,8 @@ def _job_table():
              "emulator_sm75": (_build_emulator, ("emu75",), dict(head_dims=(64, 128), sm75=True, extras=False)),
              "emulator_sm70": (_build_emulator, ("emu70",), dict(head_dims=(64, 128, 256), sm70=True, extras=False)),
              "emulator_sm90": (_build_emulator, ("emu90",), dict(head_dims=(64, 128), sm90=True, extras=False))}
-    for name in sorted([cu.name for cu in CU_FILES] + csrc_objects.EXTRAS_UNITS, key=lambda n: not n.startswith("bwd")):
+    for name in sorted([cu.name for cu in CU_FILES] + csrc_objects.EXTRAS_UNITS + csrc_objects.HOPPER_UNITS,
+                       key=lambda n: not n.startswith("bwd")):
         table[name] = None  # csrc_objects.submit
     # sm_70 through the CUDA 12.9 wheels (NVRTC + ptxas), one process per head dim
     for d in NVRTC_HEAD_DIMS:
@@ -168,7 +169,7 @@ def _nvrtc_sm70_in(dir_name, head_dim):
 
 
 def _submit(name):
-    if name.endswith(".cu") or name in csrc_objects.EXTRAS_UNITS:
+    if name.endswith(".cu") or name in csrc_objects.EXTRAS_UNITS or name in csrc_objects.HOPPER_UNITS:
         return csrc_objects.submit(name)
     entry = _job_table()[name]
     return None if entry is None else background.submit(f"csrc.{name}", entry[0], *entry[1], **entry[2])
@@ -185,6 +186,8 @@ def prebuild(items):
             names += CU_UNITS
         if item.originalname == "test_sm70_compiles_with_cuda12_wheels":
             names.append(f"nvrtc_sm70_d{item.callspec.params['head_dim']}")
+        if item.originalname == "test_hopper_units_compile":
+            names.append(item.callspec.params["name"])
         if item.originalname == "test_binding_compiles":
             names.append("api.cpp")
     for name in _job_table():  # in the table's order
@@ -713,7 +716,8 @@ def test_emulated_backward_plan(emu_lib, emu_lib_sm70):
     for score in SCORES:
         assert not emu.plan(256, 256, 100, 130, score, False, False, False)["fused"]
     plan = emu.plan(64, 64, 100, 130, "softmax", True, False, True)
-    assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64}
+    assert plan == {"fused": 1, "num_partials": 12, "stat_rows": 128, "stat_count": 6, "accum_cols": 64,
+                    "hopper": 0}
     # dropout, windows: the two-kernel path (the fused kernel has no code for them: registers)
     assert not any(emu.plan(D, D, 100, 130, score, False, False, False, unfused_features=True)["fused"]
                    for D in (32, 64, 128) for score in SCORES)
@@ -827,6 +831,21 @@ def test_cu_compiles(cu_results, name):
                and not any(_known_spill(sp, known, gpu) for gpu, known in KNOWN_EXTRAS_SPILLS.items())]
     if unknown:  # compiled: only the spill gate is known to fail (SPILL_REGRESSION)
         pytest.xfail(f"{SPILL_REGRESSION}\n{name}: register spills ({' '.join(ARCHS)}):\n" + "\n".join(unknown))
+
+
+@pytest.mark.parametrize("name", csrc_objects.HOPPER_UNITS or ["(sm_90a not compiled)"])
+def test_hopper_units_compile(jobs, name):
+    """The backward unit as a build holding the sm_90a kernels compiles it (-DSSA_FLASH_HOPPER_FWD=1:
+    the dispatch to the sm_90a backward, its host side, the run-time switch; csrc_objects.HOPPER_UNITS),
+    for sm_90a: no errors, no warnings in csrc/, and the sm_90a backward's kernel is in it."""
+    if not csrc_objects.HOPPER_UNITS:
+        pytest.skip("sm_90a not compiled (SSA_FLASH_COMPILE_ARCHS)")
+    rc, output, seconds, _ = jobs[name].result()
+    assert rc == 0, f"nvcc failed on {name} ({seconds:.0f}s):\n{output[-20000:]}"
+    warnings = _own_warnings(output)
+    assert not warnings, f"{name}: compiler warnings in csrc/:\n" + "\n".join(warnings[:50])
+    kernel = "hopper_bwd_kernel" if name.startswith("bwd") else "attn_fwd_ws_kernel"
+    assert re.search(rf"Compiling entry function '\S*{kernel}\S*' for 'sm_90a'", output), f"{kernel} not in {name}"
 
 
 def _known_spill(spill: str, known: dict, arch: str = "") -> bool:

@@ -108,3 +108,82 @@ def test_may_apply(monkeypatch):
     assert cuda_fwd_choice.may_apply()
     monkeypatch.setenv(cuda_fwd_choice.ENV, "1")
     assert not cuda_fwd_choice.may_apply()
+
+
+# ---- the backward's kernel: "fwd_bwd" rows (csrc/hopper/bwd_launch.h) ----
+BWD_ROW = {**ROW, "pass": "fwd_bwd"}
+
+
+def test_backward_rows_concern_the_backward_only(monkeypatch):
+    """A "fwd_bwd" row chooses the sm_90a backward and not the forward; a forward row the
+    forward and not the backward; rows without a pass are forward rows."""
+    monkeypatch.delenv(cuda_fwd_choice.ENV, raising=False)
+    monkeypatch.delenv(cuda_fwd_choice.ENV_BWD, raising=False)
+    args = (H100, "bfloat16", 128, False, 8192, 8192, "ssa", False)
+    bwd_only, fwd_only = _table(BWD_ROW), _table(ROW)
+    assert fwd_only[0].pass_ == "fwd" and bwd_only[0].pass_ == "fwd_bwd"
+    assert cuda_fwd_choice.wanted(*args, table=bwd_only, kernel="bwd") is True
+    assert cuda_fwd_choice.wanted(*args, table=bwd_only, kernel="fwd") is None  # no forward row: leave it
+    assert cuda_fwd_choice.wanted(*args, table=fwd_only, kernel="bwd") is None
+    assert cuda_fwd_choice.wanted(*(H100, "bfloat16", 128, True, 8192, 8192, "ssa", False), table=bwd_only,
+                                  kernel="bwd") is False
+    with pytest.raises(ValueError, match="pass"):
+        _table({**ROW, "pass": "bwd_fwd"})
+    # forced: both kernels, or each as told; the environment variable of each kernel alone
+    with cuda_fwd_choice.forced(True, backward=False):
+        assert cuda_fwd_choice.wanted(*args, table=(), kernel="fwd") is True
+        assert cuda_fwd_choice.wanted(*args, table=(), kernel="bwd") is False
+    with cuda_fwd_choice.forced(False):
+        assert cuda_fwd_choice.wanted(*args, table=bwd_only, kernel="bwd") is False
+    monkeypatch.setenv(cuda_fwd_choice.ENV_BWD, "1")
+    assert cuda_fwd_choice.wanted(*args, table=bwd_only, kernel="bwd") is None
+    assert cuda_fwd_choice.env_setting("bwd") is True and cuda_fwd_choice.env_setting("fwd") is None
+    monkeypatch.setattr(cuda_fwd_choice, "TABLE", bwd_only)
+    assert not cuda_fwd_choice.may_apply("bwd")  # (the extension reads SSA_FLASH_HOPPER_BWD itself)
+    monkeypatch.delenv(cuda_fwd_choice.ENV_BWD)
+    assert cuda_fwd_choice.may_apply("bwd") and not cuda_fwd_choice.may_apply("fwd")
+
+
+class _FakeExtBoth(_FakeExt):
+    def __init__(self):
+        super().__init__()
+        self.bwd_calls = []
+
+    def hopper_bwd(self, on=None):
+        self.bwd_calls.append(on)
+        return dict(built=True, enabled=bool(on))
+
+
+def test_backend_sets_the_backward_switch_from_the_table(monkeypatch):
+    monkeypatch.delenv(cuda_fwd_choice.ENV_BWD, raising=False)
+    q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
+    spec = AttentionSpec(scale=0.1, score="ssa")
+    ext = _FakeExtBoth()
+    monkeypatch.setattr(cuda_fwd_choice, "TABLE", ())
+    cuda_backend._choose_kernel(ext, "bwd", q, q, spec, 128, 128)
+    assert ext.bwd_calls == [] and ext.calls == []
+    monkeypatch.setattr(cuda_fwd_choice, "TABLE", _table(BWD_ROW))
+    cuda_backend._choose_kernel(ext, "bwd", q, q, spec, 128, 128)
+    short = q[:, :, :1024]
+    cuda_backend._choose_kernel(ext, "bwd", short, short, spec, 128, 128)
+    cuda_backend._choose_fwd_kernel(ext, q, q, spec, 128, 128)  # (no forward row)
+    assert ext.bwd_calls == [True, False] and ext.calls == []
+
+
+def test_forced_reaches_autograds_thread(monkeypatch):
+    """A CUDA tensor's backward runs on autograd's device thread: forced() in the caller's thread
+    must reach it (a thread-local choice alone would leave the backward's switch unforced)."""
+    import threading
+
+    monkeypatch.delenv(cuda_fwd_choice.ENV_BWD, raising=False)
+    args = (H100, "bfloat16", 128, False, 8192, 8192, "ssa", False)
+    seen = []
+    worker = lambda: seen.append(cuda_fwd_choice.wanted(*args, table=(), kernel="bwd"))  # noqa: E731
+    with cuda_fwd_choice.forced(False, backward=True):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [True, None]

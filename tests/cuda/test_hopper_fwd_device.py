@@ -12,11 +12,10 @@ sm_90 GPU whose extension lacks it. bench/run_gpu.sh runs it first ("hopper-fwd"
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+import hopper_device
 import hopper_fwd_cases
 from attn_testing import compare
 
@@ -25,26 +24,7 @@ pytestmark = pytest.mark.cuda
 
 def _state():
     """The extension's switch and cache (skips without an sm_90 GPU or the kernel in the build)."""
-    import ssa_flash
-
-    if not torch.cuda.is_available():
-        pytest.skip("GPU only (the CPU emulation: test_hopper_fwd_emulated.py)")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised forward runs on sm_90 only")
-    if not ssa_flash.cuda.is_available():
-        reason = f"CUDA backend unavailable: {ssa_flash.cuda.unavailable_reason(torch.device('cuda'))}"
-        if os.environ.get("SSA_FLASH_REQUIRE_CUDA") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    from ssa_flash.backends import cuda_backend
-
-    state = cuda_backend.hopper_fwd_state()
-    if not state.get("built"):
-        why = "the extension was built without the sm_90a forward (SSA_FLASH_HOPPER_FWD=0 at compile time)"
-        if os.environ.get("SSA_FLASH_REQUIRE_CUDA") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return state
+    return hopper_device.require("fwd")
 
 
 def _inputs(dtype, B, H, Hkv, Lq, Lk, D, Dv, score, seed):

@@ -35,7 +35,7 @@ import torch
 import background
 import hopper_fwd_cases
 from attn_testing import FLOORS, fa_tolerance_check
-from emulation import build_test_library, harness
+from emulation import build_test_library, harness, hopper_backend_job
 from ssa_flash import scores
 
 pytestmark = pytest.mark.slow  # (builds)
@@ -72,20 +72,10 @@ def _build_cubin():
     return Path(built["cubin"]).read_bytes(), built["log"], sass
 
 
-def _build_backend_emu():
-    """The CUDA backend's emulator (tests/emu_harness.py) for sm_90a with the Hopper forward on,
-    head dims 64 and 128, no soft-capping / sink instances: (library, None) or (None, why)."""
-    h = harness()
-    if h.cuda_include_dir() is None:
-        return None, "CUDA headers (cuda_fp16.h) not found"
-    return h.build(background.tmpdir("hopper_fwd_backend_emu"), head_dims=(64, 128), sm90=True, extras=False,
-                   hopper_fwd=True), None
-
-
 def prebuild(items):
     names = {f for item in items for f in item.fixturenames}
     if "backend_emu" in names:
-        background.submit("hopper_fwd.backend_emu", _build_backend_emu)
+        hopper_backend_job()
     if "emu" in names:
         background.submit("hopper_fwd.emu", _build_emu)
     if "cubin" in names:
@@ -110,7 +100,7 @@ def emu():
 
 @pytest.fixture(scope="module")
 def backend_emu():
-    lib, why = background.submit("hopper_fwd.backend_emu", _build_backend_emu).result()
+    lib, why = hopper_backend_job().result()
     if lib is None:
         pytest.skip(why)
     emu = harness().Emulator(lib)
