@@ -14,8 +14,16 @@ namespace hopper {
 // Deliberately broken variants, for the tests only (tests/cuda/test_hopper_fwd_emulated.py: the
 // emulation must report each as an error or wrong results): a consumer that reads V without
 // waiting for its full barrier, one that waits on K's full barrier with the wrong phase bit, one
-// that frees a stage as soon as its V has landed, before its P V GEMM (which reads V) is issued.
-enum FwdFault : int { kFaultNone = 0, kFaultNoVWait, kFaultWrongKPhase, kFaultEarlyRelease, kFaults };
+// that frees a stage as soon as its V has landed, before its P V GEMM (which reads V) is issued,
+// and an epilogue whose storing thread exits without waiting for its TMA store to read the O tile.
+enum FwdFault : int {
+  kFaultNone = 0,
+  kFaultNoVWait,
+  kFaultWrongKPhase,
+  kFaultEarlyRelease,
+  kFaultNoStoreWait,
+  kFaults
+};
 
 template <int kHeadDim_, typename Elem_, typename Mufu_ = MufuAll, int kFault_ = kFaultNone>
 struct WsFwdTraits {

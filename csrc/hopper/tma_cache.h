@@ -157,7 +157,7 @@ inline std::string patch_tma_address(TmaDesc* map, const void* base) {
 }
 
 // ---- the cache ------------------------------------------------------------------------------
-constexpr int kTmaCacheEntries = 16;  // 3 maps a call: 5 distinct (shape, dtype) calls before any replacement
+constexpr int kTmaCacheEntries = 16;  // 4 maps a forward call: 4 distinct (shape, dtype) calls before any replacement
 
 struct TmaCacheStats {
   long hits = 0;     // a map found (its address patched or already right)
@@ -167,7 +167,7 @@ struct TmaCacheStats {
 
 class TmaMapCache {
  public:
-  // The map of `spec` (element type bf16 or float16) for operand `role` (0 q, 1 k, 2 v: K and V
+  // The map of `spec` (element type bf16 or float16) for operand `role` (0 q, 1 k, 2 v, 3 o: K and V
   // maps of the same layout are kept apart, so that a call patches neither when its tensors are
   // those of the last call) into *out: from the cache, its address patched where it differs, or
   // encoded and kept. An error message, or "".

@@ -5,7 +5,8 @@ warpgroups in ping-pong, the next S issued before the current block's transform)
    against a float64 reference under FlashAttention's error rule (tests/attn_testing.py), over
    every score function (softmax, SSA, logit scale) with and without a given adaptive temperature
    beta, causal or not, GQA, ragged and unequal lengths, D 64 / 128, float16 / bfloat16, TMA loads
-   and wgmma at issue or at their wait ("lazy"), threads in order or shuffled; bitwise the same
+   and wgmma and the epilogue's TMA store at issue or at their wait ("lazy"), threads in order or
+   shuffled, the store clipped to the output (nothing written outside it); bitwise the same
    results in every mode and schedule; the MUFU budgets (a share of ex2 / lg2 on the FMA pipe);
    deliberately broken variants (a V read without its wait, K waited on with the wrong phase, a
    stage freed before its P V GEMM read it) reported as errors or wrong results; and through the
@@ -14,7 +15,9 @@ warpgroups in ping-pong, the next S issued before the current block's transform)
    from today's row-entropy pass) and today's kernel for a masked call.
 2. Compiled with nvcc for sm_90a (csrc/hopper/fwd_instances.cu): TMA loads (UTMALDG), the register
    split (USETMAXREG 24 / 240), HGMMA with the overlap (a wgmma.wait_group 1: this block's S is
-   waited for while the previous block's O += P V runs on), no spills (ptxas -v); and the static
+   waited for while the previous block's O += P V runs on), the epilogue's TMA store (UTMASTG after
+   the shared-memory writes, the async-proxy fence and the warpgroup's barrier; no global store of
+   O), no spills (ptxas -v); and the static
    model (ssa_flash/audit/hopper.py) reads every instance, its figures those committed.
 
 Builds (background, on 2 cores): the test library 2-4 minutes, the backend emulator ~3, nvcc ~2;
@@ -44,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[1] / "csrc"
 NVCC = shutil.which("nvcc")
 SCORE_IDS = {f.name: f.id for f in scores.SCORES.values()}
-FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE = 1, 2, 3  # fwd_traits.h FwdFault
+FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE, FAULT_NO_STORE_WAIT = 1, 2, 3, 4  # fwd_traits.h FwdFault
 MUFU_EX2_QUARTER, MUFU_LG2_QUARTER, MUFU_HALF_BOTH = 1, 2, 3  # hopper_fwd_emu.cpp MufuOf
 
 
@@ -156,11 +159,13 @@ def _inputs(dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, seed, negative_n=F
     return q, k, v, params, beta
 
 
-def _run(emu, q, k, v, score, params, beta, causal, scale, mufu=0, fault=0, lazy=False, seed=1):
-    """(error or "", out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) float32)."""
+def _run(emu, q, k, v, score, params, beta, causal, scale, mufu=0, fault=0, lazy=False, seed=1, o=None):
+    """(error or "", out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) float32). ``o``: the output
+    tensor to write (a view of any 16-byte aligned strides), NaN-filled here if not given."""
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    o = torch.full((B, H, Lq, Dv), float("nan"), dtype=q.dtype)
+    if o is None:
+        o = torch.full((B, H, Lq, Dv), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, Lq), float("nan"))
     strides = torch.tensor([*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3]], dtype=torch.int64)
     p0 = params[0].float().contiguous() if len(params) > 0 else None
@@ -286,12 +291,46 @@ def test_fast_math_poly(emu):
     assert worst < 5e-7, worst
 
 
-@pytest.mark.parametrize("fault", [FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE])
+def test_hopper_fwd_store_clips_to_the_output(emu):
+    """The epilogue's TMA store writes O and nothing else: O a (B, L, H, D) view (packed rows: row
+    Lq of one head is the next batch element's row 0 in memory) inside a larger buffer with a gap
+    after each row's Dv columns and Lq rows of padding, odd Lq (the last 64-row box mostly outside
+    the tensor, one box wholly outside), Dv 48 of the padded 64 (the store's box clipped in columns):
+    every element outside the view keeps its sentinel, and the view passes the reference."""
+    B, H, Lq, Lk, D, Dv = 2, 2, 77, 150, 64, 48
+    q, k, v, params, beta = _inputs(FP16, B, H, H, Lq, Lk, D, Dv, "ssa", False, 21, transposed=True)
+    sentinel = 1234.0
+    buf = torch.full((B, Lq + 9, H, Dv + 16), sentinel, dtype=FP16)  # (B, L, H, D) memory, row stride 16-aligned
+    o = buf[:, :Lq, :, :Dv].transpose(1, 2)
+    err, out, lse = _run(emu, q, k, v, "ssa", params, beta, True, D ** -0.5, lazy=True, seed=4, o=o)
+    assert err == "", err
+    inside = torch.zeros(buf.shape, dtype=torch.bool)
+    inside[:, :Lq, :, :Dv] = True
+    assert bool((buf[~inside] == sentinel).all()), "the store wrote outside O"
+    naive = _reference(q, k, v, "ssa", params, beta, True, D ** -0.5, FP16)
+    gold = _reference(q, k, v, "ssa", params, beta, True, D ** -0.5, torch.float64)
+    fa_tolerance_check("out", out, naive[0], gold[0], FLOORS[FP16])
+
+
+def test_hopper_fwd_declines_what_tma_cannot_address(emu):
+    """An output (or input) whose address or row stride is not 16-byte aligned is declined
+    (fwd_ws_declines: today's kernel takes it), never handed to a tensor map."""
+    q, k, v, params, beta = _inputs(FP16, 1, 2, 2, 40, 50, 64, 64, "softmax", False, 0)
+    buf = torch.zeros(1, 2, 40, 72, dtype=FP16)
+    err, _, _ = _run(emu, q, k, v, "softmax", params, beta, False, 0.125, o=buf[..., 1:65])  # address + 2 bytes
+    assert err.startswith("declined:") and "16-byte" in err, err
+    err, _, _ = _run(emu, q, k, v, "softmax", params, beta, False, 0.125,
+                     o=torch.zeros(1, 2, 40, 68, dtype=FP16)[..., :64])  # a row stride of 68 elements
+    assert err.startswith("declined:") and "16-byte" in err, err
+
+
+@pytest.mark.parametrize("fault", [FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE, FAULT_NO_STORE_WAIT])
 def test_hopper_fwd_faults_are_reported(emu, fault):
     """Each broken variant gives an emulator error or a wrong result in at least one of the two
     legal copy orders (softmax, bfloat16, D 64, 5 key blocks through the 3-stage ring), as the
     hardware may land copies either way: a V read without its wait shows when V lands late (lazy),
-    a stage freed early when the next load lands at once (eager)."""
+    a stage freed early when the next load lands at once (eager), a storing thread that exits
+    before its TMA store has read the O tile in both."""
     q, k, v, params, beta = _inputs(BF16, 1, 2, 2, 128, 640, 64, 64, "softmax", False, 0)
     shown = []
     for lazy in (False, True):
@@ -371,25 +410,31 @@ def test_hopper_fwd_run_time_switch(backend_emu):
 def test_hopper_fwd_tensor_map_cache(backend_emu):
     """The launcher's tensor maps (csrc/hopper/tma_cache.h): encoded once per (operand, shape,
     dtype), reused with the address patched for new tensors of that shape, left alone for the same
-    tensors; bounded (16 entries)."""
+    tensors; bounded (16 entries, replaced round-robin). Four maps a call: q, k, v and the output
+    (a fresh tensor each call: its map is patched unless the allocator hands back the same memory)."""
     from attn_testing import make_qkv
 
     stats = backend_emu.tma_cache(clear=True)
     assert stats == dict(hits=0, misses=0, patches=0, entries=0)
     first = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=80, D=64)
     _backend_softmax(backend_emu, *first)
-    assert backend_emu.tma_cache() == dict(hits=0, misses=3, patches=0, entries=3)  # q, k, v encoded
-    _backend_softmax(backend_emu, *first)  # the same tensors: hits, nothing patched
-    assert backend_emu.tma_cache() == dict(hits=3, misses=3, patches=0, entries=3)
+    assert backend_emu.tma_cache() == dict(hits=0, misses=4, patches=0, entries=4)  # q, k, v, o encoded
+    _backend_softmax(backend_emu, *first)  # the same inputs: hits, their maps not patched
+    stats = backend_emu.tma_cache()
+    assert (stats["hits"], stats["misses"], stats["entries"]) == (4, 4, 4) and stats["patches"] <= 1, stats
+    patched = stats["patches"]
     second = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=80, D=64, seed=1)  # (first alive)
     _backend_softmax(backend_emu, *second)
-    assert backend_emu.tma_cache() == dict(hits=6, misses=3, patches=3, entries=3)
+    stats = backend_emu.tma_cache()
+    assert (stats["hits"], stats["misses"]) == (8, 4) and stats["patches"] - patched in (3, 4), stats
     _backend_softmax(backend_emu, *[t.to(BF16) for t in second])  # another dtype: new maps
-    assert backend_emu.tma_cache()["misses"] == 6
-    for lk in (16, 32, 48, 96, 112, 144):  # new K / V shapes (q's map reused): 18 maps, 16 kept
+    assert backend_emu.tma_cache()["misses"] == 8
+    # new K / V shapes: 12 maps; the 16 entries fill, and the round-robin replacement evicts the
+    # first shape's q and o maps, encoded again when next asked for: 22 misses in all
+    for lk in (16, 32, 48, 96, 112, 144):
         _backend_softmax(backend_emu, *make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=lk, D=64))
     stats = backend_emu.tma_cache()
-    assert stats["misses"] == 18 and stats["entries"] == 16
+    assert stats["misses"] == 22 and stats["entries"] == 16
     # a patched map reads the new tensors: the result is second's, not first's
     out = _backend_softmax(backend_emu, *second)
     from ssa_flash import reference
@@ -427,6 +472,18 @@ def test_hopper_fwd_sass(cubin):
         # still running) between the issue of both and the transform
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text, f"{name}: no wgmma.wait_group 1"
         assert re.search(r"HGMMA\.64x128x16\.F32\.BF16", text), f"{name}: no 64x128 S wgmma"
+        # the epilogue: O written to shared memory (STS), fenced for the async proxy, the
+        # warpgroup's barrier, one TMA store per 64-column panel, then the wait for its reads;
+        # the only global stores left are the LSE's (one per row of the thread's two)
+        d = int(re.search(r"WsFwdTraitsILi(\d+)E", name).group(1))
+        assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == d // 64, f"{name}: one TMA store per panel"
+        assert len(re.findall(r"\bSTG\.", text)) == 2, f"{name}: global stores besides the LSE's"
+        first_store = text.index("UTMASTG")
+        between = text[text[:first_store].rindex("STS"):first_store]  # from the last shared store
+        fence, bar = between.find("FENCE.VIEW.ASYNC.S"), between.find("BAR.SYNC")
+        assert 0 < fence < bar, f"{name}: the last STS, fence.proxy.async, bar.sync, then the TMA store"
+        assert re.search(r"UTMACMDFLUSH.*\n(?:.*\n)*?.*DEPBAR\.LE SB0, 0x0", text[first_store:]), \
+            f"{name}: the store's bulk group committed and waited for"
 
 
 def test_hopper_fwd_static_model(cubin):
