@@ -838,12 +838,12 @@ inline void mbar_init(uint64_t* bar, uint32_t count) {
 
 inline void fence_mbar_init() {}
 
-// The copy itself: box element (i0, i1, i2) from global coordinates coord + i (zeros outside the
-// tensor, as the hardware fills them) to the destination in box order; with the 128-byte swizzle
-// the 16-byte chunk index of the shared address (bits 4-6) is XORed with bits 7-9.
-inline void tma_perform(const TmaCopy& c) {
-  const uint32_t dst0 = smem_u32(c.dst);
-  char* const win = reinterpret_cast<char*>(ssa_flash::smem_raw);
+// f(shared-memory bytes of box element i, its global coordinates coord + i, whether they are inside
+// the tensor) for every element of the box, in box order; with the 128-byte swizzle the 16-byte
+// chunk index of the shared address (bits 4-6) is XORed with bits 7-9.
+template <typename F>
+inline void tma_box_walk(const TmaCopy& c, F&& f) {
+  const uint32_t s0 = smem_u32(c.dst);
   for (int i3 = 0; i3 < c.box[3]; ++i3)
   for (int i2 = 0; i2 < c.box[2]; ++i2)
     for (int i1 = 0; i1 < c.box[1]; ++i1)
@@ -852,17 +852,25 @@ inline void tma_perform(const TmaCopy& c) {
                               static_cast<int64_t>(c.coord[2]) + i2, static_cast<int64_t>(c.coord[3]) + i3};
         bool inside = true;
         for (int d = 0; d < c.rank; ++d) inside = inside && g[d] >= 0 && g[d] < c.dims[d];
-        uint32_t a = dst0 + static_cast<uint32_t>((((i3 * c.box[2] + i2) * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
+        uint32_t a = s0 + static_cast<uint32_t>((((i3 * c.box[2] + i2) * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
         if (c.swizzle_bytes == 128) a ^= ((a >> 7) & 7u) << 4;
-        char* out = win + (a - kSmemWindowBase);
-        if (inside) {
-          const char* src = c.base + g[0] * c.elem_bytes;
-          for (int d = 1; d < c.rank; ++d) src += g[d] * c.strides[d];
-          std::memcpy(out, src, c.elem_bytes);
-        } else {
-          std::memset(out, 0, c.elem_bytes);
-        }
+        f(reinterpret_cast<char*>(ssa_flash::smem_raw) + (a - kSmemWindowBase), g, inside);
       }
+}
+
+// The global address of element g of the copy's tensor.
+inline char* tma_global(const TmaCopy& c, const int64_t (&g)[4]) {
+  char* at = const_cast<char*>(c.base) + g[0] * c.elem_bytes;
+  for (int d = 1; d < c.rank; ++d) at += g[d] * c.strides[d];
+  return at;
+}
+
+// A load: the box from the tensor (zeros outside it, as the hardware fills them) to shared memory.
+inline void tma_perform(const TmaCopy& c) {
+  tma_box_walk(c, [&](char* sm, const int64_t (&g)[4], bool inside) {
+    if (inside) std::memcpy(sm, tma_global(c, g), c.elem_bytes);
+    else std::memset(sm, 0, c.elem_bytes);
+  });
 }
 
 // The phase completes when no arrival is pending and the transaction count is zero: the next
@@ -976,23 +984,9 @@ inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, 
 // The store itself: box element i from the shared source (the layout as tma_perform's) to global
 // coordinates coord + i, the elements outside the tensor not written.
 inline void tma_store_perform(const TmaCopy& c) {
-  const uint32_t src0 = smem_u32(c.dst);
-  const char* const win = reinterpret_cast<const char*>(ssa_flash::smem_raw);
-  for (int i3 = 0; i3 < c.box[3]; ++i3)
-  for (int i2 = 0; i2 < c.box[2]; ++i2)
-    for (int i1 = 0; i1 < c.box[1]; ++i1)
-      for (int i0 = 0; i0 < c.box[0]; ++i0) {
-        const int64_t g[4] = {static_cast<int64_t>(c.coord[0]) + i0, static_cast<int64_t>(c.coord[1]) + i1,
-                              static_cast<int64_t>(c.coord[2]) + i2, static_cast<int64_t>(c.coord[3]) + i3};
-        bool inside = true;
-        for (int d = 0; d < c.rank; ++d) inside = inside && g[d] >= 0 && g[d] < c.dims[d];
-        if (!inside) continue;
-        uint32_t a = src0 + static_cast<uint32_t>((((i3 * c.box[2] + i2) * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
-        if (c.swizzle_bytes == 128) a ^= ((a >> 7) & 7u) << 4;
-        char* out = const_cast<char*>(c.base) + g[0] * c.elem_bytes;
-        for (int d = 1; d < c.rank; ++d) out += g[d] * c.strides[d];
-        std::memcpy(out, win + (a - kSmemWindowBase), c.elem_bytes);
-      }
+  tma_box_walk(c, [&](const char* sm, const int64_t (&g)[4], bool inside) {
+    if (inside) std::memcpy(tma_global(c, g), sm, c.elem_bytes);
+  });
 }
 
 // cp.async.bulk.tensor.{4}d.global.shared::cta.tile.bulk_group: the box of shared memory at `src`

@@ -45,22 +45,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
   const int m0 = tile.block * Tr::kBlockM;
   const FwdKeyBlocks kb = fwd_key_blocks(p, m0, Tr::kBlockM, Tr::kBlockN);
 
-  if (threadIdx.x == 0) {
-    ss.q_full.init();
-    ss.ring.init(Tr::kConsumerThreads);
-    fence_mbar_init();
-  }
-  __syncthreads();
-
-  const int wg = warpgroup_idx();
-  if (wg == 0) {
-    setmaxnreg_dec<Tr::kProducerRegs>();
-    if (warp_idx_in_warpgroup() == 0 && elect_one()) fwd_produce<Tr>(hp, ss, tile, m0, kb);
-    return;
-  }
-
-  setmaxnreg_inc<Tr::kConsumerRegs>();
-  const int c = wg - 1;
+  if (!ws_start<Tr>(ss, [&] { fwd_produce<Tr>(hp, ss, tile, m0, kb); })) return;
+  const int c = warpgroup_idx() - 1;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   LogitCtx ctx = Score::template setup<false>(p, tile.batch, tile.head);
   const bool negate_q = Score::nonneg(ctx);

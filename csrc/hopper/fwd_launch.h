@@ -1,7 +1,9 @@
-// Host side of the sm_90a warp-specialised forward (fwd_kernel.h): which calls it takes
-// (fwd_ws_declines, the one decision; launch_impl.h run_fwd asks it), the TMA tensor maps of a
-// call (fwd_tma_specs: what cuTensorMapEncodeTiled takes; in the CPU emulation TmaDesc is that
-// spec itself), the grid, shared memory and launch (run_fwd_ws). No torch here.
+// Host side of the sm_90a warp-specialised forward (fwd_kernel.h) and of its row-entropy pass
+// (fwd_row_entropy.h, the adaptive temperature's first pass): which calls they take
+// (fwd_ws_declines / row_entropy_ws_declines, the one decision each; launch_impl.h run_fwd and
+// run_row_entropy ask them), the TMA tensor maps of a call (fwd_tma_specs: what
+// cuTensorMapEncodeTiled takes; in the CPU emulation TmaDesc is that spec itself), the grid,
+// shared memory and launch (run_fwd_ws, run_row_entropy_ws). No torch here.
 //
 // SSA_FLASH_HOPPER_FWD (launch_kernel.h, default 0): whether builds hold the kernel and the
 // dispatch may pick it; off until it has passed on a GPU (docs/cuda.md): the emulation and the
@@ -24,6 +26,7 @@
 #include "../params.h"
 #include "fwd_kernel.h"
 #include "fwd_params.h"
+#include "fwd_row_entropy.h"
 #include "fwd_traits.h"
 #include "tma_cache.h"
 #include "tile_scheduler.h"
@@ -40,7 +43,7 @@ inline bool tma_operand_ok(const void* base, const int64_t (&strides)[3], const 
   return true;
 }
 
-// What the warp-specialised kernels decline (the call then runs
+// What the warp-specialised forward and row-entropy pass both decline (the call then runs
 // csrc/fwd_kernel.h): padded head dim d not 64 / 128 (40..64, 104..128 pad to them), masks,
 // dropout, windows, sinks, soft-capping (compile-time features of today's kernels only), a grid
 // too large, and a Q or K that TMA cannot read (16-byte aligned address and strides).
@@ -71,6 +74,12 @@ inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
   if (!tma_operand_ok(p.v, {p.v_sm, p.v_sh, p.v_sb}, k_ext) || !tma_operand_ok(p.o, {p.o_sm, p.o_sh, p.o_sb}, q_ext))
     return "an operand's address or strides are not 16-byte aligned (TMA)";
   return nullptr;
+}
+
+// nullptr if the warp-specialised row-entropy pass (fwd_row_entropy.h) takes the adaptive
+// temperature's first pass (p as set_params.h row_entropy_params: Q and K only), else why not.
+inline const char* row_entropy_ws_declines(const FwdParams& p, int arch) {
+  return ws_declines_common(p, arch, padded_head_dim(p.dim));
 }
 
 // The rank-4 (head dim, rows, head, batch) view of a (B, H, L, D) tensor of 16-bit elements with
@@ -180,6 +189,42 @@ std::string run_fwd_ws_budget(const FwdParams& p, int budget, cudaStream_t strea
   }
   (void)p; (void)budget; (void)stream;
   return std::string();
+}
+
+// The row-entropy pass at padded head dim kD: Q's and K's maps (the forward's: the same cache
+// entries), the (Score) instance.
+template <typename T, int kD>
+std::string run_row_entropy_ws_hdim(const FwdParams& p, int score, cudaStream_t stream) {
+  using Tr = WsRowEntropyTraits<kD, T>;
+  HopperFwdParams hp{};
+  hp.p = p;
+  constexpr bool kBf16 = ElemInfo<T>::kIsBF16;
+  TmaMapCache& cache = tma_cache();
+  std::string err = cache.get(0, tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb,
+                                               Tr::kBlockM), kBf16, &hp.tma_q);
+  if (err.empty())
+    err = cache.get(1, tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN),
+                    kBf16, &hp.tma_k);
+  if (!err.empty()) return err;
+  auto kernel = score_switch(score, [](auto S) { return &attn_row_entropy_ws_kernel<Tr, decltype(S)>; });
+  return detail::launch<T>(kernel, "attn_row_entropy_ws_kernel", fwd_ws_grid<Tr>(p), Tr::kThreads,
+                           ws_row_entropy_smem_bytes<Tr>(), stream, hp);
+}
+
+// The call row_entropy_ws_declines took.
+template <typename T>
+std::string run_row_entropy_ws(const FwdParams& p, int score, cudaStream_t stream) {
+  if constexpr (SSA_FLASH_HOPPER_FWD) {
+    const int d = padded_head_dim(p.dim);
+    if constexpr (SSA_FLASH_HEAD_DIM_64)
+      if (d == 64) return run_row_entropy_ws_hdim<T, 64>(p, score, stream);
+    if constexpr (SSA_FLASH_HEAD_DIM_128)
+      if (d == 128) return run_row_entropy_ws_hdim<T, 128>(p, score, stream);
+    return "attn_row_entropy_ws_kernel: head dim " + std::to_string(d) + " not taken";
+  } else {
+    (void)p; (void)score; (void)stream;
+    return "attn_row_entropy_ws_kernel: not in this build (SSA_FLASH_HOPPER_FWD=0)";
+  }
 }
 
 // The call fwd_ws_declines took (padded head dim 64 or 128).

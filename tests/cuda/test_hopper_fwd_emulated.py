@@ -9,10 +9,12 @@ warpgroups in ping-pong, the next S issued before the current block's transform)
    shuffled, the store clipped to the output (nothing written outside it); bitwise the same
    results in every mode and schedule; the MUFU budgets (a share of ex2 / lg2 on the FMA pipe);
    deliberately broken variants (a V read without its wait, K waited on with the wrong phase, a
-   stage freed before its P V GEMM read it) reported as errors or wrong results; and through the
-   CUDA backend's own glue (the sm_90a emulator built with SSA_FLASH_HOPPER_FWD=1): the dispatch
-   picks the warp-specialised forward where it takes the call (the adaptive temperature's beta
-   from today's row-entropy pass) and today's kernel for a masked call.
+   stage freed before its P V GEMM read it, a store not waited for) reported as errors or wrong
+   results; the adaptive temperature's row-entropy pass on the same structure (entropy and LSE
+   against the float64 reference and today's attn_row_entropy_kernel, bitwise
+   schedule-independent); and through the CUDA backend's own glue (the sm_90a emulator built with
+   SSA_FLASH_HOPPER_FWD=1): the dispatch picks the warp-specialised forward and row-entropy pass
+   where they take the call and today's kernel for a masked call.
 2. Compiled with nvcc for sm_90a (csrc/hopper/fwd_instances.cu): TMA loads (UTMALDG), the register
    split (USETMAXREG 24 / 240), HGMMA with the overlap (a wgmma.wait_group 1: this block's S is
    waited for while the previous block's O += P V runs on), the epilogue's TMA store (UTMASTG after
@@ -105,6 +107,9 @@ def emu():
     P, I = ctypes.c_void_p, ctypes.c_int
     dll.hopper_fwd_run.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, ctypes.c_float, I, P,
                                    I, ctypes.c_uint]
+    dll.hopper_row_entropy_run.restype = ctypes.c_char_p
+    dll.hopper_row_entropy_run.argtypes = [I, I, I, P, P, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, I, P, I,
+                                           ctypes.c_uint]
     for name in ("hopper_ex2_poly", "hopper_lg2_poly"):
         getattr(dll, name).restype = ctypes.c_float
         getattr(dll, name).argtypes = [ctypes.c_float]
@@ -350,7 +355,8 @@ def test_hopper_fwd_faults_are_reported(emu, fault):
 ])
 def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
     """ssa_flash's functions with backend="cuda" on the sm_90a emulator with the Hopper forward on:
-    out and LSE pass FlashAttention's rule, and the warp-specialised kernel is what ran."""
+    out and LSE pass FlashAttention's rule, and the warp-specialised kernels are what ran (the
+    adaptive temperature's row-entropy pass included)."""
     import ssa_flash
     from attn_testing import call, compare, head_params, make_qkv
     from ssa_flash import reference
@@ -359,9 +365,14 @@ def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
     b, n = head_params(q.shape[1], device="cpu") if mode.startswith("ssa") else (None, None)
     b, n = (None, None) if b is None else (b.detach(), n.detach())
     before = backend_emu.launches("attn_fwd_ws_kernel")
+    before_h, before_h_old = backend_emu.launches("attn_row_entropy_ws_kernel"), backend_emu.launches("attn_row_entropy_kernel")
     with ssa_flash.cuda.emulated(backend_emu):
         ours = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend="cuda", **kw)
     assert backend_emu.launches("attn_fwd_ws_kernel") == before + 1
+    # the adaptive temperature's first pass on the warp-specialised structure too, never today's
+    adaptive = "adaptive" in mode
+    assert backend_emu.launches("attn_row_entropy_ws_kernel") == before_h + int(adaptive)
+    assert backend_emu.launches("attn_row_entropy_kernel") == before_h_old
     naive = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
     d = lambda t: None if t is None else t.double()  # noqa: E731
     gold = call(reference, mode, d(q), d(k), d(v), d(b), d(n), return_lse=True, **kw)
@@ -443,6 +454,97 @@ def test_hopper_fwd_tensor_map_cache(backend_emu):
 
 
 # ------------------------------------------------------------------------------------------
+# the row-entropy pass (csrc/hopper/fwd_row_entropy.h)
+
+def _run_entropy(emu, q, k, score, params, causal, scale, todays=False, lazy=False, seed=1):
+    """(error or "", entropy (B, H, Lq), lse (B, H, Lq)) of the warp-specialised pass, or of
+    today's attn_row_entropy_kernel (``todays``)."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    ent = torch.full((B, H, Lq), float("nan"))
+    lse = torch.full((B, H, Lq), float("nan"))
+    strides = torch.tensor([*q.stride()[:3], *k.stride()[:3]], dtype=torch.int64)
+    p0 = params[0].float().contiguous() if len(params) > 0 else None
+    p1 = params[1].float().contiguous() if len(params) > 1 else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    err = emu.hopper_row_entropy_run(int(q.dtype == torch.bfloat16), SCORE_IDS[score], int(todays), ptr(q), ptr(k),
+                                     ptr(ent), ptr(lse), ptr(p0), ptr(p1), B, H, Hkv, Lq, Lk, D, scale, int(causal),
+                                     ptr(strides), int(lazy), seed)
+    return err.decode(), ent, lse
+
+
+def _entropy_reference(q, k, score, params, causal, scale, dtype):
+    """(entropy, lse) of softmax(phi(scale q k^T)) per row, the matmul in ``dtype``; an empty row:
+    entropy 0, lse -inf."""
+    q, k = q.to(dtype), k.to(dtype)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    z = (q @ k.transpose(-1, -2)).to(acc) * scale
+    l = scores.SCORES[score].phi(z, *[p.to(acc).view(-1, 1, 1) for p in params])
+    if causal:
+        l = l.masked_fill(~torch.ones(z.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(l, -1)
+    w = torch.softmax(l, -1)
+    ent = -(w * torch.where(w > 0, torch.log(w), 0)).nan_to_num().sum(-1)
+    return ent, lse
+
+
+_ENTROPY_CASES = [  # (score, dtype, B, H, Hkv, Lq, Lk, D, causal)
+    ("softmax", BF16, 1, 2, 2, 128, 128, 64, True),
+    ("ssa", FP16, 1, 2, 1, 200, 333, 128, False),
+    ("logit_scale", BF16, 2, 4, 1, 77, 260, 64, True),
+    ("ssa", BF16, 1, 2, 2, 300, 130, 120, True),
+    ("softmax", FP16, 1, 2, 1, 129, 600, 64, False),
+    ("logit_scale", FP16, 1, 2, 2, 256, 384, 128, False),
+]
+
+
+@pytest.mark.parametrize("score,dtype,B,H,Hkv,Lq,Lk,D,causal", _ENTROPY_CASES)
+def test_hopper_row_entropy_matches_reference(emu, score, dtype, B, H, Hkv, Lq, Lk, D, causal):
+    """The warp-specialised row-entropy pass: entropy and LSE per row against the float64
+    reference under FlashAttention's rule (ragged ends, causal, GQA, Lq != Lk both ways, D 64 / 128
+    padded, more key blocks than ring stages); bfloat16 cases also against today's kernel in the
+    same emulation (the same maths in another thread layout and block order: equal to float32
+    rounding)."""
+    q, k, _, params, _ = _inputs(dtype, B, H, Hkv, Lq, Lk, D, D, score, False, Lq + Lk)
+    scale = D ** -0.5
+    err, ent, lse = _run_entropy(emu, q, k, score, params, causal, scale, lazy=bool(Lk % 2), seed=Lq)
+    assert err == "", err
+    naive = _entropy_reference(q, k, score, params, causal, scale, dtype)
+    gold = _entropy_reference(q, k, score, params, causal, scale, torch.float64)
+    fa_tolerance_check("entropy", ent, naive[0], gold[0], FLOORS[dtype])
+    fa_tolerance_check("lse", lse, naive[1], gold[1], FLOORS[dtype])
+    if dtype == BF16:
+        err, ent_t, lse_t = _run_entropy(emu, q, k, score, params, causal, scale, todays=True)
+        assert err == "", err
+        torch.testing.assert_close(ent, ent_t, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, lse_t, atol=2e-5, rtol=2e-5)
+
+
+def test_hopper_row_entropy_schedule_independent_and_negative_n(emu):
+    """TMA loads and wgmma at issue or at their wait, threads in order or shuffled: bitwise equal;
+    an SSA head with n < 0 (the sign in the logit: no Q negation in this pass) passes the rule."""
+    q, k, _, params, _ = _inputs(FP16, 1, 2, 1, 190, 700, 64, 64, "ssa", False, 3, negative_n=True)
+    first = _run_entropy(emu, q, k, "ssa", params, True, 0.125, lazy=False, seed=0)
+    assert first[0] == "", first[0]
+    for lazy, seed in ((True, 0), (False, 77), (True, 1234)):
+        again = _run_entropy(emu, q, k, "ssa", params, True, 0.125, lazy=lazy, seed=seed)
+        assert again[0] == ""
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2]), f"lazy={lazy} seed={seed}"
+    naive = _entropy_reference(q, k, "ssa", params, True, 0.125, FP16)
+    gold = _entropy_reference(q, k, "ssa", params, True, 0.125, torch.float64)
+    fa_tolerance_check("entropy", first[1], naive[0], gold[0], FLOORS[FP16])
+    fa_tolerance_check("lse", first[2], naive[1], gold[1], FLOORS[FP16])
+
+
+def test_hopper_row_entropy_empty_keys(emu):
+    """Lk = 0: entropy 0 and LSE -inf on every row, nothing loaded."""
+    q, k, _, params, _ = _inputs(BF16, 1, 2, 2, 70, 0, 64, 64, "softmax", False, 0)
+    err, ent, lse = _run_entropy(emu, q, k, "softmax", params, False, 0.125)
+    assert err == "" and torch.equal(ent, torch.zeros_like(ent)) and bool((lse == float("-inf")).all())
+
+
+# ------------------------------------------------------------------------------------------
 # 2. sm_90a build
 
 def _kernels(sass):
@@ -453,7 +555,7 @@ def _kernels(sass):
 
 def test_hopper_fwd_sass(cubin):
     _, ptxas, sass = cubin
-    kernels = _kernels(sass)
+    kernels = {n: t for n, t in _kernels(sass).items() if "attn_fwd_ws_kernel" in n}
     assert len(kernels) >= 10, list(kernels)
     # every instance: no spills, no stack
     for line in re.findall(r"ptxas info\s*: Used .*|.*bytes stack frame.*", ptxas):
@@ -484,6 +586,26 @@ def test_hopper_fwd_sass(cubin):
         assert 0 < fence < bar, f"{name}: the last STS, fence.proxy.async, bar.sync, then the TMA store"
         assert re.search(r"UTMACMDFLUSH.*\n(?:.*\n)*?.*DEPBAR\.LE SB0, 0x0", text[first_store:]), \
             f"{name}: the store's bulk group committed and waited for"
+
+
+def test_hopper_row_entropy_sass(cubin):
+    """The row-entropy pass's instances: TMA loads of Q and K, the register split, HGMMA with the
+    overlap (S of the next block issued before this one's is waited for: wgmma.wait_group 1), no
+    global store but the two statistics' (entropy and LSE of the thread's two rows), no spills."""
+    _, ptxas, sass = cubin
+    kernels = {n: t for n, t in _kernels(sass).items() if "attn_row_entropy_ws_kernel" in n}
+    assert len(kernels) == 6, list(kernels)  # fwd_instances.cu: 3 score functions x D 64 / 128
+    for name, text in kernels.items():
+        ops = set(re.findall(r"\b([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_x]+)*)\b", text))
+        opcodes = {o.split(".")[0] for o in ops}
+        assert "UTMALDG.4D" in ops and "HGMMA" in opcodes and "SYNCS" in opcodes, name
+        assert re.search(r"USETMAXREG\.DEALLOC\S* 0x18\b", text), name
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\S* \w+, 0xf0\b", text), name
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text, f"{name}: no wgmma.wait_group 1"
+        assert not {"LDL", "STL"} & opcodes, f"{name}: local memory"
+        assert len(re.findall(r"\bSTG\.", text)) == 4, f"{name}: global stores besides entropy and LSE"
+    for line in re.findall(r"ptxas info\s*: Function properties for \S*attn_row_entropy_ws_kernel\S*\n.*", ptxas):
+        assert "0 bytes spill stores, 0 bytes spill loads" in line, line
 
 
 def test_hopper_fwd_static_model(cubin):
