@@ -935,11 +935,12 @@ inline bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
 
 // A TMA copy's fields from tensor map `d` (ssa_flash::TmaTileSpec), the box at coordinates c
 // (innermost first), checked as the PTX ISA and the driver's encoder require. `smem`: the
-// shared-memory side (destination of a load, source of a store).
+// shared-memory side (destination of a load, source of a store: smem_role names it in errors).
 template <typename Desc>
-inline TmaCopy tma_copy_of(const void* smem, const Desc* d, int rank, const int (&coord)[4], const char* what) {
+inline TmaCopy tma_copy_of(const void* smem, const Desc* d, int rank, const int (&coord)[4], const char* what,
+                           const char* smem_role) {
   if (d->rank != rank)
-    fail(std::string(what) + " " + std::to_string(rank) + "d with a rank-" + std::to_string(d->rank) + " tensor map");
+    fail(std::string(what) + "." + std::to_string(rank) + "d with a rank-" + std::to_string(d->rank) + " tensor map");
   TmaCopy c{};
   c.dst = static_cast<char*>(const_cast<void*>(smem));
   c.base = static_cast<const char*>(d->base);
@@ -959,7 +960,7 @@ inline TmaCopy tma_copy_of(const void* smem, const Desc* d, int rank, const int 
     fail("tensor map: with the 128-byte swizzle the box's inner dimension is at most 128 bytes");
   if ((c.box[0] * c.elem_bytes) % 16) fail("tensor map: the box's inner dimension is a multiple of 16 bytes");
   if (reinterpret_cast<uintptr_t>(c.base) % 16) fail("tensor map: the global address is 16-byte aligned");
-  check_smem(smem, c.bytes(), c.swizzle_bytes == 128 ? 1024 : 128, (std::string(what) + " shared memory").c_str());
+  check_smem(smem, c.bytes(), c.swizzle_bytes == 128 ? 1024 : 128, (std::string(what) + " " + smem_role).c_str());
   return c;
 }
 
@@ -969,7 +970,7 @@ inline TmaCopy tma_copy_of(const void* smem, const Desc* d, int rank, const int 
 template <typename Desc>
 inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, int c1, int c2, int c3 = 0) {
   const int coord[4] = {c0, c1, c2, c3};
-  const TmaCopy c = tma_copy_of(dst, d, rank, coord, "cp.async.bulk.tensor");
+  const TmaCopy c = tma_copy_of(dst, d, rank, coord, "cp.async.bulk.tensor", "destination");
   Mbar& m = mbar_of(bar, "cp.async.bulk.tensor");
   if (config().lazy_copies) {
     m.lazy.push_back(c);
@@ -996,7 +997,7 @@ inline void tma_store_perform(const TmaCopy& c) {
 template <typename Desc>
 inline void tma_store(const void* src, const Desc* d, int rank, int c0, int c1, int c2, int c3 = 0) {
   const int coord[4] = {c0, c1, c2, c3};
-  const TmaCopy c = tma_copy_of(src, d, rank, coord, "cp.async.bulk.tensor (store)");
+  const TmaCopy c = tma_copy_of(src, d, rank, coord, "cp.async.bulk.tensor", "store source");
   if (config().lazy_copies) me().stores.open.push_back(c);
   else tma_store_perform(c);
 }
