@@ -418,6 +418,27 @@ def test_hopper_fwd_run_time_switch(backend_emu):
     torch.testing.assert_close(on, off, atol=2e-3, rtol=0)
 
 
+def test_hopper_row_entropy_follows_the_forward_choice(backend_emu):
+    """An adaptive call's two passes take the same kernel family: forced on (the benchmark's and
+    the device tests' cuda_fwd_choice.forced), the warp-specialised row-entropy pass and forward run
+    even with the switch left off by an earlier call; forced off, today's two kernels."""
+    import ssa_flash
+    from attn_testing import make_qkv
+    from ssa_flash.backends import cuda_fwd_choice
+
+    q, k, v = make_qkv(dtype=BF16, device="cpu", requires_grad=False, Lq=70, Lk=90, D=64)
+    names = ("attn_row_entropy_ws_kernel", "attn_fwd_ws_kernel", "attn_row_entropy_kernel", "attn_fwd_kernel")
+    try:
+        for on, expected in ((True, (1, 1, 0, 0)), (False, (0, 0, 1, 1))):
+            assert backend_emu.hopper_fwd(not on)["enabled"] == (not on)  # the switch left the other way
+            before = [backend_emu.launches(n) for n in names]
+            with cuda_fwd_choice.forced(on), ssa_flash.cuda.emulated(backend_emu):
+                ssa_flash.adaptive_temperature_attention(q, k, v, backend="cuda")
+            assert tuple(backend_emu.launches(n) - b for n, b in zip(names, before)) == expected, on
+    finally:
+        assert backend_emu.hopper_fwd(True)["enabled"]
+
+
 def test_hopper_fwd_tensor_map_cache(backend_emu):
     """The launcher's tensor maps (csrc/hopper/tma_cache.h): encoded once per (operand, shape,
     dtype), reused with the address patched for new tensors of that shape, left alone for the same
