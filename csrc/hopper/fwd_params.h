@@ -1,7 +1,7 @@
 // The one parameter struct of the sm_90a warp-specialised forward (fwd_kernel.h): today's
 // FwdParams (csrc/params.h, unchanged) and the Hopper-only fields, the TMA tensor maps of Q, K
-// and V (the loads) and O (the epilogue's store). Passed as `const __grid_constant__ HopperFwdParams` (the maps must live in parameter
-// space for TMA to read them).
+// and V (the loads) and O (the epilogue's store). Passed as `const __grid_constant__
+// HopperFwdParams` (the maps must live in parameter space for TMA to read them).
 #pragma once
 
 #include "../params.h"

@@ -4,7 +4,8 @@ D 64 / 128 x float16 / bfloat16) through ``backend="cuda"`` with the kernel forc
 (ssa_flash/backends/cuda_fwd_choice.py, ``forced``), against the float64 reference under
 FlashAttention's error rule, and beside today's kernel (forced off) on the same inputs. That the
 new kernels are what ran is read from their tensor-map cache (csrc/hopper/tma_cache.h: four lookups
-a forward, two more for the adaptive temperature's row-entropy pass), also a first check of the driver's cuTensorMapEncodeTiled / cuTensorMapReplaceAddress.
+a forward, two more for the adaptive temperature's row-entropy pass), also a first check of the
+driver's cuTensorMapEncodeTiled / cuTensorMapReplaceAddress.
 
 Needs an sm_90 GPU and an extension built with the kernel (SSA_FLASH_HOPPER_FWD=1 at compile time:
 bench/run_gpu.sh builds so); skips otherwise, and fails under SSA_FLASH_REQUIRE_CUDA=1 on an

@@ -365,7 +365,8 @@ def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
     b, n = head_params(q.shape[1], device="cpu") if mode.startswith("ssa") else (None, None)
     b, n = (None, None) if b is None else (b.detach(), n.detach())
     before = backend_emu.launches("attn_fwd_ws_kernel")
-    before_h, before_h_old = backend_emu.launches("attn_row_entropy_ws_kernel"), backend_emu.launches("attn_row_entropy_kernel")
+    before_h = backend_emu.launches("attn_row_entropy_ws_kernel")
+    before_h_old = backend_emu.launches("attn_row_entropy_kernel")
     with ssa_flash.cuda.emulated(backend_emu):
         ours = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend="cuda", **kw)
     assert backend_emu.launches("attn_fwd_ws_kernel") == before + 1
