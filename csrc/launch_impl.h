@@ -137,8 +137,14 @@ std::string run_fwd(const FwdParams& p, int score, bool adaptive, cudaStream_t s
   return head_dim_switch(p.dim, p.dim_v, [&](auto D) { return fwd_hdim<T, decltype(D)::value>(p, score, adaptive, stream); });
 }
 
+// The row-entropy pass likewise (hopper::row_entropy_ws_declines).
 template <typename T>
 std::string run_row_entropy(const FwdParams& p, int score, cudaStream_t stream) {
+#if SSA_FLASH_HOPPER_FWD
+  int arch = 0, max_optin = 0;
+  if (device_info(arch, max_optin).empty() && hopper::row_entropy_ws_declines(p, arch) == nullptr)
+    return hopper::run_row_entropy_ws<T>(p, score, stream);
+#endif
   return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, score, stream); });
 }
 

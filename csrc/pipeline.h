@@ -80,6 +80,12 @@ SSA_DEVICE void tma_load_3d(void* smem, const TmaDesc* desc, uint64_t* bar, int 
 SSA_DEVICE void tma_load_4d(void* smem, const TmaDesc* desc, uint64_t* bar, int c0, int c1, int c2, int c3) {
   ssa_emu::tma_load(smem, desc, bar, 4, c0, c1, c2, c3);
 }
+
+SSA_DEVICE void tma_store_4d(const void* smem, const TmaDesc* desc, int c0, int c1, int c2, int c3) {
+  ssa_emu::tma_store(smem, desc, 4, c0, c1, c2, c3);
+}
+using ssa_emu::tma_store_commit;
+using ssa_emu::tma_store_wait_read;
 #else
 // ------------------------------------------------------------------------------------------
 // mbarrier: a 64-bit shared-memory object counting arrivals and transaction bytes per phase.
@@ -205,6 +211,44 @@ SSA_DEVICE void tma_load_4d(void* smem, const TmaDesc* desc, uint64_t* bar, int 
       : "memory");
 #else
   (void)smem; (void)desc; (void)bar; (void)c0; (void)c1; (void)c2; (void)c3;
+  __trap();
+#endif
+}
+
+// TMA store (cp.async.bulk.tensor, global <- shared, bulk-group completion): one thread writes a
+// box of shared memory (the layout as for a load: the tensor map's swizzle) to the tensor at the
+// coordinates; elements of the box outside the tensor are not written (the store clips ragged
+// ends). The threads that wrote the shared tile make their writes visible to the async proxy
+// first (fence_proxy_async, then a barrier with the storing thread). tma_store_commit closes a
+// bulk group of this thread's stores; tma_store_wait_read<N> waits until at most N groups still
+// read shared memory (the tile may then be overwritten, and the CTA may exit: its shared memory
+// must outlive the reads).
+SSA_DEVICE void tma_store_4d(const void* smem, const TmaDesc* desc, int c0, int c1, int c2, int c3) {
+#if SSA_FLASH_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(desc)),
+      "r"(smem_u32(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+#else
+  (void)smem; (void)desc; (void)c0; (void)c1; (void)c2; (void)c3;
+  __trap();
+#endif
+}
+
+SSA_DEVICE void tma_store_commit() {
+#if SSA_FLASH_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+template <int N>
+SSA_DEVICE void tma_store_wait_read() {
+#if SSA_FLASH_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#else
   __trap();
 #endif
 }

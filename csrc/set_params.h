@@ -216,6 +216,9 @@ inline FwdParams row_entropy_params(AttnCall c) {
 inline BwdPlan plan_backward(const AttnCall& c) {
   BwdParams p{};
   set_shape(p, c);
+  // (the operands too: the sm_90a backward declines those a tensor map cannot address)
+  set_qkvo(p, c);
+  set_operand(p.dout, p.do_sb, p.do_sh, p.do_sm, c.dout);
   set_extras(p, c);
   const bool adaptive = c.beta != nullptr;
   const int score = static_cast<int>(c.score);

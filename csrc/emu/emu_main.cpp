@@ -95,7 +95,7 @@ extern "C" const char* ssa_emu_run(int op, const ssa_flash::AttnCall* call, int 
 }
 
 // The backward's plan for a call (launch.h, BwdPlan) and the shapes of its buffers
-// (set_params.h, bwd_buffers); only sizes and flags of the call are read.
+// (set_params.h, bwd_buffers); the call's sizes, flags and operands (their alignment) are read.
 extern "C" void ssa_emu_bwd_plan(const ssa_flash::AttnCall* call, ssa_flash::BwdPlan* plan,
                                  ssa_flash::BwdBuffers* buffers) {
   *plan = ssa_flash::plan_backward(*call);

@@ -130,10 +130,11 @@ struct PendingGroups {
   bool empty() const { return open.empty() && groups.empty(); }
 };
 
-// One TMA tile load (cp.async.bulk.tensor, PTX ISA "Tensor copy"): the tensor map's fields, taken
-// at issue, the box's coordinates (innermost first) and the shared-memory destination.
+// One TMA tile copy (cp.async.bulk.tensor, PTX ISA "Tensor copy"), a load or a store: the tensor
+// map's fields, taken at issue, the box's coordinates (innermost first) and the shared-memory side
+// (a load's destination, a store's source).
 struct TmaCopy {
-  char* dst;
+  char* dst;  // shared memory
   const char* base;
   int rank, elem_bytes, swizzle_bytes;
   int64_t dims[4], strides[4];
@@ -175,6 +176,7 @@ struct Fiber {
   Slot slot[2];
   PendingGroups<Copy> copies;
   PendingGroups<WgmmaOp> wgmma;
+  PendingGroups<TmaCopy> stores;  // TMA stores (bulk groups)
 };
 
 struct Config {
@@ -836,12 +838,12 @@ inline void mbar_init(uint64_t* bar, uint32_t count) {
 
 inline void fence_mbar_init() {}
 
-// The copy itself: box element (i0, i1, i2) from global coordinates coord + i (zeros outside the
-// tensor, as the hardware fills them) to the destination in box order; with the 128-byte swizzle
-// the 16-byte chunk index of the shared address (bits 4-6) is XORed with bits 7-9.
-inline void tma_perform(const TmaCopy& c) {
-  const uint32_t dst0 = smem_u32(c.dst);
-  char* const win = reinterpret_cast<char*>(ssa_flash::smem_raw);
+// f(shared-memory bytes of box element i, its global coordinates coord + i, whether they are inside
+// the tensor) for every element of the box, in box order; with the 128-byte swizzle the 16-byte
+// chunk index of the shared address (bits 4-6) is XORed with bits 7-9.
+template <typename F>
+inline void tma_box_walk(const TmaCopy& c, F&& f) {
+  const uint32_t s0 = smem_u32(c.dst);
   for (int i3 = 0; i3 < c.box[3]; ++i3)
   for (int i2 = 0; i2 < c.box[2]; ++i2)
     for (int i1 = 0; i1 < c.box[1]; ++i1)
@@ -850,17 +852,25 @@ inline void tma_perform(const TmaCopy& c) {
                               static_cast<int64_t>(c.coord[2]) + i2, static_cast<int64_t>(c.coord[3]) + i3};
         bool inside = true;
         for (int d = 0; d < c.rank; ++d) inside = inside && g[d] >= 0 && g[d] < c.dims[d];
-        uint32_t a = dst0 + static_cast<uint32_t>((((i3 * c.box[2] + i2) * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
+        uint32_t a = s0 + static_cast<uint32_t>((((i3 * c.box[2] + i2) * c.box[1] + i1) * c.box[0] + i0) * c.elem_bytes);
         if (c.swizzle_bytes == 128) a ^= ((a >> 7) & 7u) << 4;
-        char* out = win + (a - kSmemWindowBase);
-        if (inside) {
-          const char* src = c.base + g[0] * c.elem_bytes;
-          for (int d = 1; d < c.rank; ++d) src += g[d] * c.strides[d];
-          std::memcpy(out, src, c.elem_bytes);
-        } else {
-          std::memset(out, 0, c.elem_bytes);
-        }
+        f(reinterpret_cast<char*>(ssa_flash::smem_raw) + (a - kSmemWindowBase), g, inside);
       }
+}
+
+// The global address of element g of the copy's tensor.
+inline char* tma_global(const TmaCopy& c, const int64_t (&g)[4]) {
+  char* at = const_cast<char*>(c.base) + g[0] * c.elem_bytes;
+  for (int d = 1; d < c.rank; ++d) at += g[d] * c.strides[d];
+  return at;
+}
+
+// A load: the box from the tensor (zeros outside it, as the hardware fills them) to shared memory.
+inline void tma_perform(const TmaCopy& c) {
+  tma_box_walk(c, [&](char* sm, const int64_t (&g)[4], bool inside) {
+    if (inside) std::memcpy(sm, tma_global(c, g), c.elem_bytes);
+    else std::memset(sm, 0, c.elem_bytes);
+  });
 }
 
 // The phase completes when no arrival is pending and the transaction count is zero: the next
@@ -923,20 +933,20 @@ inline bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   return true;
 }
 
-// cp.async.bulk.tensor.{2,3,4}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes: the box at
-// coordinates c (innermost first) of the tensor map `d` (ssa_flash::TmaTileSpec) into `dst`,
-// completing the box's bytes on `bar`.
+// A TMA copy's fields from tensor map `d` (ssa_flash::TmaTileSpec), the box at coordinates c
+// (innermost first), checked as the PTX ISA and the driver's encoder require. `smem`: the
+// shared-memory side (destination of a load, source of a store: smem_role names it in errors).
 template <typename Desc>
-inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, int c1, int c2, int c3 = 0) {
+inline TmaCopy tma_copy_of(const void* smem, const Desc* d, int rank, const int (&coord)[4], const char* what,
+                           const char* smem_role) {
   if (d->rank != rank)
-    fail("cp.async.bulk.tensor." + std::to_string(rank) + "d with a rank-" + std::to_string(d->rank) + " tensor map");
+    fail(std::string(what) + "." + std::to_string(rank) + "d with a rank-" + std::to_string(d->rank) + " tensor map");
   TmaCopy c{};
-  c.dst = static_cast<char*>(dst);
+  c.dst = static_cast<char*>(const_cast<void*>(smem));
   c.base = static_cast<const char*>(d->base);
   c.rank = rank;
   c.elem_bytes = d->elem_bytes;
   c.swizzle_bytes = d->swizzle_bytes;
-  const int coord[4] = {c0, c1, c2, c3};
   for (int i = 0; i < 4; ++i) {
     c.dims[i] = i < rank ? d->dims[i] : 1;
     c.strides[i] = i < rank ? d->strides[i] : 0;
@@ -950,7 +960,17 @@ inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, 
     fail("tensor map: with the 128-byte swizzle the box's inner dimension is at most 128 bytes");
   if ((c.box[0] * c.elem_bytes) % 16) fail("tensor map: the box's inner dimension is a multiple of 16 bytes");
   if (reinterpret_cast<uintptr_t>(c.base) % 16) fail("tensor map: the global address is 16-byte aligned");
-  check_smem(dst, c.bytes(), c.swizzle_bytes == 128 ? 1024 : 128, "cp.async.bulk.tensor destination");
+  check_smem(smem, c.bytes(), c.swizzle_bytes == 128 ? 1024 : 128, (std::string(what) + " " + smem_role).c_str());
+  return c;
+}
+
+// cp.async.bulk.tensor.{2,3,4}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes: the box at
+// coordinates c (innermost first) of the tensor map `d` (ssa_flash::TmaTileSpec) into `dst`,
+// completing the box's bytes on `bar`.
+template <typename Desc>
+inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, int c1, int c2, int c3 = 0) {
+  const int coord[4] = {c0, c1, c2, c3};
+  const TmaCopy c = tma_copy_of(dst, d, rank, coord, "cp.async.bulk.tensor", "destination");
   Mbar& m = mbar_of(bar, "cp.async.bulk.tensor");
   if (config().lazy_copies) {
     m.lazy.push_back(c);
@@ -960,6 +980,34 @@ inline void tma_load(void* dst, const Desc* d, uint64_t* bar, int rank, int c0, 
     m.tx -= c.bytes();
   }
   mbar_try_complete(m, false);
+}
+
+// The store itself: box element i from the shared source (the layout as tma_perform's) to global
+// coordinates coord + i, the elements outside the tensor not written.
+inline void tma_store_perform(const TmaCopy& c) {
+  tma_box_walk(c, [&](const char* sm, const int64_t (&g)[4], bool inside) {
+    if (inside) std::memcpy(tma_global(c, g), sm, c.elem_bytes);
+  });
+}
+
+// cp.async.bulk.tensor.{4}d.global.shared::cta.tile.bulk_group: the box of shared memory at `src`
+// to the tensor at coordinates c, in this thread's current bulk group. Performed at issue
+// (eager) or at the wait_group that covers it (lazy: shared memory is read as late as allowed,
+// so a tile rewritten before the wait, or written by others after the store was issued, shows).
+template <typename Desc>
+inline void tma_store(const void* src, const Desc* d, int rank, int c0, int c1, int c2, int c3 = 0) {
+  const int coord[4] = {c0, c1, c2, c3};
+  const TmaCopy c = tma_copy_of(src, d, rank, coord, "cp.async.bulk.tensor", "store source");
+  if (config().lazy_copies) me().stores.open.push_back(c);
+  else tma_store_perform(c);
+}
+
+// cp.async.bulk.commit_group / cp.async.bulk.wait_group.read N
+inline void tma_store_commit() { me().stores.commit(); }
+template <int N>
+inline void tma_store_wait_read() {
+  if (!me().stores.open.empty()) fail("cp.async.bulk.wait_group: stores issued but not committed to a group");
+  me().stores.wait(N, tma_store_perform);
 }
 
 // bar.sync / bar.arrive id, count: count threads (whole warps) of the block meet at barrier id;
@@ -1072,6 +1120,9 @@ inline void trampoline() {
               " finished while other lanes wait at " + at);
   }
   if (!f.wgmma.empty()) set_error("a thread ended with a wgmma not waited for");
+  if (!f.stores.empty())
+    set_error("a thread ended with a TMA store not waited for (cp.async.bulk.wait_group.read): its shared source "
+              "may be gone before the store read it");
   _longjmp(b.sched_jb, 1);
 }
 

@@ -39,6 +39,13 @@ inline const char* hopper_bwd_unsupported(const BwdParams& p, int score, bool de
   if (p.dim != p.dim_v || (p.dim != 64 && p.dim != 128)) return "head dims: D = Dv = 64 or 128";
   if (p.mask_kind != kMaskNone || p.drop_rng != nullptr || p.window) return "masks, dropout and windows";
   if (p.sinks != nullptr || p.softcap) return "sinks and soft-capping";
+  if (p.heads_kv > 65535 || p.batch > 65535) return "grid";
+  // (the operands TMA reads: fwd_launch.h, tma_operand_ok)
+  const int64_t q_ext[3] = {p.len_q, p.heads, p.batch}, k_ext[3] = {p.len_k, p.heads_kv, p.batch};
+  if (!tma_operand_ok(p.q, {p.q_sm, p.q_sh, p.q_sb}, q_ext) ||
+      !tma_operand_ok(p.dout, {p.do_sm, p.do_sh, p.do_sb}, q_ext) ||
+      !tma_operand_ok(p.k, {p.k_sm, p.k_sh, p.k_sb}, k_ext) || !tma_operand_ok(p.v, {p.v_sm, p.v_sh, p.v_sb}, k_ext))
+    return "an operand's address or strides are not 16-byte aligned (TMA)";
   return nullptr;
 }
 

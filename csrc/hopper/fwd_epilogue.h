@@ -1,40 +1,75 @@
-// The epilogue of the sm_90a forward: O / l to global memory and the row LSE, from a consumer
-// thread's registers (FwdConsumer's two rows). A plain store of packed pairs, as today's forward
-// (csrc/fwd_kernel.h) does; the shared-memory + TMA-store epilogue of docs/design.md section 4.4
-// is not built (the store is once per query tile, off the main loop).
+// The epilogue of the sm_90a forward (docs/design.md section 4.4): O / l through shared memory and
+// a TMA store, and the row LSE.
+//
+// Each consumer warpgroup writes its 64 rows of O (16-bit, normalised) over its own 64 rows of
+// the Q tile (the same 128-byte-swizzled Sw128Tile layout: Q and O have the padded head dim's
+// columns, and once the warpgroup's last wgmma has completed nothing reads those rows again; the
+// other warpgroup's rows are its own), makes the writes visible to the async proxy
+// (fence.proxy.async), meets its own 128 threads at a named barrier, and one elected thread
+// stores the 64 x 64 panels with TMA (box 64 columns x 64 rows of the (head dim, rows, head,
+// batch) output map). TMA writes no element outside the tensor: rows past len_q and columns past
+// dim_v are clipped, which is how ragged ends and padded head dims leave the kernel (no row
+// check in the kernel). The storing thread waits until the stores have read shared memory before
+// it exits. The LSE is one float per row, stored directly by the row's first lane.
+// A row with l = 0 (no admissible key) gets O = 0 and LSE = -inf.
 #pragma once
 
 #include "../elem.h"
 #include "../fast_math.h"
 #include "../frag.h"
+#include "../gemm_wgmma.h"
 #include "../params.h"
+#include "../pipeline.h"
+#include "fwd_params.h"
+#include "fwd_traits.h"
+#include "named_barriers.h"
 
 namespace ssa_flash {
 namespace hopper {
 
-// o: the thread's kDT n8 tiles of its two rows (row0, row0 + Frag::kHi); m, l as FwdConsumer's.
-// Rows past len_q and columns past dim_v are not written. A row with l = 0 (no admissible key)
-// gets O = 0 and LSE = -inf.
-template <typename T, int kDT>
-SSA_DEVICE void fwd_epilogue(const FwdParams& p, const float (&o)[kDT][4], const float (&m)[2], const float (&l)[2],
-                             int row0, int batch, int head, int lane) {
-  T* out = static_cast<T*>(p.o) + batch * p.o_sb + head * p.o_sh;
+// The rows [row, row + kBoxRows) of a Sw128Tile whose panels are kPanelElems apart (sm: those
+// rows' first element in panel 0), columns [0, kD), stored by one thread: one TMA store per
+// 64-column panel, skipping the panels at or past `cols` (wholly outside the tensor), then the
+// wait until the stores have read shared memory (kWaitRead false: only the tests' broken variant).
+template <int kD, int kPanelElems, bool kWaitRead = true, typename T>
+SSA_DEVICE void tma_store_rows(const T* sm, const TmaDesc* desc, int cols, int row, int head, int batch) {
+#pragma unroll
+  for (int panel = 0; panel < kD / 64; ++panel)
+    if (64 * panel < cols) tma_store_4d(sm + panel * kPanelElems, desc, 64 * panel, row, head, batch);
+  tma_store_commit();
+  if constexpr (kWaitRead) tma_store_wait_read<0>();
+}
+
+// Consumer warpgroup c's epilogue. o: the thread's kDT n8 tiles of its two rows (row0, row0 +
+// Frag::kHi), m and l as FwdConsumer's; sO: the warpgroup's 64 rows of the Q tile (their first
+// element), m0c = the sequence row of sO's first row.
+template <typename Tr, int kDT>
+SSA_DEVICE void fwd_epilogue(const HopperFwdParams& hp, typename Tr::T* sO, const float (&o)[kDT][4],
+                             const float (&m)[2], const float (&l)[2], int row0, int m0c, int c, int batch, int head,
+                             int lane) {
+  using T = typename Tr::T;
+  using OTile = typename Tr::QTile;
+  const FwdParams& p = hp.p;
   const int64_t stat0 = (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
+  const int r_local = row0 - m0c;  // this thread's first row within the warpgroup's 64
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const float sum = quad_sum(l[hi]);
     const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
-    const int r = row0 + hi * Frag::kHi;
-    if (r < p.len_q) {
+    const int r = r_local + hi * Frag::kHi;
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        const int col = Frag::col(lane, dt);
-        if (col < p.dim_v)
-          *reinterpret_cast<uint32_t*>(out + r * p.o_sm + col) = pack2<T>(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
-      }
-      if (Frag::rank(lane) == 0) p.lse[stat0 + r] = sum == 0.0f ? neg_inf() : (m[hi] + log2f(sum)) * kLn2;
-    }
+    for (int dt = 0; dt < kDT; ++dt)
+      *reinterpret_cast<uint32_t*>(sO + OTile::offset(r, Frag::col(lane, dt))) =
+          pack2<T>(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
+    const int row = row0 + hi * Frag::kHi;
+    if (Frag::rank(lane) == 0 && row < p.len_q)
+      p.lse[stat0 + row] = sum == 0.0f ? neg_inf() : (m[hi] + log2f(sum)) * kLn2;
   }
+  fence_proxy_async();  // (the generic-proxy writes above, read next by the TMA unit)
+  named_bar_sync(warpgroup_barrier(c), 128);
+  if (warp_idx_in_warpgroup() == 0 && elect_one() && m0c < p.len_q)
+    tma_store_rows<Tr::kHeadDim, OTile::kPanelElems, Tr::kFault != kFaultNoStoreWait>(sO, &hp.tma_o, p.dim_v, m0c,
+                                                                                        head, batch);
 }
 
 }  // namespace hopper

@@ -3,7 +3,8 @@
 // and ssa_flash/audit/hopper.py: nvcc -arch=sm_90a -cubin -DSSA_FLASH_HOPPER_FWD=1 -I csrc,
 // then ptxas -v and the SASS are read; ssa_flash/audit/hopper.py counts its main loops). The
 // instances the launcher ships (fwd_launch.h run_fwd_ws_hdim, MufuAll), bfloat16, and the MUFU
-// budgets the static model compares. The launcher's host code is compiled too (SSA_FLASH_WS_FWD_HOST).
+// budgets the static model compares, and the row-entropy pass's instances (bfloat16). The
+// launcher's host code is compiled too (SSA_FLASH_WS_FWD_HOST).
 #include "hopper/fwd_launch.h"
 
 namespace ssa_flash {
@@ -32,9 +33,22 @@ SSA_WS_FWD_INSTANCE(64, Softmax, false, Ex2Eighth)
 SSA_WS_FWD_INSTANCE(64, Ssa, false, Ex2ThreeEighths)
 SSA_WS_FWD_INSTANCE(128, Ssa, false, Ex2Eighth)
 
+// the row-entropy pass (fwd_row_entropy.h): every score function, D 64 and 128
+#define SSA_WS_ROW_ENTROPY_INSTANCE(D, SCORE)                                                     \
+  template __global__ void attn_row_entropy_ws_kernel<WsRowEntropyTraits<D, __nv_bfloat16>, SCORE>( \
+      const __grid_constant__ HopperFwdParams);
+
+SSA_WS_ROW_ENTROPY_INSTANCE(64, Softmax)
+SSA_WS_ROW_ENTROPY_INSTANCE(128, Softmax)
+SSA_WS_ROW_ENTROPY_INSTANCE(64, Ssa)
+SSA_WS_ROW_ENTROPY_INSTANCE(128, Ssa)
+SSA_WS_ROW_ENTROPY_INSTANCE(64, LogitScale)
+SSA_WS_ROW_ENTROPY_INSTANCE(128, LogitScale)
+
 #ifdef SSA_FLASH_WS_FWD_HOST
 // the host side: tensor-map encoding and the launch (compiled, not run here)
 template std::string run_fwd_ws<__nv_bfloat16>(const FwdParams&, int, bool, cudaStream_t);
+template std::string run_row_entropy_ws<__nv_bfloat16>(const FwdParams&, int, cudaStream_t);
 #endif
 
 }  // namespace hopper

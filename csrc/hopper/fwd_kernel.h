@@ -1,6 +1,7 @@
 // The sm_90a warp-specialised forward (docs/design.md section 4.4), built from the parts beside it:
 // fwd_traits.h (tiles, register budgets, shared storage), tile_scheduler.h, fwd_mainloop.h (the
-// producer's loads, a consumer's key-block loop), fwd_epilogue.h, named_barriers.h, ring.h.
+// producer's loads, a consumer's key-block loop), fwd_epilogue.h (O through shared memory and a
+// TMA store), named_barriers.h, ring.h.
 // Templated on the score policy (logits.h) and the adaptive temperature (beta per row, given).
 //
 // CTA (384 threads): warpgroup 0 the producer (setmaxnreg down to 24; one elected thread issues
@@ -44,22 +45,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
   const int m0 = tile.block * Tr::kBlockM;
   const FwdKeyBlocks kb = fwd_key_blocks(p, m0, Tr::kBlockM, Tr::kBlockN);
 
-  if (threadIdx.x == 0) {
-    ss.q_full.init();
-    ss.ring.init(Tr::kConsumerThreads);
-    fence_mbar_init();
-  }
-  __syncthreads();
-
-  const int wg = warpgroup_idx();
-  if (wg == 0) {
-    setmaxnreg_dec<Tr::kProducerRegs>();
-    if (warp_idx_in_warpgroup() == 0 && elect_one()) fwd_produce<Tr>(hp, ss, tile, m0, kb);
-    return;
-  }
-
-  setmaxnreg_inc<Tr::kConsumerRegs>();
-  const int c = wg - 1;
+  if (!ws_start<Tr>(ss, [&] { fwd_produce<Tr>(hp, ss, tile, m0, kb); })) return;
+  const int c = warpgroup_idx() - 1;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   LogitCtx ctx = Score::template setup<false>(p, tile.batch, tile.head);
   const bool negate_q = Score::nonneg(ctx);
@@ -67,8 +54,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
   FwdConsumer<Tr, Score, kAdaptive> cons;
   cons.init(p, ctx, m0 + 64 * c + 16 * warp_idx_in_warpgroup() + Frag::row(lane), stat0);
 
+  T* const sQ = ss.q + Tr::QTile::offset(64 * c, 0);  // this warpgroup's 64 rows (then its O's)
   if (kb.n > 0) {
-    T* const sQ = ss.q + Tr::QTile::offset(64 * c, 0);
     if (c == 1) named_bar_arrive(turn_barrier(0), Tr::kConsumerThreads);  // consumer 0 issues first
     ss.q_full.wait();
     if (negate_q) {
@@ -92,7 +79,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
     }
     cons.run(ss, sQ, p, ctx, kb, c);
   }
-  fwd_epilogue<T, Tr::kHeadDim / 8>(p, cons.o, cons.m, cons.l, cons.row0, tile.batch, tile.head, lane);
+  fwd_epilogue<Tr>(hp, sQ, cons.o, cons.m, cons.l, cons.row0, m0 + 64 * c, c, tile.batch, tile.head, lane);
 #endif
 }
 

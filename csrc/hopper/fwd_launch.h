@@ -1,7 +1,9 @@
-// Host side of the sm_90a warp-specialised forward (fwd_kernel.h): which calls it takes
-// (fwd_ws_declines, the one decision; launch_impl.h run_fwd asks it), the TMA tensor maps of a
-// call (fwd_tma_specs: what cuTensorMapEncodeTiled takes; in the CPU emulation TmaDesc is that
-// spec itself), the grid, shared memory and launch (run_fwd_ws). No torch here.
+// Host side of the sm_90a warp-specialised forward (fwd_kernel.h) and of its row-entropy pass
+// (fwd_row_entropy.h, the adaptive temperature's first pass): which calls they take
+// (fwd_ws_declines / row_entropy_ws_declines, the one decision each; launch_impl.h run_fwd and
+// run_row_entropy ask them), the TMA tensor maps of a call (fwd_tma_specs: what
+// cuTensorMapEncodeTiled takes; in the CPU emulation TmaDesc is that spec itself), the grid,
+// shared memory and launch (run_fwd_ws, run_row_entropy_ws). No torch here.
 //
 // SSA_FLASH_HOPPER_FWD (launch_kernel.h, default 0): whether builds hold the kernel and the
 // dispatch may pick it; off until it has passed on a GPU (docs/cuda.md): the emulation and the
@@ -16,6 +18,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <cstdint>
 #include <string>
 
 #include "../dispatch.h"
@@ -23,6 +26,7 @@
 #include "../params.h"
 #include "fwd_kernel.h"
 #include "fwd_params.h"
+#include "fwd_row_entropy.h"
 #include "fwd_traits.h"
 #include "tma_cache.h"
 #include "tile_scheduler.h"
@@ -30,15 +34,23 @@
 namespace ssa_flash {
 namespace hopper {
 
-// nullptr if the warp-specialised forward takes the call on a device of architecture `arch`
-// (100 major + 10 minor), else why not (the call then runs csrc/fwd_kernel.h). Masks, dropout,
-// windows, sinks and soft-capping are compile-time features of today's kernel only; head dims
-// other than 64 / 128 (after padding: 40..64, 104..128) likewise.
-inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
+// 16-bit elements at `base` with element strides (rows, heads, batch) of extents (rows, heads,
+// batch): each stride of an extent above 1 a multiple of 8 (16 bytes), the address 16-byte aligned.
+inline bool tma_operand_ok(const void* base, const int64_t (&strides)[3], const int64_t (&extents)[3]) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  for (int i = 0; i < 3; ++i)
+    if (extents[i] > 1 && strides[i] % 8 != 0) return false;
+  return true;
+}
+
+// What the warp-specialised forward and row-entropy pass both decline (the call then runs
+// csrc/fwd_kernel.h): padded head dim d not 64 / 128 (40..64, 104..128 pad to them), masks,
+// dropout, windows, sinks, soft-capping (compile-time features of today's kernels only), a grid
+// too large, and a Q or K that TMA cannot read (16-byte aligned address and strides).
+inline const char* ws_declines_common(const FwdParams& p, int arch, int d) {
   if (!SSA_FLASH_HOPPER_FWD) return "not in this build (SSA_FLASH_HOPPER_FWD=0)";
   if (!hopper_fwd_enabled()) return "off at run time (SSA_FLASH_HOPPER_FWD unset or not 1; set_hopper_fwd)";
   if (arch != 900) return "not sm_90";
-  const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
   if (d != 64 && d != 128) return "head dim: 64 and 128 (padded) only";
   if ((d == 64 && !SSA_FLASH_HEAD_DIM_64) || (d == 128 && !SSA_FLASH_HEAD_DIM_128)) return "head dim not in this build";
   if (p.mask_kind != kMaskNone) return "masks";
@@ -47,7 +59,27 @@ inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
   if (p.sinks != nullptr) return "attention sinks";
   if (p.softcap) return "soft-capping";
   if (p.heads > 65535 || p.batch > 65535 || p.len_q == 0) return "grid";
+  const int64_t q_ext[3] = {p.len_q, p.heads, p.batch}, k_ext[3] = {p.len_k, p.heads_kv, p.batch};
+  if (!tma_operand_ok(p.q, {p.q_sm, p.q_sh, p.q_sb}, q_ext) || !tma_operand_ok(p.k, {p.k_sm, p.k_sh, p.k_sb}, k_ext))
+    return "an operand's address or strides are not 16-byte aligned (TMA)";
   return nullptr;
+}
+
+// nullptr if the warp-specialised forward takes the call on a device of architecture `arch`
+// (100 major + 10 minor), else why not (ws_declines_common, and V and O as Q and K).
+inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
+  const char* why = ws_declines_common(p, arch, padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v));
+  if (why != nullptr) return why;
+  const int64_t q_ext[3] = {p.len_q, p.heads, p.batch}, k_ext[3] = {p.len_k, p.heads_kv, p.batch};
+  if (!tma_operand_ok(p.v, {p.v_sm, p.v_sh, p.v_sb}, k_ext) || !tma_operand_ok(p.o, {p.o_sm, p.o_sh, p.o_sb}, q_ext))
+    return "an operand's address or strides are not 16-byte aligned (TMA)";
+  return nullptr;
+}
+
+// nullptr if the warp-specialised row-entropy pass (fwd_row_entropy.h) takes the adaptive
+// temperature's first pass (p as set_params.h row_entropy_params: Q and K only), else why not.
+inline const char* row_entropy_ws_declines(const FwdParams& p, int arch) {
+  return ws_declines_common(p, arch, padded_head_dim(p.dim));
 }
 
 // The rank-4 (head dim, rows, head, batch) view of a (B, H, L, D) tensor of 16-bit elements with
@@ -74,7 +106,7 @@ inline TmaTileSpec tma_spec_bhld(const void* base, int64_t dim, int64_t rows, in
 }
 
 struct FwdTmaSpecs {
-  TmaTileSpec q, k, v;
+  TmaTileSpec q, k, v, o;
 };
 
 template <typename Tr>
@@ -83,10 +115,12 @@ FwdTmaSpecs fwd_tma_specs(const FwdParams& p) {
   s.q = tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb, Tr::kBlockM);
   s.k = tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN);
   s.v = tma_spec_bhld(p.v, p.dim_v, p.len_k, p.heads_kv, p.batch, p.v_sm, p.v_sh, p.v_sb, Tr::kBlockN);
+  // the epilogue's store: each consumer warpgroup its 64 rows
+  s.o = tma_spec_bhld(p.o, p.dim_v, p.len_q, p.heads, p.batch, p.o_sm, p.o_sh, p.o_sb, Tr::kBlockM / Tr::kConsumers);
   return s;
 }
 
-// The kernel's parameters for a call: p and its three tensor maps (tma_cache.h: encoded once per
+// The kernel's parameters for a call: p and its four tensor maps (tma_cache.h: encoded once per
 // shape, the address patched per call).
 template <typename T, typename Tr>
 std::string make_fwd_ws_params(const FwdParams& p, HopperFwdParams& hp) {
@@ -97,6 +131,7 @@ std::string make_fwd_ws_params(const FwdParams& p, HopperFwdParams& hp) {
   std::string err = cache.get(0, specs.q, kBf16, &hp.tma_q);
   if (err.empty()) err = cache.get(1, specs.k, kBf16, &hp.tma_k);
   if (err.empty()) err = cache.get(2, specs.v, kBf16, &hp.tma_v);
+  if (err.empty()) err = cache.get(3, specs.o, kBf16, &hp.tma_o);
   return err;
 }
 
@@ -154,6 +189,42 @@ std::string run_fwd_ws_budget(const FwdParams& p, int budget, cudaStream_t strea
   }
   (void)p; (void)budget; (void)stream;
   return std::string();
+}
+
+// The row-entropy pass at padded head dim kD: Q's and K's maps (the forward's: the same cache
+// entries), the (Score) instance.
+template <typename T, int kD>
+std::string run_row_entropy_ws_hdim(const FwdParams& p, int score, cudaStream_t stream) {
+  using Tr = WsRowEntropyTraits<kD, T>;
+  HopperFwdParams hp{};
+  hp.p = p;
+  constexpr bool kBf16 = ElemInfo<T>::kIsBF16;
+  TmaMapCache& cache = tma_cache();
+  std::string err = cache.get(0, tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb,
+                                               Tr::kBlockM), kBf16, &hp.tma_q);
+  if (err.empty())
+    err = cache.get(1, tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN),
+                    kBf16, &hp.tma_k);
+  if (!err.empty()) return err;
+  auto kernel = score_switch(score, [](auto S) { return &attn_row_entropy_ws_kernel<Tr, decltype(S)>; });
+  return detail::launch<T>(kernel, "attn_row_entropy_ws_kernel", fwd_ws_grid<Tr>(p), Tr::kThreads,
+                           ws_row_entropy_smem_bytes<Tr>(), stream, hp);
+}
+
+// The call row_entropy_ws_declines took.
+template <typename T>
+std::string run_row_entropy_ws(const FwdParams& p, int score, cudaStream_t stream) {
+  if constexpr (SSA_FLASH_HOPPER_FWD) {
+    const int d = padded_head_dim(p.dim);
+    if constexpr (SSA_FLASH_HEAD_DIM_64)
+      if (d == 64) return run_row_entropy_ws_hdim<T, 64>(p, score, stream);
+    if constexpr (SSA_FLASH_HEAD_DIM_128)
+      if (d == 128) return run_row_entropy_ws_hdim<T, 128>(p, score, stream);
+    return "attn_row_entropy_ws_kernel: head dim " + std::to_string(d) + " not taken";
+  } else {
+    (void)p; (void)score; (void)stream;
+    return "attn_row_entropy_ws_kernel: not in this build (SSA_FLASH_HOPPER_FWD=0)";
+  }
 }
 
 // The call fwd_ws_declines took (padded head dim 64 or 128).

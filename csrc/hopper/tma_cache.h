@@ -166,7 +166,9 @@ inline std::string patch_tma_address(TmaDesc* map, const void* base) {
 }
 
 // ---- the cache ------------------------------------------------------------------------------
-constexpr int kTmaCacheEntries = 16;  // a forward's 3 maps and a backward's 5: two (shape, dtype) training steps
+// a forward's 4 maps (q, k, v, o; the row-entropy pass's 2 more) and a backward's 5: two adaptive
+// (shape, dtype) training steps before any replacement
+constexpr int kTmaCacheEntries = 32;
 
 struct TmaCacheStats {
   long hits = 0;     // a map found (its address patched or already right)
@@ -177,8 +179,8 @@ struct TmaCacheStats {
 class TmaMapCache {
  public:
   // The map of `spec` (element type bf16 or float16, or float32 for 4-byte elements) for operand
-  // `role` (the forward's 0 q, 1 k, 2 v; the backward's: bwd_launch.h, BwdMapRole; K and V maps of
-  // the same layout are kept apart, so that a call patches neither when its tensors are
+  // `role` (the forward's 0 q, 1 k, 2 v, 3 o; the backward's: bwd_launch.h, BwdMapRole; K and V
+  // maps of the same layout are kept apart, so that a call patches neither when its tensors are
   // those of the last call) into *out: from the cache, its address patched where it differs, or
   // encoded and kept. An error message, or "".
   std::string get(int role, const TmaTileSpec& spec, bool bf16, TmaDesc* out) {

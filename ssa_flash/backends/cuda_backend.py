@@ -600,6 +600,9 @@ def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d8 = _round8(q.shape[-1])
+    # the adaptive temperature's first pass takes the forward's kernel family (csrc/hopper/
+    # fwd_row_entropy.h where the switch is on): the same choice, keyed on Q's head dim here
+    _choose_fwd_kernel(ext, q, k, spec, d8, d8)
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
         return ext.row_entropy(_prep(qs, d8), _prep(k, d8), _prep_mask(mask), _score_params(params, spec),

@@ -1,7 +1,7 @@
 // The CPU emulation's entry point for the sm_90a warp-specialised forward (csrc/hopper/):
 // tests/cuda/test_hopper_fwd_emulated.py builds it with the host compiler (c++ -std=c++17 -shared
 // -fPIC -DSSA_FLASH_EMULATE -DSSA_FLASH_EMULATE_SM90 -DSSA_FLASH_HOPPER_FWD=1 -I csrc ...) and
-// calls hopper_fwd_run through ctypes.
+// calls hopper_fwd_run and hopper_row_entropy_run through ctypes.
 #ifndef SSA_FLASH_EMULATE
 #define SSA_FLASH_EMULATE 1
 #endif
@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <string>
 
+#include "fwd_kernel.h"  // today's attn_row_entropy_kernel, the row-entropy pass's comparison
 #include "hopper/fwd_launch.h"
+#include "traits.h"
 
 namespace {
 
@@ -59,18 +61,12 @@ std::string run_typed(int d, int mufu, int fault, const FwdParams& p, int score,
   return "MUFU budgets and faults: bfloat16, not adaptive only";
 }
 
-}  // namespace
-
-// Shapes as FwdParams (csrc/params.h): q (B, H, Lq, dim), k (B, Hkv, Lk, dim), v (B, Hkv, Lk,
-// dim_v), o (B, H, Lq, dim_v), 16-bit (bf16 != 0: bfloat16), with element strides strides[0..11]
-// = q_sb, q_sh, q_sm, k_*, v_*, o_*; lse (B, H, Lq) float; beta (B, H, Lq) or null; param0 / 1 the
-// score's per-head parameters (H) or null. Returns "" or the error (a declined call, the
-// emulator's report).
-extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q,
-                                      const void* k, const void* v, void* o, float* lse, const float* beta,
-                                      const float* param0, const float* param1, int batch, int heads, int heads_kv,
-                                      int len_q, int len_k, int dim, int dim_v, float scale, int causal,
-                                      const int64_t* strides, int lazy, unsigned seed) {
+// The emulation's mode (lazy copies, the schedule's seed: 0 in order) and the parameters every
+// entry point sets: shapes, no mask or window, the score's per-head parameters, q and k with
+// element strides s[0..5] = q_sb, q_sh, q_sm, k_*.
+FwdParams emulated_params(int lazy, unsigned seed, int batch, int heads, int heads_kv, int len_q, int len_k, int dim,
+                          int dim_v, float scale, int causal, const float* param0, const float* param1,
+                          const void* q, const void* k, const int64_t* s) {
   ssa_emu::config().lazy_copies = lazy != 0;
   ssa_emu::config().seed = seed;
   ssa_emu::config().shuffle = seed != 0;
@@ -91,15 +87,33 @@ extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int muf
   p.score_param1 = param1;
   p.q = q;
   p.k = k;
+  int64_t* const fields[6] = {&p.q_sb, &p.q_sh, &p.q_sm, &p.k_sb, &p.k_sh, &p.k_sm};
+  for (int i = 0; i < 6; ++i) *fields[i] = s[i];
+  set_hopper_fwd_enabled(true);  // (the run-time switch: this library always runs the kernels)
+  return p;
+}
+
+}  // namespace
+
+// Shapes as FwdParams (csrc/params.h): q (B, H, Lq, dim), k (B, Hkv, Lk, dim), v (B, Hkv, Lk,
+// dim_v), o (B, H, Lq, dim_v), 16-bit (bf16 != 0: bfloat16), with element strides strides[0..11]
+// = q_sb, q_sh, q_sm, k_*, v_*, o_*; lse (B, H, Lq) float; beta (B, H, Lq) or null; param0 / 1 the
+// score's per-head parameters (H) or null. Returns "" or the error (a declined call, the
+// emulator's report).
+extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q,
+                                      const void* k, const void* v, void* o, float* lse, const float* beta,
+                                      const float* param0, const float* param1, int batch, int heads, int heads_kv,
+                                      int len_q, int len_k, int dim, int dim_v, float scale, int causal,
+                                      const int64_t* strides, int lazy, unsigned seed) {
+  FwdParams p = emulated_params(lazy, seed, batch, heads, heads_kv, len_q, len_k, dim, dim_v, scale, causal, param0,
+                                param1, q, k, strides);
   p.v = v;
   p.o = o;
-  int64_t* const fields[12] = {&p.q_sb, &p.q_sh, &p.q_sm, &p.k_sb, &p.k_sh, &p.k_sm,
-                               &p.v_sb, &p.v_sh, &p.v_sm, &p.o_sb, &p.o_sh, &p.o_sm};
-  for (int i = 0; i < 12; ++i) *fields[i] = strides[i];
+  int64_t* const fields[6] = {&p.v_sb, &p.v_sh, &p.v_sm, &p.o_sb, &p.o_sh, &p.o_sm};
+  for (int i = 0; i < 6; ++i) *fields[i] = strides[6 + i];
   p.lse = lse;
   p.beta = adaptive ? beta : nullptr;
   static std::string err;
-  set_hopper_fwd_enabled(true);  // (the run-time switch: this library always runs the kernel)
   const char* why = fwd_ws_declines(p, 900);
   if (why != nullptr) {
     err = std::string("declined: ") + why;
@@ -108,6 +122,42 @@ extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int muf
   const int d = padded_head_dim(dim > dim_v ? dim : dim_v);
   err = bf16 ? run_typed<__nv_bfloat16>(d, mufu, fault, p, score, adaptive != 0)
              : run_typed<__half>(d, mufu, fault, p, score, adaptive != 0);
+  return err.c_str();
+}
+
+// The adaptive temperature's row-entropy pass: entropy and lse (B, H, Lq) float of q (B, H, Lq,
+// dim), k (B, Hkv, Lk, dim) with element strides strides[0..5] = q_sb, q_sh, q_sm, k_*; todays != 0:
+// today's attn_row_entropy_kernel (csrc/fwd_kernel.h, its sm_90a wgmma path; bfloat16 only) instead
+// of the warp-specialised one. Returns "" or the error.
+extern "C" const char* hopper_row_entropy_run(int bf16, int score, int todays, const void* q, const void* k,
+                                              float* entropy, float* lse, const float* param0, const float* param1,
+                                              int batch, int heads, int heads_kv, int len_q, int len_k, int dim,
+                                              float scale, int causal, const int64_t* strides, int lazy,
+                                              unsigned seed) {
+  FwdParams p = emulated_params(lazy, seed, batch, heads, heads_kv, len_q, len_k, dim, dim, scale, causal, param0,
+                                param1, q, k, strides);
+  p.lse = lse;
+  p.entropy = entropy;
+  static std::string err;
+  const int d = padded_head_dim(dim);
+  if (todays) {
+    if (!bf16) return "today's kernel: bfloat16 only here";
+    auto run = [&](auto D) {
+      using Tr = FwdTraits<decltype(D)::value, __nv_bfloat16>;
+      auto kernel = score_switch(score, [](auto S) { return &attn_row_entropy_kernel<Tr, decltype(S)>; });
+      return detail::launch<__nv_bfloat16>(kernel, "attn_row_entropy_kernel",
+                                           dim3((len_q + Tr::kBlockM - 1) / Tr::kBlockM, heads, batch), Tr::kNThreads,
+                                           row_entropy_smem_bytes(decltype(D)::value, 2, kPathSm90), nullptr, p);
+    };
+    err = d == 64 ? run(std::integral_constant<int, 64>()) : run(std::integral_constant<int, 128>());
+    return err.c_str();
+  }
+  const char* why = row_entropy_ws_declines(p, 900);
+  if (why != nullptr) {
+    err = std::string("declined: ") + why;
+    return err.c_str();
+  }
+  err = bf16 ? run_row_entropy_ws<__nv_bfloat16>(p, score, nullptr) : run_row_entropy_ws<__half>(p, score, nullptr);
   return err.c_str();
 }
 

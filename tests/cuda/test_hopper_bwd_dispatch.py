@@ -190,6 +190,7 @@ def _plan_call(emu, D=64, Dv=None, score="softmax", **over):
 
 def test_routing(emu):
     """hopper_bwd_declines, through the binding's plan_backward: what stays on today's kernels."""
+    h = emu.harness
     assert _plan_call(emu)["hopper"] == 1
     assert _plan_call(emu, score="ssa")["hopper"] == 1 and _plan_call(emu, D=128, score="ssa")["hopper"] == 1
     assert _plan_call(emu, beta=1)["hopper"] == 1  # adaptive
@@ -202,6 +203,10 @@ def test_routing(emu):
         plan = _plan_call(emu, **over)
         assert plan["hopper"] == 0, name
     assert _plan_call(emu, score="logit_scale")["hopper"] == 0
+    # operands a tensor map cannot address (an address off 16 bytes, a row stride of 68 elements)
+    assert _plan_call(emu, q=h.Operand(ptr=8, sb=0, sh=0, sm=64))["hopper"] == 0
+    assert _plan_call(emu, dout=h.Operand(ptr=16, sb=0, sh=0, sm=68))["hopper"] == 0
+    assert _plan_call(emu, v=h.Operand(ptr=16, sb=0, sh=0, sm=64))["hopper"] == 1
     for D, Dv in ((32, 32), (96, 96), (256, 256), (64, 128), (128, 64), (56, 56)):
         assert _plan_call(emu, D=D, Dv=Dv)["hopper"] == 0, (D, Dv)
     with switched(emu, False):

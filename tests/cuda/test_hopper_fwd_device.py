@@ -3,8 +3,9 @@ emulation passes (tests/cuda/hopper_fwd_cases.py: score x adaptive x causal x GQ
 D 64 / 128 x float16 / bfloat16) through ``backend="cuda"`` with the kernel forced on
 (ssa_flash/backends/cuda_fwd_choice.py, ``forced``), against the float64 reference under
 FlashAttention's error rule, and beside today's kernel (forced off) on the same inputs. That the
-new kernel is what ran is read from its tensor-map cache (csrc/hopper/tma_cache.h: three lookups a
-launch), also a first check of the driver's cuTensorMapEncodeTiled / cuTensorMapReplaceAddress.
+new kernels are what ran is read from their tensor-map cache (csrc/hopper/tma_cache.h: four lookups
+a forward, two more for the adaptive temperature's row-entropy pass), also a first check of the
+driver's cuTensorMapEncodeTiled / cuTensorMapReplaceAddress.
 
 Needs an sm_90 GPU and an extension built with the kernel (SSA_FLASH_HOPPER_FWD=1 at compile time:
 bench/run_gpu.sh builds so); skips otherwise, and fails under SSA_FLASH_REQUIRE_CUDA=1 on an
@@ -65,8 +66,10 @@ def test_hopper_fwd_on_device(score, adaptive, dtype, B, H, Hkv, Lq, Lk, D, Dv, 
         ours = _attend(q, k, v, score, params, adaptive, causal, "cuda")
     torch.cuda.synchronize()
     after = cuda_backend.hopper_fwd_state()
-    assert after["hits"] + after["misses"] == before["hits"] + before["misses"] + 3, \
-        f"the warp-specialised forward did not run (tensor-map lookups {before} -> {after})"
+    # q, k, v and o for the forward, and q, k for the adaptive temperature's row-entropy pass
+    lookups = 4 + (2 if adaptive else 0)
+    assert after["hits"] + after["misses"] == before["hits"] + before["misses"] + lookups, \
+        f"the warp-specialised kernels did not run (tensor-map lookups {before} -> {after})"
     with cuda_fwd_choice.forced(False):
         today = _attend(q, k, v, score, params, adaptive, causal, "cuda")
     naive = _attend(q, k, v, score, params, adaptive, causal, "reference")
@@ -78,7 +81,8 @@ def test_hopper_fwd_on_device(score, adaptive, dtype, B, H, Hkv, Lq, Lk, D, Dv, 
 
 def test_tensor_map_cache_on_device():
     """The driver's patch path: the same shape on new tensors hits the cache, patches the three
-    addresses, and reads the new tensors (not the first call's)."""
+    input addresses (and the output's, unless the allocator hands back the first output's memory),
+    and reads the new tensors (not the first call's)."""
     from ssa_flash.backends import cuda_backend, cuda_fwd_choice
 
     _state()
@@ -90,6 +94,6 @@ def test_tensor_map_cache_on_device():
         before = cuda_backend.hopper_fwd_state()
         out, _ = _attend(*second, "softmax", [], False, False, "cuda")
     after = cuda_backend.hopper_fwd_state()
-    assert after["hits"] == before["hits"] + 3 and after["patches"] == before["patches"] + 3, (before, after)
+    assert after["hits"] == before["hits"] + 4 and after["patches"] - before["patches"] in (3, 4), (before, after)
     ref, _ = _attend(*[t.double() for t in second], "softmax", [], False, False, "reference")
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)

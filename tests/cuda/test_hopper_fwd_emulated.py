@@ -5,16 +5,21 @@ warpgroups in ping-pong, the next S issued before the current block's transform)
    against a float64 reference under FlashAttention's error rule (tests/attn_testing.py), over
    every score function (softmax, SSA, logit scale) with and without a given adaptive temperature
    beta, causal or not, GQA, ragged and unequal lengths, D 64 / 128, float16 / bfloat16, TMA loads
-   and wgmma at issue or at their wait ("lazy"), threads in order or shuffled; bitwise the same
+   and wgmma and the epilogue's TMA store at issue or at their wait ("lazy"), threads in order or
+   shuffled, the store clipped to the output (nothing written outside it); bitwise the same
    results in every mode and schedule; the MUFU budgets (a share of ex2 / lg2 on the FMA pipe);
    deliberately broken variants (a V read without its wait, K waited on with the wrong phase, a
-   stage freed before its P V GEMM read it) reported as errors or wrong results; and through the
-   CUDA backend's own glue (the sm_90a emulator built with SSA_FLASH_HOPPER_FWD=1): the dispatch
-   picks the warp-specialised forward where it takes the call (the adaptive temperature's beta
-   from today's row-entropy pass) and today's kernel for a masked call.
+   stage freed before its P V GEMM read it, a store not waited for) reported as errors or wrong
+   results; the adaptive temperature's row-entropy pass on the same structure (entropy and LSE
+   against the float64 reference and today's attn_row_entropy_kernel, bitwise
+   schedule-independent); and through the CUDA backend's own glue (the sm_90a emulator built with
+   SSA_FLASH_HOPPER_FWD=1): the dispatch picks the warp-specialised forward and row-entropy pass
+   where they take the call and today's kernel for a masked call.
 2. Compiled with nvcc for sm_90a (csrc/hopper/fwd_instances.cu): TMA loads (UTMALDG), the register
    split (USETMAXREG 24 / 240), HGMMA with the overlap (a wgmma.wait_group 1: this block's S is
-   waited for while the previous block's O += P V runs on), no spills (ptxas -v); and the static
+   waited for while the previous block's O += P V runs on), the epilogue's TMA store (UTMASTG after
+   the shared-memory writes, the async-proxy fence and the warpgroup's barrier; no global store of
+   O), no spills (ptxas -v); and the static
    model (ssa_flash/audit/hopper.py) reads every instance, its figures those committed.
 
 Builds (background, on 2 cores): the test library 2-4 minutes, the backend emulator ~3, nvcc ~2;
@@ -44,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[1] / "csrc"
 NVCC = shutil.which("nvcc")
 SCORE_IDS = {f.name: f.id for f in scores.SCORES.values()}
-FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE = 1, 2, 3  # fwd_traits.h FwdFault
+FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE, FAULT_NO_STORE_WAIT = 1, 2, 3, 4  # fwd_traits.h FwdFault
 MUFU_EX2_QUARTER, MUFU_LG2_QUARTER, MUFU_HALF_BOTH = 1, 2, 3  # hopper_fwd_emu.cpp MufuOf
 
 
@@ -92,6 +97,9 @@ def emu():
     P, I = ctypes.c_void_p, ctypes.c_int
     dll.hopper_fwd_run.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, ctypes.c_float, I, P,
                                    I, ctypes.c_uint]
+    dll.hopper_row_entropy_run.restype = ctypes.c_char_p
+    dll.hopper_row_entropy_run.argtypes = [I, I, I, P, P, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, I, P, I,
+                                           ctypes.c_uint]
     for name in ("hopper_ex2_poly", "hopper_lg2_poly"):
         getattr(dll, name).restype = ctypes.c_float
         getattr(dll, name).argtypes = [ctypes.c_float]
@@ -146,11 +154,13 @@ def _inputs(dtype, B, H, Hkv, Lq, Lk, D, Dv, score, adaptive, seed, negative_n=F
     return q, k, v, params, beta
 
 
-def _run(emu, q, k, v, score, params, beta, causal, scale, mufu=0, fault=0, lazy=False, seed=1):
-    """(error or "", out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) float32)."""
+def _run(emu, q, k, v, score, params, beta, causal, scale, mufu=0, fault=0, lazy=False, seed=1, o=None):
+    """(error or "", out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) float32). ``o``: the output
+    tensor to write (a view of any 16-byte aligned strides), NaN-filled here if not given."""
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    o = torch.full((B, H, Lq, Dv), float("nan"), dtype=q.dtype)
+    if o is None:
+        o = torch.full((B, H, Lq, Dv), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, Lq), float("nan"))
     strides = torch.tensor([*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3]], dtype=torch.int64)
     p0 = params[0].float().contiguous() if len(params) > 0 else None
@@ -276,12 +286,46 @@ def test_fast_math_poly(emu):
     assert worst < 5e-7, worst
 
 
-@pytest.mark.parametrize("fault", [FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE])
+def test_hopper_fwd_store_clips_to_the_output(emu):
+    """The epilogue's TMA store writes O and nothing else: O a (B, L, H, D) view (packed rows: row
+    Lq of one head is the next batch element's row 0 in memory) inside a larger buffer with a gap
+    after each row's Dv columns and Lq rows of padding, odd Lq (the last 64-row box mostly outside
+    the tensor, one box wholly outside), Dv 48 of the padded 64 (the store's box clipped in columns):
+    every element outside the view keeps its sentinel, and the view passes the reference."""
+    B, H, Lq, Lk, D, Dv = 2, 2, 77, 150, 64, 48
+    q, k, v, params, beta = _inputs(FP16, B, H, H, Lq, Lk, D, Dv, "ssa", False, 21, transposed=True)
+    sentinel = 1234.0
+    buf = torch.full((B, Lq + 9, H, Dv + 16), sentinel, dtype=FP16)  # (B, L, H, D) memory, row stride 16-aligned
+    o = buf[:, :Lq, :, :Dv].transpose(1, 2)
+    err, out, lse = _run(emu, q, k, v, "ssa", params, beta, True, D ** -0.5, lazy=True, seed=4, o=o)
+    assert err == "", err
+    inside = torch.zeros(buf.shape, dtype=torch.bool)
+    inside[:, :Lq, :, :Dv] = True
+    assert bool((buf[~inside] == sentinel).all()), "the store wrote outside O"
+    naive = _reference(q, k, v, "ssa", params, beta, True, D ** -0.5, FP16)
+    gold = _reference(q, k, v, "ssa", params, beta, True, D ** -0.5, torch.float64)
+    fa_tolerance_check("out", out, naive[0], gold[0], FLOORS[FP16])
+
+
+def test_hopper_fwd_declines_what_tma_cannot_address(emu):
+    """An output (or input) whose address or row stride is not 16-byte aligned is declined
+    (fwd_ws_declines: today's kernel takes it), never handed to a tensor map."""
+    q, k, v, params, beta = _inputs(FP16, 1, 2, 2, 40, 50, 64, 64, "softmax", False, 0)
+    buf = torch.zeros(1, 2, 40, 72, dtype=FP16)
+    err, _, _ = _run(emu, q, k, v, "softmax", params, beta, False, 0.125, o=buf[..., 1:65])  # address + 2 bytes
+    assert err.startswith("declined:") and "16-byte" in err, err
+    err, _, _ = _run(emu, q, k, v, "softmax", params, beta, False, 0.125,
+                     o=torch.zeros(1, 2, 40, 68, dtype=FP16)[..., :64])  # a row stride of 68 elements
+    assert err.startswith("declined:") and "16-byte" in err, err
+
+
+@pytest.mark.parametrize("fault", [FAULT_NO_V_WAIT, FAULT_WRONG_K_PHASE, FAULT_EARLY_RELEASE, FAULT_NO_STORE_WAIT])
 def test_hopper_fwd_faults_are_reported(emu, fault):
     """Each broken variant gives an emulator error or a wrong result in at least one of the two
     legal copy orders (softmax, bfloat16, D 64, 5 key blocks through the 3-stage ring), as the
     hardware may land copies either way: a V read without its wait shows when V lands late (lazy),
-    a stage freed early when the next load lands at once (eager)."""
+    a stage freed early when the next load lands at once (eager), a storing thread that exits
+    before its TMA store has read the O tile in both."""
     q, k, v, params, beta = _inputs(BF16, 1, 2, 2, 128, 640, 64, 64, "softmax", False, 0)
     shown = []
     for lazy in (False, True):
@@ -301,7 +345,8 @@ def test_hopper_fwd_faults_are_reported(emu, fault):
 ])
 def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
     """ssa_flash's functions with backend="cuda" on the sm_90a emulator with the Hopper forward on:
-    out and LSE pass FlashAttention's rule, and the warp-specialised kernel is what ran."""
+    out and LSE pass FlashAttention's rule, and the warp-specialised kernels are what ran (the
+    adaptive temperature's row-entropy pass included)."""
     import ssa_flash
     from attn_testing import call, compare, head_params, make_qkv
     from ssa_flash import reference
@@ -310,9 +355,15 @@ def test_hopper_fwd_through_the_backend(backend_emu, mode, dtype, shape, kw):
     b, n = head_params(q.shape[1], device="cpu") if mode.startswith("ssa") else (None, None)
     b, n = (None, None) if b is None else (b.detach(), n.detach())
     before = backend_emu.launches("attn_fwd_ws_kernel")
+    before_h = backend_emu.launches("attn_row_entropy_ws_kernel")
+    before_h_old = backend_emu.launches("attn_row_entropy_kernel")
     with ssa_flash.cuda.emulated(backend_emu):
         ours = call(ssa_flash, mode, q, k, v, b, n, return_lse=True, backend="cuda", **kw)
     assert backend_emu.launches("attn_fwd_ws_kernel") == before + 1
+    # the adaptive temperature's first pass on the warp-specialised structure too, never today's
+    adaptive = "adaptive" in mode
+    assert backend_emu.launches("attn_row_entropy_ws_kernel") == before_h + int(adaptive)
+    assert backend_emu.launches("attn_row_entropy_kernel") == before_h_old
     naive = call(reference, mode, q, k, v, b, n, return_lse=True, **kw)
     d = lambda t: None if t is None else t.double()  # noqa: E731
     gold = call(reference, mode, d(q), d(k), d(v), d(b), d(n), return_lse=True, **kw)
@@ -358,33 +409,154 @@ def test_hopper_fwd_run_time_switch(backend_emu):
     torch.testing.assert_close(on, off, atol=2e-3, rtol=0)
 
 
+def test_hopper_row_entropy_follows_the_forward_choice(backend_emu):
+    """An adaptive call's two passes take the same kernel family: forced on (the benchmark's and
+    the device tests' cuda_fwd_choice.forced), the warp-specialised row-entropy pass and forward run
+    even with the switch left off by an earlier call; forced off, today's two kernels."""
+    import ssa_flash
+    from attn_testing import make_qkv
+    from ssa_flash.backends import cuda_fwd_choice
+
+    q, k, v = make_qkv(dtype=BF16, device="cpu", requires_grad=False, Lq=70, Lk=90, D=64)
+    names = ("attn_row_entropy_ws_kernel", "attn_fwd_ws_kernel", "attn_row_entropy_kernel", "attn_fwd_kernel")
+    try:
+        for on, expected in ((True, (1, 1, 0, 0)), (False, (0, 0, 1, 1))):
+            assert backend_emu.hopper_fwd(not on)["enabled"] == (not on)  # the switch left the other way
+            before = [backend_emu.launches(n) for n in names]
+            with cuda_fwd_choice.forced(on), ssa_flash.cuda.emulated(backend_emu):
+                ssa_flash.adaptive_temperature_attention(q, k, v, backend="cuda")
+            assert tuple(backend_emu.launches(n) - b for n, b in zip(names, before)) == expected, on
+    finally:
+        assert backend_emu.hopper_fwd(True)["enabled"]
+
+
 def test_hopper_fwd_tensor_map_cache(backend_emu):
     """The launcher's tensor maps (csrc/hopper/tma_cache.h): encoded once per (operand, shape,
     dtype), reused with the address patched for new tensors of that shape, left alone for the same
-    tensors; bounded (16 entries)."""
+    tensors; bounded (32 entries, replaced round-robin). Four maps a call: q, k, v and the output
+    (a fresh tensor each call: its map is patched unless the allocator hands back the same memory)."""
     from attn_testing import make_qkv
 
     stats = backend_emu.tma_cache(clear=True)
     assert stats == dict(hits=0, misses=0, patches=0, entries=0)
     first = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=80, D=64)
     _backend_softmax(backend_emu, *first)
-    assert backend_emu.tma_cache() == dict(hits=0, misses=3, patches=0, entries=3)  # q, k, v encoded
-    _backend_softmax(backend_emu, *first)  # the same tensors: hits, nothing patched
-    assert backend_emu.tma_cache() == dict(hits=3, misses=3, patches=0, entries=3)
+    assert backend_emu.tma_cache() == dict(hits=0, misses=4, patches=0, entries=4)  # q, k, v, o encoded
+    _backend_softmax(backend_emu, *first)  # the same inputs: hits, their maps not patched
+    stats = backend_emu.tma_cache()
+    assert (stats["hits"], stats["misses"], stats["entries"]) == (4, 4, 4) and stats["patches"] <= 1, stats
+    patched = stats["patches"]
     second = make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=80, D=64, seed=1)  # (first alive)
     _backend_softmax(backend_emu, *second)
-    assert backend_emu.tma_cache() == dict(hits=6, misses=3, patches=3, entries=3)
+    stats = backend_emu.tma_cache()
+    assert (stats["hits"], stats["misses"]) == (8, 4) and stats["patches"] - patched in (3, 4), stats
     _backend_softmax(backend_emu, *[t.to(BF16) for t in second])  # another dtype: new maps
-    assert backend_emu.tma_cache()["misses"] == 6
-    for lk in (16, 32, 48, 96, 112, 144):  # new K / V shapes (q's map reused): 18 maps, 16 kept
+    assert backend_emu.tma_cache()["misses"] == 8
+    # new K / V shapes, two maps each (q and o are the first's): 12 of them fill the 32 entries
+    # (8 + 24, no replacement); a 13th replaces the two oldest (slot 0, the first's q; slot 1, its k)
+    for lk in (16, 32, 48, 64, 96, 112, 128, 144, 160, 176, 192, 208):
         _backend_softmax(backend_emu, *make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=lk, D=64))
     stats = backend_emu.tma_cache()
-    assert stats["misses"] == 18 and stats["entries"] == 16
+    assert stats["misses"] == 32 and stats["entries"] == 32, stats
+    _backend_softmax(backend_emu, *make_qkv(dtype=FP16, device="cpu", requires_grad=False, Lq=64, Lk=224, D=64))
+    stats = backend_emu.tma_cache()
+    assert stats["misses"] == 34 and stats["entries"] == 32, stats
     # a patched map reads the new tensors: the result is second's, not first's
     out = _backend_softmax(backend_emu, *second)
     from ssa_flash import reference
     torch.testing.assert_close(out.float(), reference.softmax_attention(*[t.float() for t in second]), atol=2e-3,
                                rtol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# the row-entropy pass (csrc/hopper/fwd_row_entropy.h)
+
+def _run_entropy(emu, q, k, score, params, causal, scale, todays=False, lazy=False, seed=1):
+    """(error or "", entropy (B, H, Lq), lse (B, H, Lq)) of the warp-specialised pass, or of
+    today's attn_row_entropy_kernel (``todays``)."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    ent = torch.full((B, H, Lq), float("nan"))
+    lse = torch.full((B, H, Lq), float("nan"))
+    strides = torch.tensor([*q.stride()[:3], *k.stride()[:3]], dtype=torch.int64)
+    p0 = params[0].float().contiguous() if len(params) > 0 else None
+    p1 = params[1].float().contiguous() if len(params) > 1 else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    err = emu.hopper_row_entropy_run(int(q.dtype == torch.bfloat16), SCORE_IDS[score], int(todays), ptr(q), ptr(k),
+                                     ptr(ent), ptr(lse), ptr(p0), ptr(p1), B, H, Hkv, Lq, Lk, D, scale, int(causal),
+                                     ptr(strides), int(lazy), seed)
+    return err.decode(), ent, lse
+
+
+def _entropy_reference(q, k, score, params, causal, scale, dtype):
+    """(entropy, lse) of softmax(phi(scale q k^T)) per row, the matmul in ``dtype``; an empty row:
+    entropy 0, lse -inf."""
+    q, k = q.to(dtype), k.to(dtype)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    z = (q @ k.transpose(-1, -2)).to(acc) * scale
+    l = scores.SCORES[score].phi(z, *[p.to(acc).view(-1, 1, 1) for p in params])
+    if causal:
+        l = l.masked_fill(~torch.ones(z.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(l, -1)
+    w = torch.softmax(l, -1)
+    ent = -(w * torch.where(w > 0, torch.log(w), 0)).nan_to_num().sum(-1)
+    return ent, lse
+
+
+_ENTROPY_CASES = [  # (score, dtype, B, H, Hkv, Lq, Lk, D, causal)
+    ("softmax", BF16, 1, 2, 2, 128, 128, 64, True),
+    ("ssa", FP16, 1, 2, 1, 200, 333, 128, False),
+    ("logit_scale", BF16, 2, 4, 1, 77, 260, 64, True),
+    ("ssa", BF16, 1, 2, 2, 300, 130, 120, True),
+    ("softmax", FP16, 1, 2, 1, 129, 600, 64, False),
+    ("logit_scale", FP16, 1, 2, 2, 256, 384, 128, False),
+]
+
+
+@pytest.mark.parametrize("score,dtype,B,H,Hkv,Lq,Lk,D,causal", _ENTROPY_CASES)
+def test_hopper_row_entropy_matches_reference(emu, score, dtype, B, H, Hkv, Lq, Lk, D, causal):
+    """The warp-specialised row-entropy pass: entropy and LSE per row against the float64
+    reference under FlashAttention's rule (ragged ends, causal, GQA, Lq != Lk both ways, D 64 / 128
+    padded, more key blocks than ring stages); bfloat16 cases also against today's kernel in the
+    same emulation (the same maths in another thread layout and block order: equal to float32
+    rounding)."""
+    q, k, _, params, _ = _inputs(dtype, B, H, Hkv, Lq, Lk, D, D, score, False, Lq + Lk)
+    scale = D ** -0.5
+    err, ent, lse = _run_entropy(emu, q, k, score, params, causal, scale, lazy=bool(Lk % 2), seed=Lq)
+    assert err == "", err
+    naive = _entropy_reference(q, k, score, params, causal, scale, dtype)
+    gold = _entropy_reference(q, k, score, params, causal, scale, torch.float64)
+    fa_tolerance_check("entropy", ent, naive[0], gold[0], FLOORS[dtype])
+    fa_tolerance_check("lse", lse, naive[1], gold[1], FLOORS[dtype])
+    if dtype == BF16:
+        err, ent_t, lse_t = _run_entropy(emu, q, k, score, params, causal, scale, todays=True)
+        assert err == "", err
+        torch.testing.assert_close(ent, ent_t, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, lse_t, atol=2e-5, rtol=2e-5)
+
+
+def test_hopper_row_entropy_schedule_independent_and_negative_n(emu):
+    """TMA loads and wgmma at issue or at their wait, threads in order or shuffled: bitwise equal;
+    an SSA head with n < 0 (the sign in the logit: no Q negation in this pass) passes the rule."""
+    q, k, _, params, _ = _inputs(FP16, 1, 2, 1, 190, 700, 64, 64, "ssa", False, 3, negative_n=True)
+    first = _run_entropy(emu, q, k, "ssa", params, True, 0.125, lazy=False, seed=0)
+    assert first[0] == "", first[0]
+    for lazy, seed in ((True, 0), (False, 77), (True, 1234)):
+        again = _run_entropy(emu, q, k, "ssa", params, True, 0.125, lazy=lazy, seed=seed)
+        assert again[0] == ""
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2]), f"lazy={lazy} seed={seed}"
+    naive = _entropy_reference(q, k, "ssa", params, True, 0.125, FP16)
+    gold = _entropy_reference(q, k, "ssa", params, True, 0.125, torch.float64)
+    fa_tolerance_check("entropy", first[1], naive[0], gold[0], FLOORS[FP16])
+    fa_tolerance_check("lse", first[2], naive[1], gold[1], FLOORS[FP16])
+
+
+def test_hopper_row_entropy_empty_keys(emu):
+    """Lk = 0: entropy 0 and LSE -inf on every row, nothing loaded."""
+    q, k, _, params, _ = _inputs(BF16, 1, 2, 2, 70, 0, 64, 64, "softmax", False, 0)
+    err, ent, lse = _run_entropy(emu, q, k, "softmax", params, False, 0.125)
+    assert err == "" and torch.equal(ent, torch.zeros_like(ent)) and bool((lse == float("-inf")).all())
 
 
 # ------------------------------------------------------------------------------------------
@@ -398,7 +570,7 @@ def _kernels(sass):
 
 def test_hopper_fwd_sass(cubin):
     _, ptxas, sass = cubin
-    kernels = _kernels(sass)
+    kernels = {n: t for n, t in _kernels(sass).items() if "attn_fwd_ws_kernel" in n}
     assert len(kernels) >= 10, list(kernels)
     # every instance: no spills, no stack
     for line in re.findall(r"ptxas info\s*: Used .*|.*bytes stack frame.*", ptxas):
@@ -417,6 +589,38 @@ def test_hopper_fwd_sass(cubin):
         # still running) between the issue of both and the transform
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text, f"{name}: no wgmma.wait_group 1"
         assert re.search(r"HGMMA\.64x128x16\.F32\.BF16", text), f"{name}: no 64x128 S wgmma"
+        # the epilogue: O written to shared memory (STS), fenced for the async proxy, the
+        # warpgroup's barrier, one TMA store per 64-column panel, then the wait for its reads;
+        # the only global stores left are the LSE's (one per row of the thread's two)
+        d = int(re.search(r"WsFwdTraitsILi(\d+)E", name).group(1))
+        assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == d // 64, f"{name}: one TMA store per panel"
+        assert len(re.findall(r"\bSTG\.", text)) == 2, f"{name}: global stores besides the LSE's"
+        first_store = text.index("UTMASTG")
+        between = text[text[:first_store].rindex("STS"):first_store]  # from the last shared store
+        fence, bar = between.find("FENCE.VIEW.ASYNC.S"), between.find("BAR.SYNC")
+        assert 0 < fence < bar, f"{name}: the last STS, fence.proxy.async, bar.sync, then the TMA store"
+        assert re.search(r"UTMACMDFLUSH.*\n(?:.*\n)*?.*DEPBAR\.LE SB0, 0x0", text[first_store:]), \
+            f"{name}: the store's bulk group committed and waited for"
+
+
+def test_hopper_row_entropy_sass(cubin):
+    """The row-entropy pass's instances: TMA loads of Q and K, the register split, HGMMA with the
+    overlap (S of the next block issued before this one's is waited for: wgmma.wait_group 1), no
+    global store but the two statistics' (entropy and LSE of the thread's two rows), no spills."""
+    _, ptxas, sass = cubin
+    kernels = {n: t for n, t in _kernels(sass).items() if "attn_row_entropy_ws_kernel" in n}
+    assert len(kernels) == 6, list(kernels)  # fwd_instances.cu: 3 score functions x D 64 / 128
+    for name, text in kernels.items():
+        ops = set(re.findall(r"\b([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_x]+)*)\b", text))
+        opcodes = {o.split(".")[0] for o in ops}
+        assert "UTMALDG.4D" in ops and "HGMMA" in opcodes and "SYNCS" in opcodes, name
+        assert re.search(r"USETMAXREG\.DEALLOC\S* 0x18\b", text), name
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\S* \w+, 0xf0\b", text), name
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text, f"{name}: no wgmma.wait_group 1"
+        assert not {"LDL", "STL"} & opcodes, f"{name}: local memory"
+        assert len(re.findall(r"\bSTG\.", text)) == 4, f"{name}: global stores besides entropy and LSE"
+    for line in re.findall(r"ptxas info\s*: Function properties for \S*attn_row_entropy_ws_kernel\S*\n.*", ptxas):
+        assert "0 bytes spill stores, 0 bytes spill loads" in line, line
 
 
 def test_hopper_fwd_static_model(cubin):
