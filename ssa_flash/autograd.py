@@ -14,8 +14,8 @@ Tensor? dropout_rng, float softcap``)::
     ssa_flash::attn_bwd(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out,
                         Tensor lse, Tensor[] score_params, Tensor? sinks, Tensor? mask,
                         Tensor? beta, Tensor? lse_l, Tensor? entropy, Tensor? dbeta_dh,
-                        str backend, SPEC)
-        -> (Tensor dq, Tensor dk, Tensor dv, Tensor[] dscore_params, Tensor dsinks)
+                        bool mask_grad, str backend, SPEC)
+        -> (Tensor dq, Tensor dk, Tensor dv, Tensor[] dscore_params, Tensor dsinks, Tensor dmask)
     ssa_flash::row_entropy(Tensor q, Tensor k, Tensor[] score_params, Tensor? sinks, Tensor? mask,
                            str backend, SPEC) -> (Tensor entropy, Tensor lse_l)
 
@@ -44,7 +44,10 @@ without; ``dout`` or ``dlse`` may be None (an unused output).
 statistics and the spec's tensors (``cu_seqlens_q``/``_k``, a KV cache's ``seqused_k``/``k_start``, the
 dropout ``(seed, offset)``: the backward regenerates the same mask from it), and calls ``attn_bwd``; it accepts a gradient for ``lse`` (``return_lse=True``
 users may differentiate through it). The mask arrives as an expanded (stride-0) view of the
-user's mask and is passed on as is, never materialised.
+user's mask and is passed on as is, never materialised; a learned mask (a float mask that
+requires grad) arrives as a 4-D tensor of its own size, expanded inside ``attn_fwd`` /
+``attn_bwd``, and ``attn_bwd(mask_grad=True)`` returns its gradient ``dmask`` of that size (the
+backend reduces it over the broadcast dims; ``(0,)`` otherwise).
 """
 from __future__ import annotations
 
@@ -86,8 +89,17 @@ def _forward(q, k, v, params, sinks, mask, backend: str, spec: AttentionSpec):
     return out, lse, None
 
 
+def _full_mask(mask, q, k):
+    """A dense call's mask as the backends take it: expanded to ``(B, Hq, Lq, Lk)`` (a view; a
+    learned mask reaches the ops as a 4-D tensor of its own size, dims of 1 where it broadcasts)."""
+    if mask is None or q.dim() != 4:
+        return mask
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return mask if tuple(mask.shape) == full else mask.expand(full)
+
+
 def _attn_fwd(q, k, v, score_params, sinks, mask, backend, *spec_args):
-    out, lse, temp = _forward(q, k, v, tuple(score_params), sinks, mask, backend,
+    out, lse, temp = _forward(q, k, v, tuple(score_params), sinks, _full_mask(mask, q, k), backend,
                               AttentionSpec.from_op_args(spec_args))
     if temp is not None:
         return out, lse, temp.beta, temp.lse_l, temp.entropy, temp.dbeta_dh
@@ -132,33 +144,44 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, params, sinks, mask, temp: Opt
     return get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)
 
 
-def _attn_bwd(dout, dlse, q, k, v, out, lse, score_params, sinks, mask, beta, lse_l, entropy, dbeta_dh, backend,
-              *spec_args):
+def _attn_bwd(dout, dlse, q, k, v, out, lse, score_params, sinks, mask, beta, lse_l, entropy, dbeta_dh, mask_grad,
+              backend, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     temp = TemperatureState(beta, lse_l, entropy, dbeta_dh) if spec.adaptive else None
-    dq, dk, dv, dparams, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, tuple(score_params), sinks, mask,
-                                                 temp, backend, spec)
+    if mask_grad:  # a learned mask: its gradient of its own shape, reduced inside the backend's kernels
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dparams, dsinks, dmask = get_backend(backend).backward(
+            dout, q, k, v, out, lse, None if dlse is None else dlse.contiguous(), _full_mask(mask, q, k),
+            tuple(score_params), sinks, temp, spec, mask_grad_shape=tuple(mask.shape))
+        dmask = dmask.to(mask.dtype)
+    else:
+        dq, dk, dv, dparams, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, tuple(score_params), sinks,
+                                                     _full_mask(mask, q, k), temp, backend, spec)
+        dmask = _empty(q, lse.dtype)
     if dsinks is None:
         dsinks = _empty(q, lse.dtype)
-    return dq, dk, dv, list(dparams), dsinks
+    return dq, dk, dv, list(dparams), dsinks, dmask
 
 
 def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, score_params, sinks, mask, beta, lse_l, entropy, dbeta_dh,
-                   backend, *spec_args):
+                   mask_grad, backend, *spec_args):
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     heads = q.shape[1]  # Hq: dim 1 of dense and packed layouts
     sink_heads = heads if sinks is not None else 0
+    dmask = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,), dtype=lse.dtype)
     return (dq, dk, dv, [q.new_empty((heads,), dtype=lse.dtype) for _ in score_params],
-            q.new_empty((sink_heads,), dtype=lse.dtype))
+            q.new_empty((sink_heads,), dtype=lse.dtype), dmask)
 
 
 attn_bwd = torch.library.custom_op(
     "ssa_flash::attn_bwd", _attn_bwd, mutates_args=(),
     schema=("(Tensor? dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor[] score_params, Tensor? sinks, Tensor? mask, Tensor? beta, Tensor? lse_l, Tensor? entropy, "
-            f"Tensor? dbeta_dh, str backend, {SPEC_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor[], Tensor)"))
+            f"Tensor? dbeta_dh, bool mask_grad, str backend, {SPEC_SCHEMA}) "
+            "-> (Tensor, Tensor, Tensor, Tensor[], Tensor, Tensor)"))
 attn_bwd.register_fake(_attn_bwd_fake)
 
 
@@ -174,6 +197,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
     # tensor-valued spec fields go through save_for_backward, the rest are plain attributes
     ctx.backend, ctx.n_params, ctx.has_sinks = backend, len(params), sinks is not None
+    ctx.mask_grad = mask is not None and mask.requires_grad  # a learned mask (ops passed it unexpanded)
     ctx.spec_args = tuple(None if i in TENSOR_FIELDS else a for i, a in enumerate(spec_args))
     # a CPU emulation of the CUDA kernels (tests) must serve the backward too, wherever it runs
     ctx.emulator = cuda_backend.active_emulator() if backend == "cuda" else None
@@ -196,12 +220,12 @@ def _backward(ctx, dout, dlse, *_stat_grads):
     if not spec.adaptive:
         beta = lse_l = ent = dbeta_dh = None
     with cuda_backend.emulated(ctx.emulator):
-        dq, dk, dv, dparams, dsinks = torch.ops.ssa_flash.attn_bwd(
-            dout, dlse, q, k, v, out, lse, params, sinks, mask, beta, lse_l, ent, dbeta_dh, ctx.backend,
-            *spec_args)
+        dq, dk, dv, dparams, dsinks, dmask = torch.ops.ssa_flash.attn_bwd(
+            dout, dlse, q, k, v, out, lse, params, sinks, mask, beta, lse_l, ent, dbeta_dh, ctx.mask_grad,
+            ctx.backend, *spec_args)
     if not ctx.has_sinks:
         dsinks = None
-    return (dq, dk, dv, list(dparams), dsinks) + (None,) * (n_inputs - 5)
+    return (dq, dk, dv, list(dparams), dsinks, dmask if ctx.mask_grad else None) + (None,) * (n_inputs - 6)
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -273,15 +297,16 @@ class _LearnedMaskAttention(torch.autograd.Function):
 def attention_learned_mask(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...], mask: Tensor, backend: str,
                            spec: AttentionSpec, sinks: Optional[Tensor] = None):
     """:func:`attention` for a float ``mask`` that requires grad, given as a 4-D tensor that
-    broadcasts to ``(B, Hq, Lq, Lk)`` (not expanded): differentiable in the mask too. Eager only
-    (the custom ops carry no mask gradient: under ``torch.compile`` or a dispatch mode,
-    ``ValueError``); the Triton backend only."""
+    broadcasts to ``(B, Hq, Lq, Lk)`` (not expanded): differentiable in the mask too, eager or
+    through the custom ops (torch.compile, dispatch modes); the Triton backend only."""
     if backend != "triton":
         raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
                          "respect to attn_mask; backend='triton' or 'reference' does (docs/support.md)")
     if _through_ops(q, k, v, mask):
-        raise ValueError("attn_mask requires grad: not supported under torch.compile, dispatch modes or tensor "
-                         "subclasses on the kernels (eager calls only); backend='reference' differentiates it")
+        # torch.compile, dispatch modes, subclasses: the custom ops, the mask unexpanded (attn_fwd
+        # expands it; attn_bwd returns its gradient of its own shape)
+        out, lse, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, list(params), sinks, mask, backend, *spec.op_args())
+        return out, lse
     return _LearnedMaskAttention.apply(q, k, v, sinks, mask, backend, spec, *params)
 
 

@@ -462,8 +462,6 @@ def _degenerate(query: Tensor, key: Tensor, value: Tensor, key_dim: int = 2) -> 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-# torch.are_deterministic_algorithms_enabled's own question (that function is a Python call)
-_deterministic_algorithms = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
 
 
 def _autocast_dtype(query) -> Optional[torch.dtype]:
@@ -625,7 +623,8 @@ def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, si
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *, score,
                score_params, adaptive, poly, threshold, backend, return_lse, deterministic, window_size, sinks,
                softcap):
-    if deterministic is False and _deterministic_algorithms():
+    # (torch's function, not the C function it asks: torch.compile traces this one, not that)
+    if deterministic is False and torch.are_deterministic_algorithms_enabled():
         deterministic = True  # torch.use_deterministic_algorithms(True): torch's own switch
     cast = None if _any_autocast is not None and not _any_autocast() else _autocast_dtype(query)
     if cast is not None:

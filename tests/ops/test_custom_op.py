@@ -145,7 +145,7 @@ def test_opcheck_backward(on_backend):
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         torch.library.opcheck(torch.ops.ssa_flash.attn_bwd.default,
                               (dout, dlse, q, k, v, out, lse, params, None, mask, beta, lse_l, ent, dbeta_dh,
-                               backend, *spec_args))
+                               False, backend, *spec_args))
 
 
 @pytest.mark.parametrize("on_backend", OP_BACKENDS, indirect=True)
@@ -170,14 +170,16 @@ def test_fake_shapes_without_data():
         out, lse, beta, *_ = torch.ops.ssa_flash.attn_fwd(q, k, v, [bn, bn], None, None, "cuda", *spec)
         assert out.shape == (2, 4, 5, 3) and out.dtype == torch.float16
         assert lse.shape == beta.shape == (2, 4, 5) and lse.dtype == torch.float32
-        dq, dk, dv, dparams, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, [bn, bn], None,
-                                                                   None, beta, beta, beta, beta, "triton", *spec)
+        dq, dk, dv, dparams, dsinks, dmask = torch.ops.ssa_flash.attn_bwd(
+            out, None, q, k, v, out, lse, [bn, bn], None, None, beta, beta, beta, beta, False, "triton", *spec)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert [d.shape for d in dparams] == [(4,), (4,)]
-        assert dsinks.shape == (0,)
-        *_, dparams, dsinks = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, [], bn, None,
-                                                           beta, beta, beta, beta, "reference", *spec)
+        assert dsinks.shape == (0,) and dmask.shape == (0,)
+        mask = torch.empty(1, 4, 5, 7)  # a learned (1, H, Lq, Lk) bias: its gradient of its own shape
+        *_, dparams, dsinks, dmask = torch.ops.ssa_flash.attn_bwd(out, None, q, k, v, out, lse, [], bn, mask,
+                                                                  beta, beta, beta, beta, True, "reference", *spec)
         assert dparams == [] and dsinks.shape == (4,) and dsinks.dtype == torch.float32
+        assert dmask.shape == mask.shape
         ent, lse_l = torch.ops.ssa_flash.row_entropy(q, k, [], None, None, "reference", *spec)
         assert ent.shape == lse_l.shape == (2, 4, 5) and ent.dtype == torch.float32
 

@@ -167,14 +167,43 @@ def test_only_learned_masks_launch_the_mask_kernel(monkeypatch):
 
 
 def test_refusals():
-    """The CUDA C++ backend and the custom ops (dispatch modes, torch.compile) refuse a learned
-    mask with a ValueError naming it, rather than a silent zero gradient."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """The CUDA C++ backend refuses a learned mask with a ValueError naming it, rather than a
+    silent zero gradient."""
     q, k, v, mask, _ = _inputs((L, S), dtype=torch.float32)
     mask.requires_grad_()
     with pytest.raises(ValueError, match="attn_mask requires grad: the 'cuda' backend"):
         ssa_flash.ops._check_mask_grad(mask, "cuda")
-    with pytest.raises(ValueError, match="attn_mask requires grad: not supported under torch.compile"):
-        with FlopCounterMode(display=False):
-            ssa_flash.softmax_attention(q, k, v, attn_mask=mask, backend="triton")
+
+
+@pytest.mark.parametrize("shape", [(L, S), (B, 1, L, S)])
+def test_through_the_custom_ops(shape):
+    """Under a dispatch mode (the custom ops' path, as torch.compile takes it) the learned mask's
+    gradient is the eager path's, bit for bit, of the mask's own shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, mask, dout = _inputs(shape, dtype=torch.float32)
+    eager = _grads("triton", "ssa", True, q, k, v, mask, dout)
+    with FlopCounterMode(display=False):
+        ops = _grads("triton", "ssa", True, q, k, v, mask, dout)
+    assert ops[-1].shape == mask.shape
+    for a, b in zip(eager, ops):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@slow
+def test_under_torch_compile():
+    """torch.compile (fullgraph, the custom ops): out and the (L, S) mask's gradient as the eager
+    path's."""
+    q, k, v, mask, dout = _inputs((L, S), dtype=torch.float32)
+    params = {"b": torch.tensor([1.0, 0.6], device=DEVICE), "n": 1.5}
+
+    def f(q_, m_):
+        return ssa_flash.attention(q_, k, v, attn_mask=m_, score="ssa", score_params=params, backend="triton")
+
+    got = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        q_, m_ = q.detach().requires_grad_(), mask.detach().requires_grad_()
+        out = fn(q_, m_)
+        got.append((out, *torch.autograd.grad((out * dout).sum(), (q_, m_))))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
