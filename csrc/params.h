@@ -131,10 +131,11 @@ struct BwdParams : AttnShape {
   const float* sinks;
   bool softcap;
   float cap_in, cap_out;
-  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 4) float32, per
-  // query row the LSEs as (hi, lo) pairs in base 2, (hi, hi of l, lo, lo of l), written by the
-  // recount kernel, read by the other backward kernels (lse_residual.h; lo = 0 where the float
-  // LSE serves)
+  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 5) float32,
+  // written by the recount kernel, two sections (lse_residual.h): per query row the LSEs as
+  // (hi, lo) pairs in base 2, (hi, hi of l, lo, lo of l), read by the dQ kernel / pre-pass (lo = 0
+  // where the float LSE serves); then per row the factor 2^-lo of its dO, read by the key-block
+  // kernels
   float* lse_lo;
 };
 
