@@ -675,10 +675,18 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       if (tid < kStatChunks) cp_async_16(stat + 4 * tid, ws + 4 * tid, true);
     }
   };
-  auto load_do = [&](const Src& src) {
+  // (with_scale: for a checked step, whose dO an additive mask's recounted rows scale; with
+  // synchronous copies here, each thread its own chunks, where no step's registers are live; with
+  // cp.async at the step's start: scale_do_rows)
+  auto load_do = [&](const Src& src, auto with_scale) {
     const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + src.hh * p.do_sh + static_cast<int64_t>(src.mm) * p.do_sm;
-    if (kSyncCopies) load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
-    else do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
+    if (kSyncCopies) {
+      load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
+      if (decltype(with_scale)::value && p.mask_kind == kMaskAdd)
+        scale_do_rows<T, kBlockM, kD, LQ, kNThreads>(p, (head0 + src.hh) * p.stat_rows + src.mm, sdO, tid);
+    } else {
+      do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
+    }
   };
 
   load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
@@ -686,7 +694,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   if (num_t > 0) {
     const Src first{hk * p.group, m_first};
     load_q_stats(first, 0);
-    load_do(first);
+    load_do(first, Bool<true>());
   }
   cp_async_commit();
 
@@ -731,9 +739,9 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
     if (kWg) fence_proxy_async();  // (wgmma reads the tiles through the async proxy)
     __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
-    if (kCheck && p.mask_kind == kMaskAdd) {
+    if (!kSyncCopies && kCheck && p.mask_kind == kMaskAdd) {
       // an additive mask's recounted rows: dO_t's rows times 2^-lo (lse_residual.h), before any
-      // GEMM reads it
+      // GEMM reads it (synchronous copies: in load_do)
       scale_do_rows<T, kBlockM, kD, LQ, kNThreads>(p, (head0 + hh) * p.stat_rows + mm, sdO, tid);
       if (kWg) fence_proxy_async();
       __syncthreads();
@@ -836,7 +844,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 
     __syncthreads();  // every warp is done with dO_t, and dS^T is complete
     if (SSA_FLASH_ASYNC_COPIES && has_next) {
-      load_do(next);
+      load_do(next, Bool<false>());  // (scaled at the next step's start)
       cp_async_commit();
     }
     // kStoreDs: dS^T is in shared memory anyway: read it back rather than keep its registers
@@ -872,7 +880,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     if (!SSA_FLASH_ASYNC_COPIES && has_next) {
       // synchronous copies (memory.h) between two barriers, where they overlap no GEMM
       load_q_stats(next, buf ^ 1);
-      load_do(next);
+      load_do(next, check);
       cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
     }
   };

@@ -244,9 +244,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_lse_recount_kernel(
 // The key-block kernels' part (see the top of this file): in a checked step of an additive-mask
 // call, the dO tile sdO (kBlockM rows in layout L, landed and visible to every thread) of the
 // workspace rows from `row` (of all batch_head * stat_rows) with each row times its factor f (a
-// no-op where f = 1). Every thread of the CTA calls it; the caller makes the writes visible
-// (a barrier; wgmma: fence_proxy_async before it). Runs where the step's registers are free
-// (before its GEMMs), in calls with an additive mask only.
+// no-op where f = 1). Every thread of the CTA calls it, each on the 16-byte chunks load_tile gives
+// it (so that after a synchronous load_tile it scales what it copied itself); otherwise the caller
+// makes the writes visible (a barrier; wgmma: fence_proxy_async before it). Runs where the step's
+// registers are free (before its GEMMs, or with the next step's copies), in calls with an
+// additive mask only.
 template <typename T, int kBlockM, int kD, typename L, int kNThreads>
 SSA_DEVICE void scale_do_rows(const BwdParams& p, int64_t row, T* sdO, int tid) {
   constexpr int kChunks = kD / 8;  // 16-byte chunks of a row

@@ -235,3 +235,23 @@ def test_cuda_emulated_sm90_path(emulator_sm90, mode, kind, deterministic):
     before = emulator_sm90.wgmma_issued()
     check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm90), mode, kind, deterministic, D=64)
     assert emulator_sm90.wgmma_issued() > before, "the sm_90a path's wgmma ran"
+
+
+@pytest.fixture(scope="module")
+def emulator_sm75(tmp_path_factory):
+    """An emulator of the sm_75 code path at D = 32 (synchronous copies; its own build)."""
+    h = emulation.harness()
+    if h.cuda_include_dir() is None:
+        pytest.skip("CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built")
+    return h.Emulator(h.build(tmp_path_factory.mktemp("emu75"), head_dims=(32,), sm75=True, extras=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kind,deterministic", [("softmax", "fp32_min", False), ("ssa", "bf16_min", True),
+                                                     ("ssa_adaptive", "fp32_min", False),
+                                                     ("ssa_adaptive", "bf16_min", True)])
+def test_cuda_emulated_sync_copies(emulator_sm75, mode, kind, deterministic):
+    """test_cuda_emulated's check on the emulated sm_75 code path, whose key-block kernels copy
+    dO through registers and scale a recounted row's dO as they copy it (csrc/bwd_kernel.h,
+    load_do; csrc/lse_residual.h, scale_do_rows) instead of at the step's start."""
+    check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm75), mode, kind, deterministic)
