@@ -675,18 +675,10 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
       if (tid < kStatChunks) cp_async_16(stat + 4 * tid, ws + 4 * tid, true);
     }
   };
-  // (with_scale: for a checked step, whose dO an additive mask's recounted rows scale; with
-  // synchronous copies here, each thread its own chunks, where no step's registers are live; with
-  // cp.async at the step's start: scale_do_rows)
-  auto load_do = [&](const Src& src, auto with_scale) {
+  auto load_do = [&](const Src& src) {
     const T* dout = static_cast<const T*>(p.dout) + bb * p.do_sb + src.hh * p.do_sh + static_cast<int64_t>(src.mm) * p.do_sm;
-    if (kSyncCopies) {
-      load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
-      if (decltype(with_scale)::value && p.mask_kind == kMaskAdd)
-        scale_do_rows<T, kBlockM, kD, LQ, kNThreads>(p, (head0 + src.hh) * p.stat_rows + src.mm, sdO, tid);
-    } else {
-      do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
-    }
+    if (kSyncCopies) load_tile<kBlockM, kD, LQ, kNThreads>(sdO, dout, p.do_sm, 0, p.len_q - src.mm, p.dim_v, tid);
+    else do_ld.issue(tmap, sdO, dout, p.do_sm, p.dim_v, static_cast<const T*>(p.dout), p.len_q - src.mm, tid);
   };
 
   load_tile<kBlockN, kD, LK, kNThreads>(sK, k, p.k_sm, n0, p.len_k, p.dim, tid);
@@ -694,7 +686,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
   if (num_t > 0) {
     const Src first{hk * p.group, m_first};
     load_q_stats(first, 0);
-    load_do(first, Bool<true>());
+    load_do(first);
   }
   cp_async_commit();
 
@@ -739,13 +731,6 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     }
     if (kWg) fence_proxy_async();  // (wgmma reads the tiles through the async proxy)
     __syncthreads();  // Q_t, dO_t and stats_t visible to every warp
-    if (!kSyncCopies && kCheck && p.mask_kind == kMaskAdd) {
-      // an additive mask's recounted rows: dO_t's rows times 2^-lo (lse_residual.h), before any
-      // GEMM reads it (synchronous copies: in load_do)
-      scale_do_rows<T, kBlockM, kD, LQ, kNThreads>(p, (head0 + hh) * p.stat_rows + mm, sdO, tid);
-      if (kWg) fence_proxy_async();
-      __syncthreads();
-    }
 
     const T* sQt = sQ + buf * kTileQ;
     const float* stat = sStat + buf * kNStat * kBlockM;
@@ -795,7 +780,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-            // (an additive mask's residuals: in the statistics and dO, see the step's start)
+            // (an additive mask's residuals: in the statistics and in p.dout, lse_residual.h)
             const RowStats r = load_row_stats<kAdaptive>(stat + lq * kNStat);
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {
@@ -844,7 +829,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 
     __syncthreads();  // every warp is done with dO_t, and dS^T is complete
     if (SSA_FLASH_ASYNC_COPIES && has_next) {
-      load_do(next, Bool<false>());  // (scaled at the next step's start)
+      load_do(next);
       cp_async_commit();
     }
     // kStoreDs: dS^T is in shared memory anyway: read it back rather than keep its registers
@@ -880,7 +865,7 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
     if (!SSA_FLASH_ASYNC_COPIES && has_next) {
       // synchronous copies (memory.h) between two barriers, where they overlap no GEMM
       load_q_stats(next, buf ^ 1);
-      load_do(next, check);
+      load_do(next);
       cp_async_commit();  // (a no-op without cp.async; keeps the emulation's bookkeeping)
     }
   };

@@ -14,16 +14,17 @@
 // (hi, lo) = (m, log2 sum) then replaces (lse2, 0), and every checked score of an additive-mask
 // call forms its exponent as (x - hi) - lo (bwd_kernel.h, weight_exp2), x - hi small and exact for
 // every weight that matters. The key-block kernels (dK, dV; the fused dQ) instead keep their
-// plain exponent x - hi and take 2^-lo elsewhere (no value more in their elementwise code: with
-// one, ptxas spilled them): P' = 2^(x - hi) f with f = 2^-lo a per-row factor, so
+// plain exponent x - hi and take 2^-lo elsewhere (no value more, no code more, in their steps:
+// with either, ptxas spilled them): P' = 2^(x - hi) f with f = 2^-lo a per-row factor, so
 // dS' = P' (dO V^T - delta) = 2^(x - hi) ((f dO) V^T - f delta) and dV += P'^T dO = 2^(x - hi)^T (f dO):
-// their checked steps of an additive-mask call scale the dO tile's rows by f in shared memory
-// (scale_do_rows), and the dQ kernel / pre-pass writes f delta to the workspace; with the adaptive
-// temperature P (of l) = 2^(l2 - hi_l) f_l and log2 P = (l2 - hi_l) - lo_l, so the entropy
-// term g P (log P + H) is (g f_l) 2^(l2 - hi_l) ((l2 - hi_l) ln 2 + (H - lo_l ln 2)): g f_l and
+// for an additive-mask call they read dO scaled by f, a copy the recount kernel writes
+// (p.lse_lo's third section; the launcher points their p.dout at it, launch_impl.h), and f delta
+// from the workspace, which the dQ kernel / pre-pass writes so for such calls; with the adaptive
+// temperature P (of l) = 2^(l2 - hi_l) f_l and log2 P = (l2 - hi_l) - lo_l, so the entropy term
+// g P (log P + H) is (g f_l) 2^(l2 - hi_l) ((l2 - hi_l) ln 2 + (H - lo_l ln 2)): g f_l and
 // H - lo_l ln 2 in the workspace's g and entropy slots. f is 1 on every row not recounted (those
-// rows' values exactly as without a mask); on a recounted one f dO is rounded to T (float16: 2^-11
-// relative, bfloat16 2^-8, the size of dO's own rounding). A recount that differs from the given LSE by more than its rounding
+// rows' values exactly as without the copy); on a recounted one f dO is rounded to T once
+// (float16: 2^-11 relative, bfloat16 2^-8, the size of dO's own rounding). A recount that differs from the given LSE by more than its rounding
 // (kResidualTol, relative) means the keys seen are not the whole row (ring attention gives the
 // kernels a shard of the keys and the whole row's LSE): that row keeps (lse2, 0). The same
 // constants as ssa_flash/triton/lse_residual.py, the Triton backend's recount.
@@ -72,13 +73,21 @@ struct RecountRow {
   float lse2, lse2_lo, beta, lse_l2, lse_l2_lo;
 };
 
-// p.lse_lo, two sections (params.h): at lse_pair_offset, row `row` (of all batch_head * stat_rows
-// rows) as (hi, hi of l, lo, lo of l), four floats (a float4), read by the dQ kernel / pre-pass;
-// at lse_scale_offset its dO factor f = 2^-lo, read by the key-block kernels (scale_do_rows).
+// p.lse_lo, three sections (params.h): at lse_pair_offset, row `row` (of all batch_head *
+// stat_rows rows) as (hi, hi of l, lo, lo of l), four floats (a float4), read by the dQ kernel /
+// pre-pass; at lse_scale_offset its dO factor f = 2^-lo; from scaled_do, dO times f as T,
+// (B, H, stat_rows, kD) (rows up to len_q and columns up to dim_v written), read by the key-block
+// kernels in place of dO (launch_impl.h, scaled_do_operand).
 SSA_DEVICE int64_t lse_pair_offset(int64_t row) { return row * 4; }
 template <typename P>
 SSA_DEVICE int64_t lse_scale_offset(const P& p, int64_t row) {
   return static_cast<int64_t>(p.batch) * p.heads * p.stat_rows * 4 + row;
+}
+// (floats from p.lse_lo; host and device: the launcher points the key-block kernels at it)
+constexpr int64_t scaled_do_offset(int64_t batch_heads, int64_t stat_rows) { return batch_heads * stat_rows * 5; }
+template <typename T>
+SSA_DEVICE T* scaled_do(const BwdParams& p) {
+  return reinterpret_cast<T*>(p.lse_lo + scaled_do_offset(static_cast<int64_t>(p.batch) * p.heads, p.stat_rows));
 }
 
 // The running (max m, sum of 2^(x - m)) of this thread's share of a row after the values x
@@ -239,34 +248,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_lse_recount_kernel(
       p.lse_lo[lse_scale_offset(p, row)] = ex2(-v.z);
     }
   }
-}
-
-// The key-block kernels' part (see the top of this file): in a checked step of an additive-mask
-// call, the dO tile sdO (kBlockM rows in layout L, landed and visible to every thread) of the
-// workspace rows from `row` (of all batch_head * stat_rows) with each row times its factor f (a
-// no-op where f = 1). Every thread of the CTA calls it, each on the 16-byte chunks load_tile gives
-// it (so that after a synchronous load_tile it scales what it copied itself); otherwise the caller
-// makes the writes visible (a barrier; wgmma: fence_proxy_async before it). Runs where the step's
-// registers are free (before its GEMMs, or with the next step's copies), in calls with an
-// additive mask only.
-template <typename T, int kBlockM, int kD, typename L, int kNThreads>
-SSA_DEVICE void scale_do_rows(const BwdParams& p, int64_t row, T* sdO, int tid) {
+  // the scaled copy of the tile's dO rows (each factor written above, visible after the barrier)
+  __syncthreads();
   constexpr int kChunks = kD / 8;  // 16-byte chunks of a row
-  const float* f = p.lse_lo + lse_scale_offset(p, row);
+  const int64_t srow0 = blk.batch_head(p) * p.stat_rows + m0;
+  const T* dout = blk.query_head<const T>(p.dout, p.do_sb, p.do_sh);
+  T* out = scaled_do<T>(p) + srow0 * kD;
 #pragma unroll 1
   for (int i = tid; i < kBlockM * kChunks; i += kNThreads) {
-    const int r = i / kChunks;
-    const float fr = f[r];
-    if (fr != 1.0f) {
-      uint4* at = reinterpret_cast<uint4*>(sdO + L::offset(r, (i % kChunks) * 8));
-      uint4 v = *at;
-      uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+    const int r = i / kChunks, col = (i % kChunks) * 8;
+    if (m0 + r < p.len_q && col < p.dim_v) {
+      const float f = p.lse_lo[lse_scale_offset(p, srow0 + r)];
+      uint4 v = *reinterpret_cast<const uint4*>(dout + static_cast<int64_t>(m0 + r) * p.do_sm + col);
+      if (f != 1.0f) {
+        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = unpack2<T>(w[e]);
-        w[e] = pack2<T>(x.x * fr, x.y * fr);
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = unpack2<T>(w[e]);
+          w[e] = pack2<T>(x.x * f, x.y * f);
+        }
       }
-      *at = v;
+      *reinterpret_cast<uint4*>(out + r * kD + col) = v;
     }
   }
 }

@@ -251,7 +251,6 @@ def emulator_sm75(tmp_path_factory):
                                                      ("ssa_adaptive", "fp32_min", False),
                                                      ("ssa_adaptive", "bf16_min", True)])
 def test_cuda_emulated_sync_copies(emulator_sm75, mode, kind, deterministic):
-    """test_cuda_emulated's check on the emulated sm_75 code path, whose key-block kernels copy
-    dO through registers and scale a recounted row's dO as they copy it (csrc/bwd_kernel.h,
-    load_do; csrc/lse_residual.h, scale_do_rows) instead of at the step's start."""
+    """test_cuda_emulated's check on the emulated sm_75 code path (synchronous copies; the
+    key-block kernels' dO there too the recount kernel's scaled copy, csrc/lse_residual.h)."""
     check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm75), mode, kind, deterministic)
