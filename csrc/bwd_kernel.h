@@ -75,12 +75,13 @@ struct RowStats {
 };
 
 // The base-2 exponent of P'_ij, beta l2 - lse2 (beta = 1 without kAdaptive), for a row's
-// statistics r. Checked scores of an additive-mask call: (beta l2 - hi) - lo, the recounted pair
-// with beta l2 rounded as the recount rounded it (lse_residual.h; hi = lse2, lo = 0 where the
-// float LSE serves); every other score as before.
-template <bool kAdaptive, bool kCheck, typename P>
+// statistics r. Checked scores of an additive-mask call (kResidual: in the dQ kernel / pre-pass;
+// the key-block kernels take 2^-lo as a factor instead, lse_residual.h): (beta l2 - hi) - lo, the
+// recounted pair with beta l2 rounded as the recount rounded it (lse_residual.h; hi = lse2,
+// lo = 0 where the float LSE serves); every other score as before.
+template <bool kAdaptive, bool kResidual, typename P>
 SSA_DEVICE float weight_exp2(const P& p, float l2, const RowStats& r) {
-  if (kCheck && p.mask_kind == kMaskAdd) return ((kAdaptive ? mul_rn(l2, r.beta) : l2) - r.lse2) - r.lse2_lo;
+  if (kResidual && p.mask_kind == kMaskAdd) return ((kAdaptive ? mul_rn(l2, r.beta) : l2) - r.lse2) - r.lse2_lo;
   return kAdaptive ? fmaf(l2, r.beta, -r.lse2) : l2 - r.lse2;
 }
 
@@ -117,16 +118,18 @@ SSA_DEVICE RowStats load_row_stats(const float* st) {
 // kCap: s is the raw dot product, soft-capped here (logits.h, softcap_raw: th, the capped score in
 // units of cap_out, which ctx holds) before the transform; the parameter terms sum over th
 // (cap_out applied with the partial) and dz takes the extra factor 1 - th^2 (docs/maths.md
-// section 6.1). kMaskable = false: the call has no mask (apply_mask).
+// section 6.1). kMaskable = false: the call has no mask (apply_mask). kResidual = false: an
+// additive mask's recounted residuals are not in the exponents (the key-block kernels, whose
+// statistics and dO carry them: lse_residual.h).
 template <typename Score, bool kAdaptive, bool kCheck, bool kBand = true, bool kCap = false, bool kMaskable = true,
-          typename P>
+          bool kResidual = true, typename P>
 SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float dp, int row, int col,
                             const RowStats& r, float& p_out, float& dpar0, float& dpar1) {
   typename Score::Elem el;
   const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
   float l2 = Score::logit(ctx, s, Score::mult(ctx, 1.0f), el);
   if (kCheck) l2 = apply_mask<kBand, kMaskable>(p, ctx, l2, row, col, kLog2e);
-  const float pp = ex2(weight_exp2<kAdaptive, kCheck && kMaskable>(p, l2, r));
+  const float pp = ex2(weight_exp2<kAdaptive, kCheck && kMaskable && kResidual>(p, l2, r));
   p_out = pp;
   float dl = pp * (dp - r.delta);
   if (kAdaptive) {
@@ -134,7 +137,8 @@ SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float 
     if (kCheck) {
       const bool adm = l2 != neg_inf();
       // (additive masks: log2 P of l from the recounted pair, as weight_exp2)
-      const float lp2 = adm ? (p.mask_kind == kMaskAdd ? (l2 - r.lse_l2) - r.lse_l2_lo : l2 - r.lse_l2) : 0.0f;
+      const float lp2 =
+          adm ? (kResidual && p.mask_kind == kMaskAdd ? (l2 - r.lse_l2) - r.lse_l2_lo : l2 - r.lse_l2) : 0.0f;
       ent_term = adm ? ex2(lp2) * fmaf(lp2, kLn2, r.ent) : 0.0f;
     } else {
       const float lp2 = l2 - r.lse_l2;
@@ -328,12 +332,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
     for (int half = 0; half < 2; ++half) {
       const RowStats& st = half ? st_hi : st_lo;
       float* ws = half ? ws_hi : ws_lo;
+      // (additive masks: the key-block kernels' delta and entropy take the recounted residuals,
+      // lse_residual.h: f delta with f = 2^-lo, H - lo_l ln 2)
+      const bool add = p.mask_kind == kMaskAdd;
       ws[kLse] = st.lse2;
-      ws[kDelta] = st.delta;
+      ws[kDelta] = add ? st.delta * ex2(-st.lse2_lo) : st.delta;
       if (kAdaptive) {
         ws[kBeta] = st.beta;
         ws[kLseL] = st.lse_l2;
-        ws[kEnt] = st.ent;
+        ws[kEnt] = add ? fmaf(-st.lse_l2_lo, kLn2, st.ent) : st.ent;
         // the offset of dbeta's centred sum (the dbeta pass adds it and overwrites it with g;
         // kept here, not in registers through the pass: the SSA kernel at D = 64 has none to
         // spare on sm_90a)
@@ -483,9 +490,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_dq_kernel(const Bwd
       }
       st_lo.g = dbeta_lo * dbdh_lo;
       st_hi.g = dbeta_hi * dbdh_hi;
-      if (write_ws) {
-        ws_lo[kG] = st_lo.g;
-        ws_hi[kG] = st_hi.g;
+      if (write_ws) {  // (additive masks: g f_l for the key-block kernels, lse_residual.h)
+        const bool add = p.mask_kind == kMaskAdd;
+        ws_lo[kG] = add ? st_lo.g * ex2(-st_lo.lse_l2_lo) : st_lo.g;
+        ws_hi[kG] = add ? st_hi.g * ex2(-st_hi.lse_l2_lo) : st_hi.g;
       }
     }
   }
@@ -772,18 +780,13 @@ SSA_DEVICE void bwd_key_block(const BwdParams& p) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int lq = q0 + Frag::col(lane, mt) + c;  // query within the step (both rows of the thread)
-            RowStats r = load_row_stats<kAdaptive>(stat + lq * kNStat);
-            if (kCheck && p.mask_kind == kMaskAdd) {  // the recounted residuals (lse_residual.h)
-              const float2 lo =
-                  *reinterpret_cast<const float2*>(p.lse_lo + lse_pair_offset((head0 + hh) * p.stat_rows + mm + lq) + 2);
-              r.lse2_lo = lo.x;
-              r.lse_l2_lo = lo.y;
-            }
+            // (an additive mask's residuals: in the statistics and in p.dout, lse_residual.h)
+            const RowStats r = load_row_stats<kAdaptive>(stat + lq * kNStat);
 #pragma unroll
             for (int hi = 0; hi < 2; ++hi) {
               const int i = c + 2 * hi;
               float pp;
-              dp[0][mt][i] = score_grad<Score, kAdaptive, kCheck, !kFusedDq, kCap>(
+              dp[0][mt][i] = score_grad<Score, kAdaptive, kCheck, !kFusedDq, kCap, true, false>(
                   p, ctx, s[0][mt][i], dp[0][mt][i], mm + lq, key_lo() + hi * Frag::kHi, r, pp, dpar0, dpar1);
               s[0][mt][i] = pp;
             }

@@ -45,6 +45,19 @@ std::string row_entropy_hdim(const FwdParams& p, int score, cudaStream_t stream)
                    row_entropy_smem_bytes(D, sizeof(T), device_path()), stream, p);
 }
 
+// The key-block kernels' parameters: p, or for an additive mask p with dO the recount kernel's
+// scaled copy (B, H, stat_rows, D) of type T in p.lse_lo (lse_residual.h).
+template <typename T, int D>
+BwdParams key_block_params(const BwdParams& p) {
+  if (p.mask_kind != kMaskAdd) return p;
+  BwdParams k = p;
+  k.dout = reinterpret_cast<const T*>(p.lse_lo + scaled_do_offset(static_cast<int64_t>(p.batch) * p.heads, p.stat_rows));
+  k.do_sm = D;
+  k.do_sh = static_cast<int64_t>(p.stat_rows) * D;
+  k.do_sb = p.heads * k.do_sh;
+  return k;
+}
+
 template <typename T, int D>
 std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   const int path = device_path();
@@ -75,7 +88,8 @@ std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan
             return &attn_bwd_fused_kernel<Tr, decltype(S), decltype(A)::value, decltype(C)::value>;
           },
           score,
-          adaptive, key_grid<Tr>(p), bwd_fused_smem_bytes(D, sizeof(T), adaptive, path), stream, p);
+          adaptive, key_grid<Tr>(p), bwd_fused_smem_bytes(D, sizeof(T), adaptive, path), stream,
+          key_block_params<T, D>(p));
     }
   }
   std::string err = launch_variant<T, Dq>(
@@ -91,7 +105,7 @@ std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan
           return &attn_bwd_dkdv_kernel<Tr, decltype(S), decltype(A)::value, decltype(C)::value>;
         },
         score,
-        adaptive, key_grid<Tr>(p), smem, stream, p);
+        adaptive, key_grid<Tr>(p), smem, stream, key_block_params<T, D>(p));
   };
   if constexpr (!ElemInfo<T>::kIsBF16 && (D == 96 || D == 128)) {
     int arch = 0, max_optin = 0;

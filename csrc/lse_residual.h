@@ -13,7 +13,18 @@
 // the tempered row x = beta l2 (rounded once: mul_rn) and, adaptive, of l2. The pair
 // (hi, lo) = (m, log2 sum) then replaces (lse2, 0), and every checked score of an additive-mask
 // call forms its exponent as (x - hi) - lo (bwd_kernel.h, weight_exp2), x - hi small and exact for
-// every weight that matters. A recount that differs from the given LSE by more than its rounding
+// every weight that matters. The key-block kernels (dK, dV; the fused dQ) instead keep their
+// plain exponent x - hi and take 2^-lo elsewhere (no value more, no code more, in their steps:
+// with either, ptxas spilled them): P' = 2^(x - hi) f with f = 2^-lo a per-row factor, so
+// dS' = P' (dO V^T - delta) = 2^(x - hi) ((f dO) V^T - f delta) and dV += P'^T dO = 2^(x - hi)^T (f dO):
+// for an additive-mask call they read dO scaled by f, a copy the recount kernel writes
+// (p.lse_lo's third section; the launcher points their p.dout at it, launch_impl.h), and f delta
+// from the workspace, which the dQ kernel / pre-pass writes so for such calls; with the adaptive
+// temperature P (of l) = 2^(l2 - hi_l) f_l and log2 P = (l2 - hi_l) - lo_l, so the entropy term
+// g P (log P + H) is (g f_l) 2^(l2 - hi_l) ((l2 - hi_l) ln 2 + (H - lo_l ln 2)): g f_l and
+// H - lo_l ln 2 in the workspace's g and entropy slots. f is 1 on every row not recounted (those
+// rows' values exactly as without the copy); on a recounted one f dO is rounded to T once
+// (float16: 2^-11 relative, bfloat16 2^-8, the size of dO's own rounding). A recount that differs from the given LSE by more than its rounding
 // (kResidualTol, relative) means the keys seen are not the whole row (ring attention gives the
 // kernels a shard of the keys and the whole row's LSE): that row keeps (lse2, 0). The same
 // constants as ssa_flash/triton/lse_residual.py, the Triton backend's recount.
@@ -62,9 +73,22 @@ struct RecountRow {
   float lse2, lse2_lo, beta, lse_l2, lse_l2_lo;
 };
 
-// Where p.lse_lo holds row `row` (of all batch_head * stat_rows rows): (hi, hi of l, lo, lo of
-// l), four floats (a float4; the residuals a float2 at +2).
+// p.lse_lo, three sections (params.h): at lse_pair_offset, row `row` (of all batch_head *
+// stat_rows rows) as (hi, hi of l, lo, lo of l), four floats (a float4), read by the dQ kernel /
+// pre-pass; at lse_scale_offset its dO factor f = 2^-lo; from scaled_do, dO times f as T,
+// (B, H, stat_rows, kD) (rows up to len_q and columns up to dim_v written), read by the key-block
+// kernels in place of dO (launch_impl.h, scaled_do_operand).
 SSA_DEVICE int64_t lse_pair_offset(int64_t row) { return row * 4; }
+template <typename P>
+SSA_DEVICE int64_t lse_scale_offset(const P& p, int64_t row) {
+  return static_cast<int64_t>(p.batch) * p.heads * p.stat_rows * 4 + row;
+}
+// (floats from p.lse_lo; host and device: the launcher points the key-block kernels at it)
+constexpr int64_t scaled_do_offset(int64_t batch_heads, int64_t stat_rows) { return batch_heads * stat_rows * 5; }
+template <typename T>
+SSA_DEVICE T* scaled_do(const BwdParams& p) {
+  return reinterpret_cast<T*>(p.lse_lo + scaled_do_offset(static_cast<int64_t>(p.batch) * p.heads, p.stat_rows));
+}
 
 // The running (max m, sum of 2^(x - m)) of this thread's share of a row after the values x
 // (-inf: inadmissible).
@@ -171,8 +195,9 @@ SSA_DEVICE void recount_rows(const BwdParams& p, const LogitCtx& ctx, const KB& 
 
 // The recount kernel (see the top of this file): grid (ceil(Lq / BM), H, B) with the dQ kernel's
 // tile Tr (DqTraits), shared memory for a Q and a K tile (dq_smem_bytes covers them). Writes every
-// row of p.lse_lo up to stat_rows (lse_pair_offset): the given LSEs in base 2 with zero residuals
-// where not recounted, zeros past len_q. kSink: the sink starts each recounted row.
+// row of p.lse_lo up to stat_rows (lse_pair_offset, lse_scale_offset): the given LSEs in base 2
+// with zero residuals (f = 1) where not recounted, zeros (f = 1) past len_q. kSink: the sink
+// starts each recounted row.
 template <typename Tr, typename Score, bool kAdaptive, bool kCap = false, bool kSink = false>
 __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_lse_recount_kernel(const BwdParams p) {
   SSA_TILE_NAMES(Tr);
@@ -220,6 +245,30 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_bwd_lse_recount_kernel(
       v.w = st[hi].lse_l2_lo;
       const int64_t row = blk.batch_head(p) * p.stat_rows + row0 + hi * Frag::kHi;
       *reinterpret_cast<float4*>(p.lse_lo + lse_pair_offset(row)) = v;
+      p.lse_lo[lse_scale_offset(p, row)] = ex2(-v.z);
+    }
+  }
+  // the scaled copy of the tile's dO rows (each factor written above, visible after the barrier)
+  __syncthreads();
+  constexpr int kChunks = kD / 8;  // 16-byte chunks of a row
+  const int64_t srow0 = blk.batch_head(p) * p.stat_rows + m0;
+  const T* dout = blk.query_head<const T>(p.dout, p.do_sb, p.do_sh);
+  T* out = scaled_do<T>(p) + srow0 * kD;
+#pragma unroll 1
+  for (int i = tid; i < kBlockM * kChunks; i += kNThreads) {
+    const int r = i / kChunks, col = (i % kChunks) * 8;
+    if (m0 + r < p.len_q && col < p.dim_v) {
+      const float f = p.lse_lo[lse_scale_offset(p, srow0 + r)];
+      uint4 v = *reinterpret_cast<const uint4*>(dout + static_cast<int64_t>(m0 + r) * p.do_sm + col);
+      if (f != 1.0f) {
+        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = unpack2<T>(w[e]);
+          w[e] = pack2<T>(x.x * f, x.y * f);
+        }
+      }
+      *reinterpret_cast<uint4*>(out + r * kD + col) = v;
     }
   }
 }

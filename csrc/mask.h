@@ -15,10 +15,12 @@ namespace ssa_flash {
 constexpr float kMaskFloor2 = 1.2676506002282294e30f;  // 2^100
 
 SSA_DEVICE float saturated_mask(float m, float mask_mult) {
-  // the floor scales with beta (mask_mult = log2(e) beta) as the logits do
-  const float add = m * mask_mult;
-  const float floor = mask_mult * (-kMaskFloor2 * 0.6931471805599453f);
-  return add < floor ? (m == neg_inf() ? m : floor) : add;
+  // the floor scales with beta (mask_mult = log2(e) beta > 0) as the logits do: m clamped at
+  // -2^100 ln 2 before the product, which is then the floor's (rounding is monotonic), one
+  // product and no second live value (the product and floor compared after it spilled the sm_90a
+  // fused SSA backward at D = 128)
+  constexpr float kFloor = -kMaskFloor2 * 0.6931471805599453f;
+  return (m == neg_inf() ? m : m < kFloor ? kFloor : m) * mask_mult;
 }
 
 // l2 where key `col` is admissible for query `row`, else -inf: out of range (rows past the

@@ -131,10 +131,12 @@ struct BwdParams : AttnShape {
   const float* sinks;
   bool softcap;
   float cap_in, cap_out;
-  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 4) float32, per
-  // query row the LSEs as (hi, lo) pairs in base 2, (hi, hi of l, lo, lo of l), written by the
-  // recount kernel, read by the other backward kernels (lse_residual.h; lo = 0 where the float
-  // LSE serves)
+  // additive masks only (mask_kind == kMaskAdd, else nullptr): (B, H, stat_rows, 5 + D / 2)
+  // float32 (D the padded head dim), written by the recount kernel, three sections
+  // (lse_residual.h): per query row the LSEs as (hi, lo) pairs in base 2, (hi, hi of l, lo, lo of
+  // l), read by the dQ kernel / pre-pass (lo = 0 where the float LSE serves); per row the factor
+  // f = 2^-lo; dO times f (B, H, stat_rows, D) in the inputs' 16-bit type, the key-block kernels'
+  // dO (launch_impl.h)
   float* lse_lo;
 };
 

@@ -83,7 +83,7 @@ struct BwdBuffers {
   int64_t dq_accum[4];      // (B, H, stat_rows, accum_cols), zero on entry; fused path only
   int64_t partials[3];      // each of the nparams dparam_part: (B, H, num_partials)
   int64_t nparams;          // the score function's parameters (score_param_count)
-  int64_t lse_lo[4];        // (B, H, stat_rows, 4), additive masks only (else zero-size), written before it is read
+  int64_t lse_lo[4];        // (B, H, stat_rows, 5 + accum_cols / 2), additive masks only (else zero-size), written before it is read
 };
 
 // Sizes and flags the kernels assume (params.h); an error message, or an empty string. What a
@@ -239,7 +239,8 @@ inline BwdBuffers bwd_buffers(const AttnCall& c, const BwdPlan& plan) {
     b.dq_accum[i] = plan.fused ? accum[i] : 0;
   }
   for (int i = 0; i < 3; ++i) b.partials[i] = parts[i];
-  const int64_t lse_lo[4] = {c.batch, c.heads, plan.stat_rows, 4};
+  // (the recount's pairs and each row's dO factor, then dO scaled by it, 16-bit: params.h)
+  const int64_t lse_lo[4] = {c.batch, c.heads, plan.stat_rows, 5 + plan.accum_cols / 2};
   for (int i = 0; i < 4; ++i) b.lse_lo[i] = c.mask_kind == kMaskAdd ? lse_lo[i] : 0;
   return b;
 }

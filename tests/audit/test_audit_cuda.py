@@ -209,9 +209,7 @@ def test_compiles_without_spills(cuda_results, arch):
     assert not warnings, f"ptxas warnings for sm_{arch}: {warnings}"
     spills = [f"{r['symbol']}: {r['spill_store_bytes']} B stores, {r['spill_load_bytes']} B loads, "
               f"{r['local_bytes']} B local" for r in res["kernels"] if r["spills"]]
-    if spills:  # KNOWN REGRESSION of 2026-12-01 (tests/cuda/test_csrc_compile.py SPILL_REGRESSION)
-        pytest.xfail("known spill regression of 2026-12-01 (the finite-mask backward changes): "
-                     f"register spills on sm_{arch}:\n" + "\n".join(spills))
+    assert not spills, f"register spills on sm_{arch}:\n" + "\n".join(spills)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

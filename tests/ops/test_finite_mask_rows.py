@@ -216,22 +216,44 @@ def check_cuda_rows(ctx, mode, kind, deterministic, D=32):
 
 
 
-@pytest.fixture(scope="module")
-def emulator_sm90(tmp_path_factory):
-    """An emulator of the sm_90a code path at D = 64 (its own build: about a minute)."""
+def _path_emulator(tmp_path_factory, name, **build):
+    """An emulator of one code path (emu_harness.build's options `build`), its own build."""
     h = emulation.harness()
     if h.cuda_include_dir() is None:
         pytest.skip("CUDA headers (cuda_fp16.h) not found: the CPU emulation cannot be built")
-    return h.Emulator(h.build(tmp_path_factory.mktemp("emu90"), head_dims=(64,), sm90=True, extras=False))
+    return h.Emulator(h.build(tmp_path_factory.mktemp(name), extras=False, **build))
+
+
+@pytest.fixture(scope="module")
+def emulator_sm90(tmp_path_factory):
+    """An emulator of the sm_90a code path at D = 64 (its own build: about a minute)."""
+    return _path_emulator(tmp_path_factory, "emu90", head_dims=(64,), sm90=True)
+
+
+# (the emulated code paths' cases: both backward paths, each variant, both masks)
+PATH_CASES = [("softmax", "fp32_min", False), ("ssa", "bf16_min", True), ("ssa_adaptive", "fp32_min", False),
+              ("ssa_adaptive", "bf16_min", True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,kind,deterministic", [("softmax", "fp32_min", False), ("ssa", "bf16_min", True),
-                                                     ("ssa_adaptive", "fp32_min", False),
-                                                     ("ssa_adaptive", "bf16_min", True)])
+@pytest.mark.parametrize("mode,kind,deterministic", PATH_CASES)
 def test_cuda_emulated_sm90_path(emulator_sm90, mode, kind, deterministic):
     """test_cuda_emulated's check on the emulated sm_90a code path (the recount kernel's and the
     backward's GEMMs as wgmma on swizzled tiles, which the kernels use at D = 64 / 128)."""
     before = emulator_sm90.wgmma_issued()
     check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm90), mode, kind, deterministic, D=64)
     assert emulator_sm90.wgmma_issued() > before, "the sm_90a path's wgmma ran"
+
+
+@pytest.fixture(scope="module")
+def emulator_sm75(tmp_path_factory):
+    """An emulator of the sm_75 code path at D = 32 (synchronous copies; its own build)."""
+    return _path_emulator(tmp_path_factory, "emu75", head_dims=(32,), sm75=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,kind,deterministic", PATH_CASES)
+def test_cuda_emulated_sync_copies(emulator_sm75, mode, kind, deterministic):
+    """test_cuda_emulated's check on the emulated sm_75 code path (synchronous copies; the
+    key-block kernels' dO there too the recount kernel's scaled copy, csrc/lse_residual.h)."""
+    check_cuda_rows(lambda: ssa_flash.cuda.emulated(emulator_sm75), mode, kind, deterministic)
