@@ -70,11 +70,12 @@ def boundary_logits(l2, offs_q, offs_k, Lq, Lk, mask_ptr, stride_mask_m, stride_
         else:
             raw = raw.to(l2.dtype)
             # the floor in natural-log units, so that beta (in mask_scale) scales it as it scales
-            # the rest of the logit: the backward's beta * l2 meets the forward's logits
-            floor = mask_scale * (-MASK_FLOOR2 * LN2)
-            add = tl.where(raw == float("-inf"), raw,
-                           tl.maximum(raw * mask_scale, floor, propagate_nan=tl.PropagateNan.ALL))
-            l2 = l2 + add
+            # the rest of the logit: the backward's beta * l2 meets the forward's logits. Clamped
+            # before the product (mask_scale > 0 and rounding is monotonic: the value of clamping
+            # the product at mask_scale times the floor) for one product and no floor live beside it
+            raw = tl.where(raw == float("-inf"), raw,
+                           tl.maximum(raw, -MASK_FLOOR2 * LN2, propagate_nan=tl.PropagateNan.ALL))
+            l2 = l2 + raw * mask_scale
     if BOUNDARY or MASK_KIND == 1:
         l2 = tl.where(admissible, l2, float("-inf"))
     return l2
