@@ -214,6 +214,13 @@ class Backend(Protocol):
     ``ssa_flash.backends.beta_from_entropy`` turns it into ``beta``, ``forward`` applies it.
     A caller holding only part of the keys (ring attention) can merge the per-shard statistics
     before computing ``beta``, and merge the per-shard ``(out, lse)`` after ``forward``.
+
+    Optional (not a member of the protocol, so a backend without it is still one; the caller asks
+    with ``getattr``): ``prepare(q, k, v, mask, params, sinks, spec) -> Optional[PreparedCall]``,
+    called after a call with these arguments ran: a :class:`PreparedCall` for later calls whose
+    tensors have the same metadata (shape, strides, dtype, device, 16-byte alignment) and whose
+    spec equals ``spec`` but for its tensors, or None (not prepared: the caller keeps calling
+    ``row_entropy`` / ``forward`` / ``backward``).
     """
 
     NAME: str
@@ -255,13 +262,6 @@ class Backend(Protocol):
         without sinks; ``temp`` is given iff ``spec.adaptive``. ``mask_grad_shape`` (a learned
         float mask, 4-D, dims 1 where it broadcasts): a sixth result, the mask's gradient of that
         shape; a backend that cannot compute it raises ``ValueError``."""
-
-    def prepare(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], params: Tuple[Tensor, ...],
-                sinks: Optional[Tensor], spec: AttentionSpec) -> Optional["PreparedCall"]:
-        """Optional. After a call with these arguments ran: a :class:`PreparedCall` for later calls
-        whose tensors have the same metadata (shape, strides, dtype, device, 16-byte alignment)
-        and whose spec equals ``spec`` but for its tensors, or None (not prepared: the caller
-        keeps calling ``row_entropy`` / ``forward`` / ``backward``)."""
 
 
 class PreparedCall(Protocol):

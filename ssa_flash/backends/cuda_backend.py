@@ -758,6 +758,8 @@ class PreparedCall:
         qp, kp, vp = self._inputs(q, k, v)
         if mask is not None:
             mask = _prep_mask(mask)
+        # (before both passes: the row-entropy pass takes the forward's kernel family)
+        _choose_fwd_kernel(ext, q, k, spec, self.d8, self.dv8)
         with (torch.cuda.device(dev) if dev.type == "cuda" else _NO_DEVICE):
             stream = _stream(dev)
             temp, beta = None, None
@@ -766,7 +768,6 @@ class PreparedCall:
                 beta, dbeta_dh = _beta_from_entropy(ent, spec.poly, spec.threshold)
                 temp = TemperatureState(beta, lse_l, ent, dbeta_dh)
                 beta = beta.float().contiguous()
-            _choose_fwd_kernel(ext, q, k, spec, self.d8, self.dv8)
             o, lse = ext.fwd(qp, kp, vp, mask, kernel_params, beta=beta, stream=stream, **options)
         return (o if self.dv == self.dv8 else _unpad(o, self.dv)), lse, temp, ext
 
@@ -780,6 +781,7 @@ class PreparedCall:
         qp, kp, vp = self._inputs(q, k, v)
         if mask is not None:
             mask = _prep_mask(mask)
+        _choose_kernel(ext, "bwd", q, k, spec, self.d8, self.dv8)
         dev = q.device
         with (torch.cuda.device(dev) if dev.type == "cuda" else _NO_DEVICE):
             dq, dk, dvv, parts, _ = ext.bwd(

@@ -163,12 +163,16 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(cuda_backend, "load_extension", load_extension)
     for fn in ("forward", "backward", "row_entropy"):
         monkeypatch.setattr(cuda_backend, fn, getattr(ref_backend, fn))
+    # no prepared calls (the real backend's launches) and no call plans from other tests' calls
+    monkeypatch.setattr(cuda_backend, "prepare", lambda *args: None)
+    ssa_flash.ops._call_plans.clear()
     # only this backend (the Triton interpreter is slow), one case
     monkeypatch.setattr(ssa_flash, "available_backends", lambda device: ("cuda", "reference"))
     monkeypatch.setattr(selfcheck, "CASES", (CASE,))
     threads = torch.get_num_threads()  # main() sets 1 for its tiny CPU ops
     yield state
     torch.set_num_threads(threads)
+    ssa_flash.ops._call_plans.clear()
 
 
 def test_self_check_runs_only_the_dtypes_a_backend_supports(fake_cuda, capsys):

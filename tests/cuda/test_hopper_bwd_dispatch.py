@@ -232,3 +232,27 @@ def test_tensor_maps_from_the_cache(emu):
     emu.bwd(*_call(emu, q2, k2, v2, dout2, params, "softmax"))
     third = emu.tma_cache()
     assert third["misses"] == 5 and third["hits"] == 10 and third["patches"] >= again["patches"] + 4
+
+
+def test_forced_choice_reaches_a_prepared_backward(emu):
+    """cuda_fwd_choice.forced(True) through the public function: the second call of a shape takes
+    the backend's prepared call (ssa_flash.ops' call plans), whose backward sets the sm_90a switch
+    as the full path's does (here switched off between the calls)."""
+    import ssa_flash
+    from ssa_flash.backends import cuda_fwd_choice
+
+    q, k, v, dout, _, params = _inputs(1, 2, 2, 64, 96, 64, BF16, "ssa", seed=9)
+    b, n = params
+    ssa_flash.ops._call_plans.clear()
+    try:
+        for _ in range(2):
+            emu.hopper_bwd(False)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            before = emu.launches(KERNEL)
+            with cuda_fwd_choice.forced(True), ssa_flash.cuda.emulated(emu):
+                out = ssa_flash.ssa_attention(*leaves, b=b, n=n, backend="cuda")
+                out.backward(dout)
+            assert emu.launches(KERNEL) == before + 1
+    finally:
+        ssa_flash.ops._call_plans.clear()
+        emu.hopper_bwd(True)
