@@ -144,17 +144,26 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, params, sinks, mask, temp: Opt
     return get_backend(backend).backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)
 
 
+def _learned_mask_backward(dout, dlse, q, k, v, out, lse, params, sinks, mask, temp, backend: str,
+                           spec: AttentionSpec):
+    """``(dq, dk, dv, dparams, dsinks, dmask)`` for a learned ``mask`` (4-D, its own size): the
+    backend's backward with ``mask_grad_shape``, ``dmask`` in the mask's dtype."""
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dparams, dsinks, dmask = get_backend(backend).backward(
+        dout, q, k, v, out, lse, None if dlse is None else dlse.contiguous(), _full_mask(mask, q, k), params, sinks,
+        temp, spec, mask_grad_shape=tuple(mask.shape))
+    return dq, dk, dv, dparams, dsinks, dmask.to(mask.dtype)
+
+
 def _attn_bwd(dout, dlse, q, k, v, out, lse, score_params, sinks, mask, beta, lse_l, entropy, dbeta_dh, mask_grad,
               backend, *spec_args):
     spec = AttentionSpec.from_op_args(spec_args)
     temp = TemperatureState(beta, lse_l, entropy, dbeta_dh) if spec.adaptive else None
     if mask_grad:  # a learned mask: its gradient of its own shape, reduced inside the backend's kernels
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv, dparams, dsinks, dmask = get_backend(backend).backward(
-            dout, q, k, v, out, lse, None if dlse is None else dlse.contiguous(), _full_mask(mask, q, k),
-            tuple(score_params), sinks, temp, spec, mask_grad_shape=tuple(mask.shape))
-        dmask = dmask.to(mask.dtype)
+        dq, dk, dv, dparams, dsinks, dmask = _learned_mask_backward(dout, dlse, q, k, v, out, lse,
+                                                                    tuple(score_params), sinks, mask, temp,
+                                                                    backend, spec)
     else:
         dq, dk, dv, dparams, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, tuple(score_params), sinks,
                                                      _full_mask(mask, q, k), temp, backend, spec)
@@ -270,8 +279,7 @@ class _LearnedMaskAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, backend, spec, *params):
-        full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        out, lse, temp = _forward(q, k, v, params, sinks, full, backend, spec)
+        out, lse, temp = _forward(q, k, v, params, sinks, _full_mask(mask, q, k), backend, spec)
         ctx.set_materialize_grads(False)
         ctx.backend, ctx.spec, ctx.temp = backend, spec, temp
         ctx.save_for_backward(q, k, v, out, lse, sinks, mask, *params)
@@ -283,15 +291,9 @@ class _LearnedMaskAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks, mask, *params = ctx.saved_tensors
         if dout is None and dlse is None:
             return (None,) * (7 + len(params))
-        if dout is None:
-            dout = torch.zeros_like(out)
-        if dlse is not None:
-            dlse = dlse.contiguous()
-        full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        dq, dk, dv, dparams, dsinks, dmask = get_backend(ctx.backend).backward(
-            dout, q, k, v, out, lse, dlse, full, tuple(params), sinks, ctx.temp, ctx.spec,
-            mask_grad_shape=tuple(mask.shape))
-        return (dq, dk, dv, dsinks, dmask.to(mask.dtype), None, None, *dparams)
+        dq, dk, dv, dparams, dsinks, dmask = _learned_mask_backward(dout, dlse, q, k, v, out, lse, tuple(params),
+                                                                    sinks, mask, ctx.temp, ctx.backend, ctx.spec)
+        return (dq, dk, dv, dsinks, dmask, None, None, *dparams)
 
 
 def attention_learned_mask(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor, ...], mask: Tensor, backend: str,
