@@ -19,6 +19,7 @@
 #include "mask.h"
 #include "memory.h"
 #include "params.h"
+#include "row_entropy.h"
 #include "row_state.h"
 #include "score_gemm.h"
 #include "smem_layout.h"
@@ -361,11 +362,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_fwd_kernel(const FwdPar
   }
 }
 
-// Row-entropy pass (attn_row_entropy_kernel): per row the running max m, lam = sum 2^(l2 - m) and the centred
-// kc = sum 2^(l2 - m) (l2 - m) (base 2), so H = (log2 lam - kc / lam) ln 2 and
-// lse = (m + log2 lam) ln 2 without cancellation between m and K / Lam. When m grows to m',
-// with a = 2^(m - m'): lam' = a lam, kc' = a (kc + lam (m - m')); both are linear in (lam, kc),
-// so per-thread partials rescale the same way and are summed over the quad at the end.
+// Row-entropy pass (attn_row_entropy_kernel): per row the softmax entropy H and the LSE of the logits
+// (beta = 1), from the running max m, lam and the centred kc (base 2; the maths in row_entropy.h).
 // Writes p.entropy (0 for empty rows) and p.lse (-inf for empty rows).
 // kCap, kSink as in the forward: the sink is an entry of the row (temperature-free, so m = sink2,
 // lam = 1, kc = 0 at the start) and counts in both H and the LSE.
@@ -441,7 +439,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
 
 #pragma unroll
     for (int ms = 0; ms < kMS; ++ms) {
-      float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -450,36 +447,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
           float l2 = Score::logit(ctx, softcap_raw<kCap>(p, s[ms][nt][i]), mult, el);
           if (kCheck) l2 = apply_mask(p, ctx, l2, row[ms][i >> 1], n0 + Frag::col(lane, nt) + (i & 1), kLog2e);
           s[ms][nt][i] = l2;
-          mx[i >> 1] = fmaxf(mx[i >> 1], l2);
         }
       }
-      float ms_[2];
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const float mn = fmaxf(m_run[ms][hi], quad_max(mx[hi]));
-        ms_[hi] = kCheck ? safe_max(mn) : mn;
-        const float sh = m_run[ms][hi] == neg_inf() ? 0.0f : m_run[ms][hi] - ms_[hi];  // lam is 0 while m is -inf
-        const float a = ex2(sh);
-        kc[ms][hi] = a * (kc[ms][hi] + lam[ms][hi] * sh);
-        lam[ms][hi] *= a;
-        m_run[ms][hi] = mn;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float l2 = s[ms][nt][i];
-          float c = l2 - ms_[i >> 1], e;
-          if (kCheck) {
-            c = l2 == neg_inf() ? 0.0f : c;
-            e = l2 == neg_inf() ? 0.0f : ex2(c);
-          } else {
-            e = ex2(c);
-          }
-          lam[ms][i >> 1] += e;
-          kc[ms][i >> 1] += e * c;
-        }
-      }
+      row_entropy_update<kCheck>(m_run[ms], lam[ms], kc[ms], s[ms]);
     }
     __syncthreads();  // every warp is done with this K buffer before it is refilled
   };
@@ -488,19 +458,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
   cp_async_wait<0>();  // (a window can leave a query block no keys: the prologue's K copy)
 
 #pragma unroll
-  for (int ms = 0; ms < kMS; ++ms) {
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const float l = quad_sum(lam[ms][hi]);
-      const float kcs = quad_sum(kc[ms][hi]);
-      const int r = row[ms][hi];
-      if (Frag::rank(lane) == 0 && r < p.len_q) {
-        const bool empty = l == 0.0f;
-        p.entropy[stat0 + r] = empty ? 0.0f : (log2f(l) - kcs / l) * kLn2;
-        p.lse[stat0 + r] = empty ? neg_inf() : (m_run[ms][hi] + log2f(l)) * kLn2;
-      }
-    }
-  }
+  for (int ms = 0; ms < kMS; ++ms)
+    for (int hi = 0; hi < 2; ++hi) row_entropy_store(p, stat0, row[ms][hi], m_run[ms][hi], lam[ms][hi], kc[ms][hi], lane);
 }
 
 }  // namespace ssa_flash

@@ -91,28 +91,32 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) hopper_bwd_kernel(const __g
   BwdConsumer<Tile, Score, kAdaptive, kBug> cons;
   cons.init(wg - 1);
   mbar_wait(kv_full, 0);
-  // the ring position and the dS^T buffer of a step from its index (head * tiles + tile), not
-  // carried through the loops: stage it % kStages, phase (it / kStages) % 2 (RingPos's), dS^T
-  // buffer it % 2
+  // the ring position and the dS^T buffer of a step from its index `it` over the CTA's steps
+  // (head * tiles + tile, counted): stage it % kStages, phase (it / kStages) % 2 (RingPos's),
+  // dS^T buffer it % 2. Across the steps the consumers carry it and the step's first query row m
+  // only: the list's first row and checked-step count are recomputed per head, and a head's steps
+  // end where m reaches len_q (first + tiles kM is the first row from first in steps of kM at or
+  // past len_q), so no step count is held across the step loop (held, it spilled D 128 SSA +
+  // adaptive)
   static_assert(kStages == 2, "the consumers' ring position below: two stages");
+  int it = 0;
   for (int head = 0; head < steps.group; ++head) {
     const int hh = hk * p.group + head;
     const LogitCtx ctx = Score::template setup<false>(p, bb, hh);
     float* const dq_head = p.dq_accum + (static_cast<int64_t>(bb) * p.heads + hh) * p.stat_rows * kD;
-    auto run = [&](auto check, int tile) {
-      const int m = steps.first + tile * kM;
-      const int it = head * steps.tiles + tile, st_i = it & 1;
+    auto run = [&](auto check, int m) {
+      const int st_i = it & 1;
       char* const st = stage(st_i);
       cons.template step<decltype(check)::value>(
           p, ctx, n0, m, sK, sV, reinterpret_cast<const T*>(st + Smem::kQ), reinterpret_cast<const T*>(st + Smem::kDo),
           reinterpret_cast<const float*>(st + Smem::kStat), sDs + st_i * Tile::kDsElems, &full[st_i], &empty[st_i],
           static_cast<uint32_t>(it >> 1) & 1u, dq_head + static_cast<int64_t>(m) * kD);
+      ++it;
     };
-    // (the count of checked steps recomputed per head rather than held across the loops)
-    const int n_checked = bwd_steps<Tile>(p, block_idx_x_again() * kN).n_checked;
-    int tile = 0;
-    for (; tile < n_checked; ++tile) run(Bool<true>(), tile);
-    for (; tile < steps.tiles; ++tile) run(Bool<false>(), tile);
+    const BwdSteps again = bwd_steps<Tile>(p, block_idx_x_again() * kN);
+    int m = again.first;
+    for (int tile = 0; tile < again.n_checked; ++tile, m += kM) run(Bool<true>(), m);
+    for (; m < p.len_q; m += kM) run(Bool<false>(), m);
     store_dparams<Score, Tile::kConsumerWarps>(p, cons.dpar0, cons.dpar1, bb, hh, key_block, gridDim.x,
                                                thread_idx_again());
     cons.dpar0 = cons.dpar1 = 0.0f;

@@ -102,13 +102,22 @@ struct BwdConsumer {
     acc_to_frag<T, kQ>(pw, s);
     uint32_t da[kQ / 16][4];
     acc_to_frag<T, kQ>(da, dp);
+    // The stores' offsets from one: in the 128-byte swizzle (smem_layout.h, Sw128Tile) column
+    // q0 + 8 k + 2 t of row r lies in 16-byte chunk ((q0 / 8 + k) ^ r) % 8 of the row, and
+    // q0 / 8 + k = (q0 / 8) ^ k (q0 / 8 a multiple of 4 and k < 4, or q0 = 0), so its offset is
+    // that of column q0 + 2 t with 8 k xored in; row r + 8 is 8 rows further (the same r % 8).
+    // (Each offset through Sw128Tile::offset, as before, cost integer instructions per score and
+    // the registers of their terms at the gradients' peak.)
+    static_assert(DsTile::kRowElems == 64 && kM == 64 && kQ % 32 == 0,
+                  "dS^T stores: one 64-column panel, parts of 32 or 64 queries");
     const int row_lo = 64 * c + 16 * warp + g;
+    const int at0 = DsTile::offset(row_lo, q0 + 2 * t);
 #pragma unroll
     for (int kk = 0; kk < kQ / 16; ++kk) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // (acc_to_frag: rows g, g + 8, g, g + 8; columns 2 t, 2 t, 2 t + 8, 2 t + 8)
-        const int row = row_lo + 8 * (j & 1), col = q0 + 16 * kk + 8 * (j >> 1) + 2 * t;
-        *reinterpret_cast<uint32_t*>(sDsT + DsTile::offset(row, col)) = da[kk][j];
+        const int k = 2 * kk + (j >> 1);
+        *reinterpret_cast<uint32_t*>(sDsT + ((at0 ^ (8 * k)) + 8 * DsTile::kRowElems * (j & 1))) = da[kk][j];
       }
     }
   }

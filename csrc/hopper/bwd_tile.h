@@ -87,13 +87,13 @@ constexpr BwdSplit bwd_split() {
 #ifdef SSA_FLASH_HOPPER_BWD_SPLIT
   return static_cast<BwdSplit>(SSA_FLASH_HOPPER_BWD_SPLIT);  // (a build that tries another)
 #else
-  // (spill bytes whole / overlapped / looped, bf16, nvcc 13.0, sm_90a, ptxas -v: D 64 softmax
-  // 0 / 0 / 0, adaptive 0 / 0 / 0; SSA 16 / 0 / 0, adaptive 72 / 120 / 0; D 128 softmax
-  // 0 / 32 / 0, adaptive 0 / 24 / 0; SSA 12 / 72 / 0, adaptive 52 / 80 / 4. Whole or overlapped
+  // (spill-store bytes whole / overlapped / looped, bf16, nvcc 13.0, sm_90a, ptxas -v: D 64
+  // softmax 0 / 0 / 0, adaptive 0 / 0 / 0; SSA 80 / 0 / 0, adaptive 92 / 124 / 0; D 128 softmax
+  // 0 / 0 / 0, adaptive 0 / 0 / 0; SSA 0 / 56 / 0, adaptive 24 / 112 / 0. Whole or overlapped
   // where that compiles clean: a warpgroup's own tensor work then runs under its gradients, and
-  // the loop costs ~5 instructions per score more)
+  // the loop costs instructions per score (D 128 SSA looped 29.3, whole 24.0: tools/hopper_bwd_model.py))
   if (kD == 64) return kAdaptive && kScoreParams > 0 ? kSplitLooped : kSplitOverlapped;
-  return kScoreParams > 0 ? kSplitLooped : kSplitWhole;
+  return kAdaptive && kScoreParams > 0 ? kSplitLooped : kSplitWhole;
 #endif
 }
 

@@ -1,10 +1,9 @@
 // The adaptive temperature's first pass on sm_90a, warp-specialised as the forward (fwd_kernel.h,
 // docs/design.md section 4.4): per query row the softmax entropy H and the LSE of the row's logits
 // l = phi(z) (the temperature is what this pass decides, so beta = 1 here), written to p.entropy
-// and p.lse as today's attn_row_entropy_kernel (csrc/fwd_kernel.h) does, whose maths it keeps:
-// base 2, the running max m, lam = sum 2^(l2 - m) and the centred kc = sum 2^(l2 - m) (l2 - m),
-// H = (log2 lam - kc / lam) ln 2, lse = (m + log2 lam) ln 2; when m grows to m', with a = 2^(m - m'),
-// lam' = a lam and kc' = a (kc + lam (m - m')) (per-thread partials, summed over the quad at the end).
+// and p.lse as today's attn_row_entropy_kernel (csrc/fwd_kernel.h) does, with the same maths
+// (csrc/row_entropy.h: base 2, the running max m, lam = sum 2^(l2 - m) and the centred
+// kc = sum 2^(l2 - m) (l2 - m), per-thread partials summed over the quad at the end).
 //
 // CTA (384 threads): warpgroup 0 the producer (setmaxnreg 24; one elected thread loads Q once and K
 // of every key block into a ring: no V, so the ring has one part per stage and more stages than the
@@ -26,6 +25,7 @@
 #include "../gemm_wgmma.h"
 #include "../logits.h"
 #include "../pipeline.h"
+#include "../row_entropy.h"
 #include "../smem_layout.h"
 #include "fwd_mainloop.h"
 #include "fwd_params.h"
@@ -121,7 +121,6 @@ struct RowEntropyConsumer {
   // stage and serialises every wgmma, C7515.)
   template <bool kCheck>
   SSA_DEVICE void update(const float (&s)[kNT][4], const FwdParams& p, const LogitCtx& ctx, int n0) {
-    float mx[2] = {neg_inf(), neg_inf()};
     float x[kNT][4];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
@@ -135,36 +134,9 @@ struct RowEntropyConsumer {
           if (col >= p.len_k || (p.causal && col > row0 + hi * Frag::kHi)) l2 = neg_inf();
         }
         x[nt][i] = l2;
-        mx[hi] = fmaxf(mx[hi], l2);
       }
     }
-    float ms[2];
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const float mn = fmaxf(m[hi], quad_max(mx[hi]));
-      ms[hi] = kCheck ? safe_max(mn) : mn;
-      const float sh = m[hi] == neg_inf() ? 0.0f : m[hi] - ms[hi];  // lam is 0 while m is -inf
-      const float a = ex2(sh);
-      kc[hi] = a * (kc[hi] + lam[hi] * sh);
-      lam[hi] *= a;
-      m[hi] = mn;
-    }
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float l2 = x[nt][i];
-        float c = l2 - ms[i >> 1], e;
-        if (kCheck) {
-          c = l2 == neg_inf() ? 0.0f : c;
-          e = l2 == neg_inf() ? 0.0f : ex2(c);
-        } else {
-          e = ex2(c);
-        }
-        lam[i >> 1] += e;
-        kc[i >> 1] += e * c;
-      }
-    }
+    row_entropy_update<kCheck>(m, lam, kc, x);
   }
 
   // Block `it`'s S (in s, its GEMM completed) into the statistics; its stage freed (the GEMM was
@@ -225,16 +197,7 @@ struct RowEntropyConsumer {
   // H (0 for a row with no admissible key) and the LSE (-inf there), by the row's first lane.
   SSA_DEVICE void finish(const FwdParams& p, int64_t stat0) const {
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const float l = quad_sum(lam[hi]);
-      const float kcs = quad_sum(kc[hi]);
-      const int r = row0 + hi * Frag::kHi;
-      if (Frag::rank(lane) == 0 && r < p.len_q) {
-        const bool empty = l == 0.0f;
-        p.entropy[stat0 + r] = empty ? 0.0f : (log2f(l) - kcs / l) * kLn2;
-        p.lse[stat0 + r] = empty ? neg_inf() : (m[hi] + log2f(l)) * kLn2;
-      }
-    }
+    for (int hi = 0; hi < 2; ++hi) row_entropy_store(p, stat0, row0 + hi * Frag::kHi, m[hi], lam[hi], kc[hi], lane);
   }
 };
 
