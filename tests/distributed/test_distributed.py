@@ -58,7 +58,8 @@ def _case(mode, causal, world, hkv, chunk=5, Hq=2, D=8, seed=0):
     elif mode == "adaptive":
         out = reference.attention(rq, rk, rv, **kw, adaptive_temperature=True)
     else:
-        out = reference.attention(rq, rk, rv, score="ssa", score_params=(rb, rn), adaptive_temperature=mode == "ssa_adaptive", **kw)
+        out = reference.attention(rq, rk, rv, score="ssa", score_params=(rb, rn),
+                                  adaptive_temperature=mode == "ssa_adaptive", **kw)
     if "adaptive" in mode:  # the temperature must be active on some rows
         ent = reference.attention_entropy(rq, rk, **kw, **({"score": "ssa", "score_params": (rb, rn)} if "ssa" in mode
                                                            else {}))

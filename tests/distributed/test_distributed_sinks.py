@@ -48,8 +48,8 @@ def _check(rank, world, mode, causal):
     elif mode == "adaptive":
         ref = reference.attention(rq, rk, rv, sinks=rs, threshold=0.2, **kw, adaptive_temperature=True)
     else:
-        ref = reference.attention(rq, rk, rv, score="ssa", score_params=(rb, rn), sinks=rs, adaptive_temperature=adaptive,
-                                      threshold=0.2, **kw)
+        ref = reference.attention(rq, rk, rv, score="ssa", score_params=(rb, rn), sinks=rs,
+                                  adaptive_temperature=adaptive, threshold=0.2, **kw)
     (ref * dout).sum().backward()
 
     shard = lambda t: sfd.shard_sequence(t, None, 2, causal)  # noqa: E731
@@ -91,8 +91,8 @@ def _module_check(rank, world):
     out = attn(shard(q), shard(k), shard(v))
     (out * shard(dout)).sum().backward()
     rs = attn.sinks.detach().clone().requires_grad_()
-    ref = reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(attn.b.detach(), attn.n.detach()), sinks=rs,
-                                  softcap=SOFTCAP)
+    ref = reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(attn.b.detach(), attn.n.detach()),
+                              sinks=rs, softcap=SOFTCAP)
     (ref * dout).sum().backward()
     _close(f"rank {rank}: module out", out, shard(ref))
     _close(f"rank {rank}: module dsinks", attn.sinks.grad, rs.grad, 10 * TOL)

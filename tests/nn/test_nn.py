@@ -104,7 +104,8 @@ def test_frozen_module_forward_matches_reference():
     attn = SSAttention(2, b_init=0.5, n_init=2.0, learnable=False, backend="triton", device=DEVICE,
                        dtype=DTYPE)
     out = attn(q, k, v, is_causal=True)
-    torch.testing.assert_close(out, reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(0.5, 2.0)), **TOL)
+    torch.testing.assert_close(out, reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(0.5, 2.0)),
+                               **TOL)
 
 
 def test_reset_parameters():

@@ -143,7 +143,8 @@ def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
         torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-10, msg=lambda m: f"d{name}: {m}")
     ent = autograd.row_entropy(q.detach(), k.detach(), _params(b, n), full, "reference", spec)
     torch.testing.assert_close(ent, reference.attention_entropy(q.detach(), k.detach(), full, True, None, True,
-                                                                score="ssa", score_params=(b, n)), atol=1e-12, rtol=1e-12)
+                                                                score=_score(b), score_params=_params(b, n)),
+                               atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -165,7 +166,7 @@ def test_reference_backend_low_precision_accumulates_in_float32():
     out, lse = autograd.attention(q, k, v, (b, n), None, "reference", spec)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     gold = reference.attention(*(t.detach().double() for t in (q, k, v)), scale=0.4, enable_gqa=True,
-                                   score="ssa", score_params=(b.detach().double(), n.detach().double()))
+                               score="ssa", score_params=(b.detach().double(), n.detach().double()))
     assert (out.double() - gold).abs().max() < 2e-3
 
 
@@ -351,7 +352,8 @@ def test_emulated_cuda_entropy(emulator):
         with cuda_backend.emulated(emulator):
             ours = ssa_flash.attention_entropy(q, k, enable_gqa=True,
                                                score="ssa", score_params={"b": b, "n": n}, backend="cuda", **kw)
-        gold = reference.attention_entropy(q.double(), k.double(), enable_gqa=True, score="ssa", score_params=(b.double(), n.double()), **kw)
+        gold = reference.attention_entropy(q.double(), k.double(), enable_gqa=True, score="ssa",
+                                           score_params=(b.double(), n.double()), **kw)
         naive = reference.attention_entropy(q, k, enable_gqa=True, score="ssa", score_params=(b, n), **kw)
         assert ours.dtype == torch.float32 and ours.shape == gold.shape
         fa_tolerance_check("entropy", ours, naive, gold, FLOORS[torch.float16])
@@ -386,6 +388,6 @@ def test_former_entry_point_runs_through_the_ops(emulator, monkeypatch):
     assert seen == [emulator]
     assert cuda_backend.active_emulator() is None
     ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True,
-                                  score="ssa", score_params=(b.double(), n.double()), adaptive_temperature=True)
+                              score="ssa", score_params=(b.double(), n.double()), adaptive_temperature=True)
     assert (out.double() - ref).abs().max() < 1e-2
     assert all(torch.isfinite(g).all() for g in grads)

@@ -211,8 +211,8 @@ def test_lse_only_gradient(on_backend):
         _, lse = ssa_autograd.attention(q, k, v, (b, n), None, backend, spec)
         ours = torch.autograd.grad(lse.sum(), (q, k, b, n))
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, b, n)]
-    _, lse_ref = ssa_flash.reference.attention(*leaves[:3], is_causal=True, score="ssa", score_params=(leaves[3], leaves[4]),
-                                                   return_lse=True)
+    _, lse_ref = ssa_flash.reference.attention(*leaves[:3], is_causal=True, score="ssa",
+                                               score_params=(leaves[3], leaves[4]), return_lse=True)
     ref = torch.autograd.grad(lse_ref.sum(), leaves[:2] + leaves[3:])
     tol = 1e-9 if dtype == torch.float64 else 2e-2
     for a, e in zip(ours, ref):

@@ -64,7 +64,7 @@ def explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n,
             o, lse = reference.attention(q[i:i + 1], k, v, mask, **kw, adaptive_temperature=True)
         else:
             o, lse = reference.attention(q[i:i + 1], k, v, mask, score="ssa", score_params=(b, n),
-                                             adaptive_temperature=mode == "ssa_adaptive", **kw)
+                                         adaptive_temperature=mode == "ssa_adaptive", **kw)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -153,7 +153,8 @@ def test_auto_backend_on_cpu():
     assert backends[-1] == "reference"
     q, k, v = (t.cpu() for t in qkv())
     out = ssa_flash.ssa_attention(q, k, v)  # runs whichever CPU backend is available
-    torch.testing.assert_close(out, ssa_flash.reference.attention(q, k, v, score="ssa", score_params=(1.0, 1.5)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ssa_flash.reference.attention(q, k, v, score="ssa", score_params=(1.0, 1.5)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_validation_does_not_synchronise():

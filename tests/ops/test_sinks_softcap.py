@@ -156,7 +156,8 @@ def test_sinks_as_a_number_and_entropy():
     torch.testing.assert_close(out, ref)
     ent = ssa_flash.attention_entropy(q, k, enable_gqa=True,
                                       score="ssa", score_params={"b": 0.7, "n": 1.4}, sinks=0.5, softcap=1.0)
-    ref = reference.attention_entropy(q, k, enable_gqa=True, score="ssa", score_params=(0.7, 1.4), sinks=0.5, softcap=1.0)
+    ref = reference.attention_entropy(q, k, enable_gqa=True, score="ssa", score_params=(0.7, 1.4), sinks=0.5,
+                                      softcap=1.0)
     torch.testing.assert_close(ent, ref)
     assert not torch.allclose(ent, ssa_flash.attention_entropy(q, k, enable_gqa=True,
                                                                score="ssa", score_params={"b": 0.7, "n": 1.4}))
@@ -264,8 +265,8 @@ def test_auto_runs_sinks_and_softcap_on_the_triton_kernels(monkeypatch):
                         or attention(*a, **kw))
     for backend in ("auto", "triton"):
         out = ssa_flash.ssa_attention(q, k, v, sinks=0.5, softcap=3.0, backend=backend)
-        torch.testing.assert_close(out, reference.attention(q, k, v, sinks=0.5, softcap=3.0, score="ssa", score_params=(1.0, 1.5)),
-                                   rtol=1e-5, atol=1e-5)
+        want = reference.attention(q, k, v, sinks=0.5, softcap=3.0, score="ssa", score_params=(1.0, 1.5))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert len(launches) == 2 and op_calls == [("triton", True, 3.0)] * 2
     ssa_flash.ssa_attention(q, k, v)
     assert op_calls[-1] == ("triton", False, 0.0)
@@ -289,7 +290,8 @@ def test_ssattention_learnable_sinks_and_softcap():
     assert isinstance(attn.sinks, torch.nn.Parameter) and attn.softcap == 2.5
     q, k, v = _qkv(Hq=4, Hkv=4)
     out = attn(q, k, v, is_causal=True)
-    ref = reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(attn.b, attn.n), sinks=attn.sinks, softcap=2.5)
+    ref = reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(attn.b, attn.n), sinks=attn.sinks,
+                              softcap=2.5)
     torch.testing.assert_close(out, ref)
     out.square().sum().backward()
     assert attn.sinks.grad is not None and (attn.sinks.grad != 0).all()

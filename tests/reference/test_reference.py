@@ -29,7 +29,8 @@ def test_ssa_reference_power_form():
     b, n = torch.tensor([0.5, 2.0], dtype=D64), torch.tensor([1.5, 3.0], dtype=D64)
     z = q @ k.transpose(-1, -2) / math.sqrt(8)
     w = (1 + b.view(1, 2, 1, 1) * z.abs()) ** (torch.sign(z) * n.view(1, 2, 1, 1))
-    torch.testing.assert_close(reference.attention(q, k, v, score="ssa", score_params=(b, n)), (w / w.sum(-1, keepdim=True)) @ v)
+    torch.testing.assert_close(reference.attention(q, k, v, score="ssa", score_params=(b, n)),
+                               (w / w.sum(-1, keepdim=True)) @ v)
 
 
 def test_phi_derivative_is_continuous_at_zero():

@@ -26,7 +26,8 @@ def _call(mode, q, k, v, b=None, n=None, **kw):
         return reference.attention(q, k, v, **kw)
     if mode == "adaptive":
         return reference.attention(q, k, v, **kw, adaptive_temperature=True)
-    return reference.attention(q, k, v, score="ssa", score_params=(b, n), adaptive_temperature=(mode == "ssa_adaptive"), **kw)
+    return reference.attention(q, k, v, score="ssa", score_params=(b, n), adaptive_temperature=(mode == "ssa_adaptive"),
+                               **kw)
 
 
 def _inputs(B=2, Hq=2, Hkv=2, Lq=5, Lk=6, D=4, q_scale=1.0, seed=0):
@@ -314,7 +315,8 @@ def test_minus_inf_sink_is_no_sink(mode):
 def test_float_sink_is_a_per_head_constant():
     q, k, v, b, n, _ = _inputs()
     a = reference.attention(q, k, v, score="ssa", score_params=(b, n), sinks=0.7, return_lse=True)
-    c = reference.attention(q, k, v, score="ssa", score_params=(b, n), sinks=torch.full((2,), 0.7, dtype=D64), return_lse=True)
+    c = reference.attention(q, k, v, score="ssa", score_params=(b, n), sinks=torch.full((2,), 0.7, dtype=D64),
+                            return_lse=True)
     torch.testing.assert_close(a, c, rtol=0, atol=0)
     # the weights of a row sum to 1 - P_sink < 1: with v = I the output is the weight matrix
     eye = torch.eye(6, dtype=D64).expand(2, 2, 6, 6)
@@ -331,7 +333,7 @@ def test_sink_not_subject_to_dropout():
     keep = torch.rand(2, 2, 5, 6, generator=torch.Generator().manual_seed(9)) > 0.3
     w, lse = reference.attention(q, k, eye, score="ssa", score_params=(b, n), sinks=s, return_lse=True)
     wd, lsed = reference.attention(q, k, eye, score="ssa", score_params=(b, n), sinks=s, return_lse=True, dropout_p=0.3,
-                                       dropout_mask=keep)
+                                   dropout_mask=keep)
     torch.testing.assert_close(wd, torch.where(keep, w / 0.7, 0.0))
     torch.testing.assert_close(lsed, lse)
 
@@ -393,7 +395,7 @@ def test_kvcache_sinks_per_row():
     for i in (0, 2):
         L = int(lens[i])
         o, l_ = reference.attention(q[i:i + 1], kc[i:i + 1, :, :L], vc[i:i + 1, :, :L], sinks=s,
-                                            softcap=3.0, return_lse=True)
+                                    softcap=3.0, return_lse=True)
         torch.testing.assert_close(out[i:i + 1], o)
         torch.testing.assert_close(lse[i:i + 1], l_)
     # bottom-right causality with sinks: against the extra-key formulation

@@ -37,10 +37,10 @@ def test_streamed_entropy_equals_materialised(ssa, dtype, case):
         bn = dict(b=b.detach(), n=n.detach())
     ours = ssa_flash.attention_entropy(q, k, backend="triton", **kw,
                                        **(dict(score="ssa", score_params=bn) if bn else {}))
+    gold_bn = {key: val.double() for key, val in bn.items()}
     gold = reference.attention_entropy(q.double(), k.double(), **{
         key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
-        for key, val in kw.items()}, **(dict(score="ssa", score_params={key: val.double() for key, val in bn.items()})
-                                        if bn else {}))
+        for key, val in kw.items()}, **(dict(score="ssa", score_params=gold_bn) if bn else {}))
     assert ours.shape == q.shape[:-1] and not ours.requires_grad
     atol = 1e-10 if dtype == torch.float64 else 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.double(), gold, atol=atol, rtol=0)
