@@ -145,6 +145,22 @@ def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
     return band
 
 
+def _bottom_right_band(lq: int, lk: int, is_causal: bool, window_size, device=None) -> Tensor:
+    """``(Lq, Lk)`` bool, the keys query ``i`` of a KV cache sees: it is at key position ``pos_i =
+    Lk - Lq + i`` and sees ``j <= pos_i`` if causal, ``pos_i - left <= j <= pos_i + right`` for
+    ``window_size = (left, right)`` (-1: that side unbounded)."""
+    pos = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    band = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if is_causal:
+        band = band & (j <= pos)
+    if window_size[0] >= 0:
+        band = band & (j >= pos - window_size[0])
+    if window_size[1] >= 0:
+        band = band & (j <= pos + window_size[1])
+    return band
+
+
 def _check_softcap(softcap) -> float:
     softcap = float(softcap)
     if not softcap >= 0.0:  # also NaN
@@ -386,15 +402,7 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
     outs, lses = [], []
     Lq = query.shape[2]
     for i, (start, end) in enumerate(zip(starts, lengths)):
-        pos = torch.arange(Lq, device=query.device)[:, None] + (end - start - Lq)  # bottom-right
-        j = torch.arange(end - start, device=query.device)[None, :]
-        mask = torch.ones(Lq, end - start, dtype=torch.bool, device=query.device)
-        if is_causal:
-            mask = mask & (j <= pos)
-        if window_size[0] >= 0:
-            mask = mask & (j >= pos - window_size[0])
-        if window_size[1] >= 0:
-            mask = mask & (j <= pos + window_size[1])
+        mask = _bottom_right_band(Lq, end - start, is_causal, window_size, query.device)
         o, lse = _one_sequence(query[i:i + 1], k_cache[i:i + 1, :, start:end], v_cache[i:i + 1, :, start:end],
                                mask, False, options)
         outs.append(o)

@@ -135,7 +135,7 @@ def _pieces(q, k, spec: AttentionSpec):
     """Per sequence ``(rows, q_s, k_slice, mask, dense_spec)``: ``rows`` selects its query rows in
     the outputs (packed: ``(slice over tokens, None)``; KV cache: ``(None, batch index)``), ``q_s``
     is ``(1, Hq, Lq_s, D)``, ``k_slice`` selects its keys, ``mask`` is None or the bottom-right
-    causal mask of a KV cache. Reads the lengths on the host (a reference, not a kernel)."""
+    causal / window mask of a KV cache. Reads the lengths on the host (a reference, not a kernel)."""
     out = []
     if spec.packed:
         cq, ck = spec.cu_seqlens_q.tolist(), spec.cu_seqlens_k.tolist()
@@ -147,14 +147,15 @@ def _pieces(q, k, spec: AttentionSpec):
     used = spec.seqused_k.tolist()
     starts = spec.k_start.tolist() if spec.k_start is not None else [0] * len(used)
     Lq, Lk = q.shape[2], k.shape[2]
+    dense = dataclasses.replace(_dense(spec, False), window_left=-1, window_right=-1)
     for i, (u, st) in enumerate(zip(used, starts)):
         end = min(max(u, 0), Lk)
         start = min(max(st, 0), end)
         mask = None
-        if spec.causal:  # bottom-right: query r is at key position (end - start) - Lq + r
-            mask = (torch.arange(end - start, device=q.device)[None, :]
-                    <= torch.arange(Lq, device=q.device)[:, None] + (end - start - Lq))
-        out.append(((None, i), q[i:i + 1], slice(start, end), mask, _dense(spec, False)))
+        if spec.causal or spec.window:  # bottom-right, the window too
+            mask = spec_code._bottom_right_band(Lq, end - start, spec.causal, (spec.window_left, spec.window_right),
+                                                q.device)
+        out.append(((None, i), q[i:i + 1], slice(start, end), mask, dense))
     return out
 
 
