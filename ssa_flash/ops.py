@@ -689,7 +689,7 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
                                                    backend, spec, **_sink_arg(sinks))
     else:
         out, lse = autograd.attention(query, key, value, params, mask, backend, spec, **_sink_arg(sinks))
-        if call_key is not None and backend_arg is not None:
+        if call_key is not None and backend_arg is not None and backend != "reference":  # (a plan saves it nothing)
             _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, score, params, sinks, spec,
                        backend, query, key, value, score_arg, sinks_arg)
     if unbatched:

@@ -356,7 +356,7 @@ def test_degenerate_inputs_go_through_the_reference_backend(monkeypatch):
     attention, row_entropy = autograd.attention, autograd.row_entropy
     monkeypatch.setattr(autograd, "attention", lambda *a, **kw: seen.append(a[5]) or attention(*a, **kw))
     monkeypatch.setattr(autograd, "row_entropy", lambda *a, **kw: seen.append(a[4]) or row_entropy(*a, **kw))
-    for name in ("_attend", "varlen_attention", "attention_with_kvcache", "attention_entropy"):
+    for name in ("attention", "varlen_attention", "attention_with_kvcache", "attention_entropy"):
         monkeypatch.setattr(reference, name, None)  # a call would raise TypeError
     q = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 0, 8, dtype=torch.float64, requires_grad=True)
