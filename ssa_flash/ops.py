@@ -1021,10 +1021,9 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k, minimum=1)
     _check_cu_seqlens("cu_seqlens_q", cu_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
     _check_cu_seqlens("cu_seqlens_k", cu_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
-    # No sequence is longer than all the rows: a larger bound only sizes the grid, the window
-    # bounds and the dropout mask of the reference path (and past 2^31 overflows the kernels'
-    # int32 arguments), so it is lowered to the rows. Results are unchanged: the dropout bits are
-    # functions of the indices, not of these bounds.
+    # No sequence is longer than all the rows: a larger bound only sizes the grid and the window
+    # bounds (and past 2^31 overflows the kernels' int32 arguments), so it is lowered to the rows.
+    # Results are unchanged: the dropout bits are functions of the indices, not of these bounds.
     max_seqlen_q = min(max_seqlen_q, max(query.shape[0], 1))
     max_seqlen_k = min(max_seqlen_k, max(key.shape[0], 1))
     is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
