@@ -131,11 +131,12 @@ def _per_head(x: Scalar, heads: int, like: Tensor) -> Tensor:
     return x.to(like.dtype).expand(heads).reshape(1, heads, 1, 1)
 
 
-def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
-    """``(Lq, Lk)`` bool: ``i - left <= j <= i + right`` for ``window_size = (left, right)``, a
-    side of -1 being unbounded (top-left aligned, like ``is_causal``)."""
+def window_band(lq: int, lk: int, window_size, device=None, offset: int = 0) -> Tensor:
+    """``(Lq, Lk)`` bool: ``p_i - left <= j <= p_i + right`` for ``window_size = (left, right)``, a
+    side of -1 being unbounded, with query ``i`` at key position ``p_i = i + offset`` (0: top-left
+    aligned, like ``is_causal``; ``Lk - Lq``: bottom-right, a KV cache's)."""
     left, right = window_size
-    i = torch.arange(lq, device=device).view(lq, 1)
+    i = torch.arange(lq, device=device).view(lq, 1) + offset
     j = torch.arange(lk, device=device).view(1, lk)
     band = torch.ones(lq, lk, dtype=torch.bool, device=device)
     if left >= 0:
@@ -146,19 +147,10 @@ def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
 
 
 def _bottom_right_band(lq: int, lk: int, is_causal: bool, window_size, device=None) -> Tensor:
-    """``(Lq, Lk)`` bool, the keys query ``i`` of a KV cache sees: it is at key position ``pos_i =
-    Lk - Lq + i`` and sees ``j <= pos_i`` if causal, ``pos_i - left <= j <= pos_i + right`` for
-    ``window_size = (left, right)`` (-1: that side unbounded)."""
-    pos = torch.arange(lq, device=device)[:, None] + (lk - lq)
-    j = torch.arange(lk, device=device)[None, :]
-    band = torch.ones(lq, lk, dtype=torch.bool, device=device)
-    if is_causal:
-        band = band & (j <= pos)
-    if window_size[0] >= 0:
-        band = band & (j >= pos - window_size[0])
-    if window_size[1] >= 0:
-        band = band & (j <= pos + window_size[1])
-    return band
+    """``(Lq, Lk)`` bool, the keys query ``i`` of a KV cache sees: causality and ``window_size``
+    bottom-right aligned (query ``i`` at key position ``Lk - Lq + i``)."""
+    band = window_band(lq, lk, window_size, device, offset=lk - lq)
+    return band & window_band(lq, lk, (-1, 0), device, offset=lk - lq) if is_causal else band
 
 
 def _check_softcap(softcap) -> float:
