@@ -5,8 +5,9 @@ softmax, drop-in replacements for ``torch.nn.functional.scaled_dot_product_atten
     >>> out = ssa_flash.ssa_attention(q, k, v, is_causal=True, b=1.0, n=1.5)
 
 ``ssa_flash.attention(q, k, v, score=..., score_params=...)`` takes any score function of
-``ssa_flash.scores``. ``ssa_flash.reference`` holds the same functions written naively: the
-specification in code.
+``ssa_flash.scores``. ``ssa_flash.reference`` is the specification in code: the same maths
+written naively (``reference.attention(q, k, v, score=..., score_params=...)``, its entropy,
+packed and KV-cache loops and the dropout bits).
 """
 from . import cuda, nn, reference, scores
 from .errors import BackendUnavailableError

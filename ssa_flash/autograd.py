@@ -271,11 +271,12 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _LearnedMaskAttention(torch.autograd.Function):
-    """The eager path for a float mask that requires grad (a learned bias), Triton backend: as
-    :class:`_EagerAttention`, with ``mask`` the user's mask as a 4-D view of its own size (dims 1
-    where it broadcasts), expanded here, outside the autograd graph, to ``(B, Hq, Lq, Lk)``; its
-    gradient comes back of the 4-D shape, reduced over the broadcast dims inside the kernels
-    (``ssa_flash/triton/mask_grad.py``), never materialised as ``(B, Hq, Lq, Lk)``."""
+    """The eager path for a float mask that requires grad (a learned bias), Triton and reference
+    backends: as :class:`_EagerAttention`, with ``mask`` the user's mask as a 4-D view of its own
+    size (dims 1 where it broadcasts), expanded here, outside the autograd graph, to ``(B, Hq, Lq,
+    Lk)``; its gradient comes back of the 4-D shape, reduced over the broadcast dims by the backend
+    (Triton: inside the kernels, ``ssa_flash/triton/mask_grad.py``, never materialised as ``(B,
+    Hq, Lq, Lk)``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, backend, spec, *params):
@@ -300,8 +301,8 @@ def attention_learned_mask(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor
                            spec: AttentionSpec, sinks: Optional[Tensor] = None):
     """:func:`attention` for a float ``mask`` that requires grad, given as a 4-D tensor that
     broadcasts to ``(B, Hq, Lq, Lk)`` (not expanded): differentiable in the mask too, eager or
-    through the custom ops (torch.compile, dispatch modes); the Triton backend only."""
-    if backend != "triton":
+    through the custom ops (torch.compile, dispatch modes); the Triton and reference backends."""
+    if backend not in ("triton", "reference"):
         raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
                          "respect to attn_mask; backend='triton' or 'reference' does (docs/support.md)")
     if _through_ops(q, k, v, mask):

@@ -6,9 +6,9 @@ Python values, and at the values of CPU tensors (``b``, ``n``, ``cu_seqlens_*``,
 ``cache_seqlens``); it never reads tensor data from a GPU (no device synchronisation), so
 there values outside the documented ranges are not caught.
 
-The top layer (see ``ssa_flash.backends``): the kernels run through ``ssa_flash.autograd``'s
-custom ops, whichever the backend; ``backend="reference"`` (and inputs with no rows, keys or head
-dim, where kernels launch nothing) runs ``ssa_flash.reference`` under ordinary autograd.
+The top layer (see ``ssa_flash.backends``): every call runs through ``ssa_flash.autograd``'s
+custom ops and the backend interface (``ssa_flash.spec.Backend``), whichever the backend; inputs
+with no rows, keys or head dim, where kernels launch nothing, go to the reference backend.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _nested, _shapes, autograd, backends, reference, scores
-from .spec import AttentionSpec, PlanMismatch, acc_dtype
+from . import _nested, _shapes, autograd, backends, scores
+from .spec import AttentionSpec, PlanMismatch, draw_dropout_rng
 from .errors import BackendUnavailableError
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD
 
@@ -159,7 +159,7 @@ def _learned_mask(mask: Optional[Tensor]) -> bool:
 
 def _check_mask_grad(mask: Optional[Tensor], backend: str) -> None:
     """A float mask that requires grad (a learned additive bias) is differentiable on the
-    reference backend (autograd through ``ssa_flash.reference``) and on Triton (its gradient
+    reference backend (its explicit backward) and on Triton (its gradient
     reduced over the broadcast dims inside a kernel, ``ssa_flash/triton/mask_grad.py``); the CUDA
     kernels do not compute it: ``ValueError`` naming the backend rather than a silent zero."""
     if _learned_mask(mask) and backend not in _MASK_GRAD_BACKENDS:
@@ -483,12 +483,6 @@ def _autocast(dtype: torch.dtype, *tensors):
                  else t for t in tensors)
 
 
-def _dropout_keep(rng: Tensor, shape, dropout_p: float) -> Tensor:
-    """The kernels' keep mask for ``rng`` through the PyTorch Philox (the reference path)."""
-    seed, offset = rng.tolist()
-    return reference.dropout_keep_mask(seed, offset, shape, dropout_p, rng.device)
-
-
 # --------------------------------------------------------------------------------------------
 # Call plans: a call whose arguments have the same types and values, and whose tensors the same
 # metadata, as an earlier call's passes the same validation and picks the same backend. A
@@ -603,7 +597,7 @@ def _replay_call(plan: _CallPlan, query, key, value, attn_mask, score_params, si
     mask = None if attn_mask is None else attn_mask.expand(plan.full)
     spec = plan.spec
     if plan.dropout_p > 0:
-        spec = dataclasses.replace(spec, dropout_rng=reference.draw_dropout_rng(query.device))
+        spec = dataclasses.replace(spec, dropout_rng=draw_dropout_rng(query.device))
     if prepared is not None:  # (made for calls without sinks only)
         try:
             out, lse = autograd.attention_prepared(prepared, query, key, value, params, mask, plan.backend, spec)
@@ -681,31 +675,21 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     score, params, poly, threshold, sinks, softcap = _check_variant(query, score, score_params, adaptive, poly,
                                                                     threshold, sinks, softcap)
     # dropout bits: a (seed, offset) drawn from torch's generator for the device, on the device
-    rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
+    rng = draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive, poly=poly,
                          threshold=threshold, deterministic=deterministic, dropout_p=dropout_p,
                          window_left=left, window_right=right, dropout_rng=rng, softcap=softcap)
     backend = _resolve_backend(backend, query, key, value, spec, sinks)
-    if not _degenerate(query, key, value):
-        _check_mask_grad(mask, backend)
-
-    if _degenerate(query, key, value):
+    if _degenerate(query, key, value):  # the kernels launch nothing: the reference backend's zeros
         out, lse = autograd.attention(query, key, value, params, mask, "reference", spec, **_sink_arg(sinks))
-    elif backend == "reference":
-        keep = None
-        if rng is not None:
-            keep = _dropout_keep(rng, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), dropout_p)
-        out, lse = reference._attend(query, key, value, mask, dropout_p, is_causal, scale, group > 1, True,
-                                     score=score, params=params, adaptive=adaptive, poly=poly, threshold=threshold,
-                                     window_size=(left, right), dropout_mask=keep, sinks=sinks,
-                                     softcap=softcap)
     elif mask is not None and mask.requires_grad and torch.is_grad_enabled():  # a learned mask (no call: hot path)
+        _check_mask_grad(mask, backend)
         # (the 4-D mask of its own size: its gradient is reduced in the kernel)
         out, lse = autograd.attention_learned_mask(query, key, value, params, attn_mask[(None,) * (4 - attn_mask.dim())],
                                                    backend, spec, **_sink_arg(sinks))
     else:
         out, lse = autograd.attention(query, key, value, params, mask, backend, spec, **_sink_arg(sinks))
-        if call_key is not None and backend_arg is not None:
+        if call_key is not None and backend_arg is not None and backend != "reference":  # (a plan saves it nothing)
             _plan_call(call_key, group, scale, dropout_p, is_causal, return_lse, mask, score, params, sinks, spec,
                        backend, query, key, value, score_arg, sinks_arg)
     if unbatched:
@@ -905,15 +889,10 @@ def attention_entropy(query: Tensor, key: Tensor, attn_mask: Optional[Tensor] = 
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, window_left=left,
                          window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, key, key, spec, sinks)
+    if _degenerate(query, key, key):
+        backend = "reference"
     with torch.no_grad():
-        if backend == "reference" and not _degenerate(query, key, key):
-            ent = reference.attention_entropy(query, key, mask, is_causal, scale, group > 1, score=score.name,
-                                              score_params=params, window_size=(left, right), sinks=sinks,
-                                              softcap=softcap)
-            ent = ent.to(acc_dtype(query.dtype))
-        else:
-            backend = "reference" if _degenerate(query, key, key) else backend
-            ent = autograd.row_entropy(query, key, params, mask, backend, spec, **_sink_arg(sinks))
+        ent = autograd.row_entropy(query, key, params, mask, backend, spec, **_sink_arg(sinks))
     return ent.squeeze(0) if unbatched else ent
 
 
@@ -1042,10 +1021,9 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k, minimum=1)
     _check_cu_seqlens("cu_seqlens_q", cu_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
     _check_cu_seqlens("cu_seqlens_k", cu_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
-    # No sequence is longer than all the rows: a larger bound only sizes the grid, the window
-    # bounds and the dropout mask of the reference path (and past 2^31 overflows the kernels'
-    # int32 arguments), so it is lowered to the rows. Results are unchanged: the dropout bits are
-    # functions of the indices, not of these bounds.
+    # No sequence is longer than all the rows: a larger bound only sizes the grid and the window
+    # bounds (and past 2^31 overflows the kernels' int32 arguments), so it is lowered to the rows.
+    # Results are unchanged: the dropout bits are functions of the indices, not of these bounds.
     max_seqlen_q = min(max_seqlen_q, max(query.shape[0], 1))
     max_seqlen_k = min(max_seqlen_k, max(key.shape[0], 1))
     is_causal, return_lse = _check_bool("is_causal", is_causal), _check_bool("return_lse", return_lse)
@@ -1056,26 +1034,16 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Te
     score, params, poly, threshold, sinks, softcap = _check_variant(
         query, "softmax" if score is None else score, score_params, adaptive_temperature, poly, threshold, sinks,
         softcap)
-    rng = reference.draw_dropout_rng(query.device) if dropout_p > 0 else None
+    rng = draw_dropout_rng(query.device) if dropout_p > 0 else None
     spec = AttentionSpec(scale=scale, score=score.name, causal=is_causal, group=group, adaptive=adaptive_temperature,
                          poly=poly, threshold=threshold, deterministic=deterministic,
                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, window_left=left,
                          window_right=right, dropout_rng=rng, softcap=softcap)
     backend = _resolve_backend(backend, query, key, value, spec, sinks)
-    degenerate = _degenerate(query, key, value, key_dim=0)
-    if backend == "reference" and not degenerate:
-        keep = None
-        if rng is not None:
-            keep = _dropout_keep(rng, (cu_q.shape[0] - 1, query.shape[1], max_seqlen_q, max_seqlen_k), dropout_p)
-        out, lse = reference.varlen_attention(
-            query, key, value, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, group > 1,
-            score=score.name, score_params=params, adaptive_temperature=adaptive_temperature, poly=poly,
-            threshold=threshold, window_size=(left, right), return_lse=True, dropout_mask=keep, sinks=sinks,
-            softcap=softcap)
-    else:
-        backend = "reference" if degenerate else backend
-        out, lse = autograd.attention(query, key, value, params, None, backend, spec, **_sink_arg(sinks))
+    if _degenerate(query, key, value, key_dim=0):
+        backend = "reference"
+    out, lse = autograd.attention(query, key, value, params, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 
@@ -1198,20 +1166,13 @@ def attention_with_kvcache(query: Tensor, k_cache: Tensor, v_cache: Tensor, cach
                          poly=poly, threshold=threshold, seqused_k=used, k_start=cache_leftpad,
                          num_splits=num_splits, window_left=left, window_right=right, softcap=softcap)
     backend = _resolve_backend(backend, query, k_cache, v_cache, spec, sinks)
+    if _degenerate(query, k_cache, v_cache):
+        backend = "reference"
     with torch.no_grad():
-        degenerate = _degenerate(query, k_cache, v_cache)
-        if backend == "reference" and not degenerate:
-            out, lse = reference.attention_with_kvcache(
-                query, k_cache, v_cache, seqlens, key, value, is_causal=is_causal, scale=scale,
-                enable_gqa=group > 1, score=score.name, score_params=params, adaptive_temperature=adaptive_temperature,
-                poly=poly, threshold=threshold, return_lse=True, cache_leftpad=cache_leftpad,
-                window_size=(left, right), sinks=sinks, softcap=softcap)
-        else:
-            if key is not None:
-                _append_to_cache(k_cache, key, seqlens)
-                _append_to_cache(v_cache, value, seqlens)
-            out, lse = autograd.attention(query, k_cache, v_cache, params, None, "reference" if degenerate else backend,
-                                          spec, **_sink_arg(sinks))
+        if key is not None:
+            _append_to_cache(k_cache, key, seqlens)
+            _append_to_cache(v_cache, value, seqlens)
+        out, lse = autograd.attention(query, k_cache, v_cache, params, None, backend, spec, **_sink_arg(sinks))
     return (out, lse) if return_lse else out
 
 
@@ -1227,8 +1188,9 @@ def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, t
         torch.manual_seed(s); out = ssa_flash.ssa_attention(q, k, v, dropout_p=p)
         torch.manual_seed(s); keep = ssa_flash.dropout_mask((B, Hq, Lq, Lk), p, device=q.device)
 
-    gives the mask ``out`` was computed with (``ssa_flash.reference.ssa_attention(q, k, v,
-    dropout_p=p, dropout_mask=keep)`` then equals ``out``). ``backend``: ``"triton"`` runs a small
+    gives the mask ``out`` was computed with (``ssa_flash.reference.attention(q, k, v, score="ssa",
+    score_params=(1.0, 1.5), dropout_p=p, dropout_mask=keep)`` then equals ``out``). ``backend``:
+    ``"triton"`` runs a small
     kernel that calls the attention kernels' own mask function (on tiles of other sizes),
     ``"reference"`` the PyTorch Philox of ``ssa_flash.reference.dropout_keep_mask``, ``"auto"``
     the first that runs on ``device``. Element ``(b, h, i, j)`` is kept iff word
@@ -1267,12 +1229,10 @@ def dropout_mask(shape: Sequence[int], dropout_p: float, *, device: Union[str, t
     if device.type == "meta":  # no data to draw or compute: the shape only
         return torch.empty(shape, dtype=torch.bool, device=device)
     if rng is None:
-        rng = reference.draw_dropout_rng(device)
+        rng = draw_dropout_rng(device)
     if backend == "auto":
         backend = "triton" if backends.get("triton").unavailable_reason(device) is None else "reference"
-    if backend == "reference":
-        return _dropout_keep(rng, shape, p)
-    why = backends.get("triton").unavailable_reason(device)
+    why = backends.get(backend).unavailable_reason(device)
     if why:
-        raise BackendUnavailableError(f"backend='triton' is unavailable: {why}")
-    return backends.get("triton").dropout_mask(rng, shape, p)
+        raise BackendUnavailableError(f"backend={backend!r} is unavailable: {why}")
+    return backends.get(backend).dropout_mask(rng, shape, p)

@@ -6,6 +6,14 @@ Everything is computed in the inputs' dtype (so this is also "the naive implemen
 precision" that FlashAttention's error rule compares against); call it on float64 copies for a
 gold standard. Memory is O(Lq * Lk): use it for testing, not for training.
 
+The surface (what the tests hold the backends to): :func:`attention` (one function for every
+variant: ``score=`` / ``score_params=``, ``adaptive_temperature=``, masks, windows, dropout,
+sinks, soft-capping), :func:`attention_entropy`, :func:`varlen_attention` and
+:func:`attention_with_kvcache` (loops over :func:`attention`), and the dropout bits
+(:func:`dropout_keep_mask`, :func:`philox4x32_10`). It is plain PyTorch under ordinary autograd
+(differentiable to any order); ``backend="reference"`` in the public functions runs its
+explicit-backward form, ``ssa_flash.backends.reference_backend``.
+
 Equations (see docs/maths.md):
 
 * logits        ``z = scale * q k^T``
@@ -36,29 +44,24 @@ Equations (see docs/maths.md):
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch import Tensor
 
 from . import scores
-from .scores import ssa_logits
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, dropout_keep_threshold
+from .spec import draw_dropout_rng
 from .temperature import polyval
 
 __all__ = [
-    "dropout_keep_mask",
-    "draw_dropout_rng",
     "attention",
-    "ssa_attention",
-    "softmax_attention",
-    "adaptive_temperature_attention",
     "attention_entropy",
     "varlen_attention",
     "attention_with_kvcache",
-    "ssa_logits",
-    "DEFAULT_POLY",
-    "DEFAULT_THRESHOLD",
+    "dropout_keep_mask",
+    "philox4x32_10",
+    "window_band",
 ]
 
 
@@ -111,14 +114,6 @@ def dropout_keep_mask(seed: int, offset: int, shape, dropout_p: float, device=No
     return r < 2 * dropout_keep_threshold(dropout_p)
 
 
-def draw_dropout_rng(device) -> Tensor:
-    """The ``(seed, offset)`` pair (int64 tensor ``(2,)`` on ``device``) of one dropout call, drawn
-    from torch's default generator for ``device``, so ``torch.manual_seed`` before a call decides
-    its mask. Drawn on the device (no host synchronisation; inside a CUDA graph each replay draws
-    anew)."""
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
-
-
 def _apply_dropout(probs: Tensor, dropout_p: float, keep: Tensor) -> Tensor:
     """``probs * keep / (1 - dropout_p)``, zeros for ``dropout_p = 1`` (still differentiable)."""
     if dropout_p >= 1.0:
@@ -136,11 +131,12 @@ def _per_head(x: Scalar, heads: int, like: Tensor) -> Tensor:
     return x.to(like.dtype).expand(heads).reshape(1, heads, 1, 1)
 
 
-def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
-    """``(Lq, Lk)`` bool: ``i - left <= j <= i + right`` for ``window_size = (left, right)``, a
-    side of -1 being unbounded (top-left aligned, like ``is_causal``)."""
+def window_band(lq: int, lk: int, window_size, device=None, offset: int = 0) -> Tensor:
+    """``(Lq, Lk)`` bool: ``p_i - left <= j <= p_i + right`` for ``window_size = (left, right)``, a
+    side of -1 being unbounded, with query ``i`` at key position ``p_i = i + offset`` (0: top-left
+    aligned, like ``is_causal``; ``Lk - Lq``: bottom-right, a KV cache's)."""
     left, right = window_size
-    i = torch.arange(lq, device=device).view(lq, 1)
+    i = torch.arange(lq, device=device).view(lq, 1) + offset
     j = torch.arange(lk, device=device).view(1, lk)
     band = torch.ones(lq, lk, dtype=torch.bool, device=device)
     if left >= 0:
@@ -148,6 +144,13 @@ def window_band(lq: int, lk: int, window_size, device=None) -> Tensor:
     if right >= 0:
         band = band & (j <= i + right)
     return band
+
+
+def _bottom_right_band(lq: int, lk: int, is_causal: bool, window_size, device=None) -> Tensor:
+    """``(Lq, Lk)`` bool, the keys query ``i`` of a KV cache sees: causality and ``window_size``
+    bottom-right aligned (query ``i`` at key position ``Lk - Lq + i``)."""
+    band = window_band(lq, lk, window_size, device, offset=lk - lq)
+    return band & window_band(lq, lk, (-1, 0), device, offset=lk - lq) if is_causal else band
 
 
 def _check_softcap(softcap) -> float:
@@ -254,15 +257,28 @@ def _adaptive_beta(logits, allowed, poly, threshold):
     return beta
 
 
-def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            score=scores.SOFTMAX, params=(), adaptive=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-            window_size=(-1, -1), dropout_mask=None, sinks=None, softcap=0.0):
-    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, score, params,
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, *, score="softmax", score_params=None, adaptive_temperature=False,
+              poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD, return_lse=False, window_size=(-1, -1),
+              dropout_mask=None, sinks=None, softcap=0.0):
+    """The attention rows of the module docstring: ``out (B, Hq, Lq, Dv)`` (and, with
+    ``return_lse``, the LSE ``(B, Hq, Lq)`` in float32, float64 for float64 inputs).
+
+    SDPA's positional arguments; ``score`` a name in ``ssa_flash.scores.SCORES`` with its per-head
+    parameters ``score_params`` (a mapping by name or a sequence in the registry's order; numbers or
+    tensors broadcastable to ``(Hq,)``; None for softmax); ``adaptive_temperature`` with ``poly`` /
+    ``threshold``; ``window_size = (left, right)`` (:func:`window_band`); ``sinks`` None, a number
+    or ``(Hq,)``; ``softcap`` a float >= 0 (0: off). ``dropout_mask``: None (with ``dropout_p >
+    0``: the kernels' Philox mask :func:`dropout_keep_mask` for a ``(seed, offset)`` drawn as the
+    public functions draw it, ``ssa_flash.spec.draw_dropout_rng``) or a bool tensor broadcastable
+    to ``(B, Hq, Lq, Lk)``, True = kept. Unbatched ``(H, L, D)`` inputs work too (B = 1)."""
+    f, params = _score_of(score, score_params)
+    logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, f, params,
                                   window_size, softcap)
     if sinks is not None:  # the sink is part of the row: of its entropy, temperature and LSE
         logits, allowed = _with_sink(logits, allowed, sinks)
     lse_offset = 0.0
-    if adaptive:
+    if adaptive_temperature:
         beta = _adaptive_beta(logits, allowed, poly, threshold).unsqueeze(-1)
         # softmax(beta * l) = softmax(beta * (l - c)) for the row maximum c (_row_offset): beta * l
         # alone can overflow where a finite mask is finfo.min. Zero the inadmissible entries before
@@ -289,95 +305,14 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     return out, torch.logsumexp(logits.to(lse_dtype), dim=-1) + lse_offset
 
 
-# Every function below takes SDPA's arguments plus ``window_size=(left, right)`` (see
-# ``window_band``) and ``dropout_mask``: None (with ``dropout_p > 0``: the kernels' Philox mask for a
-# (seed, offset) drawn by ``draw_dropout_rng``, as the kernels do) or a bool tensor broadcastable to
-# ``(B, Hq, Lq, Lk)``, True = kept. And two keywords (docs/maths.md, "Attention sinks and
-# soft-capping"):
-#
-# * ``softcap=c`` (float, 0 = off; negative: ValueError): the scaled score ``z`` becomes
-#   ``c * tanh(z / c)`` before the logit transform; masks are added after.
-# * ``sinks=s`` (None, a number or a ``(Hq,)`` tensor, may require grad): head ``h``'s rows get one
-#   more logit ``s_h`` with a zero value vector. The weights of a row then sum to ``1 - P_sink``;
-#   a row with no admissible key puts all its weight on the sink: output 0, LSE ``s_h`` (its
-#   one-entry row has entropy 0, so the adaptive temperature is ``beta(0)`` = 1 there for the
-#   default polynomial), finite gradients. ``s = -inf`` is the same as no sink.
-
-
-# The functions below take (and ignore) the public functions' other keywords (backend=,
-# deterministic=, ...) so that a test can call the spec with the public call's keywords; but a
-# keyword that selects the score function and is not theirs is refused: a stray ``ssa=`` / ``b=``
-# / ``n=`` (the packed and cache functions' old spelling) must not quietly compute softmax.
-_SCORE_KEYWORDS = frozenset({"ssa", "b", "n", "score", "score_params", "adaptive_temperature"})
-
-
-def _run_options_only(fn: str, options) -> None:
-    stray = sorted(_SCORE_KEYWORDS.intersection(options))
-    if stray:
-        raise TypeError(f"reference.{fn}() got unexpected keyword argument(s) {', '.join(stray)} "
-                        "(the score function: score= / score_params=, or the named functions)")
-
-
-def softmax_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                      scale=None, enable_gqa=False, *, return_lse=False, window_size=(-1, -1),
-                      dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
-    """Plain softmax attention (what SDPA computes), except that empty rows give 0, not NaN."""
-    _run_options_only("softmax_attention", _ignored)
-    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                   window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
-
-
-def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, score="softmax", score_params=None, adaptive_temperature=False,
-              poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD, return_lse=False, window_size=(-1, -1),
-              dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
-    """Attention with the score function ``score`` (a name in ``ssa_flash.scores.SCORES``) and its
-    per-head parameters ``score_params`` (a mapping by name, or a sequence in the registry's order;
-    numbers or tensors broadcastable to ``(Hq,)``)."""
-    _run_options_only("attention", _ignored)
+def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
+                      score="softmax", score_params=None, window_size=(-1, -1), sinks=None,
+                      softcap=0.0) -> Tensor:
+    """Per-row entropy (natural log) of the weights ``softmax(l)`` (no temperature), ``(B, Hq,
+    Lq)``, arguments as in :func:`attention`; 0 for a row with no admissible key. With ``sinks``,
+    the entropy of the whole row ``softmax([l, s_h])``, sink entry included (the entropy that
+    drives the adaptive temperature)."""
     f, params = _score_of(score, score_params)
-    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   return_lse, score=f, params=params, adaptive=adaptive_temperature, poly=poly,
-                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
-                   sinks=sinks, softcap=softcap)
-
-
-def ssa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False, *, b: Scalar = 1.0, n: Scalar = 1.5,
-                  adaptive_temperature=False, poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                  return_lse=False, window_size=(-1, -1), dropout_mask=None, sinks=None,
-                  softcap=0.0, **_ignored):
-    """SSA attention: weights ``(1 + b|z|)^(sgn(z) n)`` normalised over keys; ``b``, ``n`` per head."""
-    _run_options_only("ssa_attention", _ignored)
-    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   return_lse, score=scores.SSA, params=(b, n), adaptive=adaptive_temperature, poly=poly,
-                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
-                   sinks=sinks, softcap=softcap)
-
-
-def adaptive_temperature_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                   is_causal=False, scale=None, enable_gqa=False, *,
-                                   poly=DEFAULT_POLY, threshold=DEFAULT_THRESHOLD,
-                                   return_lse=False, window_size=(-1, -1), dropout_mask=None,
-                                   sinks=None, softcap=0.0, **_ignored):
-    """Softmax attention with the entropy-driven temperature of "Softmax is not Enough"."""
-    _run_options_only("adaptive_temperature_attention", _ignored)
-    return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                   return_lse, adaptive=True, poly=poly, threshold=threshold,
-                   window_size=window_size, dropout_mask=dropout_mask, sinks=sinks, softcap=softcap)
-
-
-def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                      *, b: Optional[Scalar] = None, n: Optional[Scalar] = None,
-                      window_size=(-1, -1), sinks=None, softcap=0.0, score=None,
-                      score_params=None) -> Tensor:
-    """Per-row entropy (natural log) of the attention weights, ``(B, Hq, Lq)``; SSA if b, n given,
-    ``score`` / ``score_params`` as in :func:`attention` if given, else softmax.
-    With ``sinks``, the entropy of the whole row ``softmax([l, s_h])``, sink entry included (the
-    entropy that drives the adaptive temperature)."""
-    if (b is None) != (n is None):
-        raise ValueError("attention_entropy: give both b and n (SSA) or neither (softmax)")
-    f, params = _score_of(*(("ssa", (b, n)) if b is not None else (score, score_params)))
     logits, allowed = _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, f, params,
                                   window_size, softcap)
     if sinks is not None:
@@ -385,88 +320,70 @@ def attention_entropy(query, key, attn_mask=None, is_causal=False, scale=None, e
     return _entropy(logits, allowed)
 
 
-def _one_sequence(q, k, v, mask, is_causal, scale, enable_gqa, score, params, adaptive, poly, threshold,
-                  dropout_p=0.0, window_size=(-1, -1), dropout_mask=None, sinks=None, softcap=0.0):
-    """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys; no key: 0, -inf
-    (with sinks: 0 and the LSE of the sink-only row, through the ordinary path)."""
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if k.shape[2] == 0 and sinks is None:
+def _one_sequence(q, k, v, mask, is_causal, options):
+    """``(out, lse)`` of ``(1, Hq, Lq, D)`` queries over ``(1, Hkv, Lk, D)`` keys (:func:`attention`
+    with ``options``); no key: 0 and -inf (with sinks: the sink-only row, through the ordinary path)."""
+    if k.shape[2] == 0 and options.get("sinks") is None:
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros((*q.shape[:-1], v.shape[-1])) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
         return out, torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _attend(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, True,
-                   score=score, params=params, adaptive=adaptive, poly=poly,
-                   threshold=threshold, window_size=window_size, dropout_mask=dropout_mask,
-                   sinks=sinks, softcap=softcap)
+    return attention(q, k, v, mask, is_causal=is_causal, return_lse=True, **options)
+
+
+def _lse_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                     dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, score=None,
-                     score_params=None, adaptive_temperature=False, poly=DEFAULT_POLY,
-                     threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                     dropout_mask=None, sinks=None, softcap=0.0, **_ignored):
-    """Packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``, ``value
-    (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attending
-    to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``, with every rule (causality top-left, as in
-    ``ssa_attention``) applied inside the sequence. ``score`` / ``score_params``: as in
-    :func:`attention` (None: softmax). Returns ``out
-    (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``. The ``max_seqlen_*`` are
-    not needed here. Each sequence runs on its own (a loop), differentiably; ``window_size`` is
-    top-left aligned inside each sequence. Dropout: sequence ``s`` is batch element ``s`` of the
-    dense rule, i.e. its keep mask is ``dropout_mask[s, :, :Lq_s, :Lk_s]`` of a ``(batch, Hq,
-    max_seqlen_q, max_seqlen_k)`` bool mask (None with ``dropout_p > 0``: the kernels' Philox mask
-    for a freshly drawn ``(seed, offset)``). ``sinks``/``softcap``: per row, as in ``ssa_attention``
-    (a sequence with no key puts its rows on the sink)."""
-    _run_options_only("varlen_attention", _ignored)
-    f, params = _score_of(score, score_params)
+                     dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, return_lse=False,
+                     dropout_mask=None, **options):
+    """A packed variable-length batch: ``query (total_q, Hq, D)``, ``key (total_k, Hkv, D)``,
+    ``value (total_k, Hkv, Dv)``; sequence ``s`` is query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+    attending to key rows ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` by :func:`attention` (``options``:
+    its keywords), every rule (causality and ``window_size`` top-left) inside the sequence. Returns
+    ``out (total_q, Hq, Dv)`` and, with ``return_lse``, ``lse (Hq, total_q)``. Dropout: sequence ``s``
+    is batch element ``s`` of the dense rule, its keep mask ``dropout_mask[s, :, :Lq_s, :Lk_s]`` of
+    a ``(batch, Hq, max Lq_s, max Lk_s)`` bool mask (None with ``dropout_p > 0``: the kernels'
+    Philox mask for a freshly drawn ``(seed, offset)``). A sequence with no key gives 0 (lse
+    -inf), or with sinks puts its rows on the sink. ``max_seqlen_*`` (the public function's
+    positional arguments) are not needed: the lengths are the ``cu_seqlens``'."""
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    lq = [b - a for a, b in zip(cq, cq[1:])]
+    lk = [b - a for a, b in zip(ck, ck[1:])]
     if dropout_p > 0.0 and dropout_mask is None:
         seed, offset = draw_dropout_rng(query.device).tolist()
-        dropout_mask = dropout_keep_mask(seed, offset, (len(cq) - 1, query.shape[1],
-                                                        max((b - a for a, b in zip(cq, cq[1:])), default=0),
-                                                        max((b - a for a, b in zip(ck, ck[1:])), default=0)),
-                                         dropout_p, query.device)
-    cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+        dropout_mask = dropout_keep_mask(seed, offset, (len(lq), query.shape[1], max(lq, default=0),
+                                                        max(lk, default=0)), dropout_p, query.device)
     outs, lses = [], []
-    for s in range(len(cq) - 1):
-        if cq[s + 1] == cq[s]:
+    for s in range(len(lq)):
+        if lq[s] == 0:
             continue
-        q_s = query[cq[s]:cq[s + 1]].transpose(0, 1).unsqueeze(0)
-        k_s = key[ck[s]:ck[s + 1]].transpose(0, 1).unsqueeze(0)
-        v_s = value[ck[s]:ck[s + 1]].transpose(0, 1).unsqueeze(0)
-        keep = None
-        if dropout_p > 0.0:
-            keep = dropout_mask[s:s + 1, :, :q_s.shape[2], :k_s.shape[2]]
-        o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal, scale, enable_gqa, f, params,
-                               adaptive_temperature, poly, threshold, dropout_p, window_size, keep,
-                               sinks, softcap)
+        q_s, k_s, v_s = (x[c[s]:c[s + 1]].transpose(0, 1).unsqueeze(0)
+                         for x, c in ((query, cq), (key, ck), (value, ck)))
+        keep = dropout_mask[s:s + 1, :, :lq[s], :lk[s]] if dropout_p > 0.0 else None
+        o, lse = _one_sequence(q_s, k_s, v_s, None, is_causal,
+                               dict(options, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+                                    dropout_mask=keep))
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     out = torch.cat(outs) if outs else query.new_zeros((0, query.shape[1], value.shape[-1]))
-    lse = torch.cat(lses, dim=1) if lses else torch.zeros((query.shape[1], 0), dtype=lse_dtype, device=query.device)
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros((query.shape[1], 0), dtype=_lse_dtype(query),
+                                                         device=query.device)
     return (out, lse) if return_lse else out
 
 
-def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, value=None, *,
-                           is_causal=False, scale=None, enable_gqa=False, score=None, score_params=None,
-                           adaptive_temperature=False, poly=DEFAULT_POLY,
-                           threshold=DEFAULT_THRESHOLD, window_size=(-1, -1), return_lse=False,
-                           cache_leftpad=None, sinks=None, softcap=0.0, **_ignored):
+def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, value=None, *, is_causal=False,
+                           window_size=(-1, -1), cache_leftpad=None, return_lse=False, **options):
     """Attention of ``query (B, Hq, Lq, D)`` over a KV cache ``(B, Hkv, Lcache, D)`` of which batch
-    element ``b`` holds ``cache_seqlens[b]`` valid rows. New ``key``/``value`` ``(B, Hkv, Lnew, D)``
-    are first written into the caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew``
-    and attended too. With ``cache_leftpad`` (B,) rows before ``cache_leftpad[b]`` are not attended.
-    ``is_causal`` is bottom-right: query ``i`` is at cache position ``cache_len - Lq + i`` (``cache_len
-    = cache_seqlens[b] + Lnew``) and sees the rows up to it. Returns ``out (B, Hq, Lq, Dv)`` (and
-    ``lse (B, Hq, Lq)``); a batch element with no row to attend gets 0 (lse -inf).
-    ``window_size = (left, right)`` is bottom-right aligned like ``is_causal``: query ``i`` sees
-    rows ``j`` with ``pos_i - left <= j <= pos_i + right`` (-1: that side unbounded).
-    ``sinks``/``softcap``: per row, as in ``ssa_attention`` (a batch element with no row to attend
-    puts its rows on the sink: output 0, lse ``s_h``). ``score`` / ``score_params``: as in
-    :func:`varlen_attention`."""
-    _run_options_only("attention_with_kvcache", _ignored)
-    f, params = _score_of(score, score_params)
+    element ``b`` holds ``cache_seqlens[b]`` valid rows, by :func:`attention` (``options``: its
+    keywords but dropout). New ``key``/``value`` ``(B, Hkv, Lnew, D)`` are first written into the
+    caches in place at rows ``cache_seqlens[b]:cache_seqlens[b]+Lnew`` and attended too; with
+    ``cache_leftpad`` (B,) the rows before ``cache_leftpad[b]`` are not attended. ``is_causal`` and
+    ``window_size = (left, right)`` are bottom-right aligned: query ``i`` is at cache position
+    ``pos_i = cache_len - Lq + i`` (``cache_len = cache_seqlens[b] + Lnew``) and sees rows ``j``
+    with ``j <= pos_i`` (causal), ``pos_i - left <= j <= pos_i + right`` (-1: that side
+    unbounded). Returns ``out (B, Hq, Lq, Dv)`` (and ``lse (B, Hq, Lq)``); a batch element with no
+    row to attend gets 0 (lse -inf), or with sinks puts its rows on the sink (lse ``s_h``)."""
     lengths = [int(x) for x in cache_seqlens.tolist()]
     starts = [0] * len(lengths) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     if key is not None:
@@ -477,18 +394,9 @@ def attention_with_kvcache(query, k_cache, v_cache, cache_seqlens, key=None, val
     outs, lses = [], []
     Lq = query.shape[2]
     for i, (start, end) in enumerate(zip(starts, lengths)):
-        k_s, v_s = k_cache[i:i + 1, :, start:end], v_cache[i:i + 1, :, start:end]
-        pos = torch.arange(Lq, device=query.device)[:, None] + (end - start - Lq)  # bottom-right
-        j = torch.arange(end - start, device=query.device)[None, :]
-        mask = torch.ones(Lq, end - start, dtype=torch.bool, device=query.device)
-        if is_causal:
-            mask = mask & (j <= pos)
-        if window_size[0] >= 0:
-            mask = mask & (j >= pos - window_size[0])
-        if window_size[1] >= 0:
-            mask = mask & (j <= pos + window_size[1])
-        o, lse = _one_sequence(query[i:i + 1], k_s, v_s, mask, False, scale, enable_gqa, f, params,
-                               adaptive_temperature, poly, threshold, sinks=sinks, softcap=softcap)
+        mask = _bottom_right_band(Lq, end - start, is_causal, window_size, query.device)
+        o, lse = _one_sequence(query[i:i + 1], k_cache[i:i + 1, :, start:end], v_cache[i:i + 1, :, start:end],
+                               mask, False, options)
         outs.append(o)
         lses.append(lse)
     out, lse = torch.cat(outs), torch.cat(lses)

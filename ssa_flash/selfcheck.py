@@ -112,13 +112,19 @@ def make_case_inputs(case: Case, device, seed: int = 0) -> Dict[str, object]:
 
 def call_variant(variant: str, backend: str, q, k, v, params, mask, case: Case):
     """A variant through the public API with ``backend``; ``params`` the score function's
-    parameters in the registry's order."""
+    parameters in the registry's order. ``backend="spec"``: ``ssa_flash.reference``, the
+    specification computed in the inputs' dtype (the naive implementation of FlashAttention's
+    rule; ``backend="reference"`` accumulates in float32)."""
     import ssa_flash
+    from ssa_flash import reference
 
     v_ = _VARIANTS[variant]
-    kw = dict(attn_mask=mask, is_causal=case.causal, enable_gqa=case.hq != case.hkv, backend=backend)
-    return ssa_flash.attention(q, k, v, score=v_.score.name, score_params=tuple(params),
-                               adaptive_temperature=v_.adaptive, **kw)
+    kw = dict(attn_mask=mask, is_causal=case.causal, enable_gqa=case.hq != case.hkv)
+    if backend == "spec":
+        fn = reference.attention
+    else:
+        fn, kw["backend"] = ssa_flash.attention, backend
+    return fn(q, k, v, score=v_.score.name, score_params=tuple(params), adaptive_temperature=v_.adaptive, **kw)
 
 
 def _run(fn: Callable, variant: str, inputs: Dict[str, object], dtype, case: Case):
@@ -166,7 +172,7 @@ def check(variant: str, case: Case, dtype, device, backend: str,
             return call_variant(variant, backend, q, k, v, params, mask, case)
 
     def ref(q, k, v, params, mask):
-        return call_variant(variant, "reference", q, k, v, params, mask, case)
+        return call_variant(variant, "spec", q, k, v, params, mask, case)
 
     try:
         gold = _run(ref, variant, inputs, torch.float64, case)

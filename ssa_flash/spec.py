@@ -61,7 +61,7 @@ from . import scores
 from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW
 
 __all__ = ["AttentionSpec", "TemperatureState", "Backend", "PreparedCall", "PlanMismatch", "KeyShardTemperature",
-           "acc_dtype",
+           "acc_dtype", "draw_dropout_rng",
            "TENSOR_FIELDS"]
 
 # Python field type -> torch.library schema type. Tensor-valued options (cu_seqlens, a KV cache's
@@ -83,6 +83,14 @@ _SCHEMA_TYPES = {
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of inputs of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def draw_dropout_rng(device) -> Tensor:
+    """The ``(seed, offset)`` pair (int64 tensor ``(2,)`` on ``device``) of one dropout call
+    (:attr:`AttentionSpec.dropout_rng`), drawn from torch's default generator for ``device``, so
+    ``torch.manual_seed`` before a call decides its mask. Drawn on the device (no host
+    synchronisation; inside a CUDA graph each replay draws anew)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,13 @@ def head_params(H, dtype=torch.float32, device=DEVICE, seed=1):
 
 
 def call(module, mode, q, k, v, b=None, n=None, **kw):
-    """Runs one of the four variants through ``module`` (ssa_flash or ssa_flash.reference)."""
+    """Runs one of the four variants through ``module``: ssa_flash (its named functions) or the
+    specification (``ssa_flash.reference``, or an object with its ``attention``: one function
+    for every variant)."""
+    if not hasattr(module, "ssa_attention"):
+        ssa = mode in ("ssa", "ssa_adaptive")
+        return module.attention(q, k, v, score="ssa" if ssa else "softmax", score_params=(b, n) if ssa else None,
+                                adaptive_temperature=mode in ("adaptive", "ssa_adaptive"), **kw)
     if mode == "softmax":
         return module.softmax_attention(q, k, v, **kw)
     if mode == "adaptive":

@@ -104,8 +104,8 @@ def main():
           f"dropout {p}) under the lockstep interpreter", flush=True)
     keep = reference.dropout_keep_mask(seed, offset, (B, H, Lq, Lk), p) if drop else None
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_o, ref_lse = reference.ssa_attention(*leaves, mask, dropout_p=p, enable_gqa=True, b=b.double(),
-                                             n=n.double(), return_lse=True, dropout_mask=keep)
+    ref_o, ref_lse = reference.attention(*leaves, mask, dropout_p=p, enable_gqa=True, score="ssa",
+                                         score_params=(b.double(), n.double()), return_lse=True, dropout_mask=keep)
     ref_grads = torch.autograd.grad((ref_o * do.double()).sum(), leaves)
     try:
         with launch.capture_launches(90) as cap:

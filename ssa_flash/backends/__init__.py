@@ -24,10 +24,11 @@ too, ``prepare(q, k, v, mask, params, sinks, spec)``: a ``spec.PreparedCall`` th
 the same specialisation run instead (Triton: ``ssa_flash/triton/prepared.py``; CUDA C++:
 ``cuda_backend.PreparedCall``).
 
-``backend="reference"`` in the public functions runs ``ssa_flash.reference`` under ordinary
-autograd instead of the custom ops: it stays the specification (differentiable to any order, no
-op machinery between it and the tests that hold the kernels to it). ``backends.reference_backend`` is the
-same computation in the backend interface, for the ops and direct callers.
+``backend="reference"`` in the public functions runs ``backends.reference_backend`` through the
+custom ops like the other backends (as do degenerate inputs, where kernels launch nothing): the
+specification's rows with an explicit backward in the accumulation dtype. The specification
+itself, ``ssa_flash.reference``, is no backend: plain PyTorch under ordinary autograd, which the
+tests hold every backend to.
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ Packed batches and KV caches (``spec.packed``, ``spec.kv_cache``) run the dense 
 each sequence in turn (lengths read on the host).
 
 This is the form of the reference that the custom ops can call (an op's implementation runs with
-autograd off, so a backend cannot differentiate a recomputed forward): it lets the op layer (the
-adaptive-temperature host step, LSE gradients, empty rows) and callers of the backend interface be
-tested without kernels. ``backend="reference"`` in the public functions does *not* come here: it
-runs ``ssa_flash.reference`` under ordinary autograd (see ``ssa_flash.backends``).
+autograd off, so a backend cannot differentiate a recomputed forward): ``backend="reference"`` in
+the public functions and every degenerate call (no query rows, keys or head dim, where kernels
+launch nothing) run here through the custom ops like any other backend, so the op layer (the
+adaptive-temperature host step, LSE gradients, empty rows, a learned mask's gradient) is tested
+without kernels. ``ssa_flash.reference`` under autograd stays the specification it is held to.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from .. import scores
 from ..spec import AttentionSpec, TemperatureState, acc_dtype
 
 __all__ = ["NAME", "unavailable_reason", "supports", "row_entropy", "forward", "backward", "row_dbeta",
-           "backward_given_g"]
+           "backward_given_g", "dropout_mask"]
 
 NAME = "reference"
 
@@ -119,35 +120,42 @@ def _group_sum(x, group: int):
 # Packed batches and KV caches: the dense computation on each sequence, one at a time
 
 
-def _dense(spec: AttentionSpec, causal: bool) -> AttentionSpec:
+def _dense(spec: AttentionSpec, causal: bool, sequence: int = 0) -> AttentionSpec:
+    """The dense spec of one sequence. Dropout: sequence ``s`` of a packed batch is batch element
+    ``s`` of the dense rule, i.e. its Philox counter's batch word is ``s + offset``: the offset
+    moved by ``s`` makes it element 0 of its own call."""
+    rng = spec.dropout_rng
+    if rng is not None and sequence:
+        rng = rng + torch.tensor([0, sequence], dtype=rng.dtype, device=rng.device)
     return dataclasses.replace(spec, causal=causal, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                               max_seqlen_k=0, seqused_k=None, k_start=None, num_splits=0)
+                               max_seqlen_k=0, seqused_k=None, k_start=None, num_splits=0, dropout_rng=rng)
 
 
 def _pieces(q, k, spec: AttentionSpec):
     """Per sequence ``(rows, q_s, k_slice, mask, dense_spec)``: ``rows`` selects its query rows in
     the outputs (packed: ``(slice over tokens, None)``; KV cache: ``(None, batch index)``), ``q_s``
     is ``(1, Hq, Lq_s, D)``, ``k_slice`` selects its keys, ``mask`` is None or the bottom-right
-    causal mask of a KV cache. Reads the lengths on the host (a reference, not a kernel)."""
+    causal / window mask of a KV cache. Reads the lengths on the host (a reference, not a kernel)."""
     out = []
     if spec.packed:
         cq, ck = spec.cu_seqlens_q.tolist(), spec.cu_seqlens_k.tolist()
         for s in range(len(cq) - 1):
             if cq[s + 1] > cq[s]:
                 out.append(((slice(cq[s], cq[s + 1]), None), q[cq[s]:cq[s + 1]].transpose(0, 1).unsqueeze(0),
-                            slice(ck[s], ck[s + 1]), None, _dense(spec, spec.causal)))
+                            slice(ck[s], ck[s + 1]), None, _dense(spec, spec.causal, s)))
         return out
     used = spec.seqused_k.tolist()
     starts = spec.k_start.tolist() if spec.k_start is not None else [0] * len(used)
     Lq, Lk = q.shape[2], k.shape[2]
+    dense = dataclasses.replace(_dense(spec, False), window_left=-1, window_right=-1)
     for i, (u, st) in enumerate(zip(used, starts)):
         end = min(max(u, 0), Lk)
         start = min(max(st, 0), end)
         mask = None
-        if spec.causal:  # bottom-right: query r is at key position (end - start) - Lq + r
-            mask = (torch.arange(end - start, device=q.device)[None, :]
-                    <= torch.arange(Lq, device=q.device)[:, None] + (end - start - Lq))
-        out.append(((None, i), q[i:i + 1], slice(start, end), mask, _dense(spec, False)))
+        if spec.causal or spec.window:  # bottom-right, the window too
+            mask = spec_code._bottom_right_band(Lq, end - start, spec.causal, (spec.window_left, spec.window_right),
+                                                q.device)
+        out.append(((None, i), q[i:i + 1], slice(start, end), mask, dense))
     return out
 
 
@@ -263,13 +271,22 @@ def _backward_packed(dout, q, k, v, out, lse, dlse, params, sinks, temp, spec: A
 
 def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[TemperatureState],
              spec: AttentionSpec, mask_grad_shape=None):
-    if mask_grad_shape is not None:  # (the reference's learned mask goes through autograd of the spec)
-        raise ValueError("ssa_flash: the reference backend does not compute a learned attn_mask's gradient in its backward")
     if spec.kv_cache:
         raise NotImplementedError("ssa_flash: the KV-cache layout (decoding) is forward only")
     if spec.packed:
+        if mask_grad_shape is not None:
+            raise ValueError("ssa_flash: a packed batch takes no attn_mask, so no mask gradient")
         return _backward_packed(dout, q, k, v, out, lse, dlse, params, sinks, temp, spec)
-    return _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec)
+    return _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec,
+                     mask_grad_shape=mask_grad_shape)
+
+
+def dropout_mask(rng, shape, dropout_p: float) -> Tensor:
+    """The kernels' dropout keep-mask ``(B, H, Lq, Lk)`` (bool) for the ``(seed, offset)`` tensor
+    ``rng``: the specification's Philox (``ssa_flash.reference.dropout_keep_mask``), as
+    ``triton_backend.dropout_mask`` (not part of :class:`~ssa_flash.spec.Backend`)."""
+    seed, offset = rng.tolist()
+    return spec_code.dropout_keep_mask(seed, offset, shape, dropout_p, rng.device)
 
 
 # spec.KeyShardTemperature: the adaptive temperature's backward over a shard of the keys (no
@@ -294,7 +311,14 @@ def _score_vjp(dl, zc, params, spec: AttentionSpec) -> Tuple[Tensor, Tuple[Tenso
     return dl * dphi_dz, tuple((dl * d).sum(dim=(0, 2, 3)) for d in dphi_dparams)
 
 
-def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=None, dbeta_only=False):
+def _sum_to(x: Tensor, shape) -> Tensor:
+    """``x (B, Hq, Lq, Lk)`` summed over the dims where ``shape`` (4-D) broadcasts (has a 1)."""
+    dims = [i for i, (n, m) in enumerate(zip(shape, x.shape)) if n == 1 and m != 1]
+    return x.sum(dim=dims, keepdim=True) if dims else x
+
+
+def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=None, dbeta_only=False,
+              mask_grad_shape=None):
     z, l, allowed = _rows(q, k, mask, params, sinks, spec)
     acc = z.dtype
     lk = z.shape[-1]  # keys; l, allowed have one more column (the sink) with sinks
@@ -350,4 +374,6 @@ def _backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp, spec, g=
     kr = ka.repeat_interleave(spec.group, dim=1) if spec.group > 1 else ka
     dq = spec.scale * (dz @ kr)
     dk = _group_sum(spec.scale * (dz.transpose(-2, -1) @ q.to(acc)), spec.group)
+    if mask_grad_shape is not None:  # l = phi(z) + mask: a learned mask's gradient is dl
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams, dsinks, _sum_to(dl, mask_grad_shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams, dsinks

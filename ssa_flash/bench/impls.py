@@ -19,7 +19,8 @@ Implementations (``impl``):
   cuDNN) are the baselines users would pick instead; the runner measures them with ours.
 * ``flex``: ``torch.compile``d FlexAttention computing SSA with a ``score_mod`` that reads per-head
   ``b``, ``n`` tensors requiring grad (a block mask for causality).
-* ``reference``: ``ssa_flash.reference``, the naive spec (every score materialised).
+* ``reference``: ``backend="reference"``, the specification with its explicit backward
+  (``ssa_flash.backends.reference_backend``: every score materialised, accumulated in float32).
 
 One more operation outside the variants, :data:`LEARNED_BIAS_OP` (the runner's ``learned_bias``
 phase, GPU only): softmax with a learned additive ``(H, L, L)`` bias that requires grad (T5 / Swin

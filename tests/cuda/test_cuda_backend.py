@@ -217,11 +217,13 @@ def test_entropy(dtype, ssa):
     q, k, _ = make_qkv(B=2, Hq=4, Hkv=2, Lq=150, Lk=170, D=64, dtype=dtype, requires_grad=False)
     b, n = (t.detach() for t in head_params(4, device=q.device)) if ssa else (None, None)
     mask = (torch.rand(1, 1, 150, 170) > 0.2).to(q.device)
+    score = "ssa" if ssa else "softmax"
     ours = ssa_flash.attention_entropy(q, k, mask, is_causal=True, enable_gqa=True,
-                                       score="ssa", score_params={"b": b, "n": n}, backend="cuda")
-    gold = reference.attention_entropy(q.double(), k.double(), mask, True, None, True,
-                                       b=None if b is None else b.double(), n=None if n is None else n.double())
-    naive = reference.attention_entropy(q, k, mask, True, None, True, b=b, n=n)
+                                       score=score, score_params=(b, n) if ssa else None, backend="cuda")
+    gold = reference.attention_entropy(q.double(), k.double(), mask, True, None, True, score=score,
+                                       score_params=(b.double(), n.double()) if ssa else None)
+    naive = reference.attention_entropy(q, k, mask, True, None, True, score=score,
+                                        score_params=(b, n) if ssa else None)
     assert ours.dtype == torch.float32 and ours.shape == (2, 4, 150)
     fa_tolerance_check("entropy", ours, naive, gold, FLOORS[dtype])
 

@@ -160,10 +160,13 @@ def test_cuda_matrix(request, d, dt, bundle, mode):
         with runs_on():
             ours = ssa_flash.attention_entropy(q, k, backend="cuda", **kw,
                                                **(dict(score="ssa", score_params=bn) if bn else {}))
-        naive = reference.attention_entropy(q, k, **kw, **bn)
+        score = dict(score="ssa", score_params=bn) if bn else {}
+        naive = reference.attention_entropy(q, k, **kw, **score)
         gold_kw = {key: (val.double() if torch.is_tensor(val) and val.is_floating_point() else val)
-                   for key, val in {**kw, **bn}.items()}
-        gold = reference.attention_entropy(q.double(), k.double(), **gold_kw)
+                   for key, val in kw.items()}
+        gold_bn = {key: val.double() for key, val in bn.items()}
+        gold = reference.attention_entropy(q.double(), k.double(), **gold_kw,
+                                           **(dict(score="ssa", score_params=gold_bn) if bn else {}))
         assert ours.dtype == torch.float32 and ours.shape == q.shape[:-1]
         fa_tolerance_check("entropy", ours, naive, gold, FLOORS[dtype])
         return

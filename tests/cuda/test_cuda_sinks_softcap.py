@@ -172,8 +172,9 @@ def test_entropy_counts_the_sink(runs_on):
         with runs_on():
             ours = ssa_flash.attention_entropy(q, k, score="ssa", score_params={"b": 0.8, "n": 1.5}, sinks=s,
                                                softcap=cap, backend="cuda")
-        gold = reference.attention_entropy(q.double(), k.double(), b=0.8, n=1.5, sinks=s.double(), softcap=cap)
-        naive = reference.attention_entropy(q, k, b=0.8, n=1.5, sinks=s, softcap=cap)
+        gold = reference.attention_entropy(q.double(), k.double(), score="ssa", score_params=(0.8, 1.5),
+                                           sinks=s.double(), softcap=cap)
+        naive = reference.attention_entropy(q, k, score="ssa", score_params=(0.8, 1.5), sinks=s, softcap=cap)
         err, naive_err = (ours.double() - gold).abs().max(), (naive.double() - gold).abs().max()
         assert err <= 2 * naive_err + 2e-3, (cap, err, naive_err)
 

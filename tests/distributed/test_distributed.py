@@ -54,13 +54,15 @@ def _case(mode, causal, world, hkv, chunk=5, Hq=2, D=8, seed=0):
     rq, rk, rv, rb, rn = leaves
     kw = dict(is_causal=causal, enable_gqa=hkv != Hq)
     if mode == "softmax":
-        out = reference.softmax_attention(rq, rk, rv, **kw)
+        out = reference.attention(rq, rk, rv, **kw)
     elif mode == "adaptive":
-        out = reference.adaptive_temperature_attention(rq, rk, rv, **kw)
+        out = reference.attention(rq, rk, rv, **kw, adaptive_temperature=True)
     else:
-        out = reference.ssa_attention(rq, rk, rv, b=rb, n=rn, adaptive_temperature=mode == "ssa_adaptive", **kw)
+        out = reference.attention(rq, rk, rv, score="ssa", score_params=(rb, rn),
+                                  adaptive_temperature=mode == "ssa_adaptive", **kw)
     if "adaptive" in mode:  # the temperature must be active on some rows
-        ent = reference.attention_entropy(rq, rk, **kw, **({"b": rb, "n": rn} if "ssa" in mode else {}))
+        ent = reference.attention_entropy(rq, rk, **kw, **({"score": "ssa", "score_params": (rb, rn)} if "ssa" in mode
+                                                           else {}))
         assert (ent > 1.0).any()
     (out * dout).sum().backward()
     grads = [t.grad for t in leaves]

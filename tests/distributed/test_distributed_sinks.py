@@ -44,12 +44,12 @@ def _check(rank, world, mode, causal):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, b, n, sinks)]
     rq, rk, rv, rb, rn, rs = leaves
     if mode == "softmax":
-        ref = reference.softmax_attention(rq, rk, rv, sinks=rs, **kw)
+        ref = reference.attention(rq, rk, rv, sinks=rs, **kw)
     elif mode == "adaptive":
-        ref = reference.adaptive_temperature_attention(rq, rk, rv, sinks=rs, threshold=0.2, **kw)
+        ref = reference.attention(rq, rk, rv, sinks=rs, threshold=0.2, **kw, adaptive_temperature=True)
     else:
-        ref = reference.ssa_attention(rq, rk, rv, b=rb, n=rn, sinks=rs, adaptive_temperature=adaptive,
-                                      threshold=0.2, **kw)
+        ref = reference.attention(rq, rk, rv, score="ssa", score_params=(rb, rn), sinks=rs,
+                                  adaptive_temperature=adaptive, threshold=0.2, **kw)
     (ref * dout).sum().backward()
 
     shard = lambda t: sfd.shard_sequence(t, None, 2, causal)  # noqa: E731
@@ -91,8 +91,8 @@ def _module_check(rank, world):
     out = attn(shard(q), shard(k), shard(v))
     (out * shard(dout)).sum().backward()
     rs = attn.sinks.detach().clone().requires_grad_()
-    ref = reference.ssa_attention(q, k, v, is_causal=True, b=attn.b.detach(), n=attn.n.detach(), sinks=rs,
-                                  softcap=SOFTCAP)
+    ref = reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(attn.b.detach(), attn.n.detach()),
+                              sinks=rs, softcap=SOFTCAP)
     (ref * dout).sum().backward()
     _close(f"rank {rank}: module out", out, shard(ref))
     _close(f"rank {rank}: module dsinks", attn.sinks.grad, rs.grad, 10 * TOL)

@@ -265,7 +265,8 @@ def test_entropy(backend, request):
     with kernels():
         ours = ssa_flash.attention_entropy(q, k, mask,
                                            score="ssa", score_params={"b": b, "n": n}, backend=backend, **kw)
-    gold = reference.attention_entropy(q.double(), k.double(), mask, b=b.double(), n=n.double(), **kw)
-    naive = reference.attention_entropy(q, k, mask, b=b, n=n, **kw)
+    gold = reference.attention_entropy(q.double(), k.double(), mask, score="ssa",
+                                       score_params=(b.double(), n.double()), **kw)
+    naive = reference.attention_entropy(q, k, mask, score="ssa", score_params=(b, n), **kw)
     assert ours.dtype == torch.float32 and ours.shape == (B, Hq, Lq)
     fa_tolerance_check("entropy", ours, naive, gold, FLOORS[dtype])

@@ -49,8 +49,8 @@ def reference_attention(calls):
         if attention_mask is not None:  # older transformers pass masks longer than the keys
             attention_mask = attention_mask[..., : key.shape[2]]
         causal = attention_mask is None and query.shape[2] > 1
-        out = reference.ssa_attention(query, key, value, attention_mask, is_causal=causal, scale=scaling,
-                                      enable_gqa=True, b=module.ssa.b, n=module.ssa.n)
+        out = reference.attention(query, key, value, attention_mask, is_causal=causal, scale=scaling,
+                                  enable_gqa=True, score="ssa", score_params=(module.ssa.b, module.ssa.n))
         return out.transpose(1, 2).contiguous(), None
 
     ssa_hf.AttentionInterface.register(ssa_hf.ATTN_IMPLEMENTATION, fn)

@@ -44,7 +44,7 @@ def test_module_matches_reference(case):
         ref_kw["dropout_mask"] = ssa_flash.dropout_mask((1, Hq, 13, 21), 0.3, device=DEVICE)
         torch.manual_seed(0)
     out = attn(q, k, v, **kw)
-    ref = reference.ssa_attention(q, k, v, b=attn.b, n=attn.n, **ref_kw)
+    ref = reference.attention(q, k, v, score="ssa", score_params=(attn.b, attn.n), **ref_kw)
     torch.testing.assert_close(out, ref, **TOL)
 
     dout = torch.randn(out.shape, generator=g, dtype=DTYPE).to(DEVICE)
@@ -104,7 +104,8 @@ def test_frozen_module_forward_matches_reference():
     attn = SSAttention(2, b_init=0.5, n_init=2.0, learnable=False, backend="triton", device=DEVICE,
                        dtype=DTYPE)
     out = attn(q, k, v, is_causal=True)
-    torch.testing.assert_close(out, reference.ssa_attention(q, k, v, is_causal=True, b=0.5, n=2.0), **TOL)
+    torch.testing.assert_close(out, reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(0.5, 2.0)),
+                               **TOL)
 
 
 def test_reset_parameters():

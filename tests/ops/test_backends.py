@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ssa_flash
-from ssa_flash import autograd, scores, backends, errors, reference
+from ssa_flash import autograd, backends, errors, reference
 from ssa_flash.backends import cuda_backend
 from ssa_flash.spec import AttentionSpec, Backend
 
@@ -125,8 +125,8 @@ def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
     adaptive = "adaptive" in mode
     spec = AttentionSpec(scale=q.shape[-1] ** -0.5, score=_score(b), causal=True, group=2, adaptive=adaptive)
     out, lse = autograd.attention(q, k, v, _params(b, n), full, "reference", spec)
-    ref_out, ref_lse = reference._attend(q, k, v, full, 0.0, True, None, True, True, score=scores.get(_score(b)),
-                                         params=_params(b, n), adaptive=adaptive)
+    ref_out, ref_lse = reference.attention(q, k, v, full, 0.0, True, None, True, score=_score(b),
+                                           score_params=_params(b, n), adaptive_temperature=adaptive, return_lse=True)
     torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=1e-12)
     g = torch.Generator().manual_seed(3)
@@ -143,7 +143,8 @@ def test_reference_backend_matches_autograd_of_the_spec(mode, mask_kind):
         torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-10, msg=lambda m: f"d{name}: {m}")
     ent = autograd.row_entropy(q.detach(), k.detach(), _params(b, n), full, "reference", spec)
     torch.testing.assert_close(ent, reference.attention_entropy(q.detach(), k.detach(), full, True, None, True,
-                                                                b=b, n=n), atol=1e-12, rtol=1e-12)
+                                                                score=_score(b), score_params=_params(b, n)),
+                               atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -164,8 +165,8 @@ def test_reference_backend_low_precision_accumulates_in_float32():
     spec = AttentionSpec(scale=0.4, score="ssa", group=2)
     out, lse = autograd.attention(q, k, v, (b, n), None, "reference", spec)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
-    gold = reference.ssa_attention(*(t.detach().double() for t in (q, k, v)), scale=0.4, enable_gqa=True,
-                                   b=b.detach().double(), n=n.detach().double())
+    gold = reference.attention(*(t.detach().double() for t in (q, k, v)), scale=0.4, enable_gqa=True,
+                               score="ssa", score_params=(b.detach().double(), n.detach().double()))
     assert (out.double() - gold).abs().max() < 2e-3
 
 
@@ -351,8 +352,9 @@ def test_emulated_cuda_entropy(emulator):
         with cuda_backend.emulated(emulator):
             ours = ssa_flash.attention_entropy(q, k, enable_gqa=True,
                                                score="ssa", score_params={"b": b, "n": n}, backend="cuda", **kw)
-        gold = reference.attention_entropy(q.double(), k.double(), enable_gqa=True, b=b.double(), n=n.double(), **kw)
-        naive = reference.attention_entropy(q, k, enable_gqa=True, b=b, n=n, **kw)
+        gold = reference.attention_entropy(q.double(), k.double(), enable_gqa=True, score="ssa",
+                                           score_params=(b.double(), n.double()), **kw)
+        naive = reference.attention_entropy(q, k, enable_gqa=True, score="ssa", score_params=(b, n), **kw)
         assert ours.dtype == torch.float32 and ours.shape == gold.shape
         fa_tolerance_check("entropy", ours, naive, gold, FLOORS[torch.float16])
 
@@ -385,7 +387,7 @@ def test_former_entry_point_runs_through_the_ops(emulator, monkeypatch):
     grads = torch.autograd.grad(out.float().sum(), (q, k, v, b, n))
     assert seen == [emulator]
     assert cuda_backend.active_emulator() is None
-    ref = reference.ssa_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True,
-                                  b=b.double(), n=n.double(), adaptive_temperature=True)
+    ref = reference.attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True,
+                              score="ssa", score_params=(b.double(), n.double()), adaptive_temperature=True)
     assert (out.double() - ref).abs().max() < 1e-2
     assert all(torch.isfinite(g).all() for g in grads)

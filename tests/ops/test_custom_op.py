@@ -195,7 +195,7 @@ def test_mask_reaches_kernel_as_stride0_view(count_launches):
     out.sum().backward()
     assert count_launches["forward"] == 1 and count_launches["backward"] == 1
     assert count_launches["masks"][0][:2] == (0, 0), "the mask was materialised before the kernel"
-    ref = ssa_flash.reference.ssa_attention(q, k, v, mask, b=b, n=n)
+    ref = ssa_flash.reference.attention(q, k, v, mask, score="ssa", score_params=(b, n))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -211,8 +211,8 @@ def test_lse_only_gradient(on_backend):
         _, lse = ssa_autograd.attention(q, k, v, (b, n), None, backend, spec)
         ours = torch.autograd.grad(lse.sum(), (q, k, b, n))
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, b, n)]
-    _, lse_ref = ssa_flash.reference.ssa_attention(*leaves[:3], is_causal=True, b=leaves[3], n=leaves[4],
-                                                   return_lse=True)
+    _, lse_ref = ssa_flash.reference.attention(*leaves[:3], is_causal=True, score="ssa",
+                                               score_params=(leaves[3], leaves[4]), return_lse=True)
     ref = torch.autograd.grad(lse_ref.sum(), leaves[:2] + leaves[3:])
     tol = 1e-9 if dtype == torch.float64 else 2e-2
     for a, e in zip(ours, ref):

@@ -59,12 +59,12 @@ def explicit_reference(mode, q, k_cache, v_cache, lengths, starts, causal, b, n,
             mask = band if mask is None else mask & band
         kw = dict(return_lse=True, enable_gqa=True)
         if mode == "softmax":
-            o, lse = reference.softmax_attention(q[i:i + 1], k, v, mask, **kw)
+            o, lse = reference.attention(q[i:i + 1], k, v, mask, **kw)
         elif mode == "adaptive":
-            o, lse = reference.adaptive_temperature_attention(q[i:i + 1], k, v, mask, **kw)
+            o, lse = reference.attention(q[i:i + 1], k, v, mask, **kw, adaptive_temperature=True)
         else:
-            o, lse = reference.ssa_attention(q[i:i + 1], k, v, mask, b=b, n=n,
-                                             adaptive_temperature=mode == "ssa_adaptive", **kw)
+            o, lse = reference.attention(q[i:i + 1], k, v, mask, score="ssa", score_params=(b, n),
+                                         adaptive_temperature=mode == "ssa_adaptive", **kw)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

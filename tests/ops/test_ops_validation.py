@@ -153,7 +153,8 @@ def test_auto_backend_on_cpu():
     assert backends[-1] == "reference"
     q, k, v = (t.cpu() for t in qkv())
     out = ssa_flash.ssa_attention(q, k, v)  # runs whichever CPU backend is available
-    torch.testing.assert_close(out, ssa_flash.reference.ssa_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ssa_flash.reference.attention(q, k, v, score="ssa", score_params=(1.0, 1.5)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_validation_does_not_synchronise():
@@ -355,7 +356,7 @@ def test_degenerate_inputs_go_through_the_reference_backend(monkeypatch):
     attention, row_entropy = autograd.attention, autograd.row_entropy
     monkeypatch.setattr(autograd, "attention", lambda *a, **kw: seen.append(a[5]) or attention(*a, **kw))
     monkeypatch.setattr(autograd, "row_entropy", lambda *a, **kw: seen.append(a[4]) or row_entropy(*a, **kw))
-    for name in ("_attend", "varlen_attention", "attention_with_kvcache", "attention_entropy"):
+    for name in ("attention", "varlen_attention", "attention_with_kvcache", "attention_entropy"):
         monkeypatch.setattr(reference, name, None)  # a call would raise TypeError
     q = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 0, 8, dtype=torch.float64, requires_grad=True)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import ssa_flash
-from ssa_flash import scores
 from ssa_flash import autograd as ssa_autograd
 from ssa_flash import reference
 from ssa_flash.backends import cuda_backend, get, reference_backend, triton_backend
@@ -20,7 +19,7 @@ from ssa_flash.distributed import partial as P
 from ssa_flash.nn import SSAttention
 from ssa_flash.temperature import beta_from_entropy
 
-from attn_testing import INTERPRETER, MODES, fake
+from attn_testing import INTERPRETER, MODES, call, fake
 
 F64 = torch.float64
 
@@ -41,10 +40,10 @@ def _heads(Hq, seed=1):
     return b, n, s
 
 
-def _reference_fn(mode):
-    return {"softmax": reference.softmax_attention, "ssa": reference.ssa_attention,
-            "adaptive": reference.adaptive_temperature_attention,
-            "ssa_adaptive": reference.ssa_attention}[mode]
+def _public_fn(mode):
+    return {"softmax": ssa_flash.softmax_attention, "ssa": ssa_flash.ssa_attention,
+            "adaptive": ssa_flash.adaptive_temperature_attention,
+            "ssa_adaptive": ssa_flash.ssa_attention}[mode]
 
 
 def _mode_kw(mode, b, n):
@@ -103,10 +102,11 @@ def test_ops_gradcheck_reference_backend(mode, layout):
     if layout != "packed":  # the specification, under ordinary autograd
         out, lse = fn(q, k, v, b, n, s)
         window = (spec.window_left, spec.window_right)
-        ref_out, ref_lse = reference._attend(q, k, v, mask, 0.0, spec.causal, spec.scale, True, True,
-                                             score=scores.SSA if ssa else scores.SOFTMAX,
-                                             params=(b, n) if ssa else (), adaptive=adaptive,
-                                             threshold=threshold, window_size=window, sinks=s, softcap=1.3)
+        ref_out, ref_lse = reference.attention(q, k, v, mask, 0.0, spec.causal, spec.scale, True,
+                                               score="ssa" if ssa else "softmax",
+                                               score_params=(b, n) if ssa else None, adaptive_temperature=adaptive,
+                                               threshold=threshold, window_size=window, sinks=s, softcap=1.3,
+                                               return_lse=True)
         torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse, torch.where(torch.isfinite(ref_lse), ref_lse, torch.zeros_like(ref_lse)))
         if layout == "dense_mask_window":
@@ -138,11 +138,10 @@ def test_public_functions_match_the_specification(mode):
     q, k, v = _qkv(B=2)
     b, n, s = _heads(4)
     kw = dict(is_causal=True, enable_gqa=True, sinks=s, softcap=2.0, return_lse=True)
-    fn = getattr(ssa_flash, _reference_fn(mode).__name__)
-    out, lse = fn(q, k, v, **kw, **_mode_kw(mode, b, n))
+    out, lse = _public_fn(mode)(q, k, v, **kw, **_mode_kw(mode, b, n))
     leaves = (q, k, v, b, n, s) if "ssa" in mode else (q, k, v, s)
     grads = torch.autograd.grad((out.square().sum() + lse.sum()), leaves)
-    ref_out, ref_lse = _reference_fn(mode)(q, k, v, **kw, **_mode_kw(mode, b, n))
+    ref_out, ref_lse = call(reference, mode, q, k, v, b, n, **kw)
     ref_grads = torch.autograd.grad((ref_out.square().sum() + ref_lse.sum()), leaves)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
@@ -153,11 +152,12 @@ def test_public_functions_match_the_specification(mode):
 def test_sinks_as_a_number_and_entropy():
     q, k, v = _qkv()
     out = ssa_flash.softmax_attention(q, k, v, enable_gqa=True, sinks=0.5)
-    ref = reference.softmax_attention(q, k, v, enable_gqa=True, sinks=torch.full((4,), 0.5, dtype=F64))
+    ref = reference.attention(q, k, v, enable_gqa=True, sinks=torch.full((4,), 0.5, dtype=F64))
     torch.testing.assert_close(out, ref)
     ent = ssa_flash.attention_entropy(q, k, enable_gqa=True,
                                       score="ssa", score_params={"b": 0.7, "n": 1.4}, sinks=0.5, softcap=1.0)
-    ref = reference.attention_entropy(q, k, enable_gqa=True, b=0.7, n=1.4, sinks=0.5, softcap=1.0)
+    ref = reference.attention_entropy(q, k, enable_gqa=True, score="ssa", score_params=(0.7, 1.4), sinks=0.5,
+                                      softcap=1.0)
     torch.testing.assert_close(ent, ref)
     assert not torch.allclose(ent, ssa_flash.attention_entropy(q, k, enable_gqa=True,
                                                                score="ssa", score_params={"b": 0.7, "n": 1.4}))
@@ -265,8 +265,8 @@ def test_auto_runs_sinks_and_softcap_on_the_triton_kernels(monkeypatch):
                         or attention(*a, **kw))
     for backend in ("auto", "triton"):
         out = ssa_flash.ssa_attention(q, k, v, sinks=0.5, softcap=3.0, backend=backend)
-        torch.testing.assert_close(out, reference.ssa_attention(q, k, v, sinks=0.5, softcap=3.0),
-                                   rtol=1e-5, atol=1e-5)
+        want = reference.attention(q, k, v, sinks=0.5, softcap=3.0, score="ssa", score_params=(1.0, 1.5))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert len(launches) == 2 and op_calls == [("triton", True, 3.0)] * 2
     ssa_flash.ssa_attention(q, k, v)
     assert op_calls[-1] == ("triton", False, 0.0)
@@ -290,7 +290,8 @@ def test_ssattention_learnable_sinks_and_softcap():
     assert isinstance(attn.sinks, torch.nn.Parameter) and attn.softcap == 2.5
     q, k, v = _qkv(Hq=4, Hkv=4)
     out = attn(q, k, v, is_causal=True)
-    ref = reference.ssa_attention(q, k, v, is_causal=True, b=attn.b, n=attn.n, sinks=attn.sinks, softcap=2.5)
+    ref = reference.attention(q, k, v, is_causal=True, score="ssa", score_params=(attn.b, attn.n), sinks=attn.sinks,
+                              softcap=2.5)
     torch.testing.assert_close(out, ref)
     out.square().sum().backward()
     assert attn.sinks.grad is not None and (attn.sinks.grad != 0).all()

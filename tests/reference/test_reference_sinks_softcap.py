@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from ssa_flash import reference
+from ssa_flash import reference, scores
 from ssa_flash.temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
 D64 = torch.float64
@@ -23,10 +23,11 @@ MODES = ["softmax", "ssa", "adaptive", "ssa_adaptive"]
 
 def _call(mode, q, k, v, b=None, n=None, **kw):
     if mode == "softmax":
-        return reference.softmax_attention(q, k, v, **kw)
+        return reference.attention(q, k, v, **kw)
     if mode == "adaptive":
-        return reference.adaptive_temperature_attention(q, k, v, **kw)
-    return reference.ssa_attention(q, k, v, b=b, n=n, adaptive_temperature=(mode == "ssa_adaptive"), **kw)
+        return reference.attention(q, k, v, **kw, adaptive_temperature=True)
+    return reference.attention(q, k, v, score="ssa", score_params=(b, n), adaptive_temperature=(mode == "ssa_adaptive"),
+                               **kw)
 
 
 def _inputs(B=2, Hq=2, Hkv=2, Lq=5, Lk=6, D=4, q_scale=1.0, seed=0):
@@ -171,8 +172,8 @@ def test_against_the_power_form(mode, softcap):
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
     ssa = "ssa" in mode
-    h = reference.attention_entropy(q, k, is_causal=True, b=b if ssa else None, n=n if ssa else None,
-                                    sinks=s, softcap=softcap)
+    h = reference.attention_entropy(q, k, is_causal=True, score="ssa" if ssa else "softmax",
+                                    score_params=(b, n) if ssa else None, sinks=s, softcap=softcap)
     torch.testing.assert_close(h, want_h)
     if "adaptive" in mode:  # the inputs do exercise the temperature on both sides of the threshold
         assert (want_h > DEFAULT_THRESHOLD).any() and (want_h <= DEFAULT_THRESHOLD).any()
@@ -218,7 +219,7 @@ def _dsink_formula(mode, q, k, v, b, n, s, out, lse, dout, dlse, scale):
         p_sink = torch.exp(sh - lse)
         return -(p_sink * delta).sum(dim=(0, 2))
     z = scale * q @ k.transpose(-1, -2)
-    l = reference.ssa_logits(z, b.view(1, Hq, 1, 1), n.view(1, Hq, 1, 1)) if "ssa" in mode else z
+    l = scores.ssa_logits(z, b.view(1, Hq, 1, 1), n.view(1, Hq, 1, 1)) if "ssa" in mode else z
     l_ext = torch.cat([l, sh.unsqueeze(-1).expand(*l.shape[:-1], 1)], dim=-1)
     logp = l_ext - torch.logsumexp(l_ext, dim=-1, keepdim=True)  # the temperature-free row P
     p = logp.exp()
@@ -254,8 +255,9 @@ def test_sink_gradient_formula(mode):
         got = _dsink_formula(mode, q, k, v, b, n, s, out, lse, dout, dlse, 0.5)
     torch.testing.assert_close(got, want)
     if "adaptive" in mode:  # the entropy path is exercised: some rows have an active temperature
-        h = reference.attention_entropy(q, k, scale=0.5, b=b if "ssa" in mode else None,
-                                        n=n if "ssa" in mode else None, sinks=s)
+        ssa = "ssa" in mode
+        h = reference.attention_entropy(q, k, scale=0.5, score="ssa" if ssa else "softmax",
+                                        score_params=(b, n) if ssa else None, sinks=s)
         assert ((h > DEFAULT_THRESHOLD) & (_poly(h) > 1)).any()
 
 
@@ -312,13 +314,14 @@ def test_minus_inf_sink_is_no_sink(mode):
 
 def test_float_sink_is_a_per_head_constant():
     q, k, v, b, n, _ = _inputs()
-    a = reference.ssa_attention(q, k, v, b=b, n=n, sinks=0.7, return_lse=True)
-    c = reference.ssa_attention(q, k, v, b=b, n=n, sinks=torch.full((2,), 0.7, dtype=D64), return_lse=True)
+    a = reference.attention(q, k, v, score="ssa", score_params=(b, n), sinks=0.7, return_lse=True)
+    c = reference.attention(q, k, v, score="ssa", score_params=(b, n), sinks=torch.full((2,), 0.7, dtype=D64),
+                            return_lse=True)
     torch.testing.assert_close(a, c, rtol=0, atol=0)
     # the weights of a row sum to 1 - P_sink < 1: with v = I the output is the weight matrix
     eye = torch.eye(6, dtype=D64).expand(2, 2, 6, 6)
-    w = reference.softmax_attention(q, k, eye, sinks=0.7)
-    lse = reference.softmax_attention(q, k, eye, sinks=0.7, return_lse=True)[1]
+    w = reference.attention(q, k, eye, sinks=0.7)
+    lse = reference.attention(q, k, eye, sinks=0.7, return_lse=True)[1]
     torch.testing.assert_close(w.sum(-1), 1 - torch.exp(0.7 - lse))
 
 
@@ -328,9 +331,9 @@ def test_sink_not_subject_to_dropout():
     q, k, v, b, n, s = _inputs()
     eye = torch.eye(6, dtype=D64).expand(2, 2, 6, 6)
     keep = torch.rand(2, 2, 5, 6, generator=torch.Generator().manual_seed(9)) > 0.3
-    w, lse = reference.ssa_attention(q, k, eye, b=b, n=n, sinks=s, return_lse=True)
-    wd, lsed = reference.ssa_attention(q, k, eye, b=b, n=n, sinks=s, return_lse=True, dropout_p=0.3,
-                                       dropout_mask=keep)
+    w, lse = reference.attention(q, k, eye, score="ssa", score_params=(b, n), sinks=s, return_lse=True)
+    wd, lsed = reference.attention(q, k, eye, score="ssa", score_params=(b, n), sinks=s, return_lse=True, dropout_p=0.3,
+                                   dropout_mask=keep)
     torch.testing.assert_close(wd, torch.where(keep, w / 0.7, 0.0))
     torch.testing.assert_close(lsed, lse)
 
@@ -338,11 +341,11 @@ def test_sink_not_subject_to_dropout():
 def test_bad_softcap_and_sinks():
     q, k, v, b, n, _ = _inputs()
     with pytest.raises(ValueError, match="softcap"):
-        reference.softmax_attention(q, k, v, softcap=-1.0)
+        reference.attention(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="softcap"):
         reference.attention_entropy(q, k, softcap=float("nan"))
     with pytest.raises(ValueError, match="sinks"):
-        reference.softmax_attention(q, k, v, sinks=torch.zeros(3, dtype=D64))
+        reference.attention(q, k, v, sinks=torch.zeros(3, dtype=D64))
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -359,9 +362,8 @@ def test_varlen_sinks_per_sequence(adaptive):
     b = torch.tensor([0.8, 1.3], dtype=D64)
     n = torch.tensor([1.5, 2.0], dtype=D64)
     s = torch.tensor([0.4, -0.9], dtype=D64, requires_grad=True)
-    kw = dict(b=b, n=n, adaptive_temperature=adaptive, sinks=s, softcap=2.0, is_causal=True)
-    out, lse = reference.varlen_attention(q, k, v, cq, ck, return_lse=True, score="ssa", score_params=(b, n),
-                                          **{x: y for x, y in kw.items() if x not in "bn"})
+    kw = dict(score="ssa", score_params=(b, n), adaptive_temperature=adaptive, sinks=s, softcap=2.0, is_causal=True)
+    out, lse = reference.varlen_attention(q, k, v, cq, ck, return_lse=True, **kw)
     for i in range(3):
         rows = slice(int(cq[i]), int(cq[i + 1]))
         keys = slice(int(ck[i]), int(ck[i + 1]))
@@ -369,8 +371,8 @@ def test_varlen_sinks_per_sequence(adaptive):
             assert (out[rows] == 0).all()
             torch.testing.assert_close(lse[:, rows], s.detach().view(2, 1).expand(2, lq[i]))
             continue
-        o, l_ = reference.ssa_attention(*(x[r].transpose(0, 1).unsqueeze(0) for x, r in
-                                          ((q, rows), (k, keys), (v, keys))), return_lse=True, **kw)
+        o, l_ = reference.attention(*(x[r].transpose(0, 1).unsqueeze(0) for x, r in
+                                      ((q, rows), (k, keys), (v, keys))), return_lse=True, **kw)
         torch.testing.assert_close(out[rows], o[0].transpose(0, 1))
         torch.testing.assert_close(lse[:, rows], l_[0])
     grads = torch.autograd.grad(out.sum() + lse.sum(), [q, k, v, s])
@@ -392,8 +394,8 @@ def test_kvcache_sinks_per_row():
     torch.testing.assert_close(lse[1], s.view(2, 1).expand(2, 2))
     for i in (0, 2):
         L = int(lens[i])
-        o, l_ = reference.softmax_attention(q[i:i + 1], kc[i:i + 1, :, :L], vc[i:i + 1, :, :L], sinks=s,
-                                            softcap=3.0, return_lse=True)
+        o, l_ = reference.attention(q[i:i + 1], kc[i:i + 1, :, :L], vc[i:i + 1, :, :L], sinks=s,
+                                    softcap=3.0, return_lse=True)
         torch.testing.assert_close(out[i:i + 1], o)
         torch.testing.assert_close(lse[i:i + 1], l_)
     # bottom-right causality with sinks: against the extra-key formulation

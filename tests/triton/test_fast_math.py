@@ -53,7 +53,7 @@ def test_lg2_approx_error_is_far_below_low_precision_error(low, q_scale):
         if fast:
             out = _ssa(*ins, lambda z, bb, nn: _fast_ssa_logits(z, bb, nn, sign_pattern))
         else:
-            out = reference.ssa_attention(ins[0], ins[1], ins[2], b=ins[3], n=ins[4])
+            out = reference.attention(ins[0], ins[1], ins[2], score="ssa", score_params=(ins[3], ins[4]))
         return [out] + list(torch.autograd.grad(out, ins, dout.to(dtype)))
 
     gold = grads(torch.float64, fast=False)

@@ -37,10 +37,10 @@ def test_streamed_entropy_equals_materialised(ssa, dtype, case):
         bn = dict(b=b.detach(), n=n.detach())
     ours = ssa_flash.attention_entropy(q, k, backend="triton", **kw,
                                        **(dict(score="ssa", score_params=bn) if bn else {}))
-    kw.update(bn)
+    gold_bn = {key: val.double() for key, val in bn.items()}
     gold = reference.attention_entropy(q.double(), k.double(), **{
         key: (val.double() if isinstance(val, torch.Tensor) and val.is_floating_point() else val)
-        for key, val in kw.items()})
+        for key, val in kw.items()}, **(dict(score="ssa", score_params=gold_bn) if bn else {}))
     assert ours.shape == q.shape[:-1] and not ours.requires_grad
     atol = 1e-10 if dtype == torch.float64 else 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.double(), gold, atol=atol, rtol=0)
@@ -80,15 +80,15 @@ def test_adaptive_covers_both_sides_of_threshold(ssa, causal):
         b = torch.tensor([0.7, 1.3], dtype=torch.float64, device=DEVICE, requires_grad=True)
         n = torch.tensor([6.0, 9.0], dtype=torch.float64, device=DEVICE, requires_grad=True)
         kw.update(b=b, n=n)
-    ent = reference.attention_entropy(q, k, **kw).detach()
+    score = dict(score="ssa", score_params=(kw["b"], kw["n"])) if ssa else {}
+    ent = reference.attention_entropy(q, k, is_causal=causal, **score).detach()
     p = polyval(DEFAULT_POLY, ent)
     assert (ent < 0.5).any() and ((ent > 0.5) & (p < 1)).any() and ((ent > 0.5) & (p > 1)).any()
 
     fn = ssa_flash.ssa_attention if ssa else ssa_flash.adaptive_temperature_attention
-    rfn = reference.ssa_attention if ssa else reference.adaptive_temperature_attention
     extra = dict(adaptive_temperature=True) if ssa else {}
     ours = fn(q, k, v, backend="triton", **extra, **kw)
-    ref = rfn(q, k, v, **extra, **kw)
+    ref = reference.attention(q, k, v, is_causal=causal, adaptive_temperature=True, **score)
     torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-10)
     inputs = [q, k, v] + ([kw["b"], kw["n"]] if ssa else [])
     dout = torch.randn_like(ours)
@@ -110,7 +110,7 @@ def test_custom_polynomial_and_threshold(poly, threshold):
     q, k, v = make_qkv(Lq=25, Lk=25, D=16, dtype=torch.float64)
     q = _spread_queries(q).requires_grad_()
     ours = ssa_flash.adaptive_temperature_attention(q, k, v, poly=poly, threshold=threshold, backend="triton")
-    ref = reference.adaptive_temperature_attention(q, k, v, poly=poly, threshold=threshold)
+    ref = reference.attention(q, k, v, poly=poly, threshold=threshold, adaptive_temperature=True)
     torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-10)
     g1, = torch.autograd.grad(ours.sum(), q)
     g2, = torch.autograd.grad(ref.sum(), q)

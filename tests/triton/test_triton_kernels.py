@@ -129,7 +129,8 @@ def test_b_n_forms(mode, bn):
         b, n = 0.8, 2.0
         kw = dict(b=b, n=n)
         out = ssa_flash.ssa_attention(q, k, v, backend="triton", adaptive_temperature=mode == "ssa_adaptive", **kw)
-        ref = reference.ssa_attention(q, k, v, adaptive_temperature=mode == "ssa_adaptive", **kw)
+        ref = reference.attention(q, k, v, adaptive_temperature=mode == "ssa_adaptive", score="ssa",
+                                  score_params=(b, n))
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
         return
     if bn == "scalar_tensors":

@@ -141,8 +141,9 @@ def test_entropy():
     b, n = b.detach(), n.detach()
     for kw in (dict(window_size=(4, 6)), dict(window_size=(9, -1), is_causal=True)):
         ours = ssa_flash.attention_entropy(q, k, score="ssa", score_params={"b": b, "n": n}, backend="triton", **kw)
-        gold = reference.attention_entropy(q.double(), k.double(), b=b.double(), n=n.double(), **kw)
-        naive = reference.attention_entropy(q, k, b=b, n=n, **kw)
+        gold = reference.attention_entropy(q.double(), k.double(), score="ssa", score_params=(b.double(), n.double()),
+                                           **kw)
+        naive = reference.attention_entropy(q, k, score="ssa", score_params=(b, n), **kw)
         fa_tolerance_check("entropy", ours, naive, gold, FLOORS[torch.float32])
 
 
