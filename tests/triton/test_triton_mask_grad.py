@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ssa_flash
+from ssa_flash import autograd
+from ssa_flash.spec import AttentionSpec
 from ssa_flash.triton import mask_grad as mask_grad_module
 
 from attn_testing import DEVICE, FLOORS, LOW_PRECISION, fa_tolerance_check, needs_kernels
@@ -167,12 +169,12 @@ def test_only_learned_masks_launch_the_mask_kernel(monkeypatch):
 
 
 def test_refusals():
-    """The CUDA C++ backend refuses a learned mask with a ValueError naming it, rather than a
-    silent zero gradient."""
+    """A backend without a mask-gradient kernel refuses a learned mask with a ValueError naming
+    it, rather than a silent zero gradient (the eager learned-mask path's own check)."""
     q, k, v, mask, _ = _inputs((L, S), dtype=torch.float32)
     mask.requires_grad_()
-    with pytest.raises(ValueError, match="attn_mask requires grad: the 'cuda' backend"):
-        ssa_flash.ops._check_mask_grad(mask, "cuda")
+    with pytest.raises(ValueError, match="attn_mask requires grad: the 'reference' backend"):
+        autograd.attention_learned_mask(q, k, v, (), mask, "reference", AttentionSpec(scale=D ** -0.5))
 
 
 @pytest.mark.parametrize("shape", [(L, S), (B, 1, L, S)])
