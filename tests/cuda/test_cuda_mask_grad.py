@@ -3,14 +3,15 @@ of the mask's own shape, reduced inside the kernel over the batch / head dims it
 On the CPU emulator (or the extension on a GPU): every broadcast shape against the float64
 reference with FlashAttention's error rule in float16 / bfloat16, softmax / SSA / SSA+adaptive /
 the logit scale, causal, GQA, dropout, a window with the soft cap, sinks, a key-padding bias;
-bitwise reproducibility; and that a mask without grad launches no mask kernel."""
+the Triton backend's kernel; bitwise reproducibility; and that a mask without grad launches no
+mask kernel."""
 import pytest
 import torch
 
 import ssa_flash
 from ssa_flash.backends import cuda_backend
 
-from attn_testing import CUDA, DEVICE, FLOORS, fa_tolerance_check
+from attn_testing import CUDA, DEVICE, FLOORS, fa_tolerance_check, learned_mask_inputs, needs_kernels
 from emulation import build_emulator, cuda_backend_context
 
 B, H, L, S, D = 2, 2, 19, 18, 16
@@ -34,15 +35,8 @@ def _params(score, dtype=torch.float32):
 
 
 def _inputs(shape, Hkv=H, Lq=L, Lk=S, seed=0):
-    """float64 q, k, v, mask (its row and key dims following Lq, Lk; a dim of 1 stays 1), dout."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
-    shape = (*shape[:-2], Lq if shape[-2] != 1 else 1, Lk if shape[-1] != 1 else 1)
-    mask = torch.randn(*shape, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
-    return [t.to(DEVICE) for t in (q, k, v, mask, dout)]
+    """float64 q, k, v, mask (attn_testing.learned_mask_inputs), dout."""
+    return learned_mask_inputs(B, H, D, shape, Hkv=Hkv, Lq=Lq, Lk=Lk, seed=seed)
 
 
 def _grads(backend, score, adaptive, inputs, dtype, seed=None, **kw):
@@ -100,6 +94,20 @@ def test_features(score, adaptive, shape, kw, on_cuda):
     Hkv = kw.pop("Hkv", H)
     seed = 5 if "dropout_p" in kw else None
     _check(_inputs(shape, Hkv=Hkv, Lq=37, Lk=35), score, adaptive, torch.float16, on_cuda, seed, **kw)
+
+
+@slow
+@needs_kernels
+def test_matches_triton(on_cuda):
+    """The Triton backend's mask gradient (float64: its own kernel, ssa_flash/triton/mask_grad.py)
+    as the gold value of the same rule: the two kernels compute the same sum."""
+    inputs = _inputs((B, 1, L, S))
+    with on_cuda():
+        ours = _grads("cuda", "ssa", True, inputs, torch.float16)
+    gold = _grads("triton", "ssa", True, inputs, torch.float64)
+    naive = _grads("reference", "ssa", True, inputs, torch.float16)
+    for name, a, n, e in zip(NAMES, ours, naive, gold):
+        fa_tolerance_check(name, a, n, e, FLOORS[torch.float16] * (4 if name != "out" else 1))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
