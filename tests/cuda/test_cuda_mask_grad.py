@@ -153,6 +153,21 @@ def test_only_learned_masks_launch_the_mask_kernel(monkeypatch, on_cuda):
         assert emu.launches(kernel) == after
 
 
+def test_through_the_custom_ops(on_cuda):
+    """Under a dispatch mode (the custom ops' path, as torch.compile takes it: attn_bwd(mask_grad))
+    the learned mask's gradient is the eager path's, bit for bit, of the mask's own shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    inputs = _inputs((B, 1, L, S))
+    with on_cuda():
+        eager = _grads("cuda", "ssa", True, inputs, torch.float16, deterministic=True)
+        with FlopCounterMode(display=False):
+            ops = _grads("cuda", "ssa", True, inputs, torch.float16, deterministic=True)
+    assert ops[4].shape == inputs[3].shape
+    for a, b in zip(eager, ops):
+        assert torch.equal(a, b)
+
+
 def test_wrong_gradient_shape_is_a_value_error():
     """The backend's own check: a gradient shape that is not the mask's broadcast of (B, H, Lq, Lk)."""
     q = torch.zeros(B, H, L, D)
