@@ -96,6 +96,19 @@ def test_features(score, adaptive, shape, kw, on_cuda):
     _check(_inputs(shape, Hkv=Hkv, Lq=37, Lk=35), score, adaptive, torch.float16, on_cuda, seed, **kw)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_rows_masked_by_finite_values(adaptive, on_cuda):
+    """A row at finfo(float32).min (and one at -1e30 over a span of keys): its LSE is recounted
+    (csrc/lse_residual.h), and the mask kernel's weights take the residual through the workspace
+    and the scaled dO as the dK/dV kernel's do: within the rule of the float64 reference (the
+    naive float16 one is off by the size of the gradients there)."""
+    inputs = _inputs((B, 1, L, S))
+    inputs[3][0, :, 3] = torch.finfo(torch.float32).min
+    inputs[3][1, :, 5, :7] = -1e30
+    ours = _check(inputs, "ssa", adaptive, torch.float16, on_cuda)
+    assert all(bool(torch.isfinite(t).all()) for t in ours)
+
+
 @slow
 @needs_kernels
 def test_matches_triton(on_cuda):
