@@ -136,6 +136,19 @@ void set_dropout(AttnCall& c, const Tensor& q, int64_t drop_keep31, double drop_
   c.drop_scale = drop_scale;
 }
 
+// A learned additive mask's gradient (bwd's dmask: (1 or B, 1 or H, Lq, Lk) contiguous float32,
+// written by the mask kernel, mask_grad.h); check_call checks its dims against the call.
+void set_mask_grad(AttnCall& c, const optional<Tensor>& dmask, const Tensor& q, const Tensor& k) {
+  if (!dmask.has_value()) return;
+  const Tensor& g = *dmask;
+  TORCH_CHECK(g.is_cuda() && g.device() == q.device() && g.scalar_type() == at::kFloat && g.is_contiguous() &&
+                  g.dim() == 4 && g.size(2) == q.size(2) && g.size(3) == k.size(2),
+              "ssa_flash: dmask must be a contiguous float32 (1 or B, 1 or H, Lq, Lk) tensor on ", q.device());
+  c.dmask = g.data_ptr<float>();
+  c.dmask_batch = g.size(0);
+  c.dmask_heads = g.size(1);
+}
+
 // check_call, once per call, before the pass allocates anything
 void check(const AttnCall& c) {
   const std::string why = ssa_flash::check_call(c);
@@ -204,14 +217,15 @@ at::IntArrayRef shape(const int64_t* dims, size_t n) { return at::IntArrayRef(di
 // the two-kernel path (bitwise reproducible); else the fused kernel where the device and head dim
 // allow it, or the sm_90a one where the build holds it, it is switched on and takes the call
 // (launch.h, BwdPlan: the fused kernel's buffers, its own num_partials). beta, lse_l, entropy, dbeta_dh: the adaptive temperature's (all or
-// none).
+// none). dmask: a learned additive mask's gradient, written after the backward (set_mask_grad,
+// mask_grad.h).
 std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
     const Tensor& dout_in, const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& lse,
     const optional<Tensor>& dlse, const optional<Tensor>& mask, const std::vector<Tensor>& params,
     const optional<Tensor>& sinks, const optional<Tensor>& beta, const optional<Tensor>& lse_l,
     const optional<Tensor>& entropy, const optional<Tensor>& dbeta_dh, int64_t score, double scale, bool causal,
     int64_t group, int64_t window_left, int64_t window_right, double softcap, int64_t drop_keep31, double drop_scale,
-    const optional<Tensor>& drop_rng, bool deterministic, int64_t stream_handle) {
+    const optional<Tensor>& drop_rng, bool deterministic, int64_t stream_handle, const optional<Tensor>& dmask) {
   check_qkv_like(q_in, "query", q_in);
   check_qkv_like(dout_in, "grad_out", q_in);
   const Tensor q = small_row_stride(q_in);
@@ -236,6 +250,7 @@ std::tuple<Tensor, Tensor, Tensor, std::vector<Tensor>, Tensor> bwd(
   set_dropout(c, q, drop_keep31, drop_scale, drop_rng);
   c.deterministic = deterministic;
   c.beta = stat_ptr(beta);
+  set_mask_grad(c, dmask, q, k);
   check(c);
   c.v = operand(v);
   c.o = operand(o);
@@ -319,7 +334,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("sinks"), py::arg("beta"), py::arg("lse_l"), py::arg("entropy"),
         py::arg("dbeta_dh"), py::arg("score"), py::arg("scale"), py::arg("causal"), py::arg("group"),
         py::arg("window_left"), py::arg("window_right"), py::arg("softcap"), py::arg("drop_keep31"),
-        py::arg("drop_scale"), py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"));
+        py::arg("drop_scale"), py::arg("drop_rng"), py::arg("deterministic"), py::arg("stream"),
+        py::arg("dmask") = py::none());
   m.def("hopper_fwd", &hopper_fwd, "the sm_90a warp-specialised forward's run-time switch and tensor-map cache",
         py::arg("on") = py::none(), py::arg("mufu") = py::none());
   m.def("hopper_bwd", &hopper_bwd, "the sm_90a warp-specialised backward's run-time switch", py::arg("on") = py::none());

@@ -1,5 +1,5 @@
 // Backward kernels (dQ, then dK/dV; or the pre-pass, then the fused kernel or, in a build holding
-// it, the sm_90a one), float16 (sm_75+).
+// it, the sm_90a one; then a learned mask's gradient), float16 (sm_75+).
 #include "launch_impl.h"
 
 namespace ssa_flash {
@@ -20,6 +20,10 @@ int hopper_bwd_control(int on) {
 
 std::string run_bwd_fp16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream) {
   return detail::run_bwd<__half>(p, score, adaptive, plan, stream);
+}
+
+std::string run_mask_grad_fp16(const MaskGradParams& p, int score, bool adaptive, cudaStream_t stream) {
+  return detail::run_mask_grad<__half>(p, score, adaptive, stream);
 }
 
 }  // namespace ssa_flash

@@ -107,6 +107,32 @@ SSA_DEVICE RowStats load_row_stats(const float* st) {
   return r;
 }
 
+// The logit gradient dl of one score (the gradient with respect to l = phi(z) + mask, natural
+// units: what a learned additive mask's element receives, mask_grad.h) from its checked base-2
+// logit l2; sets p_out = P'_ij. kCheck: l2 may be -inf (an inadmissible key: the entropy term is
+// 0 there); kMaskable, kResidual as in score_grad below.
+template <bool kAdaptive, bool kCheck, bool kMaskable, bool kResidual, typename P>
+SSA_DEVICE float logit_grad(const P& p, float l2, float dp, const RowStats& r, float& p_out) {
+  const float pp = ex2(weight_exp2<kAdaptive, kCheck && kMaskable && kResidual>(p, l2, r));
+  p_out = pp;
+  float dl = pp * (dp - r.delta);
+  if (kAdaptive) {
+    float ent_term;
+    if (kCheck) {
+      const bool adm = l2 != neg_inf();
+      // (additive masks: log2 P of l from the recounted pair, as weight_exp2)
+      const float lp2 =
+          adm ? (kResidual && p.mask_kind == kMaskAdd ? (l2 - r.lse_l2) - r.lse_l2_lo : l2 - r.lse_l2) : 0.0f;
+      ent_term = adm ? ex2(lp2) * fmaf(lp2, kLn2, r.ent) : 0.0f;
+    } else {
+      const float lp2 = l2 - r.lse_l2;
+      ent_term = ex2(lp2) * fmaf(lp2, kLn2, r.ent);
+    }
+    dl = dl * r.beta - r.g * ent_term;
+  }
+  return dl;
+}
+
 // Main-pass gradient of one score: sets p_out = P'_ij and returns dz (the gradient with
 // respect to z / scale's dot product, before the final scale), accumulating the score
 // function's parameter terms in dpar0, dpar1 (logits.h, Score::grad; per-head factors applied once
@@ -129,23 +155,7 @@ SSA_DEVICE float score_grad(const P& p, const LogitCtx& ctx, float s_raw, float 
   const float s = softcap_raw<kCap>(p, s_raw);  // (th with kCap)
   float l2 = Score::logit(ctx, s, Score::mult(ctx, 1.0f), el);
   if (kCheck) l2 = apply_mask<kBand, kMaskable>(p, ctx, l2, row, col, kLog2e);
-  const float pp = ex2(weight_exp2<kAdaptive, kCheck && kMaskable && kResidual>(p, l2, r));
-  p_out = pp;
-  float dl = pp * (dp - r.delta);
-  if (kAdaptive) {
-    float ent_term;
-    if (kCheck) {
-      const bool adm = l2 != neg_inf();
-      // (additive masks: log2 P of l from the recounted pair, as weight_exp2)
-      const float lp2 =
-          adm ? (kResidual && p.mask_kind == kMaskAdd ? (l2 - r.lse_l2) - r.lse_l2_lo : l2 - r.lse_l2) : 0.0f;
-      ent_term = adm ? ex2(lp2) * fmaf(lp2, kLn2, r.ent) : 0.0f;
-    } else {
-      const float lp2 = l2 - r.lse_l2;
-      ent_term = ex2(lp2) * fmaf(lp2, kLn2, r.ent);
-    }
-    dl = dl * r.beta - r.g * ent_term;
-  }
+  float dl = logit_grad<kAdaptive, kCheck, kMaskable, kResidual>(p, l2, dp, r, p_out);
   dl = Score::grad(ctx, dl, s, el, dpar0, dpar1);
   return softcap_grad<kCap>(dl, s);
 }

@@ -60,4 +60,9 @@ int hopper_bwd_control(int on);
 std::string run_bwd_fp16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
 std::string run_bwd_bf16(const BwdParams& p, int score, bool adaptive, const BwdPlan& plan, cudaStream_t stream);
 
+// The learned additive mask's gradient (mask_grad.h) into p.dmask, after run_bwd of the same call
+// (it reads the row-statistics workspace and p.lse_lo that pass wrote)
+std::string run_mask_grad_fp16(const MaskGradParams& p, int score, bool adaptive, cudaStream_t stream);
+std::string run_mask_grad_bf16(const MaskGradParams& p, int score, bool adaptive, cudaStream_t stream);
+
 }  // namespace ssa_flash

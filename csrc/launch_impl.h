@@ -14,6 +14,7 @@
 #include "launch.h"
 #include "launch_kernel.h"
 #include "launch_variant.h"
+#include "mask_grad.h"
 
 #if SSA_FLASH_HOPPER_FWD  // (launch_kernel.h: the build holds the sm_90a kernels)
 #include "hopper/bwd_launch.h"
@@ -113,6 +114,34 @@ std::string bwd_hdim(const BwdParams& p, int score, bool adaptive, const BwdPlan
       return dkdv(DkdvTraitsSm75<D, T>{}, dkdv_smem_bytes(D, sizeof(T), adaptive, kPathSm75));
   }
   return dkdv(DkdvTraits<D, T>{}, dkdv_smem_bytes(D, sizeof(T), adaptive, path));
+}
+
+// The learned mask's gradient (mask_grad.h), after the backward's kernels: its workspace and, as
+// the key-block kernels, dO the recount's scaled copy.
+template <typename T, int D>
+std::string mask_grad_hdim(const MaskGradParams& p, int score, bool adaptive, cudaStream_t stream) {
+  using Dq = DqTraits<D, T>;
+  const int64_t tiles = static_cast<int64_t>((p.len_q + Dq::kBlockM - 1) / Dq::kBlockM) *
+                        ((p.len_k + Dq::kBlockN - 1) / Dq::kBlockN);
+  if (tiles >= (int64_t(1) << 31) || p.dmask_heads > 65535 || p.dmask_batch > 65535)
+    return "the learned mask's gradient: too many tiles for the grid";
+  MaskGradParams m = p;
+  static_cast<BwdParams&>(m) = key_block_params<T, D>(p);
+  return launch_variant<T, Dq>(
+      "attn_bwd_mask_grad_kernel",
+      [](auto S, auto A, auto C, auto) {
+        return &attn_bwd_mask_grad_kernel<Dq, decltype(S), decltype(A)::value, decltype(C)::value>;
+      },
+      score, adaptive, dim3(static_cast<unsigned>(tiles), p.dmask_heads, p.dmask_batch),
+      mask_grad_smem_bytes(D, sizeof(T)), stream, m);
+}
+
+template <typename T>
+std::string run_mask_grad(const MaskGradParams& p, int score, bool adaptive, cudaStream_t stream) {
+  if (p.mask_kind != kMaskAdd || p.lse_lo == nullptr) return "the learned mask's gradient: an additive mask only";
+  return head_dim_switch(p.dim, p.dim_v, [&](auto D) {
+    return mask_grad_hdim<T, decltype(D)::value>(p, score, adaptive, stream);
+  });
 }
 
 // Today's kernels' plan of a backward on the current device (launch.h; plan_bwd_call decides

@@ -140,4 +140,13 @@ struct BwdParams : AttnShape {
   float* lse_lo;
 };
 
+// The learned additive mask's gradient kernel (mask_grad.h): the backward's parameters (the
+// key-block kernels' view: dO the recount's scaled copy, launch_impl.h) and the gradient,
+// (dmask_batch, dmask_heads, len_q, len_k) contiguous float32, dmask_batch 1 or batch,
+// dmask_heads 1 or heads (a struct of its own: BwdParams, and so every other kernel, unchanged).
+struct MaskGradParams : BwdParams {
+  float* dmask;
+  int dmask_batch, dmask_heads;
+};
+
 }  // namespace ssa_flash

@@ -73,6 +73,11 @@ struct AttnCall {
   // backward workspace of an additive mask's call (bwd_buffers, lse_lo; null otherwise): the
   // LSEs' (hi, lo) pairs the recount kernel writes (lse_residual.h)
   float* lse_lo;
+  // backward of a learned additive mask (mask_grad.h; null otherwise): its gradient, written,
+  // (dmask_batch, dmask_heads, len_q, len_k) contiguous float32, dmask_batch 1 or batch and
+  // dmask_heads 1 or heads (the dims the mask broadcasts over are summed)
+  float* dmask;
+  int64_t dmask_batch, dmask_heads;
 };
 
 // Shapes of the backward's buffers for a plan (row-major, float32). A zero-size shape: not
@@ -125,6 +130,11 @@ inline std::string check_call(const AttnCall& c) {
     return "drop_scale must be finite and >= 0, got " + std::to_string(c.drop_scale);
   if (!std::isfinite(c.softcap) || c.softcap < 0)
     return "softcap must be finite and >= 0 (0: off), got " + std::to_string(c.softcap);
+  if (c.dmask != nullptr && c.mask_kind != kMaskAdd) return "a mask's gradient needs an additive (float) mask";
+  if (c.dmask != nullptr && ((c.dmask_batch != 1 && c.dmask_batch != c.batch) ||
+                             (c.dmask_heads != 1 && c.dmask_heads != c.heads)))
+    return "the mask gradient's batch and heads must each be 1 or the call's, got (" +
+           std::to_string(c.dmask_batch) + ", " + std::to_string(c.dmask_heads) + ")";
   return std::string();
 }
 
@@ -271,6 +281,19 @@ inline BwdParams bwd_params(const AttnCall& c, const BwdPlan& plan) {
   return p;
 }
 
+// A learned mask's gradient (c.dmask), after the backward `p` of the same call ran (mask_grad.h:
+// it reads that pass's workspaces).
+inline std::string launch_mask_grad(const AttnCall& c, const BwdParams& p, cudaStream_t stream) {
+  MaskGradParams m{};
+  static_cast<BwdParams&>(m) = p;
+  m.dmask = c.dmask;
+  m.dmask_batch = static_cast<int>(c.dmask_batch);
+  m.dmask_heads = static_cast<int>(c.dmask_heads);
+  const int score = static_cast<int>(c.score);
+  const bool adaptive = c.beta != nullptr;
+  return c.bf16 ? run_mask_grad_bf16(m, score, adaptive, stream) : run_mask_grad_fp16(m, score, adaptive, stream);
+}
+
 // The passes of a call that check_call accepted: fill, launch on `stream`; an error message or an
 // empty string.
 inline std::string launch_forward(const AttnCall& c, cudaStream_t stream) {
@@ -299,7 +322,10 @@ inline std::string launch_backward(const AttnCall& c, const BwdPlan& plan, cudaS
     return "backward workspaces missing (bwd_buffers)";
   const BwdParams p = bwd_params(c, plan);
   const int score = static_cast<int>(c.score);
-  return c.bf16 ? run_bwd_bf16(p, score, adaptive, plan, stream) : run_bwd_fp16(p, score, adaptive, plan, stream);
+  const std::string err =
+      c.bf16 ? run_bwd_bf16(p, score, adaptive, plan, stream) : run_bwd_fp16(p, score, adaptive, plan, stream);
+  if (!err.empty() || c.dmask == nullptr) return err;
+  return launch_mask_grad(c, p, stream);
 }
 
 }  // namespace ssa_flash

@@ -106,6 +106,11 @@ constexpr int dq_smem_bytes(int d, int elem_bytes, int path = kPathSm80) {
                      ? 2 * sw128_tile_bytes(dq_block_m(d), d) + 3 * sw128_tile_bytes(dq_block_n(d), d) + 1024
                      : 0);
 }
+// The learned mask's gradient kernel (mask_grad.h): the dQ kernel's tile, Q + dO + K + V single
+// buffers in the padded layout (mma.sync on every path)
+constexpr int mask_grad_smem_bytes(int d, int elem_bytes) {
+  return (2 * dq_block_m(d) + 2 * dq_block_n(d)) * smem_row(d) * elem_bytes;
+}
 // the key-block kernels' per-thread word of dropout flags (bwd_kernel.h, drop_slot), for up to 8
 // warps (sm_75's split dK/dV kernels, DkdvTraitsSm75, have 8 at D = 96 / 128)
 constexpr int key_block_drop_bytes(int) { return 8 * 32 * 4; }

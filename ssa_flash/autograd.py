@@ -270,13 +270,19 @@ class _EagerAttention(torch.autograd.Function):
         return (dq, dk, dv, dsinks, None, None, None, *dparams)
 
 
+# The backends whose backward computes a learned mask's gradient (``mask_grad_shape``): Triton and
+# CUDA C++ reduce it over the broadcast dims inside a kernel, the reference backend in its explicit
+# backward
+LEARNED_MASK_BACKENDS = ("triton", "cuda", "reference")
+
+
 class _LearnedMaskAttention(torch.autograd.Function):
-    """The eager path for a float mask that requires grad (a learned bias), Triton and reference
-    backends: as :class:`_EagerAttention`, with ``mask`` the user's mask as a 4-D view of its own
-    size (dims 1 where it broadcasts), expanded here, outside the autograd graph, to ``(B, Hq, Lq,
-    Lk)``; its gradient comes back of the 4-D shape, reduced over the broadcast dims by the backend
-    (Triton: inside the kernels, ``ssa_flash/triton/mask_grad.py``, never materialised as ``(B,
-    Hq, Lq, Lk)``)."""
+    """The eager path for a float mask that requires grad (a learned bias), Triton or CUDA C++
+    or reference backend (:data:`LEARNED_MASK_BACKENDS`): as
+    :class:`_EagerAttention`, with ``mask`` the user's mask as a 4-D view of its own size (dims 1
+    where it broadcasts), expanded here, outside the autograd graph, to ``(B, Hq, Lq, Lk)``; its
+    gradient comes back of the 4-D shape, reduced over the broadcast dims inside the kernels
+    (``ssa_flash/triton/mask_grad.py``, ``csrc/mask_grad.h``), never materialised as ``(B, Hq, Lq, Lk)``."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, backend, spec, *params):
@@ -301,10 +307,11 @@ def attention_learned_mask(q: Tensor, k: Tensor, v: Tensor, params: Tuple[Tensor
                            spec: AttentionSpec, sinks: Optional[Tensor] = None):
     """:func:`attention` for a float ``mask`` that requires grad, given as a 4-D tensor that
     broadcasts to ``(B, Hq, Lq, Lk)`` (not expanded): differentiable in the mask too, eager or
-    through the custom ops (torch.compile, dispatch modes); the Triton and reference backends."""
-    if backend not in ("triton", "reference"):
+    through the custom ops (torch.compile, dispatch modes); the backends of
+    :data:`LEARNED_MASK_BACKENDS` only."""
+    if backend not in LEARNED_MASK_BACKENDS:
         raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
-                         "respect to attn_mask; backend='triton' or 'reference' does (docs/support.md)")
+                         "respect to attn_mask; backend='triton', 'cuda' or 'reference' does (docs/support.md)")
     if _through_ops(q, k, v, mask):
         # torch.compile, dispatch modes, subclasses: the custom ops, the mask unexpanded (attn_fwd
         # expands it; attn_bwd returns its gradient of its own shape)

@@ -149,7 +149,7 @@ def _check_mask(attn_mask, query: Tensor, key: Tensor) -> Optional[Tensor]:
     return attn_mask.expand(full)
 
 
-_MASK_GRAD_BACKENDS = ("reference", "triton")
+_MASK_GRAD_BACKENDS = autograd.LEARNED_MASK_BACKENDS
 
 
 def _learned_mask(mask: Optional[Tensor]) -> bool:
@@ -159,12 +159,13 @@ def _learned_mask(mask: Optional[Tensor]) -> bool:
 
 def _check_mask_grad(mask: Optional[Tensor], backend: str) -> None:
     """A float mask that requires grad (a learned additive bias) is differentiable on the
-    reference backend (its explicit backward) and on Triton (its gradient
-    reduced over the broadcast dims inside a kernel, ``ssa_flash/triton/mask_grad.py``); the CUDA
-    kernels do not compute it: ``ValueError`` naming the backend rather than a silent zero."""
+    reference backend (its explicit backward), on Triton and on the CUDA C++
+    backend (its gradient reduced over the broadcast dims inside a kernel,
+    ``ssa_flash/triton/mask_grad.py``, ``csrc/mask_grad.h``); any other backend: ``ValueError``
+    naming it rather than a silent zero."""
     if _learned_mask(mask) and backend not in _MASK_GRAD_BACKENDS:
         raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
-                         "respect to attn_mask yet; backend='triton' or 'reference' does (docs/support.md)")
+                         "respect to attn_mask yet; backend='triton', 'cuda' or 'reference' does (docs/support.md)")
 
 
 def _check_number(name: str, x, *, positive: bool = False) -> float:

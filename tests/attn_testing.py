@@ -81,6 +81,22 @@ def detached_copy(t, dtype=None):
     return out.requires_grad_(t.requires_grad)
 
 
+def learned_mask_inputs(B, H, D, shape, Hkv=None, Lq=7, Lk=6, seed=0, dtype=torch.float64):
+    """The inputs of a learned-mask test (tests/triton/test_triton_mask_grad.py,
+    tests/cuda/test_cuda_mask_grad.py): q (B, H, Lq, D), k, v (B, Hkv, Lk, D), a mask of ``shape``
+    (its row and key dims following Lq, Lk; a dim of 1 stays 1) and dout, drawn in float64 from
+    ``seed``, as ``dtype`` on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    Hkv = H if Hkv is None else Hkv
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
+    shape = (*shape[:-2], Lq if shape[-2] != 1 else 1, Lk if shape[-1] != 1 else 1)
+    mask = torch.randn(*shape, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
+    return [t.to(DEVICE, dtype) for t in (q, k, v, mask, dout)]
+
+
 def fa_tolerance_check(name, ours, naive, gold, floor):
     """FlashAttention's rule: |ours - gold| <= 2 * |naive - gold| + floor * max(1, |gold|) (max
     norms), where ``naive`` is the materialised reference in the same precision as ``ours``."""

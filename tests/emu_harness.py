@@ -112,7 +112,7 @@ class AttnCall(ctypes.Structure):
         *((nm, Operand) for nm in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")),
         *((nm, _PTR) for nm in ("lse", "entropy", "dlse", "beta", "lse_l", "dbeta_dh", "rowstat", "dq_accum")),
         ("dparam_part", _PTR * MAX_SCORE_PARAMS), ("sinks", _PTR),
-        ("softcap", _F64), ("lse_lo", _PTR),
+        ("softcap", _F64), ("lse_lo", _PTR), ("dmask", _PTR), ("dmask_batch", _I64), ("dmask_heads", _I64),
     ]
 
 
@@ -285,7 +285,9 @@ class Emulator:
 
     def bwd(self, dout, q, k, v, o, lse, dlse, mask, params, sinks, beta, lse_l, entropy, dbeta_dh, score, scale,
             causal, group, window_left, window_right, softcap, drop_keep31, drop_scale, drop_rng, deterministic,
-            stream=0):
+            stream=0, dmask=None):
+        """csrc/api.cpp's bwd; ``dmask`` (a learned additive mask's gradient, (1 or B, 1 or H, Lq, Lk)
+        contiguous float32) is written after the backward when given."""
         c = self._describe(q, k, v.shape[-1], mask, params, sinks, score, scale, causal, group, window_left,
                            window_right, softcap, drop_keep31, drop_scale, drop_rng)
         c.deterministic = int(deterministic)
@@ -306,8 +308,13 @@ class Emulator:
             c.dparam_part[i] = _ptr(t)
         lse_lo = _nan(buf.lse_lo) if buf.lse_lo[0] > 0 else None  # (additive masks)
         c.lse_lo = _ptr(lse_lo)
+        if dmask is not None:
+            if dmask.dtype != torch.float32 or not dmask.is_contiguous() or dmask.dim() != 4 or \
+                    tuple(dmask.shape[2:]) != (q.shape[2], k.shape[2]):
+                raise RuntimeError("ssa_flash: dmask must be a contiguous float32 (1 or B, 1 or H, Lq, Lk) tensor")
+            c.dmask, c.dmask_batch, c.dmask_heads = _ptr(dmask), dmask.shape[0], dmask.shape[1]
         self._run(2, c, (dout, q, k, v, o, lse, dlse, mask, params, beta, lse_l, entropy, dbeta_dh, drop_rng, sinks,
-                         parts, lse_lo))
+                         parts, lse_lo, dmask))
         return dq, dk, dv, parts, rowstat
 
     # ---- what backend="cuda" computes --------------------------------------------------------

@@ -71,7 +71,7 @@ def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] =
     """The translation unit: every float16 kernel of the given head dims without soft-capping and
     sinks, and for the head dims in ``extras`` also the instances with both (dispatch.h,
     extras_switch; sm_70 computes the cap's tanh without MUFU.TANH: csrc/fast_math.h)."""
-    lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', "namespace ssa_flash {"]
+    lines = ['#include "fwd_kernel.h"', '#include "bwd_kernel.h"', '#include "mask_grad.h"', "namespace ssa_flash {"]
     units = [(d, False) for d in head_dims] + [(d, True) for d in extras]
     for d, extra in units:
         for ssa in SCORES:
@@ -82,6 +82,9 @@ def instantiations(head_dims: Sequence[int] = HEAD_DIMS, extras: Sequence[int] =
                 lines.append(f"template __global__ void attn_fwd_kernel<FwdTraits<{d}, __half>, {ssa}, {ad}{fwd}>(const FwdParams);")
                 lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}{dq}>(const BwdParams);")
                 lines.append(f"template __global__ void attn_bwd_dkdv_kernel<DkdvTraits<{d}, __half>, {ssa}, {ad}{dkdv}>(const BwdParams);")
+                # a learned mask's gradient (csrc/mask_grad.h; the cap only, as dK/dV)
+                lines.append(f"template __global__ void attn_bwd_mask_grad_kernel<DqTraits<{d}, __half>, {ssa}, {ad}{dkdv}>"
+                             "(const MaskGradParams);")
                 if d <= 64 and not extra:  # the fused backward and its pre-pass (sm_70: csrc/traits.h, bwd_fused_for)
                     lines.append(f"template __global__ void attn_bwd_dq_kernel<DqTraits<{d}, __half>, {ssa}, {ad}, true>(const BwdParams);")
                     lines.append(f"template __global__ void attn_bwd_fused_kernel<FusedTraits<{d}, __half>, {ssa}, {ad}>(const BwdParams);")

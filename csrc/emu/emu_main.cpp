@@ -60,6 +60,7 @@ const LayoutEntry kLayout[] = {
     SSA_EMU_FIELD(AttnCall, dbeta_dh), SSA_EMU_FIELD(AttnCall, rowstat), SSA_EMU_FIELD(AttnCall, dq_accum),
     SSA_EMU_FIELD(AttnCall, dparam_part),
     SSA_EMU_FIELD(AttnCall, sinks), SSA_EMU_FIELD(AttnCall, softcap), SSA_EMU_FIELD(AttnCall, lse_lo),
+    SSA_EMU_FIELD(AttnCall, dmask), SSA_EMU_FIELD(AttnCall, dmask_batch), SSA_EMU_FIELD(AttnCall, dmask_heads),
     SSA_EMU_SIZE(BwdPlan),
     SSA_EMU_FIELD(BwdPlan, fused), SSA_EMU_FIELD(BwdPlan, num_partials), SSA_EMU_FIELD(BwdPlan, stat_rows),
     SSA_EMU_FIELD(BwdPlan, stat_count), SSA_EMU_FIELD(BwdPlan, accum_cols), SSA_EMU_FIELD(BwdPlan, hopper),
@@ -71,7 +72,8 @@ const LayoutEntry kLayout[] = {
 }  // namespace
 
 // op 0: forward (o, lse), 1: row entropy (entropy, lse of softmax(l)), 2: backward (as
-// plan_backward of the same call says; the buffers of ssa_emu_bwd_plan given), after check_call
+// plan_backward of the same call says; the buffers of ssa_emu_bwd_plan given; then the learned
+// mask's gradient where call->dmask is set), after check_call
 // (once, as api.cpp). lazy_copies and seed: the emulation's schedule (emu_runtime.h, Config).
 // Returns an error message or "".
 extern "C" const char* ssa_emu_run(int op, const ssa_flash::AttnCall* call, int lazy_copies, unsigned seed) {

@@ -665,9 +665,9 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
     """``(dq, dk, dv, dparams, dsinks)`` (spec.Backend.backward): the kernels' per-block partial
     sums of each parameter's gradient, (B, Hq, blocks), are summed here in a fixed order. Rows of
     a float mask's call whose LSE is huge (finite masks at ``finfo.min``) are recounted by the
-    kernels (csrc/lse_residual.h), on the device."""
-    if mask_grad_shape is not None:  # (the reference's learned mask goes through autograd of the spec)
-        raise ValueError("ssa_flash: the cuda backend does not compute a learned attn_mask's gradient in its backward")
+    kernels (csrc/lse_residual.h), on the device. ``mask_grad_shape`` (a learned float mask, 4-D,
+    dims 1 where it broadcasts): a sixth result, its float32 gradient of that shape
+    (:func:`_mask_grad_buffer`)."""
     _refuse_unsupported(spec, sinks)
     ext = _extension(q.device)
     d, dv = q.shape[-1], v.shape[-1]
@@ -679,19 +679,41 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
     _choose_kernel(ext, "bwd", q, k, spec, d8, dv8)
     qs, scale = _nonnegative_scale(q, float(spec.scale))
     qp = _prep(qs, d8)
+    # (only a learned mask's call passes dmask: every other call runs the kernels it did)
+    dmask = None if mask_grad_shape is None else _mask_grad_buffer(mask, mask_grad_shape, q, k)
     with _on_device(q.device):
         dq, dk, dvv, parts, rowstat = ext.bwd(
             _prep(dout.to(q.dtype), dv8), qp, _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), _prep_mask(mask),
             _score_params(params, spec), beta=beta, lse_l=lse_l, entropy=ent, dbeta_dh=dbeta_dh,
             deterministic=bool(spec.deterministic), stream=_stream(q.device), **_spec_args(spec, scale, sinks),
-            **_dropout_args(spec))
+            **_dropout_args(spec), **({} if dmask is None else {"dmask": dmask}))
         dq = _finish_dq(dq, qp, float(spec.scale))
     # (B, Hq, plan's num_partials): per query block (two-kernel path), per (key block, warp) (fused,
     # sm_90a); every slot written, summed by one reduction over a fixed shape (deterministic)
     dparams = tuple(part.sum(dim=(0, 2)) for part in parts)
     dsinks = None if sinks is None else _sinks_grad(sinks, lse, rowstat, temp if spec.adaptive else None)
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), dparams, dsinks
+    if dmask is None:
+        return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), dparams, dsinks
+    # a mask broadcast over rows or keys: the (Bm, Hm, Lq, Lk) gradient summed over those dims here
+    dims = tuple(i for i in (2, 3) if mask_grad_shape[i] == 1 and dmask.shape[i] != 1)
+    dmask = dmask.sum(dim=dims, keepdim=True) if dims else dmask
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dvv, dv), dparams, dsinks, dmask
+
+
+def _mask_grad_buffer(mask, mask_grad_shape, q, k) -> torch.Tensor:
+    """The kernel's output for a learned mask's gradient (csrc/mask_grad.h): ``(Bm, Hm, Lq, Lk)``
+    float32 (Bm, Hm the mask's batch and head dims, 1 or the call's), ``mask`` the expanded
+    float mask the forward read; a ValueError for another shape or mask."""
+    B, H, Lq = q.shape[:3]
+    Lk = k.shape[2]
+    shape = tuple(int(s) for s in mask_grad_shape)
+    if (mask is None or not mask.is_floating_point() or tuple(mask.shape) != (B, H, Lq, Lk) or len(shape) != 4
+            or any(s not in (1, full) for s, full in zip(shape, (B, H, Lq, Lk)))):
+        raise ValueError(f"ssa_flash cuda backend: a learned mask's gradient of shape {shape} for a float mask "
+                         f"expanded to (B, Hq, Lq, Lk) = {(B, H, Lq, Lk)}, got "
+                         f"{None if mask is None else (tuple(mask.shape), mask.dtype)}")
+    return torch.empty((shape[0], shape[1], Lq, Lk), device=q.device, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

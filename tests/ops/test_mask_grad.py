@@ -65,15 +65,16 @@ def test_matches_sdpa_math(shape):
         torch.testing.assert_close(a, e, msg=name)
 
 
-def test_cuda_backend_refuses_a_mask_that_requires_grad():
-    """The CUDA C++ kernels do not compute the mask's gradient: the rule once the backend is chosen
-    (``ops._check_mask_grad``) refuses it by name; Triton and the reference take it
-    (tests/triton/test_triton_mask_grad.py)."""
+def test_every_backend_takes_a_mask_that_requires_grad():
+    """Triton, the CUDA C++ backend and the reference compute the mask's gradient
+    (tests/triton/test_triton_mask_grad.py, tests/cuda/test_cuda_mask_grad.py): the rule once the
+    backend is chosen (``ops._check_mask_grad``) takes it on each, and refuses it by name on a
+    backend outside ``ops._MASK_GRAD_BACKENDS``."""
     mask = torch.zeros(L, S, requires_grad=True)
-    with pytest.raises(ValueError, match="attn_mask requires grad: the 'cuda' backend"):
-        ssa_flash.ops._check_mask_grad(mask, "cuda")
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "cuda", "reference"):
         ssa_flash.ops._check_mask_grad(mask, backend)
+    with pytest.raises(ValueError, match="attn_mask requires grad: the 'other' backend"):
+        ssa_flash.ops._check_mask_grad(mask, "other")
 
 
 def test_no_grad_mask_that_requires_grad_runs_anywhere():

@@ -114,8 +114,8 @@ def test_poly_errors():
 
 
 def test_mask_requiring_grad_gets_a_gradient_of_its_own_shape():
-    """A learned additive mask (tests/ops/test_mask_grad.py has the gradient checks; the CUDA C++
-    backend's refusal too): the default backend differentiates it, broadcast dims summed."""
+    """A learned additive mask (tests/ops/test_mask_grad.py has the gradient checks): the default
+    backend differentiates it, broadcast dims summed."""
     q, k, v = qkv()
     mask = torch.zeros(8, 8, device=DEVICE, requires_grad=True)
     ssa_flash.ssa_attention(q, k, v, attn_mask=mask).square().sum().backward()

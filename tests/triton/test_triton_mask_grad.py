@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ssa_flash
+from ssa_flash import autograd
+from ssa_flash.spec import AttentionSpec
 from ssa_flash.triton import mask_grad as mask_grad_module
 
-from attn_testing import DEVICE, FLOORS, LOW_PRECISION, fa_tolerance_check, needs_kernels
+from attn_testing import DEVICE, FLOORS, LOW_PRECISION, fa_tolerance_check, learned_mask_inputs, needs_kernels
 
 pytestmark = needs_kernels
 
@@ -31,15 +33,7 @@ def _params(score, dtype=torch.float64):
 
 
 def _inputs(shape, dtype=torch.float64, Hkv=H, Lq=L, Lk=S, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
-    # (the mask's row and key dims follow Lq, Lk; a dim of 1 stays 1)
-    shape = (*shape[:-2], Lq if shape[-2] != 1 else 1, Lk if shape[-1] != 1 else 1)
-    mask = torch.randn(*shape, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
-    return [t.to(DEVICE, dtype) for t in (q, k, v, mask, dout)]
+    return learned_mask_inputs(B, H, D, shape, Hkv=Hkv, Lq=Lq, Lk=Lk, seed=seed, dtype=dtype)
 
 
 def _grads(backend, score, adaptive, q, k, v, mask, dout, **kw):
@@ -167,12 +161,12 @@ def test_only_learned_masks_launch_the_mask_kernel(monkeypatch):
 
 
 def test_refusals():
-    """The CUDA C++ backend refuses a learned mask with a ValueError naming it, rather than a
-    silent zero gradient."""
+    """A backend without a mask-gradient kernel refuses a learned mask with a ValueError naming
+    it, rather than a silent zero gradient (the eager learned-mask path's own check)."""
     q, k, v, mask, _ = _inputs((L, S), dtype=torch.float32)
     mask.requires_grad_()
-    with pytest.raises(ValueError, match="attn_mask requires grad: the 'cuda' backend"):
-        ssa_flash.ops._check_mask_grad(mask, "cuda")
+    with pytest.raises(ValueError, match="attn_mask requires grad: the 'reference' backend"):
+        autograd.attention_learned_mask(q, k, v, (), mask, "reference", AttentionSpec(scale=D ** -0.5))
 
 
 @pytest.mark.parametrize("shape", [(L, S), (B, 1, L, S)])
