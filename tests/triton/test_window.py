@@ -174,9 +174,9 @@ def test_cuda_backend_takes_windows():
     and a call without a window passes -1 for both sides (unbounded)."""
     spec = AttentionSpec(scale=1.0, window_left=3)
     assert cuda_backend._feature_reason(spec) is None
-    args = cuda_backend._spec_args(spec, 1.0, None)
+    args = cuda_backend._spec_args(spec, None)
     assert (args["window_left"], args["window_right"]) == (3, -1)
-    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), 1.0, None)
+    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), None)
     assert (args["window_left"], args["window_right"]) == (-1, -1)
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     with cuda_backend.emulated(object()):
