@@ -70,7 +70,7 @@ const float* head_tensor(const Tensor& t, const char* name, const Tensor& q) {
 // (ssa_flash/backends/cuda_backend.py) passes them from the AttentionSpec (ssa_flash/spec.py): score
 // (the registry id) with its per-head parameters `params` (in the registry's order), scale (signed:
 // the kernels fold its sign, logits.h), causal, group, window_left / window_right
-// (window_size, -1: that side unbounded), softcap (0: off), dropout as ssa_flash/conventions.py
+// (ssa_flash/conventions.py kernel_window's band, both -1 without a window), softcap (0: off), dropout as ssa_flash/conventions.py
 // encodes it (drop_keep31, drop_scale) with drop_rng, the int64 (seed, offset) on the device, or
 // none; mask (boolean / uint8, or float32 additive, expanded to (B, H, Lq, Lk), any strides; its
 // kind is its dtype); sinks. The value checks (set_params.h, check_call) run once per call, in the

@@ -33,7 +33,7 @@ struct AttnCall {
   int64_t score;          // the score function's id (ssa_flash/scores.py; logits.h, dispatch.h)
   double scale;           // signed, finite (the kernels fold its sign: logits.h)
   int64_t causal;
-  int64_t window_left, window_right;  // window_size, -1: that side unbounded (set_band)
+  int64_t window_left, window_right;  // ssa_flash/conventions.py kernel_window, -1 both: none (set_band)
   int64_t deterministic;  // backward: the two-kernel path (bitwise reproducible)
   // mask (params.h): kind 0 none, 1 boolean (uint8), 2 additive float32, expanded to (B, H, Lq, Lk)
   int64_t mask_kind;

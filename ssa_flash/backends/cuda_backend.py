@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import scores
-from ..conventions import dropout_keep_threshold, dropout_scale
+from ..conventions import NO_WINDOW, dropout_keep_threshold, dropout_scale, kernel_window
 from ..errors import BackendUnavailableError
 from . import _cuda_build, cuda_fwd_choice
 from .temperature import beta_from_entropy as _beta_from_entropy
@@ -519,14 +519,16 @@ def _score_params(params, spec: AttentionSpec) -> list:
     return [t.float().contiguous() for t in params]
 
 
-def _spec_args(spec: AttentionSpec, sinks: Optional[torch.Tensor]) -> dict:
+def _spec_args(spec: AttentionSpec, sinks: Optional[torch.Tensor], len_q: int, len_k: int) -> dict:
     """The options every pass of the extension takes (csrc/api.cpp), each once, as the spec says
     them: the score function's id, the scale (signed: the kernels fold its sign, csrc/logits.h),
-    causal, group, the window, soft-cap."""
+    causal, group, the window (``ssa_flash.conventions.kernel_window``'s, both sides
+    ``NO_WINDOW`` without one), soft-cap."""
+    band = kernel_window(spec.window_left, spec.window_right, spec.causal, len_q, len_k)
+    left, right = (NO_WINDOW, NO_WINDOW) if band is None else band
     return dict(sinks=None if sinks is None else sinks.float().contiguous(), score=spec.score_fn.id,
                 scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
-                window_left=int(spec.window_left), window_right=int(spec.window_right),
-                softcap=float(spec.softcap))
+                window_left=left, window_right=right, softcap=float(spec.softcap))
 
 
 def _dropout_args(spec: AttentionSpec) -> dict:
@@ -595,7 +597,7 @@ def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
     _choose_fwd_kernel(ext, q, k, spec, d8, d8)
     with _on_device(q.device):
         return ext.row_entropy(_prep(q, d8), _prep(k, d8), _prep_mask(mask), _score_params(params, spec),
-                               stream=_stream(q.device), **_spec_args(spec, sinks))
+                               stream=_stream(q.device), **_spec_args(spec, sinks, q.shape[-2], k.shape[-2]))
 
 
 # ---- the forward's kernel: today's or the sm_90a warp-specialised one (issue 48) ----
@@ -643,7 +645,7 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     beta = beta.float().contiguous() if spec.adaptive else None
     with _on_device(q.device):
         o, lse = ext.fwd(_prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep_mask(mask), _score_params(params, spec),
-                         beta=beta, stream=_stream(q.device), **_spec_args(spec, sinks),
+                         beta=beta, stream=_stream(q.device), **_spec_args(spec, sinks, q.shape[-2], k.shape[-2]),
                          **_dropout_args(spec))
     return _unpad(o, v.shape[-1]), lse
 
@@ -671,7 +673,8 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
             _prep(dout.to(q.dtype), dv8), qp, _prep(k, d8), _prep(v, dv8), _prep(out, dv8),
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), _prep_mask(mask),
             _score_params(params, spec), beta=beta, lse_l=lse_l, entropy=ent, dbeta_dh=dbeta_dh,
-            deterministic=bool(spec.deterministic), stream=_stream(q.device), **_spec_args(spec, sinks),
+            deterministic=bool(spec.deterministic), stream=_stream(q.device),
+            **_spec_args(spec, sinks, q.shape[-2], k.shape[-2]),
             **_dropout_args(spec))
         dq = _finish_dq(dq, qp, float(spec.scale))
     # (B, Hq, plan's num_partials): per query block (two-kernel path), per (key block, warp) (fused,
@@ -713,7 +716,7 @@ class PreparedCall:
         self.v_as_is = self.dv == self.dv8 and _kernel_layout(v)
         self.params, self.kernel_params = params, _score_params(params, spec)
         self.scale = float(spec.scale)
-        self.options = _spec_args(spec, None)  # every pass's
+        self.options = _spec_args(spec, None, q.shape[-2], k.shape[-2])  # every pass's
         self.dropout = _dropout_args(spec)  # the forward's and backward's
         self.adaptive, self.deterministic = spec.adaptive, bool(spec.deterministic)
 

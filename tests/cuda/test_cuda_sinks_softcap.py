@@ -195,5 +195,5 @@ def test_supports_accepts_sinks_and_softcap(monkeypatch):
     x = fake((1, 4, 8, 64))
     assert cuda_backend.supports(x, x, x, AttentionSpec(scale=0.1, softcap=5.0), torch.zeros(4)) is None
     # every option reaches the binding once, as the spec says it (soft-cap 0: off, no sinks: None)
-    assert cuda_backend._spec_args(AttentionSpec(scale=0.1), None) == dict(
+    assert cuda_backend._spec_args(AttentionSpec(scale=0.1), None, 8, 8) == dict(
         sinks=None, score=0, scale=0.1, causal=False, group=1, window_left=-1, window_right=-1, softcap=0.0)
