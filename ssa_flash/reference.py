@@ -43,7 +43,7 @@ from torch import Tensor
 
 from . import scores
 from .scores import ssa_logits
-from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW, dropout_keep_threshold
+from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, dropout_keep_threshold
 from .temperature import polyval
 
 __all__ = [
@@ -190,7 +190,7 @@ def _logit_rows(query, key, attn_mask, is_causal, scale, enable_gqa, score=score
     allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device)
     if is_causal:
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=z.device).tril()
-    if tuple(window_size) != (NO_WINDOW, NO_WINDOW):
+    if tuple(window_size) != (-1, -1):
         allowed = allowed & window_band(lq, lk, window_size, z.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
