@@ -25,7 +25,7 @@ struct AttnShape {
   int batch, heads, heads_kv, group;  // group = heads / heads_kv (GQA)
   int len_q, len_k;
   int dim, dim_v;                     // actual head dims (multiples of 8)
-  float scale;                        // softmax scale applied to q.k, >= 0 (the Python wrapper negates q otherwise)
+  float scale;                        // softmax scale applied to q.k, signed (logits.h folds its sign)
   bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
   // Key j visible to query i iff i - win_left <= j <= i + win_right: the local window (docs/design.md
   // section 1.5) and causality as one band (set_band); window: a band narrower than causality's (the
@@ -51,9 +51,10 @@ struct AttnShape {
   float drop_scale;
 };
 
-// The band of window_size = (window_left, window_right) (-1: that side unbounded; both >= -1) with
+// The band of the call's window (ssa_flash/conventions.py, kernel_window: both sides -1, NO_WINDOW,
+// without one; else both in [0, len_q + len_k]; -1 on one side is still read as unbounded) with
 // causality folded in (win_right = 0 under causal). An unbounded side, or one past the sequence,
-// is the sequence's length (left: plus kMaxBlockRows, so that a query tile's last row, even one
+// is clamped to the sequence's length (left: plus kMaxBlockRows, so that a query tile's last row, even one
 // past len_q, never bounds its keys: block_info.h key_blocks), so row + win_right stays in int when
 // len_q + len_k < 2^31 - 1024 (the binding checks both). Needs len_q, len_k and causal set.
 inline void set_band(AttnShape& s, int64_t window_left, int64_t window_right) {

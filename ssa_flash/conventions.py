@@ -3,14 +3,22 @@
 
 * The adaptive temperature's defaults (docs/design.md §1.3): :data:`DEFAULT_POLY`,
   :data:`DEFAULT_THRESHOLD`.
-* A window side without a limit: :data:`NO_WINDOW` (``window_size`` and ``AttentionSpec``'s
-  ``window_left`` / ``window_right``).
+* A window side without a limit: :data:`NO_WINDOW`, the one marker (``window_size`` and
+  ``AttentionSpec``'s ``window_left`` / ``window_right``), and :func:`kernel_window`, the window as
+  every backend passes it to its kernels.
 * Dropout's keep rule (docs/design.md §1.5): :func:`dropout_keep_threshold`, the integer every
   kernel compares its Philox words with, and :func:`dropout_scale`, what kept weights are scaled by.
+* A negative scale needs no encoding: every kernel takes the scale signed and its score policy
+  folds the sign into its per-head factors (``ssa_flash/triton/logits.py``, ``head_coefficients``;
+  ``csrc/logits.h``, ``setup``), negating the query tile where a forward's row multiplier would be
+  negative. No backend copies ``-q``.
 """
 from __future__ import annotations
 
-__all__ = ["DEFAULT_POLY", "DEFAULT_THRESHOLD", "NO_WINDOW", "dropout_keep_threshold", "dropout_scale"]
+from typing import Optional, Tuple
+
+__all__ = ["DEFAULT_POLY", "DEFAULT_THRESHOLD", "NO_WINDOW", "kernel_window", "dropout_keep_threshold",
+           "dropout_scale"]
 
 DEFAULT_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)
 """the temperature polynomial of the entropy, highest degree first"""
@@ -19,6 +27,22 @@ DEFAULT_THRESHOLD = 0.5
 
 NO_WINDOW = -1
 """a side of a local window that bounds nothing (``window_size=(NO_WINDOW, NO_WINDOW)``: no window)"""
+
+
+def kernel_window(window_left: int, window_right: int, causal: bool, len_q: int,
+                len_k: int) -> Optional[Tuple[int, int]]:
+    """The local window ``j - i`` in ``[-left, right]`` as the kernels take it: None where no side
+    bounds anything (both :data:`NO_WINDOW`, or only the right side given under ``causal``, which
+    causality bounds already): the kernels then run without a window. Otherwise ``(left, right)``,
+    both in ``[0, len_q + len_k]``: a side without a limit, or one past every index difference,
+    is ``len_q + len_k``, which no difference of a query's and a key's position reaches (a KV
+    cache's bottom-right shift included). Under ``causal`` each kernel takes ``j <= i`` in place
+    of the right side."""
+    if window_left < 0 and (window_right < 0 or causal):
+        return None
+    reach = len_q + len_k
+    return (reach if window_left < 0 else min(window_left, reach),
+            reach if window_right < 0 else min(window_right, reach))
 
 
 def dropout_keep_threshold(p: float) -> int:

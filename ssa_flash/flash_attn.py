@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .conventions import NO_WINDOW
 from .temperature import DEFAULT_POLY, DEFAULT_THRESHOLD
 
 __all__ = [
@@ -76,13 +77,13 @@ def _check_layout(names: Sequence[str], tensors: Sequence[Tensor], dims: int, la
 
 def _fa_window(window_size, causal, seqlen_k: int) -> Tuple[int, int]:
     """FlashAttention-2's window after its kernels' normalisation: a side ``>= seqlen_k`` is
-    unbounded (-1), ``causal`` makes the right side 0, and one bounded side bounds the other at
+    unbounded (``NO_WINDOW``), ``causal`` makes the right side 0, and one bounded side bounds the other at
     ``seqlen_k`` (which matters only for ``seqlen_q > seqlen_k``)."""
     left, right = ops._check_window(window_size)
     if left >= seqlen_k:
-        left = -1
+        left = NO_WINDOW
     if right >= seqlen_k:
-        right = -1
+        right = NO_WINDOW
     if ops._check_bool("causal", causal):
         right = 0
     if left < 0 and right >= 0:
@@ -96,14 +97,14 @@ def _top_left(left: int, right: int, lq: int, lk: int) -> Tuple[int, int, int, i
     """The bottom-right window ``(left, right)`` of an ``lq x lk`` score matrix, as
     ``(rows, keys, left', right')``: drop the first ``rows`` queries (they see no key), drop the
     first ``keys`` keys (no query sees them), and the rest is the top-left window ``(left',
-    right')`` (-1: unbounded). Query ``i`` is at key position ``i + d``, ``d = lk - lq``; after
+    right')`` (``NO_WINDOW``: unbounded). Query ``i`` is at key position ``i + d``, ``d = lk - lq``; after
     the drops at ``i' + e`` with ``e = d + rows - keys``, and ``[i + d - left, i + d + right]``
     becomes ``[i' - (left - e), i' + (right + e)]``; the drops are what makes both sides >= 0."""
     d = lk - lq
     rows = min(max(-(d + right), 0), lq) if right >= 0 else 0
     keys = min(max(d - left, 0), lk) if left >= 0 else 0
     e = d + rows - keys
-    return rows, keys, (left - e if left >= 0 else -1), (right + e if right >= 0 else -1)
+    return rows, keys, (left - e if left >= 0 else NO_WINDOW), (right + e if right >= 0 else NO_WINDOW)
 
 
 def _variant(score, score_params, adaptive_temperature, poly, threshold, sinks, backend) -> dict:
@@ -143,7 +144,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     # (B, L, H, D) -> (B, H, L, D): views, minus the rows that see nothing and the keys nobody sees
     qt, kt, vt = q[:, rows:].transpose(1, 2), k[:, keys:].transpose(1, 2), v[:, keys:].transpose(1, 2)
     out, lse = ops.attention(
-        qt, kt, vt, None, dropout_p, right == 0, softmax_scale, True, window_size=(left, -1 if right == 0 else right),
+        qt, kt, vt, None, dropout_p, right == 0, softmax_scale, True, window_size=(left, NO_WINDOW if right == 0 else right),
         return_lse=True, deterministic=deterministic, softcap=softcap,
         **_variant(score, score_params, adaptive_temperature, poly, threshold, sinks, backend))
     if rows:  # queries before the first key they may see: output 0, lse -inf (no key)
@@ -232,7 +233,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         ops._host_checkable(cu_seqlens_q, cu_seqlens_k) and torch.equal(cu_seqlens_q, cu_seqlens_k))
     if same:  # top-left is bottom-right: every sequence has as many queries as keys, or no window
         out, lse = ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                        right == 0, window_size=(left, -1 if right == 0 else right), **kw)
+                                        right == 0, window_size=(left, NO_WINDOW if right == 0 else right), **kw)
     else:
         if right != 0:
             lq, lk = cu_seqlens_q.diff(), cu_seqlens_k.diff()
@@ -243,7 +244,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         index, cu_new_q, cu_new_k = _bottom_right_packing(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
         packed = q.new_zeros(k.shape[0] + 1, *q.shape[1:]).index_put((index,), q)
         out, lse = ops.varlen_attention(packed, k, v, cu_new_q, cu_new_k, max_seqlen_k, max_seqlen_k, dropout_p,
-                                        right == 0, window_size=(left, -1 if right == 0 else right), **kw)
+                                        right == 0, window_size=(left, NO_WINDOW if right == 0 else right), **kw)
         out, lse = out.index_select(0, index), lse.index_select(1, index)
     return (out, lse, None) if ops._check_bool("return_attn_probs", return_attn_probs) else out
 
@@ -320,7 +321,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     out, lse = ops.attention_with_kvcache(
         q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens,
         None if k is None else k.transpose(1, 2), None if v is None else v.transpose(1, 2),
-        is_causal=right == 0, scale=softmax_scale, enable_gqa=True, window_size=(left, -1 if right == 0 else right),
+        is_causal=right == 0, scale=softmax_scale, enable_gqa=True, window_size=(left, NO_WINDOW if right == 0 else right),
         return_lse=True, cache_leftpad=cache_leftpad, num_splits=num_splits, softcap=softcap,
         **_variant(score, score_params, adaptive_temperature, poly, threshold, sinks, backend))
     out = out.transpose(1, 2).contiguous()

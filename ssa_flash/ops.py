@@ -24,7 +24,7 @@ from torch import Tensor
 from . import _nested, _shapes, autograd, backends, scores
 from .spec import AttentionSpec, PlanMismatch, draw_dropout_rng
 from .errors import BackendUnavailableError
-from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD
+from .conventions import DEFAULT_POLY, DEFAULT_THRESHOLD, NO_WINDOW
 
 _log = logging.getLogger("ssa_flash")
 _fallbacks_logged: set = set()
@@ -193,11 +193,12 @@ def _check_common(dropout_p, is_causal, scale, head_dim: int, return_lse) -> flo
     return _check_number("scale", scale)
 
 
-_NO_WINDOW = (-1, -1)
+_NO_WINDOW = (NO_WINDOW, NO_WINDOW)
 
 
 def _check_window(window_size) -> Tuple[int, int]:
-    """``window_size``: a pair ``(left, right)`` of ints >= -1 (-1: that side unbounded)."""
+    """``window_size``: a pair ``(left, right)`` of ints >= -1 (``NO_WINDOW``, -1: that side
+    unbounded)."""
     if window_size == _NO_WINDOW and type(window_size) is tuple:  # the default, checked cheaply
         return _NO_WINDOW
     if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence):
@@ -208,21 +209,22 @@ def _check_window(window_size) -> Tuple[int, int]:
     for side, x in zip(("left", "right"), window_size):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise TypeError(f"window_size {side} must be an int, got {type(x).__name__}")
-        if x < -1:
+        if x < NO_WINDOW:
             raise ValueError(f"window_size {side} must be >= -1 (-1: unbounded), got {x}")
         out.append(int(x))
     return out[0], out[1]
 
 
 def _effective_window(window: Tuple[int, int], lq: int, lk: int, is_causal: bool) -> Tuple[int, int]:
-    """The window with every side that excludes nothing made -1: ``left >= Lq - 1`` (then
-    ``i - left <= 0``), ``right >= Lk - 1``, or ``right`` under ``is_causal`` (``j <= i`` is
-    tighter). ``(-1, -1)``: no window, and the kernels compile without one."""
+    """The window with every side that excludes nothing made ``NO_WINDOW``: ``left >= Lq - 1``
+    (then ``i - left <= 0``), ``right >= Lk - 1``, or ``right`` under ``is_causal`` (``j <= i`` is
+    tighter). Both ``NO_WINDOW``: no window, and the kernels compile without one
+    (``ssa_flash.conventions.kernel_window``)."""
     left, right = window
     if left >= max(lq - 1, 0):
-        left = -1
+        left = NO_WINDOW
     if right >= max(lk - 1, 0) or (is_causal and right >= 0):
-        right = -1
+        right = NO_WINDOW
     return left, right
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ..conventions import dropout_keep_threshold, dropout_scale
+from ..conventions import dropout_keep_threshold, dropout_scale, kernel_window
 from ..spec import AttentionSpec
 from . import block_choice
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
@@ -140,8 +140,8 @@ def feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
     """The feature arguments of the attention kernels by name, ``dropout = (RNG, keep31,
     drop_scale_hi, drop_scale_lo)`` and ``window = (left, right)``, and their ``DROPOUT`` /
     ``WINDOW`` constexprs. Without dropout or a window they are None, which Triton turns into
-    constants: the kernels then take exactly the parameters they take without these features. An
-    unbounded side of a window is passed as ``Lq + Lk``, which no index difference reaches."""
+    constants: the kernels then take exactly the parameters they take without these features. The
+    window is :func:`ssa_flash.conventions.kernel_window`'s."""
     dropout = spec.dropout_p > 0.0
     drop_args = None
     if dropout:
@@ -150,11 +150,8 @@ def feature_args(q, Lq: int, Lk: int, spec: AttentionSpec):
         p = float(spec.dropout_p)
         hi, lo = _split_scale(dropout_scale(p))
         drop_args = (spec.dropout_rng, dropout_keep_threshold(p), hi, lo)
-    window = spec.window_left >= 0 or spec.window_right >= 0
-    unbounded = Lq + Lk
-    left = min(spec.window_left, unbounded) if spec.window_left >= 0 else unbounded
-    right = min(spec.window_right, unbounded) if spec.window_right >= 0 else unbounded
-    return dict(dropout=drop_args, window=(left, right) if window else None), dict(DROPOUT=dropout, WINDOW=window)
+    window = kernel_window(spec.window_left, spec.window_right, spec.causal, Lq, Lk)
+    return dict(dropout=drop_args, window=window), dict(DROPOUT=dropout, WINDOW=window is not None)
 
 
 def logit_args(spec: AttentionSpec, sinks: Optional[torch.Tensor], acc: torch.dtype):

@@ -169,15 +169,37 @@ def test_unbounded_windows_are_no_window():
                                ssa_flash.ssa_attention(q, k, v, backend="triton"))
 
 
+def test_kernel_window_is_one_encoding_for_both_backends():
+    """ssa_flash.conventions.kernel_window: None without a bound (both NO_WINDOW, or the right side
+    alone under causal), else both sides in [0, Lq + Lk]; the Triton kernels' window arguments and
+    the CUDA binding's are that band."""
+    from ssa_flash.conventions import NO_WINDOW, kernel_window
+    from ssa_flash.triton.kernel_args import feature_args
+
+    assert kernel_window(NO_WINDOW, NO_WINDOW, False, 8, 10) is None
+    assert kernel_window(NO_WINDOW, 4, True, 8, 10) is None  # causality bounds the right side already
+    assert kernel_window(NO_WINDOW, 4, False, 8, 10) == (18, 4)
+    assert kernel_window(3, NO_WINDOW, True, 8, 10) == (3, 18)
+    assert kernel_window(100, 50, False, 8, 10) == (18, 18)
+    for spec in (AttentionSpec(scale=1.0, window_left=3), AttentionSpec(scale=1.0, window_right=2),
+                 AttentionSpec(scale=1.0, window_right=2, causal=True), AttentionSpec(scale=1.0)):
+        band = kernel_window(spec.window_left, spec.window_right, spec.causal, 8, 10)
+        args, consts = feature_args(None, 8, 10, spec)
+        assert args["window"] == band and consts["WINDOW"] == (band is not None)
+        cuda = cuda_backend._spec_args(spec, None, 8, 10)
+        assert (cuda["window_left"], cuda["window_right"]) == (band or (NO_WINDOW, NO_WINDOW))
+
+
 def test_cuda_backend_takes_windows():
     """The CUDA kernels run windows (numerics: tests/cuda/test_csrc_compile.py and tests/ops/test_backends.py,
-    emulated; tests/cuda/test_cuda_backend.py on a GPU): the spec's bounds reach the kernels' arguments,
-    and a call without a window passes -1 for both sides (unbounded)."""
+    emulated; tests/cuda/test_cuda_backend.py on a GPU): the spec's bounds reach the kernels' arguments
+    as ssa_flash.conventions.kernel_window encodes them (an unbounded side: Lq + Lk), and a call without
+    a window passes NO_WINDOW (-1) for both sides."""
     spec = AttentionSpec(scale=1.0, window_left=3)
     assert cuda_backend._feature_reason(spec) is None
-    args = cuda_backend._spec_args(spec, 1.0, None)
-    assert (args["window_left"], args["window_right"]) == (3, -1)
-    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), 1.0, None)
+    args = cuda_backend._spec_args(spec, None, 8, 10)
+    assert (args["window_left"], args["window_right"]) == (3, 18)
+    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), None, 8, 10)
     assert (args["window_left"], args["window_right"]) == (-1, -1)
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     with cuda_backend.emulated(object()):
