@@ -86,11 +86,15 @@ def test_bfloat16(shape, on_cuda):
     pytest.param("softmax", True, (1, H, L, S), dict(sinks=0.3, enable_gqa=True, Hkv=1), id="sinks_gqa",
                  marks=slow),
     pytest.param("ssa", False, (B, 1, 1, S), dict(is_causal=True), id="key_bias", marks=slow),  # over rows too
+    # a negative scale: signed in the kernels' logit context (csrc/logits.h), no negated Q here
+    pytest.param("ssa", True, (H, L, S), dict(scale=-0.3), id="negative_scale"),
+    pytest.param("softmax", False, (B, 1, L, S), dict(scale=-0.3, softcap=4.0), id="negative_scale_softcap",
+                 marks=slow),
 ])
 def test_features(score, adaptive, shape, kw, on_cuda):
     """float16 against the float64 reference with causality, GQA, dropout (the forward's keep bits
-    regenerated: same seed), a window with the soft cap, sinks, and a mask broadcast over query
-    rows (summed over them by the host)."""
+    regenerated: same seed), a window with the soft cap, sinks, a mask broadcast over query rows
+    (summed over them by the host) and a negative scale."""
     Hkv = kw.pop("Hkv", H)
     seed = 5 if "dropout_p" in kw else None
     _check(_inputs(shape, Hkv=Hkv, Lq=37, Lk=35), score, adaptive, torch.float16, on_cuda, seed, **kw)
