@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) attn_row_entropy_kernel(cons
 
 #pragma unroll
   for (int ms = 0; ms < kMS; ++ms)
-    for (int hi = 0; hi < 2; ++hi) row_entropy_store(p, stat0, row[ms][hi], m_run[ms][hi], lam[ms][hi], kc[ms][hi], lane);
+    for (int hi = 0; hi < 2; ++hi) row_entropy_store(p, stat0, row[ms][hi], p.len_q, m_run[ms][hi], lam[ms][hi], kc[ms][hi], lane);
 }
 
 }  // namespace ssa_flash

@@ -168,26 +168,36 @@ BwdPlan plan_bwd(int dim, int dim_v, int len_q, int len_k, int score, bool adapt
   return plan;
 }
 
+// A packed batch (FwdParams cu_seqlens_*) that the sm_90a kernels did not take (why: their
+// reason): today's kernels index dense tensors only, so the call is refused.
+inline std::string packed_declined(const char* why) {
+  return std::string("packed sequences: only the sm_90a forward takes them, and it declines the call: ") + why;
+}
+
 // The forward: the sm_90a warp-specialised kernel where hopper::fwd_ws_declines (the one place
 // that decides) takes the call, today's kernel otherwise.
 template <typename T>
 std::string run_fwd(const FwdParams& p, int score, bool adaptive, cudaStream_t stream) {
+  const char* why = "not in this build (SSA_FLASH_HOPPER_FWD=0)";
 #if SSA_FLASH_HOPPER_FWD
   int arch = 0, max_optin = 0;
-  if (device_info(arch, max_optin).empty() && hopper::fwd_ws_declines(p, arch) == nullptr)
-    return hopper::run_fwd_ws<T>(p, score, adaptive, stream);
+  why = device_info(arch, max_optin).empty() ? hopper::fwd_ws_declines(p, arch) : "no device";
+  if (why == nullptr) return hopper::run_fwd_ws<T>(p, score, adaptive, stream);
 #endif
+  if (p.cu_seqlens_q != nullptr) return packed_declined(why);
   return head_dim_switch(p.dim, p.dim_v, [&](auto D) { return fwd_hdim<T, decltype(D)::value>(p, score, adaptive, stream); });
 }
 
 // The row-entropy pass likewise (hopper::row_entropy_ws_declines).
 template <typename T>
 std::string run_row_entropy(const FwdParams& p, int score, cudaStream_t stream) {
+  const char* why = "not in this build (SSA_FLASH_HOPPER_FWD=0)";
 #if SSA_FLASH_HOPPER_FWD
   int arch = 0, max_optin = 0;
-  if (device_info(arch, max_optin).empty() && hopper::row_entropy_ws_declines(p, arch) == nullptr)
-    return hopper::run_row_entropy_ws<T>(p, score, stream);
+  why = device_info(arch, max_optin).empty() ? hopper::row_entropy_ws_declines(p, arch) : "no device";
+  if (why == nullptr) return hopper::run_row_entropy_ws<T>(p, score, stream);
 #endif
+  if (p.cu_seqlens_q != nullptr) return packed_declined(why);
   return head_dim_switch(p.dim, p.dim, [&](auto D) { return row_entropy_hdim<T, decltype(D)::value>(p, score, stream); });
 }
 

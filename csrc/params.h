@@ -89,6 +89,17 @@ struct FwdParams : AttnShape {
   const float* sinks;
   bool softcap;
   float cap_in, cap_out;
+  // A packed batch of variable-length sequences (the sm_90a forward and row-entropy pass only,
+  // csrc/hopper/; nullptr cu_seqlens_q for a dense call): sequence b is query rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and o, seen as (1, H, total_q, D) (q_sm, q_sh its
+  // strides; q_sb unused), attending to key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v
+  // (1, Hkv, total_k, D); device int32 (batch + 1). len_q, len_k: the longest sequences (they size
+  // the grid); positions (causal, top-left) count from each sequence's start. The statistics
+  // (lse, beta, entropy) are (H, total_q), row cu_seqlens_q[b] + i of head h at h total_q + ....
+  // (Last, as sinks: every other field at its former offset.)
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q, total_k;
 };
 
 struct BwdParams : AttnShape {

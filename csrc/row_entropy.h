@@ -56,12 +56,14 @@ SSA_DEVICE void row_entropy_update(float (&m)[2], float (&lam)[2], float (&kc)[2
 }
 
 // The row's H and LSE from this thread's partials (lam, kc summed over the quad; every lane of
-// the warp calls it), written by the row's first lane for a row r < len_q to p.entropy[stat0 + r]
-// and p.lse[stat0 + r]; a row with no admissible key gets H = 0 and LSE = -inf.
-SSA_DEVICE void row_entropy_store(const FwdParams& p, int64_t stat0, int r, float m, float lam, float kc, int lane) {
+// the warp calls it), written by the row's first lane for a row r < len_q (the sequence's length:
+// p.len_q, or a packed sequence's own) to p.entropy[stat0 + r] and p.lse[stat0 + r]; a row with
+// no admissible key gets H = 0 and LSE = -inf.
+SSA_DEVICE void row_entropy_store(const FwdParams& p, int64_t stat0, int r, int len_q, float m, float lam, float kc,
+                                  int lane) {
   const float l = quad_sum(lam);
   const float kcs = quad_sum(kc);
-  if (Frag::rank(lane) == 0 && r < p.len_q) {
+  if (Frag::rank(lane) == 0 && r < len_q) {
     const bool empty = l == 0.0f;
     p.entropy[stat0 + r] = empty ? 0.0f : (log2f(l) - kcs / l) * kLn2;
     p.lse[stat0 + r] = empty ? neg_inf() : (m + log2f(l)) * kLn2;

@@ -3,7 +3,8 @@
 // and ssa_flash/audit/hopper.py: nvcc -arch=sm_90a -cubin -DSSA_FLASH_HOPPER_FWD=1 -I csrc,
 // then ptxas -v and the SASS are read; ssa_flash/audit/hopper.py counts its main loops). The
 // instances the launcher ships (fwd_launch.h run_fwd_ws_hdim, MufuAll), bfloat16, and the MUFU
-// budgets the static model compares, and the row-entropy pass's instances (bfloat16). The
+// budgets the static model compares, the row-entropy pass's instances, and the packed-sequence
+// instances of both (bfloat16). The
 // launcher's host code is compiled too (SSA_FLASH_WS_FWD_HOST).
 #include "hopper/fwd_launch.h"
 
@@ -44,6 +45,26 @@ SSA_WS_ROW_ENTROPY_INSTANCE(64, Ssa)
 SSA_WS_ROW_ENTROPY_INSTANCE(128, Ssa)
 SSA_WS_ROW_ENTROPY_INSTANCE(64, LogitScale)
 SSA_WS_ROW_ENTROPY_INSTANCE(128, LogitScale)
+
+// packed sequences (attn_fwd_ws_varlen_kernel, attn_row_entropy_ws_varlen_kernel): the launcher's
+// all-MUFU instances of every score function, fixed and adaptive temperature, D 64 and 128
+#define SSA_WS_FWD_VARLEN_INSTANCE(D, SCORE, ADAPTIVE)                                                    \
+  template __global__ void attn_fwd_ws_varlen_kernel<WsFwdTraits<D, __nv_bfloat16, MufuAll>, SCORE, ADAPTIVE>( \
+      const __grid_constant__ HopperFwdParams);
+#define SSA_WS_ROW_ENTROPY_VARLEN_INSTANCE(D, SCORE)                                                     \
+  template __global__ void attn_row_entropy_ws_varlen_kernel<WsRowEntropyTraits<D, __nv_bfloat16>, SCORE>( \
+      const __grid_constant__ HopperFwdParams);
+#define SSA_WS_VARLEN_INSTANCES(D, SCORE)      \
+  SSA_WS_FWD_VARLEN_INSTANCE(D, SCORE, false)  \
+  SSA_WS_FWD_VARLEN_INSTANCE(D, SCORE, true)   \
+  SSA_WS_ROW_ENTROPY_VARLEN_INSTANCE(D, SCORE)
+
+SSA_WS_VARLEN_INSTANCES(64, Softmax)
+SSA_WS_VARLEN_INSTANCES(128, Softmax)
+SSA_WS_VARLEN_INSTANCES(64, Ssa)
+SSA_WS_VARLEN_INSTANCES(128, Ssa)
+SSA_WS_VARLEN_INSTANCES(64, LogitScale)
+SSA_WS_VARLEN_INSTANCES(128, LogitScale)
 
 #ifdef SSA_FLASH_WS_FWD_HOST
 // the host side: tensor-map encoding and the launch (compiled, not run here)

@@ -7,8 +7,9 @@
 // CTA (384 threads): warpgroup 0 the producer (setmaxnreg down to 24; one elected thread issues
 // every TMA load), warpgroups 1 and 2 the consumers (setmaxnreg up to 240), rows 64 (wg - 1) ..
 // of the 128-row query tile each. Takes: any score function, adaptive or not, causal (top-left) or
-// not, GQA, any Lq, Lk (ragged ends), head dims up to 64 / 128 padded; no masks, dropout, windows,
-// sinks or soft-capping (fwd_launch.h routes those to csrc/fwd_kernel.h).
+// not, GQA, any Lq, Lk (ragged ends), dense or packed variable-length sequences
+// (attn_fwd_ws_varlen_kernel), head dims up to 64 / 128 padded; no masks, dropout, windows, sinks
+// or soft-capping (fwd_launch.h routes those to csrc/fwd_kernel.h).
 #pragma once
 
 #include "../logits.h"
@@ -24,8 +25,10 @@
 namespace ssa_flash {
 namespace hopper {
 
-template <typename Tr, typename Score, bool kAdaptive>
-__global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
+// One CTA of the forward (the kernels below); kVarlen: packed sequences (FwdParams cu_seqlens_*,
+// tile_scheduler.h QuerySeq), a compile-time switch: the dense kernel's code is as without it.
+template <typename Tr, typename Score, bool kAdaptive, bool kVarlen>
+SSA_DEVICE void fwd_ws_cta(const HopperFwdParams& hp) {
 #if defined(__CUDA_ARCH__) && !SSA_FLASH_WGMMA
   // compiled for another architecture in a multi-architecture build: never launched there
   // (fwd_ws_declines takes sm_90 only), so no code
@@ -43,17 +46,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
 
   const Tile tile = SingleTileScheduler::query_tile(p);
   const int m0 = tile.block * Tr::kBlockM;
-  const FwdKeyBlocks kb = fwd_key_blocks(p, m0, Tr::kBlockM, Tr::kBlockN);
+  const QuerySeq<kVarlen> seq(p, tile);
+  if (kVarlen && m0 >= seq.len_q()) return;  // (the grid covers the longest sequence)
+  const FwdKeyBlocks kb = fwd_key_blocks(seq, m0, Tr::kBlockM, Tr::kBlockN);
 
-  if (!ws_start<Tr>(ss, [&] { fwd_produce<Tr>(hp, ss, tile, m0, kb); })) return;
+  if (!ws_start<Tr>(ss, [&] { fwd_produce<Tr>(hp, ss, tile, seq, m0, kb); })) return;
   const int c = warpgroup_idx() - 1;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   LogitCtx ctx = Score::template setup<false>(p, tile.batch, tile.head);
   const bool negate_q = Score::nonneg(ctx);
-  const int64_t stat0 = (static_cast<int64_t>(tile.batch) * p.heads + tile.head) * p.len_q;
-  FwdConsumer<Tr, Score, kAdaptive> cons;
-  cons.init(p, ctx, m0 + 64 * c + 16 * warp_idx_in_warpgroup() + Frag::row(lane), stat0);
-
+  FwdConsumer<Tr, Score, kAdaptive, kVarlen> cons;
+  cons.init(p, seq, ctx, m0 + 64 * c + 16 * warp_idx_in_warpgroup() + Frag::row(lane));
   T* const sQ = ss.q + Tr::QTile::offset(64 * c, 0);  // this warpgroup's 64 rows (then its O's)
   if (kb.n > 0) {
     if (c == 1) named_bar_arrive(turn_barrier(0), Tr::kConsumerThreads);  // consumer 0 issues first
@@ -77,10 +80,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __gr
       fence_proxy_async();
       named_bar_sync(warpgroup_barrier(c), 128);
     }
-    cons.run(ss, sQ, p, ctx, kb, c);
+    cons.run(ss, sQ, seq, ctx, kb, c);
   }
-  fwd_epilogue<Tr>(hp, sQ, cons.o, cons.m, cons.l, cons.row0, m0 + 64 * c, c, tile.batch, tile.head, lane);
+  fwd_epilogue<Tr, kVarlen>(hp, sQ, cons.o, cons.m, cons.l, cons.row0, m0 + 64 * c, c, seq, tile.head, lane);
 #endif
+}
+
+// dense (B, H, L, D) tensors
+template <typename Tr, typename Score, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kThreads, 1) attn_fwd_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
+  fwd_ws_cta<Tr, Score, kAdaptive, false>(hp);
+}
+
+// packed sequences (FwdParams cu_seqlens_q / cu_seqlens_k; grid: the longest sequence's tiles)
+template <typename Tr, typename Score, bool kAdaptive>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    attn_fwd_ws_varlen_kernel(const __grid_constant__ HopperFwdParams hp) {
+  fwd_ws_cta<Tr, Score, kAdaptive, true>(hp);
 }
 
 }  // namespace hopper

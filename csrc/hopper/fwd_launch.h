@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -36,11 +37,24 @@ namespace hopper {
 
 // 16-bit elements at `base` with element strides (rows, heads, batch) of extents (rows, heads,
 // batch): each stride of an extent above 1 a multiple of 8 (16 bytes), the address 16-byte aligned.
-inline bool tma_operand_ok(const void* base, const int64_t (&strides)[3], const int64_t (&extents)[3]) {
+// (Extents: int64_t[3] or std::array<int64_t, 3>.)
+template <typename Extents>
+bool tma_operand_ok(const void* base, const int64_t (&strides)[3], const Extents& extents) {
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
   for (int i = 0; i < 3; ++i)
     if (extents[i] > 1 && strides[i] % 8 != 0) return false;
   return true;
+}
+
+// The (rows, heads, batch) extents of the tensor maps of Q and O, K and V: (B, H, L) dense, (1, H,
+// total rows) for packed sequences (FwdParams cu_seqlens_*).
+inline bool packed(const FwdParams& p) { return p.cu_seqlens_q != nullptr; }
+inline std::array<int64_t, 3> q_extents(const FwdParams& p) {
+  return packed(p) ? std::array<int64_t, 3>{p.total_q, p.heads, 1} : std::array<int64_t, 3>{p.len_q, p.heads, p.batch};
+}
+inline std::array<int64_t, 3> k_extents(const FwdParams& p) {
+  return packed(p) ? std::array<int64_t, 3>{p.total_k, p.heads_kv, 1}
+                   : std::array<int64_t, 3>{p.len_k, p.heads_kv, p.batch};
 }
 
 // What the warp-specialised forward and row-entropy pass both decline (the call then runs
@@ -59,8 +73,8 @@ inline const char* ws_declines_common(const FwdParams& p, int arch, int d) {
   if (p.sinks != nullptr) return "attention sinks";
   if (p.softcap) return "soft-capping";
   if (p.heads > 65535 || p.batch > 65535 || p.len_q == 0) return "grid";
-  const int64_t q_ext[3] = {p.len_q, p.heads, p.batch}, k_ext[3] = {p.len_k, p.heads_kv, p.batch};
-  if (!tma_operand_ok(p.q, {p.q_sm, p.q_sh, p.q_sb}, q_ext) || !tma_operand_ok(p.k, {p.k_sm, p.k_sh, p.k_sb}, k_ext))
+  if (!tma_operand_ok(p.q, {p.q_sm, p.q_sh, p.q_sb}, q_extents(p)) ||
+      !tma_operand_ok(p.k, {p.k_sm, p.k_sh, p.k_sb}, k_extents(p)))
     return "an operand's address or strides are not 16-byte aligned (TMA)";
   return nullptr;
 }
@@ -70,8 +84,8 @@ inline const char* ws_declines_common(const FwdParams& p, int arch, int d) {
 inline const char* fwd_ws_declines(const FwdParams& p, int arch) {
   const char* why = ws_declines_common(p, arch, padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v));
   if (why != nullptr) return why;
-  const int64_t q_ext[3] = {p.len_q, p.heads, p.batch}, k_ext[3] = {p.len_k, p.heads_kv, p.batch};
-  if (!tma_operand_ok(p.v, {p.v_sm, p.v_sh, p.v_sb}, k_ext) || !tma_operand_ok(p.o, {p.o_sm, p.o_sh, p.o_sb}, q_ext))
+  if (!tma_operand_ok(p.v, {p.v_sm, p.v_sh, p.v_sb}, k_extents(p)) ||
+      !tma_operand_ok(p.o, {p.o_sm, p.o_sh, p.o_sb}, q_extents(p)))
     return "an operand's address or strides are not 16-byte aligned (TMA)";
   return nullptr;
 }
@@ -109,14 +123,26 @@ struct FwdTmaSpecs {
   TmaTileSpec q, k, v, o;
 };
 
+// Q's (or O's: dim p.dim_v) map, K's or V's (packed sequences: the (1, H, total rows) view)
+inline TmaTileSpec tma_spec_q(const FwdParams& p, const void* base, int64_t dim, int64_t s_row, int64_t s_head,
+                              int64_t s_batch, int box_rows) {
+  const auto e = q_extents(p);
+  return tma_spec_bhld(base, dim, e[0], e[1], e[2], s_row, s_head, s_batch, box_rows);
+}
+inline TmaTileSpec tma_spec_k(const FwdParams& p, const void* base, int64_t dim, int64_t s_row, int64_t s_head,
+                              int64_t s_batch, int box_rows) {
+  const auto e = k_extents(p);
+  return tma_spec_bhld(base, dim, e[0], e[1], e[2], s_row, s_head, s_batch, box_rows);
+}
+
 template <typename Tr>
 FwdTmaSpecs fwd_tma_specs(const FwdParams& p) {
   FwdTmaSpecs s;
-  s.q = tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb, Tr::kBlockM);
-  s.k = tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN);
-  s.v = tma_spec_bhld(p.v, p.dim_v, p.len_k, p.heads_kv, p.batch, p.v_sm, p.v_sh, p.v_sb, Tr::kBlockN);
+  s.q = tma_spec_q(p, p.q, p.dim, p.q_sm, p.q_sh, p.q_sb, Tr::kBlockM);
+  s.k = tma_spec_k(p, p.k, p.dim, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN);
+  s.v = tma_spec_k(p, p.v, p.dim_v, p.v_sm, p.v_sh, p.v_sb, Tr::kBlockN);
   // the epilogue's store: each consumer warpgroup its 64 rows
-  s.o = tma_spec_bhld(p.o, p.dim_v, p.len_q, p.heads, p.batch, p.o_sm, p.o_sh, p.o_sb, Tr::kBlockM / Tr::kConsumers);
+  s.o = tma_spec_q(p, p.o, p.dim_v, p.o_sm, p.o_sh, p.o_sb, Tr::kBlockM / Tr::kConsumers);
   return s;
 }
 
@@ -147,6 +173,13 @@ std::string run_fwd_ws_hdim(const FwdParams& p, int score, bool adaptive, cudaSt
   HopperFwdParams hp;
   const std::string err = make_fwd_ws_params<T, Tr>(p, hp);
   if (!err.empty()) return err;
+  if (packed(p)) {
+    auto kernel = feature_switch(score, adaptive, [](auto S, auto A) {
+      return &attn_fwd_ws_varlen_kernel<Tr, decltype(S), decltype(A)::value>;
+    });
+    return detail::launch<T>(kernel, "attn_fwd_ws_varlen_kernel", fwd_ws_grid<Tr>(p), Tr::kThreads,
+                             ws_fwd_smem_bytes<Tr>(), stream, hp);
+  }
   auto kernel = feature_switch(score, adaptive, [](auto S, auto A) {
     return &attn_fwd_ws_kernel<Tr, decltype(S), decltype(A)::value>;
   });
@@ -200,12 +233,14 @@ std::string run_row_entropy_ws_hdim(const FwdParams& p, int score, cudaStream_t 
   hp.p = p;
   constexpr bool kBf16 = ElemInfo<T>::kIsBF16;
   TmaMapCache& cache = tma_cache();
-  std::string err = cache.get(0, tma_spec_bhld(p.q, p.dim, p.len_q, p.heads, p.batch, p.q_sm, p.q_sh, p.q_sb,
-                                               Tr::kBlockM), kBf16, &hp.tma_q);
-  if (err.empty())
-    err = cache.get(1, tma_spec_bhld(p.k, p.dim, p.len_k, p.heads_kv, p.batch, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN),
-                    kBf16, &hp.tma_k);
+  std::string err = cache.get(0, tma_spec_q(p, p.q, p.dim, p.q_sm, p.q_sh, p.q_sb, Tr::kBlockM), kBf16, &hp.tma_q);
+  if (err.empty()) err = cache.get(1, tma_spec_k(p, p.k, p.dim, p.k_sm, p.k_sh, p.k_sb, Tr::kBlockN), kBf16, &hp.tma_k);
   if (!err.empty()) return err;
+  if (packed(p)) {
+    auto kernel = score_switch(score, [](auto S) { return &attn_row_entropy_ws_varlen_kernel<Tr, decltype(S)>; });
+    return detail::launch<T>(kernel, "attn_row_entropy_ws_varlen_kernel", fwd_ws_grid<Tr>(p), Tr::kThreads,
+                             ws_row_entropy_smem_bytes<Tr>(), stream, hp);
+  }
   auto kernel = score_switch(score, [](auto S) { return &attn_row_entropy_ws_kernel<Tr, decltype(S)>; });
   return detail::launch<T>(kernel, "attn_row_entropy_ws_kernel", fwd_ws_grid<Tr>(p), Tr::kThreads,
                            ws_row_entropy_smem_bytes<Tr>(), stream, hp);
@@ -233,7 +268,7 @@ std::string run_fwd_ws(const FwdParams& p, int score, bool adaptive, cudaStream_
   if constexpr (SSA_FLASH_HOPPER_FWD) {
     const int d = padded_head_dim(p.dim > p.dim_v ? p.dim : p.dim_v);
     const int budget = hopper_mufu_budget().load(std::memory_order_relaxed);
-    if (budget != 0 && score == Ssa::kId && !adaptive) {
+    if (budget != 0 && score == Ssa::kId && !adaptive && !packed(p)) {
       bool taken = false;
       std::string err = d == 64 ? run_fwd_ws_budget<T, 64>(p, budget, stream, &taken)
                                 : run_fwd_ws_budget<T, 128>(p, budget, stream, &taken);

@@ -23,7 +23,8 @@
 // Scores (logits.h policies): interior blocks keep x (softmax: s; SSA: sgn(s) log2(1 + c|s|)) and
 // the row multiplier mult >= 0 (beta included), the row max taken on x and scaled once per row,
 // each weight one FFMA and one ex2 (fwd_kernel.h's interior loop); checked blocks form the logit
-// (Score::logit) and mask keys past len_k and, under causal, keys past the row (-inf). The
+// (Score::logit) and mask keys past the sequence's len_k (packed batches: the next sequence's rows,
+// which the loads read) and, under causal, keys past the row (-inf). The
 // running max is exact (rescaled every block). Mufu (fast_math.h MufuBudget) moves a share of the
 // interior blocks' ex2 / lg2 to the FMA pipe (the checked blocks keep MUFU: their -inf must give
 // exact zeros).
@@ -50,43 +51,47 @@ struct FwdKeyBlocks {
   SSA_DEVICE int block(int it) const { return n - 1 - it; }
 };
 
-SSA_DEVICE FwdKeyBlocks fwd_key_blocks(const AttnShape& p, int m0, int block_m, int block_n) {
+// (seq: the tile's sequence; packed, keys past its len_k are the next sequence's rows, so the
+// block holding its end is checked as a ragged end is.)
+template <typename Seq>
+SSA_DEVICE FwdKeyBlocks fwd_key_blocks(const Seq& seq, int m0, int block_m, int block_n) {
   FwdKeyBlocks kb;
-  const int end = p.causal ? min(p.len_k, m0 + block_m) : p.len_k;
+  const int end = seq.causal() ? min(seq.len_k(), m0 + block_m) : seq.len_k();
   kb.n = end > 0 ? (end + block_n - 1) / block_n : 0;
   // block j is interior iff (j + 1) block_n <= len_k and, under causal, (j + 1) block_n - 1 <= m0
-  int n_int = p.len_k / block_n;
-  if (p.causal) n_int = min(n_int, (m0 + 1) / block_n);
+  int n_int = seq.len_k() / block_n;
+  if (seq.causal()) n_int = min(n_int, (m0 + 1) / block_n);
   n_int = max(0, min(n_int, kb.n));
   kb.n_checked = kb.n - n_int;
   return kb;
 }
 
 // The producer's elected thread: Q once, then K and V of every key block into the ring.
-template <typename Tr>
-SSA_DEVICE void fwd_produce(const HopperFwdParams& hp, FwdSharedStorage<Tr>& ss, const Tile& tile, int m0,
-                            const FwdKeyBlocks& kb) {
+template <typename Tr, typename Seq>
+SSA_DEVICE void fwd_produce(const HopperFwdParams& hp, FwdSharedStorage<Tr>& ss, const Tile& tile,
+                            const Seq& seq, int m0, const FwdKeyBlocks& kb) {
   constexpr int kD = Tr::kHeadDim, kBN = Tr::kBlockN;
   prefetch_tma_desc(&hp.tma_q);
   prefetch_tma_desc(&hp.tma_k);
   prefetch_tma_desc(&hp.tma_v);
   if (kb.n == 0) return;
-  tma_load_tile<Tr::kBlockM, kD>(ss.q, &hp.tma_q, ss.q_full.arm(tma_tile_bytes<Tr::kBlockM, kD>()), m0, tile.head,
-                                 tile.batch);
+  tma_load_tile<Tr::kBlockM, kD>(ss.q, &hp.tma_q, ss.q_full.arm(tma_tile_bytes<Tr::kBlockM, kD>()), seq.q_row() + m0,
+                                 tile.head, seq.tma_batch());
   typename Tr::Ring::Pos pos;
   for (int it = 0; it < kb.n; ++it) {
-    const int n0 = kb.block(it) * kBN;
+    const int n0 = seq.k_row() + kb.block(it) * kBN;
     ss.ring.acquire(pos);
     tma_load_tile<kBN, kD>(ss.k[pos.stage], &hp.tma_k, ss.ring.arm(pos, Tr::kPartK, tma_tile_bytes<kBN, kD>()), n0,
-                           tile.head_kv, tile.batch);
+                           tile.head_kv, seq.tma_batch());
     tma_load_tile<kBN, kD>(ss.v[pos.stage], &hp.tma_v, ss.ring.arm(pos, Tr::kPartV, tma_tile_bytes<kBN, kD>()), n0,
-                           tile.head_kv, tile.batch);
+                           tile.head_kv, seq.tma_batch());
     pos.advance();
   }
 }
 
 // One consumer warpgroup's state and steps (see above).
-template <typename Tr, typename Score, bool kAdaptive>
+// (kVarlen: the tile's sequence a QuerySeq<true>, packed sequences)
+template <typename Tr, typename Score, bool kAdaptive, bool kVarlen>
 struct FwdConsumer {
   using T = typename Tr::T;
   using Mufu = typename Tr::Mufu;
@@ -94,6 +99,7 @@ struct FwdConsumer {
   static constexpr int kNT = kBN / 8;  // n8 tiles of a score row strip
   static constexpr int kDT = kD / 8;   // n8 tiles of an output row strip
   using Pos = typename Tr::Ring::Pos;
+  using Seq = QuerySeq<kVarlen>;
 
   float o[kDT][4];       // O (unnormalised)
   float m[2], l[2];      // running max (base 2, beta included) and this thread's partial row sum
@@ -101,14 +107,15 @@ struct FwdConsumer {
   int row0;              // this thread's first row (hi = 0), in the sequence
   int lane;
 
-  SSA_DEVICE void init(const FwdParams& p, const LogitCtx& ctx, int row_first, int64_t stat0) {
+  SSA_DEVICE void init(const FwdParams& p, const Seq& seq, const LogitCtx& ctx, int row_first) {
     lane = static_cast<int>(threadIdx.x) & 31;
     row0 = row_first;
+    const int64_t stat0 = seq.stat0();
     zero(o);
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       const int r = row0 + hi * Frag::kHi;
-      const float beta = kAdaptive && r < p.len_q ? p.beta[stat0 + r] : 1.0f;
+      const float beta = kAdaptive && r < seq.len_q() ? p.beta[stat0 + r] : 1.0f;
       mult[hi] = Score::mult(ctx, beta);
       m[hi] = neg_inf();
       l[hi] = 0.0f;
@@ -137,9 +144,9 @@ struct FwdConsumer {
   // s (scores of key block n0) -> weights 2^(logit - m) in place; m moves to the new row max,
   // alpha the factor the old O and l are scaled by (l already is).
   template <bool kCheck>
-  SSA_DEVICE void softmax(float (&s)[kNT][4], float (&alpha)[2], const FwdParams& p, const LogitCtx& ctx, int n0) {
+  SSA_DEVICE void softmax(float (&s)[kNT][4], float (&alpha)[2], const Seq& seq, const LogitCtx& ctx, int n0) {
     float mx[2] = {neg_inf(), neg_inf()};
-    transform<kCheck>(s, mx, p, ctx, n0, std::integral_constant<int, 0>());
+    transform<kCheck>(s, mx, seq, ctx, n0, std::integral_constant<int, 0>());
     float ms[2];
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
@@ -158,7 +165,7 @@ struct FwdConsumer {
   // the per-element transform, unrolled at compile time (element indices are template arguments:
   // MufuBudget picks each element's lg2 / ex2 statically)
   template <bool kCheck, int kE>
-  SSA_DEVICE void transform(float (&s)[kNT][4], float (&mx)[2], const FwdParams& p, const LogitCtx& ctx, int n0,
+  SSA_DEVICE void transform(float (&s)[kNT][4], float (&mx)[2], const Seq& seq, const LogitCtx& ctx, int n0,
                             std::integral_constant<int, kE>) {
     if constexpr (kE < 4 * kNT) {
       constexpr int nt = kE / 4, i = kE % 4, hi = i / 2;
@@ -168,13 +175,13 @@ struct FwdConsumer {
         x = Score::logit(ctx, s[nt][i], mult[hi], el);
         const int col = n0 + Frag::col(lane, nt) + (i & 1);
         const int row = row0 + hi * Frag::kHi;
-        if (col >= p.len_k || (p.causal && col > row)) x = neg_inf();
+        if (col >= seq.len_k() || (seq.causal() && col > row)) x = neg_inf();
       } else {
         x = Score::template x<Mufu::template kPolyLg2At<kE>>(ctx, s[nt][i]);
       }
       s[nt][i] = x;
       mx[hi] = fmaxf(mx[hi], x);
-      transform<kCheck>(s, mx, p, ctx, n0, std::integral_constant<int, kE + 1>());
+      transform<kCheck>(s, mx, seq, ctx, n0, std::integral_constant<int, kE + 1>());
     }
   }
 
@@ -199,15 +206,15 @@ struct FwdConsumer {
     }
   }
 
-  SSA_DEVICE void softmax_at(bool check, float (&s)[kNT][4], float (&alpha)[2], const FwdParams& p,
+  SSA_DEVICE void softmax_at(bool check, float (&s)[kNT][4], float (&alpha)[2], const Seq& seq,
                              const LogitCtx& ctx, int n0) {
-    if (check) softmax<true>(s, alpha, p, ctx, n0);
-    else softmax<false>(s, alpha, p, ctx, n0);
+    if (check) softmax<true>(s, alpha, seq, ctx, n0);
+    else softmax<false>(s, alpha, seq, ctx, n0);
   }
 
   // Key block `it` >= 1 of the order (see the file comment); pos moves on to its stage.
   template <bool kCheck>
-  SSA_DEVICE void step(FwdSharedStorage<Tr>& ss, const T* sQ, const FwdParams& p, const LogitCtx& ctx,
+  SSA_DEVICE void step(FwdSharedStorage<Tr>& ss, const T* sQ, const Seq& seq, const LogitCtx& ctx,
                        const FwdKeyBlocks& kb, int c, int it, Pos& pos, float (&s)[kNT][4], uint32_t (&pa)[kBN / 16][4],
                        float (&alpha)[2]) {
     constexpr int kTurnThreads = Tr::kConsumerThreads;
@@ -223,7 +230,7 @@ struct FwdConsumer {
     named_bar_arrive(turn_barrier(1 - c), kTurnThreads);
     wgmma_wait<1>();  // S_j; O += P V still in flight
     wgmma_fence_operand(s);
-    softmax<kCheck>(s, alpha, p, ctx, kb.block(it) * kBN);
+    softmax<kCheck>(s, alpha, seq, ctx, kb.block(it) * kBN);
     wgmma_wait<0>();
     wgmma_fence_operand(o);
     wgmma_fence_operand(pa);  // (P_{j-1}'s registers stay untouched until its GEMM is done)
@@ -234,7 +241,7 @@ struct FwdConsumer {
 
   // The whole key-block loop of consumer warpgroup c (0 / 1) over kb (kb.n >= 1). sQ: this
   // warpgroup's 64 rows of the Q tile.
-  SSA_DEVICE void run(FwdSharedStorage<Tr>& ss, const T* sQ, const FwdParams& p, const LogitCtx& ctx,
+  SSA_DEVICE void run(FwdSharedStorage<Tr>& ss, const T* sQ, const Seq& seq, const LogitCtx& ctx,
                       const FwdKeyBlocks& kb, int c) {
     constexpr int kTurnThreads = Tr::kConsumerThreads;
     float s[kNT][4];
@@ -249,14 +256,14 @@ struct FwdConsumer {
     named_bar_arrive(turn_barrier(1 - c), kTurnThreads);
     wgmma_wait<0>();
     wgmma_fence_operand(s);
-    softmax_at(kb.n_checked > 0, s, alpha, p, ctx, kb.block(0) * kBN);
+    softmax_at(kb.n_checked > 0, s, alpha, seq, ctx, kb.block(0) * kBN);
     acc_to_frag<T, kBN>(pa, s);
 
     // the other checked blocks, then the interior ones (loops of their own: the interior loop
     // holds no check, and the static audit counts it alone)
     int it = 1;
-    for (; it < kb.n_checked; ++it) step<true>(ss, sQ, p, ctx, kb, c, it, pos, s, pa, alpha);
-    for (; it < kb.n; ++it) step<false>(ss, sQ, p, ctx, kb, c, it, pos, s, pa, alpha);
+    for (; it < kb.n_checked; ++it) step<true>(ss, sQ, seq, ctx, kb, c, it, pos, s, pa, alpha);
+    for (; it < kb.n; ++it) step<false>(ss, sQ, seq, ctx, kb, c, it, pos, s, pa, alpha);
 
     // the last block's P V
     ss.ring.wait(pos, Tr::kPartV);

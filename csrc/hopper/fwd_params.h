@@ -14,7 +14,10 @@ namespace hopper {
 // its strides in bytes (fwd_launch.h, fwd_tma_specs), 128-byte swizzle, box 64 x (block rows) x 1 x 1:
 // one load (store) per 64-column panel of a Sw128Tile. Rows past L and columns past the head dim
 // read as zeros (TMA's fill) and are not written by a store, which is how ragged ends and padded
-// head dims reach and leave the kernel.
+// head dims reach and leave the kernel. A packed batch (FwdParams cu_seqlens_*): the view (head
+// dim, total rows, head, 1), a sequence's tiles at its first row; rows past its end are the next
+// sequence's, which the consumers mask as keys (a checked block) and the epilogue never stores
+// (fwd_epilogue.h).
 struct HopperFwdParams {
   TmaDesc tma_q;  // box rows: the query tile (128)
   TmaDesc tma_k;  // box rows: the key block

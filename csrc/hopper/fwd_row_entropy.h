@@ -17,7 +17,8 @@
 // warpgroup's transform run under the other's GEMM (ping-pong). Two S accumulators (the loop is
 // unrolled by two so they swap roles without copies); the masked blocks, first in the order, one
 // at a time. Takes what fwd_ws_declines takes (no masks, sinks or
-// soft-capping: those keep today's kernel); an empty row gets H = 0 and LSE = -inf.
+// soft-capping: those keep today's kernel; dense or packed sequences, attn_row_entropy_ws_varlen_kernel);
+// an empty row gets H = 0 and LSE = -inf.
 #pragma once
 
 #include "../fast_math.h"
@@ -60,32 +61,33 @@ constexpr int ws_row_entropy_smem_bytes() {
 }
 
 // The producer's elected thread: Q once, then K of every key block into the ring.
-template <typename Tr>
+template <typename Tr, typename Seq>
 SSA_DEVICE void row_entropy_produce(const HopperFwdParams& hp, RowEntropySharedStorage<Tr>& ss, const Tile& tile,
-                                    int m0, const FwdKeyBlocks& kb) {
+                                    const Seq& seq, int m0, const FwdKeyBlocks& kb) {
   constexpr int kD = Tr::kHeadDim, kBN = Tr::kBlockN;
   prefetch_tma_desc(&hp.tma_q);
   prefetch_tma_desc(&hp.tma_k);
   if (kb.n == 0) return;
-  tma_load_tile<Tr::kBlockM, kD>(ss.q, &hp.tma_q, ss.q_full.arm(tma_tile_bytes<Tr::kBlockM, kD>()), m0, tile.head,
-                                 tile.batch);
+  tma_load_tile<Tr::kBlockM, kD>(ss.q, &hp.tma_q, ss.q_full.arm(tma_tile_bytes<Tr::kBlockM, kD>()), seq.q_row() + m0,
+                                 tile.head, seq.tma_batch());
   typename Tr::Ring::Pos pos;
   for (int it = 0; it < kb.n; ++it) {
     ss.ring.acquire(pos);
     tma_load_tile<kBN, kD>(ss.k[pos.stage], &hp.tma_k, ss.ring.arm(pos, 0, tma_tile_bytes<kBN, kD>()),
-                           kb.block(it) * kBN, tile.head_kv, tile.batch);
+                           seq.k_row() + kb.block(it) * kBN, tile.head_kv, seq.tma_batch());
     pos.advance();
   }
 }
 
 // One consumer warpgroup's row statistics and steps (see above). Each thread holds two rows
 // (row0, row0 + Frag::kHi) of the 64 x 128 score tile in wgmma's accumulator layout.
-template <typename Tr, typename Score>
+template <typename Tr, typename Score, bool kVarlen>
 struct RowEntropyConsumer {
   using T = typename Tr::T;
   static constexpr int kD = Tr::kHeadDim, kBN = Tr::kBlockN;
   static constexpr int kNT = kBN / 8;
   using Pos = typename Tr::Ring::Pos;
+  using Seq = QuerySeq<kVarlen>;
 
   float m[2], lam[2], kc[2];  // base 2: running max, sum of 2^(l2 - m), sum of 2^(l2 - m) (l2 - m)
   float mult;                 // Score::mult at beta = 1
@@ -120,7 +122,7 @@ struct RowEntropyConsumer {
   // s, ptxas sees non-wgmma instructions define wgmma accumulators inside the other S's pipeline
   // stage and serialises every wgmma, C7515.)
   template <bool kCheck>
-  SSA_DEVICE void update(const float (&s)[kNT][4], const FwdParams& p, const LogitCtx& ctx, int n0) {
+  SSA_DEVICE void update(const float (&s)[kNT][4], const Seq& seq, const LogitCtx& ctx, int n0) {
     float x[kNT][4];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
@@ -131,7 +133,7 @@ struct RowEntropyConsumer {
         float l2 = Score::logit(ctx, s[nt][i], mult, el);
         if (kCheck) {
           const int col = n0 + Frag::col(lane, nt) + (i & 1);
-          if (col >= p.len_k || (p.causal && col > row0 + hi * Frag::kHi)) l2 = neg_inf();
+          if (col >= seq.len_k() || (seq.causal() && col > row0 + hi * Frag::kHi)) l2 = neg_inf();
         }
         x[nt][i] = l2;
       }
@@ -142,12 +144,12 @@ struct RowEntropyConsumer {
   // Block `it`'s S (in s, its GEMM completed) into the statistics; its stage freed (the GEMM was
   // the stage's one reader).
   template <bool kCheck>
-  SSA_DEVICE void consume(RowEntropySharedStorage<Tr>& ss, const FwdParams& p, const LogitCtx& ctx,
+  SSA_DEVICE void consume(RowEntropySharedStorage<Tr>& ss, const Seq& seq, const LogitCtx& ctx,
                           const FwdKeyBlocks& kb, int it, Pos& pos, float (&s)[kNT][4]) {
     wgmma_fence_operand(s);
     ss.ring.release(pos);
     pos.advance();
-    update<kCheck>(s, p, ctx, kb.block(it) * kBN);
+    update<kCheck>(s, seq, ctx, kb.block(it) * kBN);
   }
 
   // Every key block of kb (kb.n >= 1) for consumer warpgroup c; sQ its 64 rows of the Q tile. The
@@ -156,7 +158,7 @@ struct RowEntropyConsumer {
   // path through the branches below reads or reissues an S still in flight (the tail's two cases
   // are written out whole: with a shared middle, ptxas injects a wait, C7517), so ptxas keeps the
   // wgmma asynchronous (the SASS test checks wgmma.wait_group 1).
-  SSA_DEVICE void run(RowEntropySharedStorage<Tr>& ss, const T* sQ, const FwdParams& p, const LogitCtx& ctx,
+  SSA_DEVICE void run(RowEntropySharedStorage<Tr>& ss, const T* sQ, const Seq& seq, const LogitCtx& ctx,
                       const FwdKeyBlocks& kb, int c) {
     float s0[kNT][4], s1[kNT][4];
     Pos pos, ahead;  // the stage of the block to reduce next, of the block to issue next
@@ -166,7 +168,7 @@ struct RowEntropyConsumer {
       issue(ss, sQ, ahead, c, it, kb.n, s0);
       ahead.advance();
       wgmma_wait<0>();
-      consume<true>(ss, p, ctx, kb, it, pos, s0);
+      consume<true>(ss, seq, ctx, kb, it, pos, s0);
     }
     if (it == kb.n) return;
     issue(ss, sQ, ahead, c, it, kb.n, s0);
@@ -176,34 +178,36 @@ struct RowEntropyConsumer {
       issue(ss, sQ, ahead, c, it + 1, kb.n, s1);
       ahead.advance();
       wgmma_wait<1>();
-      consume<false>(ss, p, ctx, kb, it, pos, s0);
+      consume<false>(ss, seq, ctx, kb, it, pos, s0);
       issue(ss, sQ, ahead, c, it + 2, kb.n, s0);
       ahead.advance();
       wgmma_wait<1>();
-      consume<false>(ss, p, ctx, kb, it + 1, pos, s1);
+      consume<false>(ss, seq, ctx, kb, it + 1, pos, s1);
     }
     if (it + 1 < kb.n) {
       issue(ss, sQ, ahead, c, it + 1, kb.n, s1);
       wgmma_wait<1>();
-      consume<false>(ss, p, ctx, kb, it, pos, s0);
+      consume<false>(ss, seq, ctx, kb, it, pos, s0);
       wgmma_wait<0>();
-      consume<false>(ss, p, ctx, kb, it + 1, pos, s1);
+      consume<false>(ss, seq, ctx, kb, it + 1, pos, s1);
     } else {
       wgmma_wait<0>();
-      consume<false>(ss, p, ctx, kb, it, pos, s0);
+      consume<false>(ss, seq, ctx, kb, it, pos, s0);
     }
   }
 
   // H (0 for a row with no admissible key) and the LSE (-inf there), by the row's first lane.
-  SSA_DEVICE void finish(const FwdParams& p, int64_t stat0) const {
+  SSA_DEVICE void finish(const FwdParams& p, const Seq& seq) const {
+    const int64_t stat0 = seq.stat0();
 #pragma unroll
-    for (int hi = 0; hi < 2; ++hi) row_entropy_store(p, stat0, row0 + hi * Frag::kHi, m[hi], lam[hi], kc[hi], lane);
+    for (int hi = 0; hi < 2; ++hi)
+      row_entropy_store(p, stat0, row0 + hi * Frag::kHi, seq.len_q(), m[hi], lam[hi], kc[hi], lane);
   }
 };
 
-template <typename Tr, typename Score>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    attn_row_entropy_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
+// One CTA of the pass; kVarlen: packed sequences (tile_scheduler.h QuerySeq), a compile-time switch.
+template <typename Tr, typename Score, bool kVarlen>
+SSA_DEVICE void row_entropy_ws_cta(const HopperFwdParams& hp) {
 #if defined(__CUDA_ARCH__) && !SSA_FLASH_WGMMA
   (void)hp;
   __trap();  // (another architecture of a multi-architecture build: never launched there)
@@ -219,21 +223,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   const Tile tile = SingleTileScheduler::query_tile(p);
   const int m0 = tile.block * Tr::kBlockM;
-  const FwdKeyBlocks kb = fwd_key_blocks(p, m0, Tr::kBlockM, Tr::kBlockN);
+  const QuerySeq<kVarlen> seq(p, tile);
+  if (kVarlen && m0 >= seq.len_q()) return;  // (the grid covers the longest sequence)
+  const FwdKeyBlocks kb = fwd_key_blocks(seq, m0, Tr::kBlockM, Tr::kBlockN);
 
-  if (!ws_start<Tr>(ss, [&] { row_entropy_produce<Tr>(hp, ss, tile, m0, kb); })) return;
+  if (!ws_start<Tr>(ss, [&] { row_entropy_produce<Tr>(hp, ss, tile, seq, m0, kb); })) return;
   const int c = warpgroup_idx() - 1;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const LogitCtx ctx = Score::template setup<false>(p, tile.batch, tile.head);
-  RowEntropyConsumer<Tr, Score> cons;
+  RowEntropyConsumer<Tr, Score, kVarlen> cons;
   cons.init(ctx, m0 + 64 * c + 16 * warp_idx_in_warpgroup() + Frag::row(lane));
   if (kb.n > 0) {
     if (c == 1) named_bar_arrive(turn_barrier(0), Tr::kConsumerThreads);  // consumer 0 issues first
     ss.q_full.wait();
-    cons.run(ss, ss.q + Tr::QTile::offset(64 * c, 0), p, ctx, kb, c);
+    cons.run(ss, ss.q + Tr::QTile::offset(64 * c, 0), seq, ctx, kb, c);
   }
-  cons.finish(p, (static_cast<int64_t>(tile.batch) * p.heads + tile.head) * p.len_q);
+  cons.finish(p, seq);
 #endif
+}
+
+template <typename Tr, typename Score>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    attn_row_entropy_ws_kernel(const __grid_constant__ HopperFwdParams hp) {
+  row_entropy_ws_cta<Tr, Score, false>(hp);
+}
+
+// packed sequences (FwdParams cu_seqlens_q / cu_seqlens_k)
+template <typename Tr, typename Score>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    attn_row_entropy_ws_varlen_kernel(const __grid_constant__ HopperFwdParams hp) {
+  row_entropy_ws_cta<Tr, Score, true>(hp);
 }
 
 }  // namespace hopper

@@ -95,16 +95,15 @@ FwdParams emulated_params(int lazy, unsigned seed, int batch, int heads, int hea
 
 }  // namespace
 
-// Shapes as FwdParams (csrc/params.h): q (B, H, Lq, dim), k (B, Hkv, Lk, dim), v (B, Hkv, Lk,
-// dim_v), o (B, H, Lq, dim_v), 16-bit (bf16 != 0: bfloat16), with element strides strides[0..11]
-// = q_sb, q_sh, q_sm, k_*, v_*, o_*; lse (B, H, Lq) float; beta (B, H, Lq) or null; param0 / 1 the
-// score's per-head parameters (H) or null. Returns "" or the error (a declined call, the
-// emulator's report).
-extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q,
-                                      const void* k, const void* v, void* o, float* lse, const float* beta,
-                                      const float* param0, const float* param1, int batch, int heads, int heads_kv,
-                                      int len_q, int len_k, int dim, int dim_v, float scale, int causal,
-                                      const int64_t* strides, int lazy, unsigned seed) {
+namespace {
+
+// cu_q null: dense; else a packed batch (FwdParams cu_seqlens_*: `batch` sequences, len_q / len_k
+// the longest, the tensors' (1, H, total, D) views' strides)
+const char* fwd_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q, const void* k, const void* v,
+                    void* o, float* lse, const float* beta, const float* param0, const float* param1, int batch,
+                    int heads, int heads_kv, int len_q, int len_k, int dim, int dim_v, float scale, int causal,
+                    const int64_t* strides, int lazy, unsigned seed, const int* cu_q, const int* cu_k, int total_q,
+                    int total_k) {
   FwdParams p = emulated_params(lazy, seed, batch, heads, heads_kv, len_q, len_k, dim, dim_v, scale, causal, param0,
                                 param1, q, k, strides);
   p.v = v;
@@ -113,6 +112,10 @@ extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int muf
   for (int i = 0; i < 6; ++i) *fields[i] = strides[6 + i];
   p.lse = lse;
   p.beta = adaptive ? beta : nullptr;
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.total_q = total_q;
+  p.total_k = total_k;
   static std::string err;
   const char* why = fwd_ws_declines(p, 900);
   if (why != nullptr) {
@@ -125,23 +128,58 @@ extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int muf
   return err.c_str();
 }
 
+}  // namespace
+
+// Shapes as FwdParams (csrc/params.h): q (B, H, Lq, dim), k (B, Hkv, Lk, dim), v (B, Hkv, Lk,
+// dim_v), o (B, H, Lq, dim_v), 16-bit (bf16 != 0: bfloat16), with element strides strides[0..11]
+// = q_sb, q_sh, q_sm, k_*, v_*, o_*; lse (B, H, Lq) float; beta (B, H, Lq) or null; param0 / 1 the
+// score's per-head parameters (H) or null. Returns "" or the error (a declined call, the
+// emulator's report).
+extern "C" const char* hopper_fwd_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q,
+                                      const void* k, const void* v, void* o, float* lse, const float* beta,
+                                      const float* param0, const float* param1, int batch, int heads, int heads_kv,
+                                      int len_q, int len_k, int dim, int dim_v, float scale, int causal,
+                                      const int64_t* strides, int lazy, unsigned seed) {
+  return fwd_run(bf16, score, adaptive, mufu, fault, q, k, v, o, lse, beta, param0, param1, batch, heads, heads_kv,
+                 len_q, len_k, dim, dim_v, scale, causal, strides, lazy, seed, nullptr, nullptr, 0, 0);
+}
+
+// A packed batch of `batch` sequences: q (total_q, H, dim), k (total_k, Hkv, dim), v, o likewise,
+// passed as their (1, H, total, D) views' strides (q_sb etc. unused); cu_q, cu_k int32 (batch + 1);
+// len_q, len_k the longest sequences; lse and beta (H, total_q). Otherwise as hopper_fwd_run.
+extern "C" const char* hopper_fwd_varlen_run(int bf16, int score, int adaptive, int mufu, int fault, const void* q,
+                                             const void* k, const void* v, void* o, float* lse, const float* beta,
+                                             const float* param0, const float* param1, int batch, int heads,
+                                             int heads_kv, int len_q, int len_k, int dim, int dim_v, float scale,
+                                             int causal, const int64_t* strides, int lazy, unsigned seed,
+                                             const int* cu_q, const int* cu_k, int total_q, int total_k) {
+  return fwd_run(bf16, score, adaptive, mufu, fault, q, k, v, o, lse, beta, param0, param1, batch, heads, heads_kv,
+                 len_q, len_k, dim, dim_v, scale, causal, strides, lazy, seed, cu_q, cu_k, total_q, total_k);
+}
+
 // The adaptive temperature's row-entropy pass: entropy and lse (B, H, Lq) float of q (B, H, Lq,
 // dim), k (B, Hkv, Lk, dim) with element strides strides[0..5] = q_sb, q_sh, q_sm, k_*; todays != 0:
 // today's attn_row_entropy_kernel (csrc/fwd_kernel.h, its sm_90a wgmma path; bfloat16 only) instead
-// of the warp-specialised one. Returns "" or the error.
+// of the warp-specialised one; cu_q non-null: a packed batch as hopper_fwd_varlen_run's (entropy and
+// lse (H, total_q); the warp-specialised pass only). Returns "" or the error.
 extern "C" const char* hopper_row_entropy_run(int bf16, int score, int todays, const void* q, const void* k,
                                               float* entropy, float* lse, const float* param0, const float* param1,
                                               int batch, int heads, int heads_kv, int len_q, int len_k, int dim,
                                               float scale, int causal, const int64_t* strides, int lazy,
-                                              unsigned seed) {
+                                              unsigned seed, const int* cu_q, const int* cu_k, int total_q,
+                                              int total_k) {
   FwdParams p = emulated_params(lazy, seed, batch, heads, heads_kv, len_q, len_k, dim, dim, scale, causal, param0,
                                 param1, q, k, strides);
   p.lse = lse;
   p.entropy = entropy;
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.total_q = total_q;
+  p.total_k = total_k;
   static std::string err;
   const int d = padded_head_dim(dim);
   if (todays) {
-    if (!bf16) return "today's kernel: bfloat16 only here";
+    if (!bf16 || cu_q != nullptr) return "today's kernel: bfloat16, dense only here";
     auto run = [&](auto D) {
       using Tr = FwdTraits<decltype(D)::value, __nv_bfloat16>;
       auto kernel = score_switch(score, [](auto S) { return &attn_row_entropy_kernel<Tr, decltype(S)>; });

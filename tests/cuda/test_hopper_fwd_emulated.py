@@ -12,18 +12,23 @@ warpgroups in ping-pong, the next S issued before the current block's transform)
    stage freed before its P V GEMM read it, a store not waited for) reported as errors or wrong
    results; the adaptive temperature's row-entropy pass on the same structure (entropy and LSE
    against the float64 reference and today's attn_row_entropy_kernel, bitwise
-   schedule-independent); and through the CUDA backend's own glue (the sm_90a emulator built with
+   schedule-independent); packed variable-length batches (the *_varlen_kernel instances: ragged
+   sequences, empty ones, Lq != Lk per sequence, against each sequence's reference; nothing written
+   past a sequence's last row; bitwise the dense kernel's rows on each sequence alone); and
+   through the CUDA backend's own glue (the sm_90a emulator built with
    SSA_FLASH_HOPPER_FWD=1): the dispatch picks the warp-specialised forward and row-entropy pass
    where they take the call and today's kernel for a masked call.
 2. Compiled with nvcc for sm_90a (csrc/hopper/fwd_instances.cu): TMA loads (UTMALDG), the register
    split (USETMAXREG 24 / 240), HGMMA with the overlap (a wgmma.wait_group 1: this block's S is
    waited for while the previous block's O += P V runs on), the epilogue's TMA store (UTMASTG after
    the shared-memory writes, the async-proxy fence and the warpgroup's barrier; no global store of
-   O), no spills (ptxas -v); and the static
+   O), no spills (ptxas -v); the packed instances likewise, with one clipped 16-byte store for a
+   sequence's ragged last tile; and the static
    model (ssa_flash/audit/hopper.py) reads every instance, its figures those committed.
 
-Builds (background, on 2 cores): the test library 2-4 minutes, the backend emulator ~3, nvcc ~2;
-the tests themselves ~2 minutes.
+Builds (background, on 2 cores): the test library 2-4 minutes, the backend emulator ~3, nvcc ~2
+(before the packed instances; with them, on 2 cores shared with other builds: the test library
+4.6-8 minutes, nvcc 7-10); the tests themselves ~2 minutes (the packed ones ~25 s).
 """
 from __future__ import annotations
 
@@ -97,9 +102,11 @@ def emu():
     P, I = ctypes.c_void_p, ctypes.c_int
     dll.hopper_fwd_run.argtypes = [I, I, I, I, I, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I, ctypes.c_float, I, P,
                                    I, ctypes.c_uint]
+    dll.hopper_fwd_varlen_run.restype = ctypes.c_char_p
+    dll.hopper_fwd_varlen_run.argtypes = dll.hopper_fwd_run.argtypes + [P, P, I, I]
     dll.hopper_row_entropy_run.restype = ctypes.c_char_p
     dll.hopper_row_entropy_run.argtypes = [I, I, I, P, P, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, I, P, I,
-                                           ctypes.c_uint]
+                                           ctypes.c_uint, P, P, I, I]
     for name in ("hopper_ex2_poly", "hopper_lg2_poly"):
         getattr(dll, name).restype = ctypes.c_float
         getattr(dll, name).argtypes = [ctypes.c_float]
@@ -484,7 +491,7 @@ def _run_entropy(emu, q, k, score, params, causal, scale, todays=False, lazy=Fal
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     err = emu.hopper_row_entropy_run(int(q.dtype == torch.bfloat16), SCORE_IDS[score], int(todays), ptr(q), ptr(k),
                                      ptr(ent), ptr(lse), ptr(p0), ptr(p1), B, H, Hkv, Lq, Lk, D, scale, int(causal),
-                                     ptr(strides), int(lazy), seed)
+                                     ptr(strides), int(lazy), seed, None, None, 0, 0)
     return err.decode(), ent, lse
 
 
@@ -560,6 +567,196 @@ def test_hopper_row_entropy_empty_keys(emu):
 
 
 # ------------------------------------------------------------------------------------------
+# packed variable-length sequences (attn_fwd_ws_varlen_kernel, attn_row_entropy_ws_varlen_kernel)
+
+def _packed_inputs(dtype, lens_q, lens_k, H, Hkv, D, Dv, score, adaptive, seed):
+    """q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), the score's parameters, beta
+    (H, total_q) or None, cu_seqlens_q / _k int32 (batch + 1)."""
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, H, D, generator=g).to(dtype)
+    k = torch.randn(tk, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(tk, Hkv, Dv, generator=g).to(dtype)
+    params = _params(score, H, g)
+    beta = 1.0 + 2.0 * torch.rand(H, tq, generator=g, dtype=torch.float64) if adaptive else None
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    return q, k, v, params, beta, cu(lens_q), cu(lens_k)
+
+
+def _packed_view(x):
+    """(total, H, D) -> the (1, H, total, D) view whose strides the kernels take."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _run_varlen(emu, q, k, v, cu_q, cu_k, score, params, beta, causal, scale, lazy=False, seed=1, o=None, lse=None):
+    """(error or "", out (total_q, H, Dv), lse (H, total_q)) of the packed forward; ``o`` / ``lse``:
+    the tensors to write (NaN-filled here if not given). The grid: the longest sequences."""
+    H, D, Hkv, Dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
+    if o is None:
+        o = torch.full((q.shape[0], H, Dv), float("nan"), dtype=q.dtype)
+    if lse is None:
+        lse = torch.full((H, q.shape[0]), float("nan"))
+    views = [_packed_view(t) for t in (q, k, v, o)]
+    strides = torch.tensor([st for t in views for st in t.stride()[:3]], dtype=torch.int64)
+    p0 = params[0].float().contiguous() if len(params) > 0 else None
+    p1 = params[1].float().contiguous() if len(params) > 1 else None
+    bt = beta.float().contiguous() if beta is not None else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    max_q, max_k = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
+    err = emu.hopper_fwd_varlen_run(int(q.dtype == torch.bfloat16), SCORE_IDS[score], int(beta is not None), 0, 0,
+                                    ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse), ptr(bt), ptr(p0), ptr(p1),
+                                    cu_q.numel() - 1, H, Hkv, max(max_q, 1), max_k, D, Dv, scale, int(causal),
+                                    ptr(strides), int(lazy), seed, ptr(cu_q), ptr(cu_k), q.shape[0], k.shape[0])
+    return err.decode(), o, lse
+
+
+def _per_sequence(cu_q, cu_k, one):
+    """one(s, rows_q, rows_k) -> (a (Lq_s, ...) part, a (..., Lq_s) part) per sequence, concatenated."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    parts = [one(s, slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]
+    return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts], dim=-1)
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, score, params, beta, causal, scale, dtype):
+    """(out (total_q, H, Dv), lse (H, total_q)): _reference on each sequence alone (top-left causal
+    inside it)."""
+    dense = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    def one(s, rq, rk):
+        b = None if beta is None else beta[:, rq].unsqueeze(0)
+        out, lse = _reference(dense(q[rq]), dense(k[rk]), dense(v[rk]), score, params, b, causal, scale, dtype)
+        return out[0].transpose(0, 1), lse[0]
+    return _per_sequence(cu_q, cu_k, one)
+
+
+def _check_varlen(emu, dtype, lens_q, lens_k, H, Hkv, D, Dv, score, adaptive, causal, seed=0, lazy=False, sched=1):
+    q, k, v, params, beta, cu_q, cu_k = _packed_inputs(dtype, lens_q, lens_k, H, Hkv, D, Dv, score, adaptive, seed)
+    scale = D ** -0.5
+    err, out, lse = _run_varlen(emu, q, k, v, cu_q, cu_k, score, params, beta, causal, scale, lazy=lazy, seed=sched)
+    assert err == "", err
+    naive = _varlen_reference(q, k, v, cu_q, cu_k, score, params, beta, causal, scale, dtype)
+    gold = _varlen_reference(q, k, v, cu_q, cu_k, score, params, beta, causal, scale, torch.float64)
+    fa_tolerance_check("out", out, naive[0], gold[0], FLOORS[dtype])
+    finite = torch.isfinite(gold[1])
+    assert torch.equal(torch.isfinite(lse), finite), "lse: -inf exactly on the rows with no admissible key"
+    fa_tolerance_check("lse", lse[finite], naive[1][finite], gold[1][finite], FLOORS[dtype])
+    return out, lse
+
+
+# (score, adaptive, dtype, H, Hkv, D, Dv, causal, lengths of q, lengths of k): ragged lengths about
+# the 64-row store box and the 128-row tiles (1, 63, 64, 65, 130, ...), Lq != Lk per sequence both
+# ways, empty query and key sequences, GQA, D 64 / 128 (padded 48, 112), float16 / bfloat16
+_VARLEN_CASES = [
+    ("softmax", False, BF16, 2, 1, 64, 64, True, [1, 63, 64, 65, 130], [1, 63, 64, 65, 130]),
+    ("ssa", False, FP16, 2, 2, 128, 128, False, [65, 0, 130, 7], [200, 5, 64, 1]),
+    ("ssa", True, BF16, 4, 1, 64, 48, True, [130, 63, 1, 64], [64, 190, 3, 129]),
+    ("logit_scale", False, FP16, 2, 1, 128, 112, True, [64, 129, 40, 2], [129, 64, 0, 70]),
+    ("logit_scale", True, BF16, 2, 2, 64, 64, False, [200, 65, 3], [63, 257, 65]),
+    ("softmax", True, FP16, 4, 2, 128, 128, True, [127, 1, 66], [300, 1, 66]),
+]
+
+
+@pytest.mark.parametrize("score,adaptive,dtype,H,Hkv,D,Dv,causal,lens_q,lens_k", _VARLEN_CASES)
+def test_hopper_fwd_varlen_matches_reference(emu, score, adaptive, dtype, H, Hkv, D, Dv, causal, lens_q, lens_k):
+    """The packed forward against each sequence's float64 reference under FlashAttention's rule:
+    keys past a sequence's end (the next sequence's rows, read by the tile's TMA loads) masked,
+    the LSE in the packed (H, total_q) layout; lazy TMA / wgmma on odd cases, shuffled threads."""
+    lazy = sum(lens_q) % 2 == 1
+    _check_varlen(emu, dtype, lens_q, lens_k, H, Hkv, D, Dv, score, adaptive, causal, seed=sum(lens_k), lazy=lazy,
+                  sched=sum(lens_q))
+
+
+def test_hopper_fwd_varlen_writes_only_its_rows(emu):
+    """The ragged last tile of a sequence is not stored as a whole 64-row TMA box (which would write
+    the rows after the sequence's end: the next sequence's): a batch of one sequence of 70 query rows
+    (then 2 of 130) inside tensors of 200 rows leaves rows 70.. (132..) of O and of the LSE at their
+    sentinels, in both copy modes; its rows pass the reference."""
+    for lens, lazy in (([70], False), ([2, 130], True)):
+        q, k, v, params, beta, cu_q, cu_k = _packed_inputs(BF16, [*lens, 200 - sum(lens)], [90] * (len(lens) + 1),
+                                                           2, 2, 64, 64, "ssa", True, 7)
+        cu_q, cu_k = cu_q[:-1], cu_k[:-1]  # the last sequence left out: its rows must stay untouched
+        n = sum(lens)
+        sentinel = 1234.0
+        o = torch.full((200, 2, 64), sentinel, dtype=BF16)
+        lse = torch.full((2, 200), sentinel)
+        err, out, lse = _run_varlen(emu, q, k, v, cu_q, cu_k, "ssa", params, beta, True, 0.125, lazy=lazy, seed=5,
+                                    o=o, lse=lse)
+        assert err == "", err
+        assert bool((out[n:] == sentinel).all()), f"{lens}: O written past the last sequence's end"
+        assert bool((lse[:, n:] == sentinel).all()), f"{lens}: LSE written past the last sequence's end"
+        naive = _varlen_reference(q[:n], k, v, cu_q, cu_k, "ssa", params, beta[:, :n], True, 0.125, BF16)
+        gold = _varlen_reference(q[:n], k, v, cu_q, cu_k, "ssa", params, beta[:, :n], True, 0.125, torch.float64)
+        fa_tolerance_check("out", out[:n], naive[0], gold[0], FLOORS[BF16])
+        fa_tolerance_check("lse", lse[:, :n], naive[1], gold[1], FLOORS[BF16])
+
+
+def test_hopper_fwd_varlen_schedule_independent(emu):
+    """Packed: TMA loads and wgmma at issue or at their wait, threads in order or shuffled: bitwise
+    equal; and each sequence's rows bitwise those of the dense kernel run on that sequence alone."""
+    lens_q, lens_k = [130, 65, 1], [200, 64, 129]
+    q, k, v, params, beta, cu_q, cu_k = _packed_inputs(FP16, lens_q, lens_k, 2, 1, 128, 128, "ssa", True, 3)
+    first = _run_varlen(emu, q, k, v, cu_q, cu_k, "ssa", params, beta, True, 0.09, lazy=False, seed=0)
+    assert first[0] == ""
+    for lazy, seed in ((True, 0), (False, 77), (True, 1234)):
+        again = _run_varlen(emu, q, k, v, cu_q, cu_k, "ssa", params, beta, True, 0.09, lazy=lazy, seed=seed)
+        assert again[0] == ""
+        assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2]), f"lazy={lazy} seed={seed}"
+    dense = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+
+    def alone(s, rq, rk):
+        err, out, lse = _run(emu, dense(q[rq]), dense(k[rk]), dense(v[rk]), "ssa", params, beta[:, rq].unsqueeze(0),
+                             True, 0.09)
+        assert err == "", err
+        return out[0].transpose(0, 1), lse[0]
+    out, lse = _per_sequence(cu_q, cu_k, alone)
+    assert torch.equal(first[1], out) and torch.equal(first[2], lse)
+
+
+def _run_entropy_varlen(emu, q, k, cu_q, cu_k, score, params, causal, scale, lazy=False, seed=1):
+    H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    ent = torch.full((H, q.shape[0]), float("nan"))
+    lse = torch.full((H, q.shape[0]), float("nan"))
+    strides = torch.tensor([st for t in (_packed_view(q), _packed_view(k)) for st in t.stride()[:3]],
+                           dtype=torch.int64)
+    p0 = params[0].float().contiguous() if len(params) > 0 else None
+    p1 = params[1].float().contiguous() if len(params) > 1 else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    max_q, max_k = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
+    err = emu.hopper_row_entropy_run(int(q.dtype == torch.bfloat16), SCORE_IDS[score], 0, ptr(q), ptr(k), ptr(ent),
+                                     ptr(lse), ptr(p0), ptr(p1), cu_q.numel() - 1, H, Hkv, max(max_q, 1), max_k, D,
+                                     scale, int(causal), ptr(strides), int(lazy), seed, ptr(cu_q), ptr(cu_k),
+                                     q.shape[0], k.shape[0])
+    return err.decode(), ent, lse
+
+
+@pytest.mark.parametrize("score,dtype,H,Hkv,D,causal,lens_q,lens_k", [
+    ("ssa", BF16, 2, 1, 64, True, [1, 63, 64, 65, 130], [130, 65, 64, 63, 1]),
+    ("softmax", FP16, 2, 2, 128, False, [129, 0, 40], [64, 3, 0]),
+    ("logit_scale", BF16, 4, 2, 64, True, [70, 200], [300, 200]),
+])
+def test_hopper_row_entropy_varlen_matches_reference(emu, score, dtype, H, Hkv, D, causal, lens_q, lens_k):
+    """The packed row-entropy pass: entropy and LSE (H, total_q) per row against each sequence's
+    float64 reference (keys past a sequence's end masked; a sequence without keys: H 0, LSE -inf)."""
+    q, k, _, params, _, cu_q, cu_k = _packed_inputs(dtype, lens_q, lens_k, H, Hkv, D, D, score, False, sum(lens_q))
+    scale = D ** -0.5
+    err, ent, lse = _run_entropy_varlen(emu, q, k, cu_q, cu_k, score, params, causal, scale, lazy=bool(len(lens_q) % 2),
+                                        seed=sum(lens_k))
+    assert err == "", err
+    dense = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731
+
+    def ref(dt):
+        def one(s, rq, rk):
+            e, l = _entropy_reference(dense(q[rq]), dense(k[rk]), score, params, causal, scale, dt)
+            return e[0].transpose(0, 1), l[0]
+        e, l = _per_sequence(cu_q, cu_k, one)
+        return e.transpose(0, 1), l
+    naive, gold = ref(dtype), ref(torch.float64)
+    fa_tolerance_check("entropy", ent, naive[0], gold[0], FLOORS[dtype])
+    finite = torch.isfinite(gold[1])
+    assert torch.equal(torch.isfinite(lse), finite)
+    fa_tolerance_check("lse", lse[finite], naive[1][finite], gold[1][finite], FLOORS[dtype])
+
+
+# ------------------------------------------------------------------------------------------
 # 2. sm_90a build
 
 def _kernels(sass):
@@ -620,6 +817,34 @@ def test_hopper_row_entropy_sass(cubin):
         assert not {"LDL", "STL"} & opcodes, f"{name}: local memory"
         assert len(re.findall(r"\bSTG\.", text)) == 4, f"{name}: global stores besides entropy and LSE"
     for line in re.findall(r"ptxas info\s*: Function properties for \S*attn_row_entropy_ws_kernel\S*\n.*", ptxas):
+        assert "0 bytes spill stores, 0 bytes spill loads" in line, line
+
+
+def test_hopper_fwd_varlen_sass(cubin):
+    """The packed-sequence instances (3 score functions x adaptive or not x D 64 / 128 and the
+    row-entropy pass's 6): the dense kernels' structure (TMA loads, the register split, the
+    wgmma overlap, one TMA store per 64-column panel for the tiles inside their sequence), plus one
+    16-byte global store (the ragged last tile's clipped copy) besides the LSE's two; no spills."""
+    _, ptxas, sass = cubin
+    kernels = _kernels(sass)
+    fwd = {n: t for n, t in kernels.items() if "attn_fwd_ws_varlen_kernel" in n}
+    entropy = {n: t for n, t in kernels.items() if "attn_row_entropy_ws_varlen_kernel" in n}
+    assert len(fwd) == 12 and len(entropy) == 6, (list(fwd), list(entropy))
+    for name, text in {**fwd, **entropy}.items():
+        ops = set(re.findall(r"\b([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_x]+)*)\b", text))
+        opcodes = {o.split(".")[0] for o in ops}
+        assert "UTMALDG.4D" in ops and "HGMMA" in opcodes, name
+        assert re.search(r"USETMAXREG\.DEALLOC\S* 0x18\b", text), name
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\S* \w+, 0xf0\b", text), name
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text, f"{name}: no wgmma.wait_group 1"
+        assert not {"LDL", "STL"} & opcodes, f"{name}: local memory"
+    for name, text in fwd.items():
+        d = int(re.search(r"WsFwdTraitsILi(\d+)E", name).group(1))
+        assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == d // 64, f"{name}: one TMA store per panel"
+        assert sorted(re.findall(r"\bSTG\.\S+", text)) == ["STG.E", "STG.E", "STG.E.128"], name
+    for name, text in entropy.items():
+        assert len(re.findall(r"\bSTG\.", text)) == 4, f"{name}: global stores besides entropy and LSE"
+    for line in re.findall(r"ptxas info\s*: Function properties for \S*_varlen_kernel\S*\n.*", ptxas):
         assert "0 bytes spill stores, 0 bytes spill loads" in line, line
 
 
