@@ -24,8 +24,9 @@ Implementations (``impl``):
 
 One more operation outside the variants, :data:`LEARNED_BIAS_OP` (the runner's ``learned_bias``
 phase, GPU only): softmax with a learned additive ``(H, L, L)`` bias that requires grad (T5 / Swin
-style), forward + backward, the bias's gradient included: ``ssa_flash.triton`` (its mask-gradient
-kernel, ``ssa_flash/triton/mask_grad.py``) beside ``sdpa.efficient`` with the same bias.
+style), forward + backward, the bias's gradient included: ``ssa_flash.triton`` and ``ssa_flash.cuda``
+(their mask-gradient kernels, ``ssa_flash/triton/mask_grad.py``, ``csrc/mask_grad.h``) beside
+``sdpa.efficient`` with the same bias.
 """
 from __future__ import annotations
 
@@ -45,12 +46,12 @@ PASSES = ("fwd", "bwd", "fwd_bwd")
 SDPA_IMPLS = ("sdpa.flash", "sdpa.cudnn", "sdpa.efficient", "sdpa.math")
 
 LEARNED_BIAS_OP = "softmax_learned_bias"
-LEARNED_BIAS_IMPLS = ("ssa_flash.triton", "sdpa.efficient")
+LEARNED_BIAS_IMPLS = ("ssa_flash.triton", "ssa_flash.cuda", "sdpa.efficient")
 
 # which operations each implementation computes; other (op, impl) pairs produce no row
 IMPL_OPS = {
     "ssa_flash.triton": OPS + (LEARNED_BIAS_OP,),
-    "ssa_flash.cuda": OPS,
+    "ssa_flash.cuda": OPS + (LEARNED_BIAS_OP,),
     "ssa_flash.cuda_ws": OPS,
     "reference": OPS,
     "flex": ("ssa",),
@@ -286,16 +287,18 @@ def build_call(op: str, impl: str, shape: Shape, inputs: Inputs, device: torch.d
 
 def _learned_bias_call(impl: str, shape: Shape, inputs: Inputs, device: torch.device) -> Call:
     """Softmax attention with a learned ``(H, L, L)`` additive bias requiring grad (the gradient
-    inputs: q, k, v and the bias), by ``ssa_flash.triton`` or ``sdpa.efficient``."""
+    inputs: q, k, v and the bias), by ``ssa_flash.triton``, ``ssa_flash.cuda`` or ``sdpa.efficient``."""
     import ssa_flash
 
     gen = torch.Generator(device=device).manual_seed(1)
     bias = (0.5 * torch.randn((shape.heads, shape.seqlen, shape.seqlen), generator=gen, device=device,
                               dtype=shape.dtype)).requires_grad_()
     q, k, v, causal = inputs.q, inputs.k, inputs.v, shape.causal
-    if impl == "ssa_flash.triton":
+    if impl in ("ssa_flash.triton", "ssa_flash.cuda"):
+        backend = impl.split(".")[1]
+
         def fwd():
-            return ssa_flash.softmax_attention(q, k, v, attn_mask=bias, is_causal=causal, backend="triton")
+            return ssa_flash.softmax_attention(q, k, v, attn_mask=bias, is_causal=causal, backend=backend)
 
         return Call(fwd, [q, k, v, bias], contextlib.nullcontext)
     from torch.nn.attention import sdpa_kernel

@@ -316,7 +316,8 @@ def test_targets_subset_and_cudnn_baseline():
     tasks = runner.plan(cfg)
     # softmax_learned_bias: the learned (H, L, S) bias's forward + backward beside SDPA's efficient backend
     assert {t.op for t in tasks} == {"softmax", "ssa", "adaptive", "softmax_learned_bias"}
-    assert {t.impl for t in tasks if t.op == "softmax_learned_bias"} == {"ssa_flash.triton", "sdpa.efficient"}
+    assert {t.impl for t in tasks if t.op == "softmax_learned_bias"} == {"ssa_flash.triton", "ssa_flash.cuda",
+                                                                        "sdpa.efficient"}
     assert {t.impl for t in tasks if t.op != "softmax_learned_bias"} == {"ssa_flash.triton", "ssa_flash.cuda", "sdpa.flash",
                                                                          "sdpa.cudnn", "flex"}
     assert {t.shape.headdim for t in tasks if t.sweep == "speed"} == {64, 128}
@@ -351,12 +352,14 @@ def test_phases_choose_and_order_the_rows():
 
 def test_learned_bias_row():
     """The learned-bias row (forward + backward with a learned (H, L, L) bias): planned on a GPU for
-    ssa_flash.triton beside sdpa.efficient, never on the CPU; its call differentiates the bias."""
+    ssa_flash.triton and ssa_flash.cuda beside sdpa.efficient, never on the CPU; its call
+    differentiates the bias."""
     from ssa_flash.bench import runner
 
     cfg = runner.Config(device="cuda", seqlens=(1024,), headdims=(64,), causal=(False,))
     rows = [(t.impl, t.passes) for t in runner.plan(cfg) if t.op == impls.LEARNED_BIAS_OP]
-    assert rows == [("ssa_flash.triton", ("fwd_bwd",)), ("sdpa.efficient", ("fwd_bwd",))]
+    assert rows == [("ssa_flash.triton", ("fwd_bwd",)), ("ssa_flash.cuda", ("fwd_bwd",)),
+                    ("sdpa.efficient", ("fwd_bwd",))]
     cpu = runner.Config(device="cpu", seqlens=(16,), headdims=(16,), causal=(False,))
     assert not [t for t in runner.plan(cpu) if t.op == impls.LEARNED_BIAS_OP]
     if impls.availability("ssa_flash.triton", torch.device("cpu")) is None:  # the interpreter: run it
