@@ -3,8 +3,8 @@
 // AttnCall and allocates the outputs; the checks on sizes and flags, the parameter structs, the
 // backward's plan and its workspaces' shapes are the torch-free set_params.h, shared with the CPU
 // emulator (emu/emu_main.cpp). Layout preparation (padding odd head dims to a multiple of 8,
-// making the head dim contiguous, compacting masks) is done by the Python wrapper,
-// ssa_flash/backends/cuda_backend.py.
+// making the head dim contiguous, compacting masks, applying a negative scale to -q) is done by
+// the Python wrapper, ssa_flash/backends/cuda_backend.py.
 //
 // It deliberately includes no c10/cuda header: the caller passes the CUDA stream (as an integer,
 // torch.cuda.current_stream().cuda_stream) and makes the tensors' device current, so this file
@@ -68,8 +68,8 @@ const float* head_tensor(const Tensor& t, const char* name, const Tensor& q) {
 
 // The call described from the tensors and the options every pass takes, as the Python side
 // (ssa_flash/backends/cuda_backend.py) passes them from the AttentionSpec (ssa_flash/spec.py): score
-// (the registry id) with its per-head parameters `params` (in the registry's order), scale (signed:
-// the kernels fold its sign, logits.h), causal, group, window_left / window_right
+// (the registry id) with its per-head parameters `params` (in the registry's order), scale (>= 0:
+// the Python side applies a negative one to -q), causal, group, window_left / window_right
 // (ssa_flash/conventions.py kernel_window's band, both -1 without a window), softcap (0: off), dropout as ssa_flash/conventions.py
 // encodes it (drop_keep31, drop_scale) with drop_rng, the int64 (seed, offset) on the device, or
 // none; mask (boolean / uint8, or float32 additive, expanded to (B, H, Lq, Lk), any strides; its

@@ -42,9 +42,9 @@ namespace ssa_flash {
 // function's x and mult, logits.h): softmax x = s (the dot product), c = scale log2(e) beta; SSA
 // x = t = sgn(s) log2(1 + b scale |s|), c = n beta. The row max is taken on x and scaled once per
 // row (max(c x) = c max(x) for c >= 0), and each weight is one FFMA and one EX2, 2^(x c - m)
-// (FlashAttention-2's trick, extended to SSA's t). For c >= 0 a head whose multiplier would be
-// negative (a negative scale, SSA's n sgn(scale) < 0: Score::nonneg) negates its Q tile once in
-// shared memory, since c s = |c| (-s) and n sgn(s) = |n| sgn(-s).
+// (FlashAttention-2's trick, extended to SSA's t). c >= 0 needs scale >= 0 (the binding applies a
+// negative scale to -q) and a head whose multiplier would be negative (SSA's n < 0: Score::nonneg)
+// negates its Q tile once in shared memory, since n sgn(s) = |n| sgn(-s).
 //
 // Conditional rescaling (FlashAttention-4): m need not be the running max, only a value that
 // the final normalisation shares (o = acc / l and lse = m + log2 l are exact for any m), as long

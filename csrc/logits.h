@@ -19,7 +19,6 @@ namespace ssa_flash {
 //   setup<kCap>(p, batch, head)   the LogitCtx of a (batch, query head), from p.score_param0 / 1
 //   nonneg(ctx)                   makes the row multiplier >= 0 (the forward's interior loop takes
 //                                 the row max of x, below); true: the caller negates Q instead
-//                                 (a negative scale, SSA's n < 0)
 //   mult(ctx, beta)               a row's multiplier, the adaptive temperature beta included
 //   x<kPolyLg2>(ctx, s)           the interior value of a score: logit = x * mult (before masks);
 //                                 kPolyLg2 (default false): a logarithm in it on the FMA pipe
@@ -30,19 +29,13 @@ namespace ssa_flash {
 //   kFusedSpillsSm75              the fused backward spills on sm_75 above D = 32 (traits.h)
 // s is the raw dot product, or th (soft-capped, in units of cap_out, which setup folds into the
 // coefficients). All of it inlines: a policy is a set of per-element formulas, no state.
-//
-// The scale is signed (p.scale < 0 allowed, as in ssa_flash/triton/logits.py): setup folds its sign
-// into the context's signed factor (softmax's and the logit scale's c, SSA's n; with soft-capping
-// th = tanh(cap_in s) carries it, cap_in and cap_out being signed), the backward's final scale
-// (dQ = scale dz K, dK = scale dz^T Q) and dparam_factor take it signed, and the forward's nonneg
-// turns a negative factor into a negated Q tile.
 
 // What the logit transform needs for one (batch, query head). The mask fields are read from the
 // kernel parameters where needed (apply_mask) rather than kept in registers: the forward at
 // D = 128 has none to spare.
 struct LogitCtx {
-  float c;   // multiplies |s| or s: |scale| * b (SSA), scale * log2(e) (softmax), times s_h (logit scale)
-  float n;   // SSA exponent n times sgn(scale) (0 for softmax; s_h for the logit scale)
+  float c;   // multiplies |s| or s: scale * b (SSA), scale * log2(e) (softmax), times s_h (logit scale)
+  float n;   // SSA exponent n (0 for softmax; s_h for the logit scale)
   float nb;  // d phi / dz at 0 (SSA: n b; logit scale: s_h), for the backward
   int batch, head;
 };
@@ -69,12 +62,7 @@ struct Softmax {
     c.head = head;
     return c;
   }
-  // scale s = |scale| (-s): a negative scale runs on -Q
-  static SSA_DEVICE bool nonneg(LogitCtx& c) {
-    const bool neg = c.c < 0.0f;
-    c.c = fabsf(c.c);
-    return neg;
-  }
+  static SSA_DEVICE bool nonneg(LogitCtx&) { return false; }
   static SSA_DEVICE float mult(const LogitCtx& c, float beta) { return c.c * beta; }
   template <bool kPolyLg2 = false>
   static SSA_DEVICE float x(const LogitCtx&, float s) { return s; }
@@ -89,11 +77,10 @@ struct Softmax {
 // division. lg2.approx is accurate to an absolute 2^-22 or so on [1, inf), and softmax is
 // shift-invariant, so only this absolute error (times n) matters, also where b|z| is tiny and
 // 1 + b|z| rounds (log1p's usual concern is relative error, which the weights never see).
-// x = t = sgn(s) log2(1 + c|s|), mult = n sgn(scale) beta (sgn(z) = sgn(scale) sgn(s); soft-capped,
-// th carries the scale's sign and c = b cap >= 0); parameters b, n.
+// x = t = sgn(s) log2(1 + c|s|), mult = n beta; parameters b, n.
 // Backward: dz = dl n b / (1 + b|z|); db = sum dl n z / (1 + b|z|), dn = sum dl sgn(z) log1p(b|z|),
-// summed as w s (w = dl / u) and dl t, the factors n scale (cap_out) and sgn(scale) ln 2 once per
-// partial (no division by n: n = 0 gives finite gradients).
+// summed as w s (w = dl / u) and dl t, the factors n scale (cap_out) and ln 2 once per partial (no
+// division by n: n = 0 gives finite gradients).
 struct Ssa {
   static constexpr int kId = 1;
   static constexpr int kParams = 2;
@@ -107,14 +94,14 @@ struct Ssa {
     LogitCtx c;
     const float cap = kCap ? p.cap_out : 1.0f;
     const float b = p.score_param0[head], n = p.score_param1[head];
-    c.c = kCap ? p.scale * b * cap : fabsf(p.scale) * b;
-    c.n = kCap ? n : xor_sign(n, p.scale);
+    c.c = p.scale * b * cap;
+    c.n = n;
     c.nb = n * b;
     c.batch = batch;
     c.head = head;
     return c;
   }
-  // n sgn(s) = |n| sgn(-s): a head with n sgn(scale) < 0 runs on -Q with |n|
+  // n sgn(s) = |n| sgn(-s): a head with n < 0 runs on -Q with |n|
   static SSA_DEVICE bool nonneg(LogitCtx& c) {
     const bool neg = c.n < 0.0f;
     c.n = fabsf(c.n);
@@ -140,8 +127,7 @@ struct Ssa {
   }
   template <bool kCap, typename P>
   static SSA_DEVICE float dparam_factor(const P& p, const LogitCtx& c, int i) {
-    // (n scale = c.n |scale| without the cap; with it th carries the sign)
-    return i == 0 ? (kCap ? c.n * p.scale * p.cap_out : c.n * fabsf(p.scale)) : (kCap ? kLn2 : xor_sign(kLn2, p.scale));
+    return i == 0 ? (kCap ? c.n * p.scale * p.cap_out : c.n * p.scale) : kLn2;
   }
 };
 
@@ -165,7 +151,7 @@ struct LogitScale {
     c.head = head;
     return c;
   }
-  // s_h z = |s_h scale| (-s): a negative scale (or s_h < 0, outside the registry's domain) runs on -Q
+  // s_h z = |s_h| (-z): a head with s_h < 0 (outside the registry's domain) runs on -Q
   static SSA_DEVICE bool nonneg(LogitCtx& c) {
     const bool neg = c.c < 0.0f;
     c.c = fabsf(c.c);

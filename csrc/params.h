@@ -25,7 +25,7 @@ struct AttnShape {
   int batch, heads, heads_kv, group;  // group = heads / heads_kv (GQA)
   int len_q, len_k;
   int dim, dim_v;                     // actual head dims (multiples of 8)
-  float scale;                        // softmax scale applied to q.k, signed (logits.h folds its sign)
+  float scale;                        // softmax scale applied to q.k, >= 0 (the Python wrapper negates q otherwise)
   bool causal;                        // key j visible to query i iff j <= i (top-left aligned)
   // Key j visible to query i iff i - win_left <= j <= i + win_right: the local window (docs/design.md
   // section 1.5) and causality as one band (set_band); window: a band narrower than causality's (the

@@ -31,7 +31,7 @@ struct AttnCall {
   int64_t batch, heads, heads_kv, group, len_q, len_k, dim, dim_v;
   int64_t bf16;           // element type: 0 float16, 1 bfloat16
   int64_t score;          // the score function's id (ssa_flash/scores.py; logits.h, dispatch.h)
-  double scale;           // signed, finite (the kernels fold its sign: logits.h)
+  double scale;           // >= 0 (ssa_flash/backends/cuda_backend.py applies a negative scale to -q)
   int64_t causal;
   int64_t window_left, window_right;  // ssa_flash/conventions.py kernel_window, -1 both: none (set_band)
   int64_t deterministic;  // backward: the two-kernel path (bitwise reproducible)
@@ -107,7 +107,9 @@ inline std::string check_call(const AttnCall& c) {
       return "head dims must be positive multiples of 8, at most 256, got " + std::to_string(c.dim) + " and " +
              std::to_string(c.dim_v);
   }
-  if (!std::isfinite(c.scale)) return "scale must be finite, got " + std::to_string(c.scale);
+  if (!std::isfinite(c.scale) || c.scale < 0)
+    return "scale must be finite and >= 0 (a negative scale is applied to -q by the caller), got " +
+           std::to_string(c.scale);
   if (c.window_left < -1 || c.window_right < -1)
     return "window bounds must be >= -1, got (" + std::to_string(c.window_left) + ", " +
            std::to_string(c.window_right) + ")";
@@ -164,14 +166,13 @@ inline void set_shape(AttnShape& s, const AttnCall& c) {
 }
 
 // Sinks and soft-capping (the last fields of FwdParams and BwdParams): s' = (c / scale)
-// tanh((scale / c) s), z' = c tanh(z / c) in raw units, both factors signed as the scale is;
-// scale 0 makes every score 0, capped or not.
+// tanh((scale / c) s), z' = c tanh(z / c) in raw units; scale 0 makes every score 0, capped or not.
 template <typename P>
 inline void set_extras(P& p, const AttnCall& c) {
   p.sinks = c.sinks;
   p.softcap = c.softcap > 0;
   p.cap_in = p.softcap ? static_cast<float>(c.scale / c.softcap) : 0.0f;
-  p.cap_out = p.softcap && c.scale != 0 ? static_cast<float>(c.softcap / c.scale) : 0.0f;
+  p.cap_out = p.softcap && c.scale > 0 ? static_cast<float>(c.softcap / c.scale) : 0.0f;
 }
 
 // An operand's pointer and strides, into a params struct's fields of that operand.

@@ -8,10 +8,6 @@
   every backend passes it to its kernels.
 * Dropout's keep rule (docs/design.md §1.5): :func:`dropout_keep_threshold`, the integer every
   kernel compares its Philox words with, and :func:`dropout_scale`, what kept weights are scaled by.
-* A negative scale needs no encoding: every kernel takes the scale signed and its score policy
-  folds the sign into its per-head factors (``ssa_flash/triton/logits.py``, ``head_coefficients``;
-  ``csrc/logits.h``, ``setup``), negating the query tile where a forward's row multiplier would be
-  negative. No backend copies ``-q``.
 """
 from __future__ import annotations
 

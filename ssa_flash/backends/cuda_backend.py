@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import math
 import os
 import threading
 import warnings
@@ -519,15 +520,15 @@ def _score_params(params, spec: AttentionSpec) -> list:
     return [t.float().contiguous() for t in params]
 
 
-def _spec_args(spec: AttentionSpec, sinks: Optional[torch.Tensor], len_q: int, len_k: int) -> dict:
+def _spec_args(spec: AttentionSpec, scale: float, sinks: Optional[torch.Tensor], len_q: int, len_k: int) -> dict:
     """The options every pass of the extension takes (csrc/api.cpp), each once, as the spec says
-    them: the score function's id, the scale (signed: the kernels fold its sign, csrc/logits.h),
-    causal, group, the window (``ssa_flash.conventions.kernel_window``'s, both sides
-    ``NO_WINDOW`` without one), soft-cap."""
+    them: the score function's id, the (non-negative: ``_nonnegative_scale``) scale, causal, group,
+    the window (``ssa_flash.conventions.kernel_window``'s, both sides ``NO_WINDOW`` without one),
+    soft-cap."""
     band = kernel_window(spec.window_left, spec.window_right, spec.causal, len_q, len_k)
     left, right = (NO_WINDOW, NO_WINDOW) if band is None else band
     return dict(sinks=None if sinks is None else sinks.float().contiguous(), score=spec.score_fn.id,
-                scale=float(spec.scale), causal=bool(spec.causal), group=int(spec.group),
+                scale=scale, causal=bool(spec.causal), group=int(spec.group),
                 window_left=left, window_right=right, softcap=float(spec.softcap))
 
 
@@ -577,15 +578,25 @@ def _on_device(device: torch.device):
 # The backend interface
 
 
+def _nonnegative_scale(q: torch.Tensor, scale: float) -> Tuple[torch.Tensor, float]:
+    """The kernels take scale >= 0 (csrc/params.h: the forward's row max is taken on raw scores):
+    a negative scale is applied as |scale| to -q, (q, scale) -> (-q, -scale); the backward then
+    negates dq back (:func:`_finish_dq`)."""
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return (-q, -scale) if scale < 0 else (q, scale)
+
+
 def _finish_dq(dq: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
     """The extension's dq as the gradient of the (padded, B, H, Lq, D) query: a float32
     (B, H, stat_rows, accum_cols) tensor is the fused backward's accumulator of dQ / scale
-    (csrc/set_params.h, bwd_buffers), cropped, scaled (by the signed scale) and converted here."""
+    (csrc/set_params.h, bwd_buffers), cropped, scaled and converted here; ``scale`` is the
+    caller's (signed: -q was run for a negative one)."""
     if dq.dtype == torch.float32 and q.dtype != torch.float32:
         # crop, scale and cast in one operation (one launch, not two)
         return torch.mul(dq[:, :, : q.shape[2], : q.shape[3]], scale,
                          out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-    return dq
+    return -dq if scale < 0 else dq
 
 
 def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
@@ -595,9 +606,10 @@ def row_entropy(q, k, mask, params, sinks, spec: AttentionSpec):
     # the adaptive temperature's first pass takes the forward's kernel family (csrc/hopper/
     # fwd_row_entropy.h where the switch is on): the same choice, keyed on Q's head dim here
     _choose_fwd_kernel(ext, q, k, spec, d8, d8)
+    qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
-        return ext.row_entropy(_prep(q, d8), _prep(k, d8), _prep_mask(mask), _score_params(params, spec),
-                               stream=_stream(q.device), **_spec_args(spec, sinks, q.shape[-2], k.shape[-2]))
+        return ext.row_entropy(_prep(qs, d8), _prep(k, d8), _prep_mask(mask), _score_params(params, spec),
+                               stream=_stream(q.device), **_spec_args(spec, scale, sinks, q.shape[-2], k.shape[-2]))
 
 
 # ---- the forward's kernel: today's or the sm_90a warp-specialised one (issue 48) ----
@@ -643,9 +655,10 @@ def forward(q, k, v, mask, params, sinks, beta, spec: AttentionSpec):
     d8, dv8 = _round8(q.shape[-1]), _round8(v.shape[-1])
     _choose_fwd_kernel(ext, q, k, spec, d8, dv8)
     beta = beta.float().contiguous() if spec.adaptive else None
+    qs, scale = _nonnegative_scale(q, float(spec.scale))
     with _on_device(q.device):
-        o, lse = ext.fwd(_prep(q, d8), _prep(k, d8), _prep(v, dv8), _prep_mask(mask), _score_params(params, spec),
-                         beta=beta, stream=_stream(q.device), **_spec_args(spec, sinks, q.shape[-2], k.shape[-2]),
+        o, lse = ext.fwd(_prep(qs, d8), _prep(k, d8), _prep(v, dv8), _prep_mask(mask), _score_params(params, spec),
+                         beta=beta, stream=_stream(q.device), **_spec_args(spec, scale, sinks, q.shape[-2], k.shape[-2]),
                          **_dropout_args(spec))
     return _unpad(o, v.shape[-1]), lse
 
@@ -667,7 +680,8 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
     else:
         beta = lse_l = ent = dbeta_dh = None
     _choose_kernel(ext, "bwd", q, k, spec, d8, dv8)
-    qp = _prep(q, d8)
+    qs, scale = _nonnegative_scale(q, float(spec.scale))
+    qp = _prep(qs, d8)
     # (only a learned mask's call passes dmask: every other call runs the kernels it did)
     dmask = None if mask_grad_shape is None else _mask_grad_buffer(mask, mask_grad_shape, q, k)
     with _on_device(q.device):
@@ -676,7 +690,7 @@ def backward(dout, q, k, v, out, lse, dlse, mask, params, sinks, temp: Optional[
             lse.float().contiguous(), None if dlse is None else dlse.float().contiguous(), _prep_mask(mask),
             _score_params(params, spec), beta=beta, lse_l=lse_l, entropy=ent, dbeta_dh=dbeta_dh,
             deterministic=bool(spec.deterministic), stream=_stream(q.device),
-            **_spec_args(spec, sinks, q.shape[-2], k.shape[-2]),
+            **_spec_args(spec, scale, sinks, q.shape[-2], k.shape[-2]),
             **_dropout_args(spec), **({} if dmask is None else {"dmask": dmask}))
         dq = _finish_dq(dq, qp, float(spec.scale))
     # (B, Hq, plan's num_partials): per query block (two-kernel path), per (key block, warp) (fused,
@@ -715,8 +729,8 @@ def _mask_grad_buffer(mask, mask_grad_shape, q, k) -> torch.Tensor:
 def prepare(q, k, v, mask, params, sinks, spec: AttentionSpec):
     """A :class:`PreparedCall` for calls whose tensors have the metadata (shape, strides, dtype,
     device, 16-byte alignment) of these and whose spec equals ``spec`` but for its tensors, or
-    None (sinks: the full path)."""
-    if sinks is not None or spec.packed or spec.kv_cache or _feature_reason(spec) is not None:
+    None (sinks, a negative scale: the full path)."""
+    if sinks is not None or float(spec.scale) < 0 or spec.packed or spec.kv_cache or _feature_reason(spec) is not None:
         return None
     return PreparedCall(q, k, v, params, spec)
 
@@ -737,8 +751,9 @@ class PreparedCall:
         self.k_as_is = self.d == self.d8 and _kernel_layout(k)
         self.v_as_is = self.dv == self.dv8 and _kernel_layout(v)
         self.params, self.kernel_params = params, _score_params(params, spec)
-        self.scale = float(spec.scale)
-        self.options = _spec_args(spec, None, q.shape[-2], k.shape[-2])  # every pass's
+        scale = float(spec.scale)
+        self.scale = scale
+        self.options = _spec_args(spec, scale, None, q.shape[-2], k.shape[-2])  # every pass's
         self.dropout = _dropout_args(spec)  # the forward's and backward's
         self.adaptive, self.deterministic = spec.adaptive, bool(spec.deterministic)
 

@@ -639,7 +639,7 @@ def test_emulated_ssa_n_zero(emu_lib, mode, causal):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_emulated_negative_scale(emu_lib, mode):
-    """A negative scale (the kernels take it signed: csrc/logits.h; no copy of -q on the host)."""
+    """A negative scale (the kernels take |scale| on -q, as the binding does)."""
     _emu_check(emu_lib, mode, B=1, Hq=2, Lq=140, Lk=150, D=32, causal=True, scale=-0.3, with_dlse=True)
 
 
@@ -772,7 +772,7 @@ def test_emulated_call_struct_layout(emu_lib):
 
 def test_emulated_call_is_checked(emu_lib):
     """The shared checks (csrc/set_params.h, check_call) run on the emulator's calls as on the
-    extension's: a scale that is not finite, a bad group, an unknown
+    extension's: a negative scale (the Python wrapper applies it to -q), a bad group, an unknown
     score function id, a parameter count that is not the score function's, a dropout keep threshold
     or scale out of range."""
     harness, lib = emu_lib
@@ -781,8 +781,8 @@ def test_emulated_call_is_checked(emu_lib):
     s = torch.ones(2)
     # (q, k, v, mask, params, sinks, beta, score, scale, causal, group, window_left, window_right,
     #  softcap, drop_keep31, drop_scale, drop_rng)
-    with pytest.raises(RuntimeError, match="scale must be finite"):
-        emu.fwd(q, q, q, None, (), None, None, 0, float("nan"), False, 1, -1, -1, 0.0, 0, 0.0, None)
+    with pytest.raises(RuntimeError, match="scale must be finite and >= 0"):
+        emu.fwd(q, q, q, None, (), None, None, 0, -0.5, False, 1, -1, -1, 0.0, 0, 0.0, None)
     with pytest.raises(RuntimeError, match="group"):
         emu.row_entropy(q, q, None, (), None, 0, 0.5, False, 2, -1, -1, 0.0)
     with pytest.raises(RuntimeError, match="unknown score function id 7"):

@@ -198,8 +198,7 @@ def test_ssa_n_zero(mode, causal):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_negative_scale(mode):
-    """A negative scale: the kernels take it signed (csrc/logits.h folds its sign; the forward
-    negates its Q tile), for the extension and the emulator alike."""
+    """The kernels take |scale| on -q when the scale is negative (ssa_flash/backends/cuda_backend.py, for the extension and the emulator alike)."""
     q, k, v = make_qkv(B=1, Hq=2, Lq=150, Lk=140, D=64, dtype=torch.float16)
     check(mode, q, k, v, scale=-0.2, is_causal=True)
 

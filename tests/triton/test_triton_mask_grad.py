@@ -165,8 +165,9 @@ def test_refusals():
     it, rather than a silent zero gradient (the eager learned-mask path's own check)."""
     q, k, v, mask, _ = _inputs((L, S), dtype=torch.float32)
     mask.requires_grad_()
-    with pytest.raises(ValueError, match="attn_mask requires grad: the 'reference' backend"):
-        autograd.attention_learned_mask(q, k, v, (), mask, "reference", AttentionSpec(scale=D ** -0.5))
+    assert "reference" in autograd.LEARNED_MASK_BACKENDS  # (its explicit backward computes it)
+    with pytest.raises(ValueError, match="attn_mask requires grad: the 'nope' backend"):
+        autograd.attention_learned_mask(q, k, v, (), mask, "nope", AttentionSpec(scale=D ** -0.5))
 
 
 @pytest.mark.parametrize("shape", [(L, S), (B, 1, L, S)])

@@ -186,7 +186,7 @@ def test_kernel_window_is_one_encoding_for_both_backends():
         band = kernel_window(spec.window_left, spec.window_right, spec.causal, 8, 10)
         args, consts = feature_args(None, 8, 10, spec)
         assert args["window"] == band and consts["WINDOW"] == (band is not None)
-        cuda = cuda_backend._spec_args(spec, None, 8, 10)
+        cuda = cuda_backend._spec_args(spec, 1.0, None, 8, 10)
         assert (cuda["window_left"], cuda["window_right"]) == (band or (NO_WINDOW, NO_WINDOW))
 
 
@@ -197,9 +197,9 @@ def test_cuda_backend_takes_windows():
     a window passes NO_WINDOW (-1) for both sides."""
     spec = AttentionSpec(scale=1.0, window_left=3)
     assert cuda_backend._feature_reason(spec) is None
-    args = cuda_backend._spec_args(spec, None, 8, 10)
+    args = cuda_backend._spec_args(spec, 1.0, None, 8, 10)
     assert (args["window_left"], args["window_right"]) == (3, 18)
-    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), None, 8, 10)
+    args = cuda_backend._spec_args(AttentionSpec(scale=1.0), 1.0, None, 8, 10)
     assert (args["window_left"], args["window_right"]) == (-1, -1)
     q, k, v = make_qkv(Lq=8, Lk=8, D=8, dtype=torch.float16, requires_grad=False)
     with cuda_backend.emulated(object()):
