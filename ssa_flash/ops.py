@@ -149,9 +149,6 @@ def _check_mask(attn_mask, query: Tensor, key: Tensor) -> Optional[Tensor]:
     return attn_mask.expand(full)
 
 
-_MASK_GRAD_BACKENDS = autograd.LEARNED_MASK_BACKENDS
-
-
 def _learned_mask(mask: Optional[Tensor]) -> bool:
     """Whether ``mask`` is a float mask whose gradient this call must compute (a learned bias)."""
     return mask is not None and mask.requires_grad and torch.is_grad_enabled()
@@ -163,7 +160,7 @@ def _check_mask_grad(mask: Optional[Tensor], backend: str) -> None:
     backend (its gradient reduced over the broadcast dims inside a kernel,
     ``ssa_flash/triton/mask_grad.py``, ``csrc/mask_grad.h``); any other backend: ``ValueError``
     naming it rather than a silent zero."""
-    if _learned_mask(mask) and backend not in _MASK_GRAD_BACKENDS:
+    if _learned_mask(mask) and backend not in autograd.LEARNED_MASK_BACKENDS:
         raise ValueError(f"attn_mask requires grad: the {backend!r} backend does not compute gradients with "
                          "respect to attn_mask yet; backend='triton', 'cuda' or 'reference' does (docs/support.md)")
 

@@ -69,7 +69,7 @@ def test_every_backend_takes_a_mask_that_requires_grad():
     """Triton, the CUDA C++ backend and the reference compute the mask's gradient
     (tests/triton/test_triton_mask_grad.py, tests/cuda/test_cuda_mask_grad.py): the rule once the
     backend is chosen (``ops._check_mask_grad``) takes it on each, and refuses it by name on a
-    backend outside ``ops._MASK_GRAD_BACKENDS``."""
+    backend outside ``autograd.LEARNED_MASK_BACKENDS``."""
     mask = torch.zeros(L, S, requires_grad=True)
     for backend in ("triton", "cuda", "reference"):
         ssa_flash.ops._check_mask_grad(mask, backend)
