@@ -876,13 +876,10 @@ KNOWN_SM75_SPILLS: dict = {}
 # against the backward branches). Strict like the others below.
 KNOWN_EXTRAS_SPILLS: dict = {
     "sm_90a": {  # SSA + softcap; adaptive + softcap (again since 2026-12-02: the finite-mask
-        # changes had taken its spill away, their fix brought it back); the dQ kernel of SSA +
-        # adaptive + softcap at D = 64, with and without sinks (since 2026-12-02, the additive
-        # mask's workspace terms, bwd_kernel.h: cuobjdump -sass of tests/csrc_objects.py's object,
-        # one STL in the prologue, one LDL at the head of an outer loop, none in a step loop)
+        # changes had taken its spill away, their fix brought it back); (the D = 64 dQ kernel's 4 B:
+        # not compiled since the extras units are D = 128 only, tests/csrc_objects.py EXTRAS_DIMS)
         "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_3SsaELb0ELb1E": 4,
         "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_7SoftmaxELb1ELb1E": 8,
-        "attn_bwd_dq_kernelINS_12KernelTraitsILi64ELi64ELi64ELi4E6__halfLi1EEENS_3SsaELb1ELb0ELb1E": 4,
     },
     "sm_80": {  # SSA + adaptive + softcap
         "attn_bwd_fused_kernelINS_12KernelTraitsILi128ELi32ELi64ELi4E6__halfLi1EEENS_3SsaELb1ELb1E": 4,
