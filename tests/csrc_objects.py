@@ -58,8 +58,9 @@ def cxx_std() -> str:
 # The soft-capping / sink instances (csrc/dispatch.h, SSA_FLASH_EXTRAS) compiled apart: a file's
 # ``<file>`` unit holds the kernels without them, for every architecture (as before the features),
 # and ``<file>+extras`` only those with them, float16, head dim 128, for the mma.sync and
-# wgmma paths (sm_80, sm_90a); D 64 left out for CI time (fwd + bwd 575 -> 245 CPU-s of nvcc). All of them for every architecture would triple nvcc's time;
-# float16 and bfloat16 share the code, and the other head dims only change tile constants.
+# wgmma paths (sm_80, sm_90a). All of them for every architecture would triple nvcc's time;
+# float16 and bfloat16 share the code, and the other head dims only change tile constants (D 64
+# too was 2.3x the nvcc time: bench/NOTES.md, the sessions' budget).
 EXTRAS = "+extras"
 EXTRAS_UNITS = [cu.name + EXTRAS for cu in CU_FILES if cu.stem.endswith("fp16")]
 EXTRAS_ARCHS = [a for a in ("80", "90a") if a in ARCHS]
